@@ -1,0 +1,1 @@
+"""Adapters for TRL and Lightning: optional extras, imported only when used."""

@@ -1,0 +1,25 @@
+"""The functional API: pure ops on tensors. Knows nothing about models or trainers.
+
+Every op runs its Triton kernels on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1), and its
+plain-torch `*_reference` everywhere else.
+"""
+
+from .activations import geglu, geglu_reference, swiglu, swiglu_reference
+from .cross_entropy import (
+    cross_entropy,
+    cross_entropy_reference,
+    fused_linear_cross_entropy,
+    fused_linear_cross_entropy_reference,
+)
+from .lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
+from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from .rope import rope, rope_reference
+
+__all__ = [
+    "rms_norm", "rms_norm_reference", "layer_norm", "layer_norm_reference",
+    "swiglu", "swiglu_reference", "geglu", "geglu_reference",
+    "rope", "rope_reference",
+    "cross_entropy", "cross_entropy_reference",
+    "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
+    "LoRAProjection", "lora_linear", "lora_qkv", "lora_mlp",
+]

@@ -1,0 +1,73 @@
+"""Shared helpers of the kernel modules: which path a tensor takes, and input checks that raise clear errors."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install on an unsupported platform
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """TRITON_INTERPRET=1 runs the Triton kernels on CPU tensors (slowly): the CPU tests use it."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on these tensors; otherwise the op takes its torch reference."""
+    if not triton_available():
+        return False
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices == {"cuda"}:
+        return True
+    return devices == {"cpu"} and interpreter_enabled()
+
+
+def kernel_path(device: str | torch.device) -> str:
+    """Words for `fastplug doctor` and the logs: what path ops take on this device."""
+    device = torch.device(device)
+    if not triton_available():
+        return "torch reference (triton is not installed)"
+    if device.type == "cuda":
+        return "Triton (compiled for the GPU)"
+    if device.type == "cpu" and interpreter_enabled():
+        return "Triton interpreter (TRITON_INTERPRET=1, slow; for tests)"
+    return f"torch reference (no Triton on {device.type})"
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed=SUPPORTED_DTYPES) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise ValueError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str = "") -> None:
+    if tuple(t.shape) != tuple(expected):
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name} must have shape {tuple(expected)}{extra}; got {tuple(t.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    present = {k: v.device for k, v in tensors.items() if v is not None}
+    if len(set(present.values())) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in present.items())
+        raise ValueError(f"tensors must be on one device; got {listing}")
+
+
+def rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, last dim] tensor with unit stride in the last dim (copies only when it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2

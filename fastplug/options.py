@@ -1,0 +1,46 @@
+"""KernelOptions: the one set of switches every adapter (callback, TRL, Lightning, patch_model) takes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal, Union
+
+CheckpointingMode = Union[bool, Literal["offload"]]
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which parts of a model fastplug replaces. Everything suitable is on by default."""
+
+    rms_norm: bool = True
+    layer_norm: bool = True
+    rope: bool = True
+    mlp: bool = True
+    cross_entropy: bool = True
+    lora: bool = True
+    # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
+    # False: leave the model's setting alone.
+    gradient_checkpointing: CheckpointingMode = True
+
+    def __post_init__(self):
+        if self.gradient_checkpointing not in (True, False, "offload"):
+            raise ValueError(
+                f"gradient_checkpointing must be True, False or 'offload', got {self.gradient_checkpointing!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def build(cls, options: "KernelOptions | None" = None, **overrides: Any) -> "KernelOptions":
+        """`options` (or the defaults) with `overrides` applied; unknown names raise TypeError listing valid ones."""
+        unknown = sorted(set(overrides) - set(cls.field_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown fastplug option(s) {', '.join(unknown)}; valid options are: {', '.join(cls.field_names())}"
+            )
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
+        return dataclasses.replace(options or cls(), **overrides)

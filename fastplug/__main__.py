@@ -1,0 +1,99 @@
+"""`python -m fastplug doctor`: what fastplug will run on this machine, for bug reports and GPU checks.
+
+Prints the versions of the libraries fastplug works with (read from package metadata, so nothing heavy
+such as TRL or Lightning is imported), the device, and which path each kernel takes on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from importlib import metadata
+
+# Distribution names as pip knows them; (label, distribution).
+PACKAGES = (
+    ("torch", "torch"),
+    ("triton", "triton"),
+    ("transformers", "transformers"),
+    ("peft", "peft"),
+    ("accelerate", "accelerate"),
+    ("trl", "trl"),
+    ("lightning", "lightning"),
+    ("pytorch-lightning", "pytorch-lightning"),
+    ("liger-kernel", "liger-kernel"),
+)
+
+
+def package_version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_lines(torch) -> list[str]:
+    if not torch.cuda.is_available():
+        return ["cuda: not available (CPU only)"]
+    lines = [f"cuda: {torch.version.cuda}, {torch.cuda.device_count()} device(s)"]
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        lines.append(
+            f"cuda:{i}: {props.name}, capability {props.major}.{props.minor}, "
+            f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs"
+        )
+    return lines
+
+
+def kernel_lines(torch) -> tuple[list[str], bool]:
+    """Which path each public kernel takes on the default device; False when the kernels don't import."""
+    try:
+        import fastplug.kernels as kernels
+        from fastplug.kernels._utils import kernel_path
+    except Exception as exc:  # a broken install is exactly what doctor is for: say what failed
+        return [f"fastplug.kernels failed to import: {type(exc).__name__}: {exc}"], False
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = kernel_path(device)
+    ops = [name for name in kernels.__all__ if not name.endswith("_reference") and name[0].islower()]
+    width = max(len(op) for op in ops)
+    lines = [f"{op:<{width}}  {path}" for op in ops]
+    if device == "cuda":
+        lines.append(f"(CPU tensors: {kernel_path('cpu')})")
+    return lines, True
+
+
+def doctor() -> int:
+    import torch
+
+    import fastplug
+
+    print(f"fastplug {fastplug.__version__} at {os.path.dirname(fastplug.__file__)}")
+    print(f"python {platform.python_version()} ({sys.executable}), {platform.platform()}")
+    width = max(len(label) for label, _ in PACKAGES)
+    print("\npackages:")
+    for label, distribution in PACKAGES:
+        print(f"  {label:<{width}}  {package_version(distribution)}")
+    print("\ndevice:")
+    for line in device_lines(torch):
+        print(f"  {line}")
+    print(f"  TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '(unset)')}")
+    lines, ok = kernel_lines(torch)
+    print("\nkernels:")
+    for line in lines:
+        print(f"  {line}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastplug", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="versions, device and the path each kernel takes")
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""python -m fastplug.bench micro|e2e [options]   (each takes --help)"""
+
+import sys
+
+USAGE = "usage: python -m fastplug.bench {micro,e2e} [options]   (--help after the command for its options)"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "micro":
+        from .micro import main as micro_main
+
+        return micro_main(rest)
+    if command == "e2e":
+        from .e2e import main as e2e_main
+
+        return e2e_main(rest)
+    if command == "_worker":  # internal: one e2e (model, impl) run in a fresh process
+        from .e2e import worker_main
+
+        return worker_main(*rest)
+    print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""`python -m fastplug.bench e2e`: LoRA fine-tuning steps of random-init models shaped as in
+shared/BASELINES.md, with plain transformers, torch.compile, Liger-Kernel and fastplug.
+
+Every (model, implementation) pair trains in a fresh worker process: the same seed gives the same weights,
+LoRA init and data; nothing one implementation patches (Liger patches module globals) or leaves in the
+allocator or compile caches reaches the next one; and a hard time limit can end a stuck run. The workers
+report tokens/s (median step after warm-up, synchronized), peak memory (max_memory_allocated, weights
+included) and the first losses, which must agree across implementations.
+
+`--offload-max-seq` instead finds, at batch 1, the longest sequence that trains for plain transformers,
+fastplug with checkpointing, and fastplug with checkpointing offloaded to CPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
+
+IMPLS = ("transformers", "compile", "liger", "fastplug")
+ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
+
+# Shapes of shared/BASELINES.md. `tiny` keeps each family's quirks at a size that trains on CPU in seconds.
+MODELS = {
+    "llama": dict(
+        config="LlamaConfig", batch=4, seq=2048, lora=ALL_LINEAR_LORA, attn="sdpa",
+        full=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                  rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072),
+        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=128, tie_word_embeddings=True),
+    ),
+    "qwen3_moe": dict(
+        config="Qwen3MoeConfig", batch=4, seq=2048, lora=ATTENTION_LORA, attn="sdpa",
+        full=dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                  head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
+                  num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
+                  max_position_embeddings=131072),
+        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                  num_experts_per_tok=2, vocab_size=128),
+    ),
+    "gemma2": dict(
+        config="Gemma2Config", batch=2, seq=2048, lora=ALL_LINEAR_LORA, attn="eager",
+        full=dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=256, intermediate_size=9216, vocab_size=256000, attn_logit_softcapping=50.0,
+                  final_logit_softcapping=30.0, sliding_window=4096, query_pre_attn_scalar=256),
+        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=128, vocab_size=128, sliding_window=16,
+                  query_pre_attn_scalar=16),
+    ),
+}
+COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms",
+           "first step s", "losses (steps 1-3)", "max loss diff", "note")
+MAX_SEQ_COLUMNS = ("model", "impl", "longest seq that trains", "peak GiB there", "tok/s there",
+                   "first failure", "tried")
+# Relative loss difference from plain transformers above which the row is flagged (bf16 rounding is ~1e-3).
+LOSS_TOLERANCE = 1e-2
+
+
+# --- the worker: one model, one implementation, in its own process --------------------------------
+
+
+def build_model(name: str, tiny: bool, device, seed: int):
+    """Random-init bf16 model with LoRA r=16 on its preset's targets and non-reentrant checkpointing."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    preset = MODELS[name]
+    config = getattr(transformers, preset["config"])(**preset["tiny" if tiny else "full"])
+    config.use_cache = False
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM")
+    torch.manual_seed(seed + 1)
+    # bf16 adapters like the weights (peft would upcast them to fp32), so every implementation computes alike.
+    return get_peft_model(model, lora, autocast_adapter_dtype=False)
+
+
+def apply_impl(model, impl: str, checkpointing):
+    """Returns (callable model, note)."""
+    import torch
+
+    if impl == "transformers":
+        return model, ""
+    if impl == "compile":
+        return torch.compile(model), ""
+    if impl == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model.get_base_model())
+        return model, ""
+    if impl == "fastplug":
+        import fastplug
+
+        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing)
+        print(handle.summary(), flush=True)
+        return model, ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
+    raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+
+
+def _batches(vocab: int, batch: int, seq: int, count: int, seed: int, device):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen).to(device) for _ in range(count)]
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_steps(model, params, batches, steps: int, device, deadline: float):
+    """The manual loop: forward with labels, backward, AdamW step, zero_grad. Returns (step seconds, losses)."""
+    import torch
+
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    times, losses = [], []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        _sync(device)
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        del loss
+        if time.perf_counter() > deadline:  # keep what was measured rather than lose it to the hard limit
+            break
+    return times, losses
+
+
+def run_throughput(spec: dict) -> dict:
+    import statistics
+
+    import torch
+
+    device = torch.device(spec["device"])
+    preset = MODELS[spec["model"]]
+    batch, seq = spec["batch"] or preset["batch"], spec["seq"] or preset["seq"]
+    result = {"batch": batch, "seq": seq}
+    model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
+    if spec["model"] == "qwen3_moe":
+        result["experts"] = getattr(model.config, "_experts_implementation", None)
+    runner, result["note"] = apply_impl(model, spec["impl"], True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batches = _batches(model.config.vocab_size, batch, seq, 4, spec["seed"], device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    deadline = time.perf_counter() + spec["time_budget"]
+    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, deadline)
+    measured = times[spec["warmup"]:] or times[-1:]
+    result.update(
+        step_ms=statistics.median(measured) * 1e3,
+        tokens_per_s=batch * seq / statistics.median(measured),
+        first_step_s=times[0],
+        losses=losses[:3],
+        measured_steps=len(measured),
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+    )
+    return result
+
+
+def run_max_seq(spec: dict) -> dict:
+    """Batch 1, doubling the sequence until a step fails (OOM) or the time budget is spent."""
+    import gc
+
+    import torch
+
+    device = torch.device(spec["device"])
+    impl, checkpointing = spec["impl"], True
+    if impl == "fastplug_offload":
+        impl, checkpointing = "fastplug", "offload"
+    model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
+    runner, _ = apply_impl(model, impl, checkpointing)
+    params = [p for p in model.parameters() if p.requires_grad]
+    deadline = time.perf_counter() + spec["time_budget"]
+    result = {"tried": [], "longest": None, "failure": None}
+    seq = spec["start_seq"]
+    while seq <= spec["max_seq"] and time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            batches = _batches(model.config.vocab_size, 1, seq, 1, spec["seed"], device)
+            times, _ = train_steps(runner, params, batches, 2, device, deadline)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            result["longest"] = {"seq": seq, "peak_gib": peak, "tokens_per_s": seq / times[-1]}
+            result["tried"].append(f"{seq} ok")
+            print(f"  seq {seq}: ok, peak {fmt(peak)} GiB, {seq / times[-1]:.0f} tok/s", flush=True)
+        except Exception as exc:  # OOM (or anything else) ends the search at this length
+            result["failure"] = f"{seq}: {short_error(exc)}"
+            result["tried"].append(f"{seq} {short_error(exc, 40)}")
+            print(f"  seq {seq}: {short_error(exc)}", flush=True)
+            break
+        finally:
+            batches = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        seq *= 2
+    return result
+
+
+def worker_main(spec_json: str, result_path: str) -> int:
+    spec = json.loads(spec_json)
+    print(f"\n== {spec['model']} / {spec['impl']} ==", flush=True)
+    try:
+        result = run_max_seq(spec) if spec["mode"] == "max_seq" else run_throughput(spec)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": short_error(exc)}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# --- the parent: one worker per (model, implementation), then the table ---------------------------
+
+
+def run_worker(spec: dict, time_limit: float) -> dict:
+    """Runs one worker process; its output streams through. A crash or timeout becomes an error entry."""
+    fd, result_path = tempfile.mkstemp(prefix="fastplug_e2e_", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "fastplug.bench", "_worker", json.dumps(spec), result_path]
+    try:
+        proc = subprocess.run(cmd, timeout=time_limit)
+        with open(result_path) as f:
+            text = f.read()
+        if text:
+            return json.loads(text)
+        return {"error": f"worker exited with code {proc.returncode} and no result"}
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {time_limit:.0f} s"}
+    finally:
+        os.unlink(result_path)
+
+
+def _parse_list(text: str, valid, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in valid]
+    if bad:
+        raise SystemExit(f"error: {what}: unknown {', '.join(bad)}; choose from {', '.join(valid)}")
+    return items
+
+
+def throughput_rows(args, models, impls, device) -> list[dict]:
+    rows = []
+    for model in models:
+        base_losses, base_tps = None, None
+        for impl in impls:
+            spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
+                        batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
+                        time_budget=args.time_limit * 0.8)
+            res = run_worker(spec, args.time_limit)
+            preset = MODELS[model]
+            row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl,
+                   "batch x seq": f"{args.batch or preset['batch']}x{args.seq or preset['seq']}"}
+            rows.append(row)
+            if "error" in res:
+                row["note"] = res["error"]
+                continue
+            row.update({"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "step ms": res["step_ms"],
+                        "first step s": res["first_step_s"], "losses": res["losses"],
+                        "losses (steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"])})
+            notes = [res.get("note") or ""]
+            if res.get("experts"):
+                notes.append(f"experts: {res['experts']}")
+            if res["measured_steps"] < args.steps:
+                notes.append(f"only {res['measured_steps']} measured steps (time limit)")
+            if impl == "transformers":
+                base_losses, base_tps = res["losses"], res["tokens_per_s"]
+            if base_tps:
+                row["vs transformers"] = res["tokens_per_s"] / base_tps
+            if base_losses:
+                n = min(len(base_losses), len(res["losses"]))
+                diff = max((abs(a - b) / max(abs(b), 1e-6) for a, b in zip(res["losses"][:n], base_losses[:n])), default=0.0)
+                row["max loss diff"] = diff
+                if not diff <= LOSS_TOLERANCE:
+                    notes.append(f"LOSSES DISAGREE (rel diff {diff:.2e})")
+            row["note"] = "; ".join(n for n in notes if n)
+    return rows
+
+
+def max_seq_rows(args, models, device) -> list[dict]:
+    rows = []
+    for model in models:
+        for impl in ("transformers", "fastplug", "fastplug_offload"):
+            spec = dict(mode="max_seq", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
+                        start_seq=args.start_seq, max_seq=args.max_seq, time_budget=args.time_limit * 0.8)
+            res = run_worker(spec, args.time_limit)
+            label = {"fastplug": "fastplug (checkpointing)", "fastplug_offload": "fastplug (offload)"}.get(impl, impl)
+            row = {"model": model, "impl": label}
+            rows.append(row)
+            if "error" in res:
+                row["first failure"] = res["error"]
+                continue
+            longest = res["longest"] or {}
+            row.update({"longest seq that trains": longest.get("seq"), "peak GiB there": longest.get("peak_gib"),
+                        "tok/s there": longest.get("tokens_per_s"), "first failure": res["failure"] or "-",
+                        "tried": ", ".join(res["tried"])})
+    return rows
+
+
+def _print_table(rows, columns):
+    text_columns = {"model", "impl", "batch x seq", "losses (steps 1-3)", "note", "first failure", "tried"}
+    print(markdown_table([{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in columns} for r in rows],
+                         columns))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastplug.bench e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama", help=f"comma-separated, from {','.join(MODELS)}")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile happens here)")
+    parser.add_argument("--batch", type=int, default=None, help="override the preset batch size")
+    parser.add_argument("--seq", type=int, default=None, help="override the preset sequence length")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per model and impl (hard)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs of the same families (CPU smoke runs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_out", help="folder for the CSV and PNG")
+    parser.add_argument("--offload-max-seq", action="store_true",
+                        help="longest sequence at batch 1: transformers vs fastplug with and without offload")
+    parser.add_argument("--start-seq", type=int, default=8192, help="--offload-max-seq: first length tried")
+    parser.add_argument("--max-seq", type=int, default=262144, help="--offload-max-seq: longest length tried")
+    args = parser.parse_args(argv)
+
+    models = _parse_list(args.models, MODELS, "--models")
+    impls = _parse_list(args.impls, IMPLS, "--impls")
+    device = _default_device()
+    if device == "cpu" and not args.tiny:
+        parser.error("without a GPU only --tiny runs")
+    print(f"e2e bench on {device}: models {', '.join(models)}; LoRA r=16, checkpointing, AdamW, bf16", flush=True)
+
+    if args.offload_max_seq:
+        rows = max_seq_rows(args, models, device)
+        write_csv(os.path.join(args.out, "e2e_max_seq.csv"), rows, MAX_SEQ_COLUMNS)
+        print(f"\ncsv: {os.path.join(args.out, 'e2e_max_seq.csv')}\n")
+        _print_table(rows, MAX_SEQ_COLUMNS)
+        return 0
+
+    rows = throughput_rows(args, models, impls, device)
+    csv_path = os.path.join(args.out, "e2e.csv")
+    write_csv(csv_path, rows, COLUMNS)
+    groups = list(dict.fromkeys(r["model"] for r in rows))
+    plot_msg = grouped_bar_plot(
+        os.path.join(args.out, "e2e.png"), groups, impls,
+        [("LoRA training throughput", "tokens/s", {(r["model"], r["impl"]): r.get("tok/s") for r in rows}),
+         ("peak memory (weights included)", "GiB", {(r["model"], r["impl"]): r.get("peak GiB") for r in rows})],
+    )
+    print(f"\ncsv: {csv_path}\n{plot_msg}\n")
+    _print_table(rows, COLUMNS)
+    bad = [r for r in rows if r["impl"] == "fastplug" and ("tok/s" not in r or "DISAGREE" in r.get("note", ""))]
+    return 1 if bad else 0
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

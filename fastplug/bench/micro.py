@@ -1,0 +1,399 @@
+"""`python -m fastplug.bench micro`: each op forward+backward, fastplug against torch eager, torch.compile
+and Liger-Kernel (when importable), at the shapes of shared/BASELINES.md, in bf16 on random data.
+
+Per op and implementation: median ms (`triton.testing.do_bench`, grads set to None between calls), peak
+memory of one fwd+bwd over what the inputs and grad outputs already hold, and the relative error of the
+output and of the input grads against torch eager, so a fast but wrong kernel shows in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
+
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy")
+IMPLS = ("eager", "compile", "liger", "fastplug")
+COLUMNS = ("op", "shape", "impl", "ms", "peak MiB", "rel err out", "rel err grads", "speedup vs compile", "note")
+# bf16 against bf16 eager: both round, so a few 1e-3 is normal; beyond this the row is flagged.
+SUSPICIOUS_REL_ERR = 3e-2
+
+
+@dataclass
+class Case:
+    """One op at one shape: leaf inputs (grads wanted), constant inputs, and a callable per implementation."""
+
+    op: str
+    shape: str
+    leaves: list  # tensors whose .grad the backward fills
+    impls: dict = field(default_factory=dict)  # name -> fn() returning a tensor or tuple of tensors
+
+
+def _randn(*shape, device, dtype, scale=1.0, requires_grad=False):
+    t = torch.randn(*shape, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _param(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.detach().clone())
+
+
+def _liger(name: str):
+    """A public Liger-Kernel object, or None when liger_kernel is not importable."""
+    try:
+        if name == "LigerSiLUMulFunction":
+            from liger_kernel.ops.swiglu import LigerSiLUMulFunction as obj
+        elif name == "LigerGELUMulFunction":
+            from liger_kernel.ops.geglu import LigerGELUMulFunction as obj
+        else:
+            import liger_kernel.transformers as lt
+
+            obj = getattr(lt, name)
+    except Exception:
+        return None
+    return obj
+
+
+# --- the six ops ---------------------------------------------------------------------------------
+
+
+def case_rms_norm(M, N, device, dtype) -> Case:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from fastplug.kernels import rms_norm
+
+    x = _randn(M, N, device=device, dtype=dtype, requires_grad=True)
+    w = _param((1 + 0.1 * torch.randn(N, device=device)).to(dtype))
+    eps = 1e-6
+    eager = LlamaRMSNorm(N, eps=eps).to(device)
+    eager.weight = w
+    case = Case("rms_norm", f"{M}x{N}", [x, w])
+    case.impls["eager"] = lambda: eager(x)
+    case.impls["compile"] = _compiled(lambda: eager(x))
+    case.impls["fastplug"] = lambda: rms_norm(x, w, eps)
+    liger_cls = _liger("LigerRMSNorm")
+    if liger_cls is not None:
+        liger = liger_cls(N, eps=eps).to(device)
+        liger.weight = w
+        case.impls["liger"] = lambda: liger(x)
+    return case
+
+
+def case_layer_norm(M, N, device, dtype) -> Case:
+    from fastplug.kernels import layer_norm
+
+    x = _randn(M, N, device=device, dtype=dtype, requires_grad=True)
+    w = _param((1 + 0.1 * torch.randn(N, device=device)).to(dtype))
+    b = _param((0.1 * torch.randn(N, device=device)).to(dtype))
+    eps = 1e-5
+    eager = torch.nn.LayerNorm(N, eps=eps, device=device, dtype=dtype)
+    eager.weight, eager.bias = w, b
+    case = Case("layer_norm", f"{M}x{N}", [x, w, b])
+    case.impls["eager"] = lambda: eager(x)
+    case.impls["compile"] = _compiled(lambda: eager(x))
+    case.impls["fastplug"] = lambda: layer_norm(x, w, b, eps)
+    liger_cls = _liger("LigerLayerNorm")
+    if liger_cls is not None:
+        liger = liger_cls(N, eps=eps, bias=True).to(device=device, dtype=dtype)
+        liger.weight, liger.bias = w, b
+        case.impls["liger"] = lambda: liger(x)
+    return case
+
+
+def _glu_case(op, M, N, device, dtype, eager_fn, fast_fn, liger_name) -> Case:
+    gate = _randn(M, N, device=device, dtype=dtype, requires_grad=True)
+    up = _randn(M, N, device=device, dtype=dtype, requires_grad=True)
+    case = Case(op, f"{M}x{N}", [gate, up])
+    case.impls["eager"] = lambda: eager_fn(gate, up)
+    case.impls["compile"] = _compiled(lambda: eager_fn(gate, up))
+    case.impls["fastplug"] = lambda: fast_fn(gate, up)
+    liger_fn = _liger(liger_name)
+    if liger_fn is not None:
+        case.impls["liger"] = lambda: liger_fn.apply(gate, up)
+    return case
+
+
+def case_swiglu(M, N, device, dtype) -> Case:
+    from fastplug.kernels import swiglu
+
+    return _glu_case("swiglu", M, N, device, dtype, lambda g, u: F.silu(g) * u, swiglu, "LigerSiLUMulFunction")
+
+
+def case_geglu(M, N, device, dtype) -> Case:
+    from fastplug.kernels import geglu
+
+    return _glu_case(
+        "geglu", M, N, device, dtype,
+        lambda g, u: F.gelu(g, approximate="tanh") * u,
+        lambda g, u: geglu(g, u, approximate="tanh"),
+        "LigerGELUMulFunction",
+    )
+
+
+def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from fastplug.kernels import rope
+
+    # q/k as the attention module makes them: [B, T, H, D] projections viewed as [B, H, T, D].
+    q_proj = _randn(B, T, Hq, D, device=device, dtype=dtype, requires_grad=True)
+    k_proj = _randn(B, T, Hk, D, device=device, dtype=dtype, requires_grad=True)
+    # cos/sin as Llama's rotary embedding returns them during training: [1, T, D], theta 500000.
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+    freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def views():
+        return q_proj.transpose(1, 2), k_proj.transpose(1, 2)
+
+    case = Case("rope", f"q {B}x{Hq}x{T}x{D}, k {B}x{Hk}x{T}x{D}", [q_proj, k_proj])
+    case.impls["eager"] = lambda: apply_rotary_pos_emb(*views(), cos, sin)
+    case.impls["compile"] = _compiled(lambda: apply_rotary_pos_emb(*views(), cos, sin))
+    case.impls["fastplug"] = lambda: rope(*views(), cos, sin)
+    liger_fn = _liger("liger_rotary_pos_emb")
+    if liger_fn is not None:
+        case.impls["liger"] = lambda: liger_fn(*views(), cos, sin)
+    return case
+
+
+def case_cross_entropy(N, H, V, device, dtype) -> Case:
+    from fastplug.kernels import fused_linear_cross_entropy
+
+    hidden = _randn(N, H, device=device, dtype=dtype, requires_grad=True)
+    # The LM head is frozen in LoRA fine-tuning: no weight grad, as in the baseline.
+    weight = _randn(V, H, device=device, dtype=dtype, scale=H ** -0.5)
+    labels = torch.randint(0, V, (N,), device=device)
+    labels[torch.rand(N, device=device) < 0.05] = -100  # some ignored positions, as with padding
+
+    def eager_fn():
+        # What transformers' ForCausalLMLoss does: full logits, upcast to fp32, mean over valid labels.
+        logits = F.linear(hidden, weight).float()
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+
+    case = Case("cross_entropy", f"{N}x{H}, vocab {V}", [hidden])
+    case.impls["eager"] = eager_fn
+    case.impls["compile"] = _compiled(eager_fn)
+    case.impls["fastplug"] = lambda: fused_linear_cross_entropy(hidden, weight, labels)
+    liger_cls = _liger("LigerFusedLinearCrossEntropyLoss")
+    if liger_cls is not None:
+        liger = liger_cls()
+        case.impls["liger"] = lambda: liger(weight, hidden, labels)
+    return case
+
+
+def _compiled(fn: Callable) -> Callable:
+    """torch.compile of the eager version, built lazily so that a failing compile is one row's error."""
+    compiled = None
+
+    def run():
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled()
+
+    return run
+
+
+def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[], Case]]]:
+    """(op, builder) pairs; shapes from shared/BASELINES.md, or tiny ones with --quick."""
+    if quick:
+        shapes = {
+            "rms_norm": lambda: case_rms_norm(37, 129, device, dtype),
+            "layer_norm": lambda: case_layer_norm(37, 129, device, dtype),
+            "swiglu": lambda: case_swiglu(37, 129, device, dtype),
+            "geglu": lambda: case_geglu(37, 129, device, dtype),
+            "rope": lambda: case_rope(1, 4, 2, 16, 80, device, dtype),
+            "cross_entropy": lambda: case_cross_entropy(37, 64, 257, device, dtype),
+        }
+    else:
+        shapes = {
+            "rms_norm": lambda: case_rms_norm(16384, 4096, device, dtype),
+            "layer_norm": lambda: case_layer_norm(16384, 4096, device, dtype),
+            "swiglu": lambda: case_swiglu(16384, 14336, device, dtype),
+            "geglu": lambda: case_geglu(16384, 14336, device, dtype),
+            "rope": lambda: case_rope(4, 32, 8, 4096, 128, device, dtype),
+            "cross_entropy": lambda: case_cross_entropy(8192, 4096, 128256, device, dtype),
+        }
+    return [(op, shapes[op]) for op in ops]
+
+
+# --- measuring -----------------------------------------------------------------------------------
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+def _fwd_bwd(fn, grad_outputs):
+    outs = _as_tuple(fn())
+    torch.autograd.backward(outs, grad_outputs)
+    return outs
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _set_grads_none(leaves):
+    for t in leaves:
+        t.grad = None
+
+
+def _time_ms(fn, leaves, device, warmup_ms, rep_ms) -> float:
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves, return_mode="median")
+    # CPU (the --quick smoke run): a plain median of a few calls.
+    times = []
+    for _ in range(4):
+        _set_grads_none(leaves)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def _peak_mib(fn, leaves, device) -> float | None:
+    """Extra memory of one fwd+bwd over what is already held (inputs, grad outputs), grads freed first."""
+    if device.type != "cuda":
+        return None
+    _set_grads_none(leaves)
+    gc.collect()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
+    rows = []
+    # Reference outputs, grads and grad outputs from eager, once.
+    _set_grads_none(case.leaves)
+    ref_outs = [o.detach().clone() for o in _as_tuple(case.impls["eager"]())]
+    grad_outputs = [torch.randn_like(o) if o.dim() else None for o in ref_outs]
+    _set_grads_none(case.leaves)
+    _fwd_bwd(case.impls["eager"], [g.clone() if g is not None else None for g in grad_outputs])
+    ref_grads = [t.grad.detach().clone() for t in case.leaves]
+
+    for impl in impls:
+        row = {"op": case.op, "shape": case.shape, "impl": impl}
+        rows.append(row)
+        fn = case.impls.get(impl)
+        if fn is None:
+            row["note"] = "not available (liger_kernel not importable)" if impl == "liger" else "not available"
+            continue
+        try:
+            # Each implementation gets its own copy of the grad outputs: some backward passes write into them.
+            _set_grads_none(case.leaves)
+            outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
+            row["rel err out"] = max(_rel_err(o, r) for o, r in zip(outs, ref_outs))
+            row["rel err grads"] = max(_rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads))
+            del outs
+            my_grads = [g.clone() if g is not None else None for g in grad_outputs]
+            step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
+            row["ms"] = _time_ms(step, case.leaves, device, warmup_ms, rep_ms)
+            row["peak MiB"] = _peak_mib(step, case.leaves, device)
+            del my_grads
+            worst = max(row["rel err out"], row["rel err grads"])
+            if not worst <= SUSPICIOUS_REL_ERR:
+                row["note"] = f"WRONG? rel err {worst:.2e} vs eager"
+        except Exception as exc:  # one failing implementation is one row's error, not the end of the run
+            row["note"] = short_error(exc)
+        finally:
+            _set_grads_none(case.leaves)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    compile_ms = next((r.get("ms") for r in rows if r["impl"] == "compile"), None)
+    for row in rows:
+        if compile_ms and row.get("ms"):
+            row["speedup vs compile"] = compile_ms / row["ms"]
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastplug.bench micro", description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, from {','.join(OPS)}")
+    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
+    parser.add_argument("--out", default="bench_out", help="folder for micro.csv and micro.png")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on CPU, for smoke tests)")
+    parser.add_argument("--warmup-ms", type=float, default=50.0, help="do_bench warm-up time")
+    parser.add_argument("--rep-ms", type=float, default=300.0, help="do_bench measuring time")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for name, chosen, valid in (("--ops", ops, OPS), ("--impls", impls, IMPLS)):
+        bad = [c for c in chosen if c not in valid]
+        if bad:
+            parser.error(f"{name}: unknown {', '.join(bad)}; choose from {', '.join(valid)}")
+    if "eager" not in impls:
+        impls.insert(0, "eager")  # the reference every error is measured against
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not args.quick:
+            parser.error("without a GPU only --quick runs (tiny shapes, eager and fastplug)")
+        # torch.compile needs a C++ toolchain on CPU and Liger needs CUDA: only eager and fastplug here.
+        impls = [i for i in impls if i in ("eager", "fastplug")]
+    dtype = torch.bfloat16
+    from fastplug.kernels._utils import kernel_path
+
+    print(f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd; "
+          f"fastplug path: {kernel_path(device)}", flush=True)
+
+    rows = []
+    for op, build in build_cases(ops, args.quick, device, dtype):
+        torch.manual_seed(args.seed)
+        try:
+            case = build()
+        except Exception as exc:
+            rows.append({"op": op, "impl": "all", "note": f"setup failed: {short_error(exc)}"})
+            continue
+        case_rows = measure_case(case, impls, device, args.warmup_ms, args.rep_ms)
+        for r in case_rows:
+            print(f"  {r['op']:<13} {r['impl']:<8} ms={fmt(r.get('ms'))} peak={fmt(r.get('peak MiB'))} MiB "
+                  f"err={fmt(r.get('rel err out'))}/{fmt(r.get('rel err grads'))} {r.get('note', '')}", flush=True)
+        rows.extend(case_rows)
+        del case
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    csv_path = os.path.join(args.out, "micro.csv")
+    write_csv(csv_path, rows, COLUMNS)
+    groups = list(dict.fromkeys(r["op"] for r in rows))
+    eager_ms = {r["op"]: r.get("ms") for r in rows if r["impl"] == "eager"}
+    speedups = {
+        (r["op"], r["impl"]): eager_ms[r["op"]] / r["ms"]
+        for r in rows
+        if r.get("ms") and eager_ms.get(r["op"])
+    }
+    plot_msg = grouped_bar_plot(
+        os.path.join(args.out, "micro.png"), groups, impls,
+        [("fwd+bwd speedup over torch eager (bf16, higher is better)", "x eager", speedups)],
+    )
+    print(f"\ncsv: {csv_path}\n{plot_msg}\n")
+    table = [{c: (fmt(r.get(c)) if c not in ("op", "shape", "impl", "note") else r.get(c, "")) for c in COLUMNS} for r in rows]
+    print(markdown_table(table, COLUMNS))
+    failed = [r for r in rows if r["impl"] == "fastplug" and (not r.get("ms") or "WRONG" in r.get("note", ""))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

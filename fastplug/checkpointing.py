@@ -1,0 +1,228 @@
+"""Gradient checkpointing: the model's own (non-reentrant), or "offload": layer inputs parked in pinned
+host memory.
+
+`snapshot(model)` / `restore(snapshot)` put a model's checkpointing state back exactly, so patching stays
+reversible. `enable(model, mode)` turns checkpointing on; with "offload" every decoder layer's
+`_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes `offload_checkpoint`.
+
+How "offload" works: transformers calls `layer._gradient_checkpointing_func(partial(forward, layer, **kw),
+hidden_states)`. The forward runs without autograd; its input is copied to pinned CPU memory on a side CUDA
+stream (overlapping the next layer's compute) and the GPU copy is released. In backward the input comes
+back (the previous layer's input is prefetched on the side stream meanwhile), the layer is recomputed with
+grad enabled and backpropagated. Only the layer output of the last layer and the host copies stay alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+_FLAG, _FUNC = "gradient_checkpointing", "_gradient_checkpointing_func"
+_MISSING = object()
+
+
+# --------------------------------------------------------------------------------------- state and restore
+@dataclass
+class CheckpointingSnapshot:
+    model: nn.Module
+    attributes: list[tuple[nn.Module, str, Any]]  # (module, name, instance value or _MISSING)
+    input_grads_hook: Any
+
+
+def snapshot(model: nn.Module) -> CheckpointingSnapshot:
+    """The checkpointing state of every module of `model` (flags, functions, the input-grads hook)."""
+    attributes = [
+        (module, name, vars(module).get(name, _MISSING))
+        for module in model.modules()
+        if hasattr(module, _FLAG)
+        for name in (_FLAG, _FUNC)
+    ]
+    return CheckpointingSnapshot(model, attributes, vars(model).get("_require_grads_hook", _MISSING))
+
+
+def restore(state: CheckpointingSnapshot) -> None:
+    for module, name, value in state.attributes:
+        if value is _MISSING:
+            vars(module).pop(name, None)
+        else:
+            setattr(module, name, value)
+    hook = vars(state.model).get("_require_grads_hook", _MISSING)
+    if hook is not state.input_grads_hook:  # enabling checkpointing added this hook: take it away again
+        if hook is not _MISSING:
+            hook.remove()
+            del state.model._require_grads_hook
+        if state.input_grads_hook is not _MISSING:
+            state.model._require_grads_hook = state.input_grads_hook
+
+
+def is_enabled(model: nn.Module) -> bool:
+    return any(getattr(m, _FLAG, False) is True for m in model.modules())
+
+
+def enable_native(model: nn.Module) -> None:
+    """The model's own non-reentrant checkpointing (transformers 5.23 name first, then 5.17's)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def install_offload(model: nn.Module) -> int:
+    """Make every checkpointed layer use `offload_checkpoint`; returns how many. Needs CUDA, else 0 + warning."""
+    if not torch.cuda.is_available():
+        warnings.warn(
+            "fastplug: gradient_checkpointing='offload' needs a CUDA device; using plain checkpointing instead",
+            stacklevel=2,
+        )
+        return 0
+    layers = [m for m in model.modules() if getattr(m, _FLAG, False) is True and hasattr(m, _FUNC)]
+    for layer in layers:
+        setattr(layer, _FUNC, offload_checkpoint)
+    return len(layers)
+
+
+def enable(model: nn.Module, mode) -> str:
+    """Turn checkpointing on (mode True or "offload"); returns words for the patch summary."""
+    if not is_enabled(model):
+        enable_native(model)
+    if mode == "offload" and install_offload(model):
+        return "offload (layer inputs in pinned CPU memory)"
+    return "on (non-reentrant)" if mode != "offload" else "on (non-reentrant; offload needs CUDA)"
+
+
+# ---------------------------------------------------------------------------------------------- offload
+class _Stash:
+    """One layer input parked on the host, and its way back."""
+
+    __slots__ = ("host", "device", "stored", "fetched", "previous", "__weakref__")
+
+
+_side_streams: dict[int, Any] = {}
+_last_stash = lambda: None  # noqa: E731  weakref to the previous layer's stash (prefetch target)
+
+
+def _side_stream(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+def _park(x: torch.Tensor) -> _Stash:
+    global _last_stash
+    stash = _Stash()
+    stash.device, stash.fetched, stash.stored = x.device, None, None
+    if x.is_cuda:
+        stream = _side_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before the copy reads it
+        with torch.cuda.stream(stream):
+            stash.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+            stash.host.copy_(x, non_blocking=True)
+            stash.stored = torch.cuda.Event()
+            stash.stored.record(stream)
+        x.record_stream(stream)  # the allocator must not reuse x's memory before the copy is done
+    else:  # CPU tensors (tests): nothing to move, a copy keeps the semantics
+        stash.host = x.detach().clone()
+    stash.previous, _last_stash = _last_stash, weakref.ref(stash)
+    return stash
+
+
+def _prefetch(stash: _Stash) -> None:
+    if stash.fetched is not None or not stash.device.type == "cuda":
+        return
+    stream = _side_stream(stash.device)
+    with torch.cuda.stream(stream):
+        stream.wait_event(stash.stored)
+        gpu = stash.host.to(stash.device, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record(stream)
+    stash.fetched = (gpu, arrived)
+
+
+def _fetch(stash: _Stash) -> torch.Tensor:
+    if stash.device.type != "cuda":
+        return stash.host
+    _prefetch(stash)
+    gpu, arrived = stash.fetched
+    current = torch.cuda.current_stream(stash.device)
+    current.wait_event(arrived)
+    gpu.record_stream(current)  # allocated on the side stream, used on this one
+    previous = stash.previous()
+    if previous is not None:  # the next backward needs the previous layer's input: start its copy now
+        _prefetch(previous)
+    return gpu
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run, spec, _force_grad, hidden, *args):
+        device_type = hidden.device.type
+        ctx.run, ctx.args = run, args
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
+        with torch.no_grad():
+            outputs = run(hidden, *args)
+        ctx.stash = _park(hidden)
+        spec["tuple"] = isinstance(outputs, tuple)
+        outputs = outputs if spec["tuple"] else (outputs,)
+        spec["tensor_at"] = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
+        spec["others"] = {i: o for i, o in enumerate(outputs) if not isinstance(o, torch.Tensor)}
+        spec["n"] = len(outputs)
+        return tuple(outputs[i] for i in spec["tensor_at"])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        hidden = _fetch(ctx.stash).detach().requires_grad_(ctx.needs_input_grad[3])
+        ctx.stash = None
+        args = [
+            a.detach().requires_grad_(needs) if isinstance(a, torch.Tensor) else a
+            for a, needs in zip(ctx.args, ctx.needs_input_grad[4:])
+        ]
+        device_type, autocast_on, autocast_dtype = ctx.autocast
+        devices = [hidden.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+                outputs = ctx.run(hidden, *args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [
+            (o, g) for o, g in zip((o for o in outputs if isinstance(o, torch.Tensor)), grads)
+            if g is not None and o.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [a.grad if isinstance(a, torch.Tensor) else None for a in args]
+        return (None, None, None, hidden.grad, *input_grads)
+
+
+_force_grad = None  # a leaf that requires grad: outputs need a grad_fn even when no input requires grad
+
+
+def offload_checkpoint(function, *args, **kwargs):
+    """A drop-in `_gradient_checkpointing_func` that keeps the layer input in pinned host memory."""
+    global _force_grad
+    hidden = args[0] if args else None
+    if kwargs or not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
+        return checkpoint(function, *args, use_reentrant=False, **kwargs)
+    if _force_grad is None:
+        _force_grad = torch.empty(0, requires_grad=True)
+    spec: dict = {}
+    tensors = _OffloadedCheckpoint.apply(function, spec, _force_grad, *args)
+    outputs = [None] * spec["n"]
+    for i, t in zip(spec["tensor_at"], tensors):
+        outputs[i] = t
+    for i, o in spec["others"].items():
+        outputs[i] = o
+    return tuple(outputs) if spec["tuple"] else outputs[0]

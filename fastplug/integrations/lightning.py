@@ -1,0 +1,231 @@
+"""Lightning adapter: strategies that run a LightningModule's transformers models through fastplug's kernels.
+
+    import fastplug                                  # registers the names below in Lightning's StrategyRegistry
+    L.Trainer(strategy="fastkernels")                # one device (the accelerator's)
+    L.Trainer(strategy="fastkernels_ddp")            # DDP
+    L.Trainer(strategy="fastkernels_fsdp")           # FSDP
+    L.Trainer(strategy=FastKernelsStrategy(options=KernelOptions(lora=False)))
+
+Each strategy subclasses Lightning's own (so every isinstance check in Lightning holds), patches the
+PreTrainedModel / PeftModel submodules of the LightningModule in `setup()` before the model is wrapped and
+the optimizers are built, and restores them in `teardown()`, which Lightning also calls after an exception.
+
+lightning.pytorch and pytorch_lightning each have their own strategy classes and registry, so the classes
+are built per strategies package (`strategy_classes(module)`). This module imports neither at import time:
+`register_strategies` runs from an import hook while `lightning.pytorch` itself may still be importing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import sys
+
+from ..options import KernelOptions
+
+if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
+    raise ImportError('fastplug.integrations.lightning needs Lightning: pip install "fastplug[lightning]"')
+
+__all__ = [
+    "FastKernelsDDPStrategy",
+    "FastKernelsFSDPStrategy",
+    "FastKernelsMixin",
+    "FastKernelsStrategy",
+    "find_transformers_models",
+    "register_strategies",
+    "strategy_classes",
+]
+
+logger = logging.getLogger(__name__)
+
+# registry name -> (class name, Lightning base class in the strategies package)
+_STRATEGIES = {
+    "fastkernels": ("FastKernelsStrategy", "SingleDeviceStrategy"),
+    "fastkernels_ddp": ("FastKernelsDDPStrategy", "DDPStrategy"),
+    "fastkernels_fsdp": ("FastKernelsFSDPStrategy", "FSDPStrategy"),
+}
+_PYTORCH_LIGHTNING_SUFFIX = "PL"  # class names of the pytorch_lightning variants, so pickle finds each one
+_classes_by_package: dict[str, dict[str, type]] = {}
+
+
+class FastKernelsMixin:
+    """Patches the LightningModule's transformers models for the length of a run.
+
+    Put it before a Lightning strategy in the bases; it takes one extra keyword, `options` (a KernelOptions,
+    default: everything suitable on).
+    """
+
+    def __init__(self, *args, options: KernelOptions | None = None, **kwargs):
+        self.fast_kernels = KernelOptions.build(options)
+        self.fast_kernel_handles = []
+        self.fast_kernels_summary = ""
+        self._checkpointing_turned_on = []
+        super().__init__(*args, **kwargs)
+
+    def setup(self, trainer) -> None:
+        # Before super().setup(): that converts precision, moves to the device, wraps (DDP/FSDP) and builds the
+        # optimizers, and all of those must see the patched modules.
+        self._patch_fast_kernels(fitting=trainer.state.fn == "fit")
+        super().setup(trainer)
+
+    def teardown(self) -> None:
+        try:
+            self.restore_fast_kernels()
+        finally:
+            super().teardown()
+
+    def restore_fast_kernels(self) -> None:
+        """Put every original module back and undo the checkpointing fastplug turned on (harmless twice)."""
+        for handle in self.fast_kernel_handles:
+            handle.restore()
+        self.fast_kernel_handles = []
+        for model in self._checkpointing_turned_on:
+            _disable_checkpointing(model)
+        self._checkpointing_turned_on = []
+
+    def _patch_fast_kernels(self, fitting: bool) -> None:
+        if self.fast_kernel_handles:
+            return
+        from ..patching import patch_model
+
+        module = self.lightning_module
+        models = find_transformers_models(module)
+        if not models:
+            logger.warning(
+                "fastplug: found no transformers PreTrainedModel or PeftModel inside %s; nothing was patched",
+                type(module).__name__,
+            )
+            return
+        sections = []
+        for path, model in models:
+            handle = patch_model(model, self.fast_kernels)
+            self.fast_kernel_handles.append(handle)
+            sections.append(f"[{path}]\n{handle.summary()}")
+            mode = self.fast_kernels.gradient_checkpointing
+            if fitting and mode and not _checkpointing_on(model):
+                _enable_checkpointing(model, offload=mode == "offload")
+                self._checkpointing_turned_on.append(model)
+        self.fast_kernels_summary = "\n".join(sections)
+        logger.info("fastplug patched %s:\n%s", type(module).__name__, self.fast_kernels_summary)
+
+
+def find_transformers_models(module) -> list[tuple[str, object]]:
+    """(path, model) for each outermost PreTrainedModel or PeftModel inside `module` (the module itself included)."""
+    # A module that holds a transformers model was built after transformers was imported: no import needed here.
+    model_types = tuple(
+        getattr(sys.modules[package], name)
+        for package, name in (("transformers", "PreTrainedModel"), ("peft", "PeftModel"))
+        if package in sys.modules
+    )
+    if not model_types:
+        return []
+    found = []
+
+    def visit(path, child):
+        if isinstance(child, model_types):
+            found.append((path or type(child).__name__, child))
+            return  # a PeftModel's inner PreTrainedModel is patched through the PeftModel
+        for name, grandchild in child.named_children():
+            visit(f"{path}.{name}" if path else name, grandchild)
+
+    visit("", module)
+    return found
+
+
+def _checkpointing_on(model) -> bool:
+    return bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
+
+
+def _enable_checkpointing(model, offload: bool) -> None:
+    # Non-reentrant: works with frozen (PEFT) embeddings and with the patched modules' autograd Functions.
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+    elif offload:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, offload=True)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _disable_checkpointing(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+class _DeviceFromAccelerator:
+    """FastKernelsStrategy's addition to SingleDeviceStrategy: without a device it takes the accelerator's."""
+
+    def __init__(self, device=None, **kwargs):
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+        # Lightning's connector fills `parallel_devices` from the accelerator on a strategy that has the attribute
+        # and leaves it empty. Without it, a SingleDeviceStrategy built from the registry (no arguments) stays on
+        # the CPU even when the accelerator is a GPU.
+        self.parallel_devices = [] if device is None else [self._root_device]
+
+    @property
+    def root_device(self):
+        return self.parallel_devices[0] if self.parallel_devices else self._root_device
+
+    def setup_environment(self) -> None:
+        if len(self.parallel_devices) > 1:
+            raise ValueError(
+                f"strategy {self.strategy_name!r} runs on one device, got devices={len(self.parallel_devices)}; "
+                "use strategy='fastkernels_ddp' for several"
+            )
+        super().setup_environment()
+
+
+def strategy_classes(strategies) -> dict[str, type]:
+    """{registry name: strategy class} built on the Lightning strategies package `strategies` (cached)."""
+    if strategies.__name__ not in _classes_by_package:
+        _classes_by_package[strategies.__name__] = _build_classes(strategies)
+    return _classes_by_package[strategies.__name__]
+
+
+def _build_classes(strategies) -> dict[str, type]:
+    # Only the strategies package is touched: lightning.pytorch may still be importing when this runs.
+    suffix = "" if strategies.__name__ == "lightning.pytorch.strategies" else _PYTORCH_LIGHTNING_SUFFIX
+    classes = {}
+    for registry_name, (class_name, base_name) in _STRATEGIES.items():
+        bases = (FastKernelsMixin, getattr(strategies, base_name))
+        if base_name == "SingleDeviceStrategy":
+            bases = (_DeviceFromAccelerator, *bases)
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": class_name + suffix,
+            "__doc__": f"Lightning's {base_name} with fastplug's kernels (registered as {registry_name!r}).",
+            "strategy_name": registry_name,
+        }
+        classes[registry_name] = type(class_name + suffix, bases, namespace)
+    return classes
+
+
+def register_strategies(strategies) -> None:
+    """Register the fastplug strategies in the StrategyRegistry of `strategies` (idempotent)."""
+    registry = strategies.StrategyRegistry
+    for registry_name, cls in strategy_classes(strategies).items():
+        if registry_name not in registry:
+            registry.register(registry_name, cls, description=cls.__doc__)
+
+
+def _default_strategies():
+    """lightning.pytorch's strategies package, or pytorch_lightning's when only that one is installed."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            return importlib.import_module(f"{package}.strategies")
+        except ImportError:
+            continue
+    raise ImportError('fastplug.integrations.lightning needs Lightning: pip install "fastplug[lightning]"')
+
+
+def __getattr__(name):
+    """FastKernelsStrategy & co. subclass Lightning's classes, so they are built on first use."""
+    for registry_name, (class_name, _) in _STRATEGIES.items():
+        if name == class_name:
+            return strategy_classes(_default_strategies())[registry_name]
+        if name == class_name + _PYTORCH_LIGHTNING_SUFFIX:
+            return strategy_classes(importlib.import_module("pytorch_lightning.strategies"))[registry_name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,285 @@
+"""Gated activations of LLM MLPs: h = act(gate) * up, with act one of silu (SwiGLU), tanh-gelu or erf-gelu (GeGLU).
+
+One forward and one backward kernel, specialised by a constexpr activation index. Both tile [rows, cols] of
+the 2-D views of gate/up with their own row strides, so the halves of a fused [..., 2I] gate_up tensor need no
+copy. The backward recomputes the activation from gate and up (nothing else is saved) and can optionally
+recompute h too, writing its results into the caller's buffers (used by the fused LoRA MLP).
+
+Every activation is written as act(x) = x * p(x), so act'(x) = p(x) + x * p'(x):
+    silu       p = sigmoid(x)
+    gelu_tanh  p = sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)   (0.5 (1 + tanh u) == sigmoid(2u))
+    gelu       p = Phi(x) = 0.5 erfc(-x / sqrt(2))
+The sigmoid and erfc forms avoid the cancellation of 1 + tanh / 1 + erf at negative x.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
+
+# Launch shape (tuned for H100 bf16 at 16384 x 14336; the lead retunes on the GPU): a program covers
+# BLOCK_ROWS x BLOCK_COLS elements, BLOCK_COLS a power of two up to MAX_BLOCK_COLS (2048 divides the usual
+# intermediate sizes 11008, 14336, 18944 ... into whole blocks).
+MAX_BLOCK_COLS = 2048
+TILE_ELEMENTS = 4096
+NUM_WARPS = 8
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _sigmoid_and_slope(z):
+    """sigmoid(z) and its derivative sigmoid(z) (1 - sigmoid(z)), from exp(-|z|): no overflow, no cancellation."""
+    e = tl.exp(-tl.abs(z))
+    r = 1.0 / (1.0 + e)
+    return tl.where(z >= 0, r, e * r), e * r * r
+
+
+@triton.jit
+def _erfc(z):
+    # Chebyshev-fitted erfc (Numerical Recipes' erfcc): fractional error < 1.2e-7 everywhere, so the tail
+    # of Phi(x) at negative x keeps fp32 relative accuracy. Plain tl.exp: no libdevice name that differs
+    # between triton versions.
+    a = tl.abs(z)
+    t = 1.0 / (1.0 + 0.5 * a)
+    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277))))))))
+    r = t * tl.exp(-a * a + poly)
+    return tl.where(z >= 0, r, 2.0 - r)
+
+
+@triton.jit
+def _gate_factor(x, ACT: tl.constexpr):
+    """p(x) and p'(x) with act(x) = x * p(x); the forward kernel drops p' (the compiler removes its maths)."""
+    if ACT == 0:  # silu
+        p, dp = _sigmoid_and_slope(x)
+    elif ACT == 1:  # gelu_tanh: sigmoid(2u), 2u = 2 sqrt(2/pi) (x + 0.044715 x^3)
+        p, slope = _sigmoid_and_slope(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        dp = slope * 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * x * x)
+    else:  # gelu (erf)
+        p = 0.5 * _erfc(-0.7071067811865476 * x)
+        dp = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+    return p, dp
+
+
+@triton.jit
+def _tile(pid_r, pid_c, n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    rows = (pid_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)[:, None]
+    cols = (pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS))[None, :]
+    return rows, cols, (rows < n_rows) & (cols < n_cols)
+
+
+@triton.jit
+def _glu_fwd(
+    gate_ptr, up_ptr, h_ptr, n_rows, n_cols, stride_gate, stride_up, stride_h,
+    ACT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    x = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    p, _ = _gate_factor(x, ACT)
+    tl.store(h_ptr + rows * stride_h + cols, (x * p * u).to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_bwd(
+    grad_h_ptr, gate_ptr, up_ptr, h_ptr, dgate_ptr, dup_ptr, n_rows, n_cols,
+    stride_grad_h, stride_gate, stride_up, stride_h, stride_dgate, stride_dup,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):
+    # The output pointers may alias the inputs (inplace=True): every element is loaded before this same
+    # program stores to it, and programs touch disjoint tiles.
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, BLOCK_ROWS, BLOCK_COLS)
+    g = tl.load(grad_h_ptr + rows * stride_grad_h + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    p, dp = _gate_factor(x, ACT)
+    act = x * p
+    if STORE_H:
+        tl.store(h_ptr + rows * stride_h + cols, (act * u).to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + rows * stride_dgate + cols, (g * u * (p + x * dp)).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + rows * stride_dup + cols, (g * act).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _activation_index(activation: str) -> int:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    return ACTIVATIONS.index(activation)
+
+
+def _check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
+    check_dtype("gate", gate)
+    check_dtype("up", up)
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up must have gate's dtype {gate.dtype}; got {up.dtype}")
+    check_shape("up", up, gate.shape, "the shape of gate")
+    if gate.dim() == 0:
+        raise ValueError("gate must have at least one dimension")
+    check_same_device(gate=gate, up=up)
+
+
+def _launch_shape(n_rows: int, n_cols: int) -> tuple[tuple[int, int], int, int]:
+    block_cols = min(triton.next_power_of_2(n_cols), MAX_BLOCK_COLS)
+    block_rows = max(1, TILE_ELEMENTS // block_cols)
+    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+    return grid, block_rows, block_cols
+
+
+def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
+    gate2, up2 = rows_view(gate), rows_view(up)
+    n_rows, n_cols = gate2.shape
+    h = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+    if h.numel():
+        grid, block_rows, block_cols = _launch_shape(n_rows, n_cols)
+        _glu_fwd[grid](
+            gate2, up2, h, n_rows, n_cols, gate2.stride(0), up2.stride(0), h.stride(0),
+            ACT=act, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=NUM_WARPS,
+        )
+    return h.view(gate.shape)
+
+
+def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, inplace: bool):
+    grad2, gate2, up2 = rows_view(grad_h), rows_view(gate), rows_view(up)
+    n_rows, n_cols = gate2.shape
+    if inplace:
+        # Write through the 2-D views of the caller's buffers; a view that had to be copied is copied back.
+        h2, dgate2, dup2 = (grad2 if recompute_h else None), gate2, up2
+    else:
+        h2 = torch.empty_like(gate2, memory_format=torch.contiguous_format) if recompute_h else None
+        dgate2 = torch.empty_like(gate2, memory_format=torch.contiguous_format)
+        dup2 = torch.empty_like(up2, memory_format=torch.contiguous_format)
+    if gate2.numel():
+        grid, block_rows, block_cols = _launch_shape(n_rows, n_cols)
+        h_arg = h2 if recompute_h else dgate2  # never written when STORE_H is False
+        _glu_bwd[grid](
+            grad2, gate2, up2, h_arg, dgate2, dup2, n_rows, n_cols,
+            grad2.stride(0), gate2.stride(0), up2.stride(0), h_arg.stride(0), dgate2.stride(0), dup2.stride(0),
+            ACT=act, STORE_H=recompute_h, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=NUM_WARPS,
+        )
+    if inplace:
+        for buffer, view in ((grad_h, h2), (gate, dgate2), (up, dup2)):
+            if view is not None and view.data_ptr() != buffer.data_ptr():
+                buffer.copy_(view.view(buffer.shape))
+        return (grad_h if recompute_h else None), gate, up
+    return (h2.view(gate.shape) if recompute_h else None), dgate2.view(gate.shape), dup2.view(up.shape)
+
+
+# ------------------------------------------------------------------------------------------ torch path
+def _gate_factor_torch(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x) and p'(x) in x's (float) dtype, the same maths as the kernel."""
+    if activation == "silu":
+        p = torch.sigmoid(x)
+        return p, p * (1 - p)
+    if activation == "gelu_tanh":
+        c = 2 * _SQRT_2_OVER_PI
+        p = torch.sigmoid(c * (x + 0.044715 * x**3))
+        return p, p * (1 - p) * c * (1 + 3 * 0.044715 * x * x)
+    p = 0.5 * torch.special.erfc(-_INV_SQRT_2 * x)
+    return p, _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
+
+
+def _glu_backward_torch(grad_h, gate, up, activation: str, recompute_h: bool, inplace: bool):
+    x, u, g = gate.float(), up.float(), grad_h.float()
+    p, dp = _gate_factor_torch(x, activation)
+    act = x * p
+    h = act * u if recompute_h else None
+    dgate, dup = g * u * (p + x * dp), g * act
+    if inplace:
+        if recompute_h:
+            grad_h.copy_(h)
+        gate.copy_(dgate)
+        up.copy_(dup)
+        return (grad_h if recompute_h else None), gate, up
+    return (h.to(gate.dtype) if recompute_h else None), dgate.to(gate.dtype), dup.to(up.dtype)
+
+
+# ------------------------------------------------------------------------------------------ low level API
+def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """h = act(gate) * up in gate's dtype (fp32 maths); no autograd. gate/up [..., I], same shape and dtype."""
+    act = _activation_index(activation)
+    _check_gate_up(gate, up)
+    if use_triton(gate, up):
+        return _glu_forward_triton(gate, up, act)
+    x = gate.float()
+    return (x * _gate_factor_torch(x, activation)[0] * up.float()).to(gate.dtype)
+
+
+def glu_backward(
+    grad_h: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    *,
+    recompute_h: bool = False,
+    inplace: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """(h or None, dgate, dup) for h = act(gate) * up, recomputing the activation from gate and up.
+
+    recompute_h also returns h (the fused LoRA MLP needs it for down_proj's weight gradient).
+    inplace=True writes h into grad_h's buffer, dgate into gate's and dup into up's, and returns those
+    buffers: only for buffers the caller owns and will not read again.
+    """
+    act = _activation_index(activation)
+    _check_gate_up(gate, up)
+    check_dtype("grad_h", grad_h)
+    check_shape("grad_h", grad_h, gate.shape, "the shape of gate")
+    check_same_device(grad_h=grad_h, gate=gate, up=up)
+    if use_triton(grad_h, gate, up):
+        return _glu_backward_triton(grad_h, gate, up, act, recompute_h, inplace)
+    return _glu_backward_torch(grad_h, gate, up, activation, recompute_h, inplace)
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+class GatedActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(gate, up)
+        return glu_forward(gate, up, activation)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gate, up = ctx.saved_tensors
+        _, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation)
+        return dgate, dup, None
+
+
+# ------------------------------------------------------------------------------------------- public API
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (Llama, Mistral, Qwen MLPs); gate/up [..., I]."""
+    _check_gate_up(gate, up)
+    if not use_triton(gate, up):
+        return swiglu_reference(gate, up)
+    return GatedActivation.apply(gate, up, "silu")
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    """gelu(gate) * up; approximate="tanh" is gelu_pytorch_tanh (Gemma), "none" the exact erf gelu."""
+    if approximate not in _GELU_APPROXIMATE:
+        raise ValueError(f"approximate must be one of {tuple(_GELU_APPROXIMATE)}; got {approximate!r}")
+    _check_gate_up(gate, up)
+    if not use_triton(gate, up):
+        return geglu_reference(gate, up, approximate)
+    return GatedActivation.apply(gate, up, _GELU_APPROXIMATE[approximate])
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
+    return F.gelu(gate, approximate=approximate) * up

@@ -1,0 +1,490 @@
+"""Cross-entropy on materialised logits, and fused with the LM head so that [N, V] logits never exist.
+
+Both ops share one Triton row kernel (`_ce_rows`): a program per row reads the row once to build the
+logsumexp online in fp32, then reads it again to write d(loss)/d(logits), possibly over the same buffer.
+Label smoothing, z-loss, Gemma2's softcap and a logit scale are constexpr flags of that one kernel.
+
+`fused_linear_cross_entropy` walks the rows in chunks: logits_chunk = hidden_chunk @ weight.T on tensor
+cores, the row kernel turns the chunk buffer into dlogits in place, and two more GEMMs give the chunk's
+share of grad_hidden and grad_weight. All gradients are computed in forward and only scaled by
+grad_output in backward (reduction "none" recomputes instead: its grad_output differs per row).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+
+REDUCTIONS = ("mean", "sum", "none")
+LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+# Budget for the logits chunk of the fused op. 128 MiB keeps the GEMMs large (512 rows of a 128K bf16
+# vocab) while the chunk stays well under the 256 MiB memory target. Tests lower it to get many chunks.
+LOGITS_CHUNK_BYTES = 128 * 1024 * 1024
+# Columns one program handles per loop step; tests lower it to exercise vocabularies of several blocks.
+ROW_BLOCK = 8192
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1): saturates to +-1 without NaN (tl.math names differ between Triton versions).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    z = x.to(tl.float32) * logit_scale
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def _ce_rows(
+    logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr, scale_stride,
+    n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Per-row loss; with WRITE_GRAD also grad_scale[row] * d(loss_row)/d(logits_row) into grad_ptr.
+
+    loss_row = lse - (1 - eps) * z_label - eps * mean(z) + z_loss * lse^2, z = softcap(logit_scale * x).
+    grad_ptr may equal logits_ptr: each element is read before the same program overwrites it.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    label = tl.load(labels_ptr + row).to(tl.int64)
+    in_row = logits_ptr + row * logits_stride
+    out_row = grad_ptr + row * grad_stride
+    cols = tl.arange(0, BLOCK)
+    if label == ignore_index:
+        tl.store(loss_ptr + row, 0.0)
+        if WRITE_GRAD:
+            zeros = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                offs = start + cols
+                tl.store(out_row + offs, zeros.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
+    else:
+        # Pass 1: online logsumexp (running max m, running sum s of exp(z - m)), plus sum(z) for smoothing.
+        m = -float("inf")
+        s = 0.0
+        z_sum = 0.0
+        for start in range(0, n_cols, BLOCK):
+            offs = start + cols
+            mask = offs < n_cols
+            z = _final_logits(tl.load(in_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
+            z = tl.where(mask, z, -float("inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+            if HAS_SMOOTHING:
+                z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        lse = m + tl.log(s)
+
+        # A label outside [0, V) gives NaN rather than reading out of bounds or a silently wrong loss.
+        in_range = (label >= 0) & (label < n_cols)
+        z_label = _final_logits(tl.load(in_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
+        z_label = tl.where(in_range, z_label, float("nan"))
+        if HAS_SMOOTHING:
+            loss = lse - (1.0 - smoothing) * z_label - smoothing * (z_sum / n_cols)
+        else:
+            loss = lse - z_label
+        if HAS_Z_LOSS:
+            loss += z_loss * lse * lse
+        tl.store(loss_ptr + row, loss)
+
+        if WRITE_GRAD:
+            # Pass 2: dloss/dz = p * (1 + 2 z_loss lse) - (1 - eps) [j == label] - eps / V, then through the
+            # softcap (1 - tanh^2) and the logit scale, all times this row's grad scale.
+            scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+            p_coef = scale
+            if HAS_Z_LOSS:
+                p_coef = scale * (1.0 + 2.0 * z_loss * lse)
+            label_coef = scale
+            if HAS_SMOOTHING:
+                label_coef = scale * (1.0 - smoothing)
+            for start in range(0, n_cols, BLOCK):
+                offs = start + cols
+                mask = offs < n_cols
+                z = _final_logits(tl.load(in_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
+                g = tl.exp(z - lse) * p_coef
+                g = tl.where(offs == label, g - label_coef, g)
+                if HAS_SMOOTHING:
+                    g -= scale * smoothing / n_cols
+                if HAS_SOFTCAP:
+                    capped = z / softcap
+                    g *= 1.0 - capped * capped
+                g *= logit_scale
+                tl.store(out_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+class _LossConfig(NamedTuple):
+    ignore_index: int
+    label_smoothing: float
+    softcap: float | None
+    logit_scale: float
+    z_loss: float
+    reduction: str
+
+
+def _row_block(n_cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the row kernel: 16 fp32 values per thread at the full 8192 block."""
+    block = min(ROW_BLOCK, triton.next_power_of_2(n_cols))
+    return block, max(1, min(16, block // 512))
+
+
+def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) -> None:
+    """Row kernel over 2-D `logits` (unit last stride); `grad` None computes the loss only.
+
+    grad_scale: fp32 tensor with one value per row, or a single value for every row.
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block, num_warps = _row_block(n_cols)
+    write_grad = grad is not None
+    scale_stride = 1 if grad_scale.numel() == n_rows and n_rows > 1 else 0
+    _ce_rows[(n_rows,)](
+        logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
+        labels, loss_rows, grad_scale, scale_stride,
+        n_cols, cfg.ignore_index, cfg.logit_scale, cfg.softcap or 1.0, cfg.label_smoothing, cfg.z_loss,
+        HAS_SOFTCAP=cfg.softcap is not None, HAS_SMOOTHING=cfg.label_smoothing > 0, HAS_Z_LOSS=cfg.z_loss > 0,
+        WRITE_GRAD=write_grad, BLOCK=block, num_warps=num_warps,
+    )
+
+
+def logits_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk of the fused op: the largest power of two whose logits fit LOGITS_CHUNK_BYTES."""
+    fit = max(1, LOGITS_CHUNK_BYTES // (vocab * torch.finfo(dtype).bits // 8))
+    return max(1, min(n_rows, 1 << (fit.bit_length() - 1)))
+
+
+def _is_one(t: torch.Tensor) -> bool:
+    # A host sync, but it saves a pass over the 1 GiB grad_weight in the usual loss.backward() case.
+    return t.numel() == 1 and bool(t.reshape(()) == 1)
+
+
+def _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale=1.0) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index must be an int; got {ignore_index!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must lie in [0, 1]; got {label_smoothing}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a positive number; got {softcap}")
+    if not (math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a number >= 0; got {z_loss}")
+    if not (math.isfinite(logit_scale) and logit_scale != 0):
+        raise ValueError(f"logit_scale must be a finite non-zero number; got {logit_scale}")
+
+
+def _check_labels(labels: torch.Tensor, n_rows: int, what: str) -> None:
+    if labels.dtype not in LABEL_DTYPES:
+        raise ValueError(f"labels must be an integer tensor; got {str(labels.dtype).replace('torch.', '')}")
+    if labels.numel() != n_rows:
+        raise ValueError(f"labels must have one entry per row of {what} ({n_rows}); got {labels.numel()}")
+
+
+# ---------------------------------------------------------------------------- cross-entropy on logits
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, cfg: _LossConfig):
+        x = rows_view(logits)
+        labels = labels.reshape(-1).contiguous()
+        valid = (labels != cfg.ignore_index).sum().clamp_min(1).to(torch.float32)
+        if cfg.reduction == "mean":
+            grad_scale = valid.reciprocal().reshape(1)  # no host sync: the count stays on the device
+        else:
+            grad_scale = torch.ones(1, dtype=torch.float32, device=x.device)
+        grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        loss_rows = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _launch_rows(x, grad, labels, loss_rows, grad_scale, cfg)
+
+        ctx.grad_logits, ctx.logits_shape, ctx.reduction = grad, logits.shape, cfg.reduction
+        if cfg.reduction == "none":
+            return loss_rows.to(logits.dtype).reshape(logits.shape[:-1])
+        total = loss_rows.sum()
+        return (total * grad_scale[0] if cfg.reduction == "mean" else total).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad, ctx.grad_logits = ctx.grad_logits, None
+        if grad is None:
+            raise RuntimeError("cross_entropy: backward ran twice; its gradient buffer is used up")
+        # The buffer is ours: scale it in place rather than allocate a second logits-sized tensor.
+        if ctx.reduction == "none":
+            grad.mul_(grad_output.reshape(-1, 1))
+        else:
+            grad.mul_(grad_output)
+        return grad.reshape(ctx.logits_shape), None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """Cross-entropy of logits [..., V] against labels [...], as torch.nn.functional.cross_entropy.
+
+    softcap: Gemma2's final_logit_softcapping (z = softcap * tanh(logits / softcap)) applied first.
+    z_loss adds z_loss * logsumexp(z)^2 per non-ignored row. "mean" divides by the non-ignored count
+    (a batch with every label ignored gives 0). The loss has the logits' dtype; the maths runs in fp32.
+    """
+    check_dtype("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape [..., V] with V > 0; got {tuple(logits.shape)}")
+    n_rows = logits.numel() // logits.shape[-1]
+    _check_labels(labels, n_rows, "logits")
+    _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction)
+    labels = labels.to(logits.device)
+    cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, 1.0, float(z_loss), reduction)
+    if not use_triton(logits, labels):
+        return cross_entropy_reference(
+            logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
+            z_loss=z_loss, reduction=reduction,
+        )
+    return _CrossEntropy.apply(logits, labels, cfg)
+
+
+# ------------------------------------------------------------------------- fused with the linear head
+
+
+def _plan_chunks(labels, ignore_index, vocab, chunk_rows) -> tuple[list[tuple[int, int]], int]:
+    """(start, end) of the chunks holding at least one label, and the non-ignored count: one host sync."""
+    n = labels.numel()
+    n_chunks = -(-n // chunk_rows)
+    valid = labels != ignore_index
+    bad = (valid & ((labels < 0) | (labels >= vocab))).sum().reshape(1)
+    padded = torch.nn.functional.pad(valid.to(torch.int64), (0, n_chunks * chunk_rows - n))
+    stats = torch.cat([padded.view(n_chunks, chunk_rows).sum(1), bad]).tolist()
+    if stats[-1]:
+        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+    chunks = [(i * chunk_rows, min(n, (i + 1) * chunk_rows)) for i, c in enumerate(stats[:-1]) if c > 0]
+    return chunks, sum(stats[:-1])
+
+
+def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale,
+                      grad_hidden=None, grad_weight=None, grad_bias=None) -> None:
+    """Loss rows of the given chunks, and (into the buffers that are not None) the gradients.
+
+    grad_hidden must come zeroed (skipped chunks are not written); grad_weight is overwritten by the
+    first chunk; grad_bias is an fp32 accumulator.
+    """
+    write_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+    buf = torch.empty(min(chunk_rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
+    per_row_scale = grad_scale.numel() > 1
+    first = True
+    for start, end in chunks:
+        h = hidden[start:end]
+        logits = buf[: end - start]
+        if bias is None:
+            torch.mm(h, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h, weight.t(), out=logits)
+        scale = grad_scale[start:end] if per_row_scale else grad_scale
+        # In place: the chunk's logits become its dlogits (the buffer is ours).
+        _launch_rows(logits, logits if write_grad else None, labels[start:end], loss_rows[start:end], scale, cfg)
+        if grad_hidden is not None:
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+        if grad_weight is not None:
+            if first:
+                torch.mm(logits.t(), h, out=grad_weight)
+            else:
+                grad_weight.addmm_(logits.t(), h)
+        if grad_bias is not None:
+            grad_bias += logits.sum(0, dtype=torch.float32)
+        first = False
+    if grad_weight is not None and first:
+        grad_weight.zero_()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig, inv_divisor, chunks, chunk_rows):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+        loss_rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        ctx.cfg, ctx.chunks, ctx.chunk_rows = cfg, chunks, chunk_rows
+        if cfg.reduction == "none":
+            # Each row's grad_output is only known in backward: recompute the chunks there.
+            _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor)
+            ctx.save_for_backward(hidden, weight, bias, labels)
+            return loss_rows
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.empty_like(weight) if need_w else None
+        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
+        _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor,
+                          grad_hidden, grad_weight, grad_bias)
+        ctx.grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+        return loss_rows.sum() * inv_divisor[0]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        cfg = ctx.cfg
+        if cfg.reduction == "none":
+            hidden, weight, bias, labels = ctx.saved_tensors
+            need_h, need_w, need_b = ctx.needs_input_grad[:3]
+            grad_hidden = torch.zeros_like(hidden) if need_h else None
+            grad_weight = torch.empty_like(weight) if need_w else None
+            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
+            scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            _linear_ce_chunks(hidden, weight, bias, labels, cfg, ctx.chunks, ctx.chunk_rows, scratch,
+                              grad_output.to(torch.float32).contiguous(), grad_hidden, grad_weight, grad_bias)
+            grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+        else:
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError("fused_linear_cross_entropy: backward ran twice; its gradients are used up")
+            if not _is_one(grad_output):
+                for g in grads:
+                    if g is not None:
+                        g.mul_(grad_output)
+        return (*grads, None, None, None, None, None)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """Under autocast the head runs in the autocast dtype, as nn.Linear would; otherwise in hidden's."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight must share a dtype; got {hidden.dtype} and {weight.dtype}")
+    return hidden.dtype
+
+
+def _inverse_divisor(reduction, n_valid, num_items_in_batch, device) -> torch.Tensor:
+    """1 / (what the summed loss is divided by), as a 1-element fp32 tensor on the device."""
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(f"num_items_in_batch needs reduction='mean'; got reduction={reduction!r}")
+        divisor = torch.as_tensor(num_items_in_batch).to(device=device, dtype=torch.float32)
+        if divisor.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a number; got a tensor of shape {tuple(divisor.shape)}")
+        return divisor.reshape(1).reciprocal()
+    value = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of (hidden @ weight.T + bias) * logit_scale, softcapped, without the [N, V] logits.
+
+    hidden [..., H], weight [V, H], labels [...] already shifted (one per hidden row). With
+    num_items_in_batch the summed loss is divided by it (transformers' gradient-accumulation loss);
+    otherwise the semantics are those of `cross_entropy`. The loss is fp32 (reduction "none": [N] rows).
+    """
+    check_dtype("hidden", hidden)
+    check_dtype("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape [V, H]; got {tuple(weight.shape)}")
+    vocab, hidden_size = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
+        raise ValueError(f"hidden must have shape [..., {hidden_size}] to match weight [V, H]; got {tuple(hidden.shape)}")
+    if bias is not None:
+        check_dtype("bias", bias)
+        check_shape("bias", bias, (vocab,), "one per row of weight")
+    n_rows = hidden.numel() // hidden_size
+    _check_labels(labels, n_rows, "hidden")
+    _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale)
+    check_same_device(hidden=hidden, weight=weight, bias=bias)
+    labels = labels.to(hidden.device)
+    if not use_triton(hidden, weight, bias, labels):
+        return fused_linear_cross_entropy_reference(
+            hidden, weight, labels, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            softcap=softcap, logit_scale=logit_scale, z_loss=z_loss, reduction=reduction,
+            num_items_in_batch=num_items_in_batch,
+        )
+
+    dtype = _compute_dtype(hidden, weight)
+    hidden2 = rows_view(hidden.to(dtype))
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    labels = labels.reshape(-1).contiguous()
+    chunk_rows = logits_chunk_rows(max(n_rows, 1), vocab, dtype)
+    chunks, n_valid = _plan_chunks(labels, ignore_index, vocab, chunk_rows)
+    inv_divisor = _inverse_divisor(reduction, n_valid, num_items_in_batch, hidden.device)
+    cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, float(logit_scale), float(z_loss), reduction)
+    loss = _FusedLinearCrossEntropy.apply(hidden2, weight, bias, labels, cfg, inv_divisor, chunks, chunk_rows)
+    return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+
+
+# ------------------------------------------------------------------------------------------ references
+
+
+def _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, divisor=None):
+    """Plain torch on final logits z [N, V] (already float): per-row loss, reduced."""
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    labels = labels.reshape(-1).to(z.device)
+    valid = labels != ignore_index
+    lse = torch.logsumexp(z, dim=-1)
+    z_label = z.gather(1, torch.where(valid, labels, 0).long().unsqueeze(1)).squeeze(1)
+    rows = lse - (1.0 - label_smoothing) * z_label - label_smoothing * z.mean(-1) + z_loss * lse * lse
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    if divisor is None:
+        divisor = valid.sum().clamp_min(1)
+    return rows.sum() / torch.as_tensor(divisor, device=z.device).to(z.dtype)
+
+
+def cross_entropy_reference(
+    logits, labels, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
+):
+    """`cross_entropy` in plain torch, with the logits materialised in (at least) fp32."""
+    _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction)
+    z = logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32))
+    loss = _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction)
+    if reduction == "none":
+        loss = loss.reshape(logits.shape[:-1])
+    return loss.to(logits.dtype)
+
+
+def fused_linear_cross_entropy_reference(
+    hidden, weight, labels, *, bias=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
+    logit_scale=1.0, z_loss=0.0, reduction="mean", num_items_in_batch=None,
+):
+    """`fused_linear_cross_entropy` in plain torch: the [N, V] logits in (at least) fp32."""
+    _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale)
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(f"num_items_in_batch needs reduction='mean'; got reduction={reduction!r}")
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    z = hidden.reshape(-1, hidden.shape[-1]).to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z * logit_scale
+    loss = _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch)
+    return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss

@@ -1,0 +1,296 @@
+"""Fused LoRA projections: a LoRA linear, a LoRA QKV block and a LoRA MLP, each one autograd node.
+
+A projection is y = x W^T + b + s * (x A^T) B^T. In plain peft that is three matmuls, a scale and two adds,
+each its own autograd node saving its own inputs. Here the whole block is one torch.autograd.Function with a
+hand-derived backward:
+
+- the adapter terms go into the base output with addmm's alpha (no separate scale or add kernels);
+- projections that read the same x (q/k/v, gate/up) compute x A^T for all their adapters in one matmul on
+  cat(A_1, A_2, ...) (ranks may differ), and in backward one matmul gives the adapters' share of dX and
+  one gives every dA;
+- dX is accumulated in one buffer (addmm_ with beta=1 for each contribution);
+- the MLP saves only x and the gate/up outputs (plus the small [N, r] x A^T): the activation is recomputed
+  in backward by `glu_backward`, which writes h, dgate and dup into buffers this function owns.
+
+Matmuls run in the input dtype with fp32 accumulation (what torch's matmul does). The LoRA maths is plain
+torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activations`. Knows nothing of peft.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._utils import check_dtype, check_same_device, rows_view
+from .activations import ACTIVATIONS, glu_backward, glu_forward
+
+
+class LoRAProjection(NamedTuple):
+    """One linear layer with an optional LoRA adapter: y = x W^T + b + scaling * (x A^T) B^T."""
+
+    weight: torch.Tensor  # [out, in]; frozen (LoRA) or trainable (full fine-tuning)
+    bias: torch.Tensor | None  # [out]
+    lora_A: torch.Tensor | None  # [r, in]; None: plain linear
+    lora_B: torch.Tensor | None  # [out, r]
+    scaling: float
+
+
+# --------------------------------------------------------------------------------------------- checks
+
+
+def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_features=None) -> None:
+    """proj must fit an input x [..., in_features] (default: x's last dim); raises ValueError naming it."""
+    if not isinstance(proj, LoRAProjection):
+        raise ValueError(f"{name} must be a LoRAProjection; got {type(proj).__name__}")
+    in_features = x.shape[-1] if in_features is None else in_features
+    w = proj.weight
+    if w.dim() != 2 or w.shape[1] != in_features:
+        raise ValueError(f"{name}.weight must have shape [out, {in_features}]; got {tuple(w.shape)}")
+    out = w.shape[0]
+    if out_features is not None and out != out_features:
+        raise ValueError(f"{name}.weight must have {out_features} output features; got {tuple(w.shape)}")
+    if proj.bias is not None and tuple(proj.bias.shape) != (out,):
+        raise ValueError(f"{name}.bias must have shape ({out},); got {tuple(proj.bias.shape)}")
+    a, b = proj.lora_A, proj.lora_B
+    if (a is None) != (b is None):
+        raise ValueError(f"{name}.lora_A and {name}.lora_B must be both given or both None")
+    if a is not None:
+        if a.dim() != 2 or a.shape[1] != in_features:
+            raise ValueError(f"{name}.lora_A must have shape [r, {in_features}]; got {tuple(a.shape)}")
+        if tuple(b.shape) != (out, a.shape[0]):
+            raise ValueError(f"{name}.lora_B must have shape ({out}, {a.shape[0]}); got {tuple(b.shape)}")
+        if not isinstance(proj.scaling, (int, float)):
+            raise ValueError(f"{name}.scaling must be a Python number; got {type(proj.scaling).__name__}")
+    check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Under autocast the projections run in the autocast dtype, as nn.Linear would; otherwise in x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _cast(proj: LoRAProjection, dtype: torch.dtype) -> LoRAProjection:
+    # .to is a no-op without a dtype change; otherwise autograd carries the grads back to the param's dtype
+    # (peft keeps adapters in fp32 next to a bf16 base by default).
+    cast = [None if t is None else t.to(dtype) for t in (proj.weight, proj.bias, proj.lora_A, proj.lora_B)]
+    return LoRAProjection(*cast, float(proj.scaling))
+
+
+def _flatten(projs) -> list:
+    return [t for p in projs for t in (p.weight, p.bias, p.lora_A, p.lora_B)]
+
+
+def _unflatten(params, scalings) -> list[LoRAProjection]:
+    return [LoRAProjection(*params[4 * i : 4 * i + 4], s) for i, s in enumerate(scalings)]
+
+
+# ------------------------------------------------------------------------- forward / backward pieces
+
+
+class _Adapters(NamedTuple):
+    """The adapters of projections sharing one input, side by side along the rank dimension."""
+
+    a_cat: torch.Tensor  # [R, in] = cat of the present lora_A (the tensor itself when there is one)
+    slices: list  # per projection: its (start, stop) in R, or None without adapter
+
+
+def _adapters(projs) -> _Adapters | None:
+    present = [p.lora_A for p in projs if p.lora_A is not None]
+    if not present:
+        return None
+    slices, start = [], 0
+    for p in projs:
+        if p.lora_A is None:
+            slices.append(None)
+        else:
+            slices.append((start, start + p.lora_A.shape[0]))
+            start += p.lora_A.shape[0]
+    a_cat = present[0] if len(present) == 1 else torch.cat(present)
+    return _Adapters(a_cat, slices)
+
+
+def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * a @ b in one matmul (beta=0: the fresh buffer's contents are never read)."""
+    return a.new_empty((a.shape[0], b.shape[1])).addmm_(a, b, beta=0.0, alpha=alpha)
+
+
+def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
+    """Outputs [N, out_i] of projections of one input x2 [N, in], and xa = x2 @ a_cat^T [N, R] (or None)."""
+    ys = [
+        x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t())
+        for p in projs
+    ]
+    if adapters is None:
+        return ys, None
+    xa = x2 @ adapters.a_cat.t()  # one read of x for all adapters
+    for y, p, sl in zip(ys, projs, adapters.slices):
+        if sl is not None:
+            y.addmm_(xa[:, sl[0] : sl[1]], p.lora_B.t(), alpha=p.scaling)
+    return ys, xa
+
+
+def _dy_b(dys, projs, adapters: _Adapters | None):
+    """[N, R]: s_i * dY_i @ B_i side by side, the adapters' grad w.r.t. xa; shared by dX and dA."""
+    if adapters is None:
+        return None
+    dyb = dys[0].new_empty((dys[0].shape[0], adapters.a_cat.shape[0]))
+    for dy, p, sl in zip(dys, projs, adapters.slices):
+        if sl is not None:
+            dyb[:, sl[0] : sl[1]].addmm_(dy, p.lora_B, beta=0.0, alpha=p.scaling)
+    return dyb
+
+
+def _input_grad(dys, projs, adapters: _Adapters | None, dyb) -> torch.Tensor:
+    """dX = sum_i dY_i W_i + dyb @ a_cat, accumulated in one buffer."""
+    dx = dys[0] @ projs[0].weight
+    for dy, p in zip(dys[1:], projs[1:]):
+        dx.addmm_(dy, p.weight)
+    if adapters is not None:
+        dx.addmm_(dyb, adapters.a_cat)
+    return dx
+
+
+def _param_grads(x2, xa, dys, dyb, projs, adapters: _Adapters | None, needs) -> list:
+    """Grads of (weight, bias, lora_A, lora_B) per projection, in _flatten's order; None where not needed."""
+    need_a = adapters is not None and any(needs[4 * i + 2] for i in range(len(projs)))
+    da_cat = dyb.t() @ x2 if need_a else None  # [R, in]: every dA_i in one matmul
+    grads = []
+    for i, (dy, p) in enumerate(zip(dys, projs)):
+        need_w, need_b, need_ai, need_bi = needs[4 * i : 4 * i + 4]
+        sl = adapters.slices[i] if adapters is not None else None
+        grads.append(dy.t() @ x2 if need_w else None)
+        grads.append(dy.sum(0) if need_b and p.bias is not None else None)
+        grads.append(da_cat[sl[0] : sl[1]] if need_ai and sl is not None else None)
+        grads.append(_mm_scaled(dy.t(), xa[:, sl[0] : sl[1]], p.scaling) if need_bi and sl is not None else None)
+    return grads
+
+
+def _no_autocast(x: torch.Tensor):
+    # Inputs are cast to one dtype up front; autocast must not re-cast the matmuls inside the function.
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+# -------------------------------------------------------------------------------- autograd functions
+
+
+class _SharedInputLoRA(torch.autograd.Function):
+    """Projections of one input (a LoRA linear, or q/k/v), one autograd node."""
+
+    @staticmethod
+    def forward(ctx, x, scalings, *params):
+        projs = _unflatten(params, scalings)
+        adapters = _adapters(projs)
+        x2 = rows_view(x)
+        with _no_autocast(x):
+            ys, xa = _forward(x2, projs, adapters)
+        ctx.scalings, ctx.x_shape = scalings, x.shape
+        ctx.slices = adapters.slices if adapters is not None else None
+        ctx.save_for_backward(x2, xa, adapters.a_cat if adapters is not None else None, *params)
+        lead = tuple(x.shape[:-1])
+        return tuple(y.view(*lead, y.shape[-1]) for y in ys)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        x2, xa, a_cat, *params = ctx.saved_tensors
+        projs = _unflatten(params, ctx.scalings)
+        adapters = _Adapters(a_cat, ctx.slices) if a_cat is not None else None
+        dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
+        with _no_autocast(x2):
+            dyb = _dy_b(dys, projs, adapters)
+            dx = _input_grad(dys, projs, adapters, dyb) if ctx.needs_input_grad[0] else None
+            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[2:])
+        return (None if dx is None else dx.view(ctx.x_shape), None, *grads)
+
+
+class _LoRAMLP(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)), one autograd node; saves x, gate and up, recomputes the activation."""
+
+    @staticmethod
+    def forward(ctx, x, activation, scalings, *params):
+        gate_p, up_p, down_p = _unflatten(params, scalings)
+        gu_adapters, down_adapters = _adapters([gate_p, up_p]), _adapters([down_p])
+        x2 = rows_view(x)
+        with _no_autocast(x):
+            (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters)
+            h = glu_forward(gate, up, activation)
+            (y,), xa_down = _forward(h, [down_p], down_adapters)
+        ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
+        ctx.gu_slices = gu_adapters.slices if gu_adapters is not None else None
+        # gate and up are this function's own buffers: backward overwrites them with dgate and dup.
+        ctx.save_for_backward(
+            x2, gate, up, xa_gu, gu_adapters.a_cat if gu_adapters is not None else None, xa_down, *params
+        )
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, gate, up, xa_gu, a_cat_gu, xa_down, *params = ctx.saved_tensors
+        gate_p, up_p, down_p = projs = _unflatten(params, ctx.scalings)
+        needs = ctx.needs_input_grad[3:]
+        gu_adapters = _Adapters(a_cat_gu, ctx.gu_slices) if a_cat_gu is not None else None
+        down_adapters = _adapters([down_p])
+        dy = grad_y.reshape(-1, grad_y.shape[-1])
+        with _no_autocast(x2):
+            # grad_h = dY W_down + s (dY B_down) A_down, in a buffer of our own...
+            dyb_down = _dy_b([dy], [down_p], down_adapters)
+            grad_h = _input_grad([dy], [down_p], down_adapters, dyb_down)
+            # ...which glu_backward overwrites with h; gate and up become dgate and dup.
+            h, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation, recompute_h=True, inplace=True)
+            down_grads = _param_grads(h, xa_down, [dy], dyb_down, [down_p], down_adapters, needs[8:])
+            del h, grad_h
+            dgu = [dgate, dup]
+            dyb_gu = _dy_b(dgu, projs[:2], gu_adapters)
+            dx = _input_grad(dgu, projs[:2], gu_adapters, dyb_gu) if ctx.needs_input_grad[0] else None
+            gu_grads = _param_grads(x2, xa_gu, dgu, dyb_gu, projs[:2], gu_adapters, needs[:8])
+        return (None if dx is None else dx.view(ctx.x_shape), None, None, *gu_grads, *down_grads)
+
+
+# --------------------------------------------------------------------------------------- public API
+
+
+def _input_dtype(x: torch.Tensor) -> torch.dtype:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError("x must be a tensor of shape [..., in]")
+    check_dtype("x", x)
+    return _compute_dtype(x)
+
+
+def _launch_shared(x, named_projs: dict):
+    dtype = _input_dtype(x)
+    for name, proj in named_projs.items():
+        _check_projection(name, proj, x)
+    projs = [_cast(p, dtype) for p in named_projs.values()]
+    return _SharedInputLoRA.apply(x.to(dtype), tuple(p.scaling for p in projs), *_flatten(projs))
+
+
+def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
+    """y = x W^T + b + s * (x A^T) B^T for x [..., in]; one autograd node. A/B None: a plain linear."""
+    (y,) = _launch_shared(x, {"proj": proj})
+    return y
+
+
+def lora_qkv(x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection):
+    """(q, k, v) projections of one x [..., in] (GQA: k/v may be narrower, ranks may differ); one node."""
+    return _launch_shared(x, {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj})
+
+
+def lora_mlp(
+    x: torch.Tensor,
+    gate_proj: LoRAProjection,
+    up_proj: LoRAProjection,
+    down_proj: LoRAProjection,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)) for x [..., hidden]; activation one of ACTIVATIONS; one autograd node."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    dtype = _input_dtype(x)
+    _check_projection("gate_proj", gate_proj, x)
+    intermediate = gate_proj.weight.shape[0]
+    _check_projection("up_proj", up_proj, x, out_features=intermediate)
+    _check_projection("down_proj", down_proj, x, in_features=intermediate)
+    projs = [_cast(p, dtype) for p in (gate_proj, up_proj, down_proj)]
+    return _LoRAMLP.apply(x.to(dtype), activation, tuple(p.scaling for p in projs), *_flatten(projs))

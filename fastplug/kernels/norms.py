@@ -1,0 +1,405 @@
+"""Normalisation kernels: RMSNorm (Llama and Gemma flavours) and LayerNorm, forward and backward.
+
+One forward and one backward Triton kernel serve both norms; constexpr flags carry the differences
+(CENTER: LayerNorm subtracts the mean; CAST_BEFORE_SCALE: Llama rounds the normalised row to x's dtype
+before scaling; HAS_WEIGHT / HAS_BIAS; LOOPED: rows too wide for registers are walked in column blocks).
+
+Forward reads x once (wide rows: once per pass, the later passes mostly from L2) and saves the per-row
+rstd (and mean) in fp32. Backward runs a persistent grid: each program walks many row tiles, keeps its
+partial dW/db in registers and writes one fp32 row of partials; a torch sum over the programs finishes
+the reduction, so no atomics contend however many rows there are.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Triton kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _affine(h, W, B, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """h * (w + offset) + b on an fp32 [rows, cols] tile."""
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        h = h * (w + offset)[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        h = h + b[None, :]
+    return h
+
+
+@triton.jit
+def _norm_fwd(
+    X, x_row_stride, W, B, Y, y_row_stride, MEAN, RSTD,
+    n_rows, n_cols, eps, offset,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_SCALE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows = rows.to(tl.int64)  # rows * stride can pass 2**31
+    x_rows = X + rows * x_row_stride
+    y_rows = Y + rows * y_row_stride
+    cols = tl.arange(0, BLOCK_N)
+    mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    if LOOPED:
+        # Wide rows: one pass per statistic (two-pass variance is exact where E[x^2]-E[x]^2 is not),
+        # then a pass that writes; the re-reads of the row mostly hit L2.
+        if CENTER:
+            acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                mask = row_mask[:, None] & (start + cols < n_cols)[None, :]
+                acc += tl.load(x_rows[:, None] + (start + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.sum(acc, axis=1) / n_cols
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            mask = row_mask[:, None] & (start + cols < n_cols)[None, :]
+            x = tl.load(x_rows[:, None] + (start + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            acc += xc * xc
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK_N):
+            col_mask = start + cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(x_rows[:, None] + (start + cols)[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (x - mean[:, None]) * rstd[:, None]
+            if CAST_BEFORE_SCALE:
+                h = h.to(X.dtype.element_ty).to(tl.float32)
+            y = _affine(h, W, B, start + cols, col_mask, offset, HAS_WEIGHT, HAS_BIAS)
+            tl.store(y_rows[:, None] + (start + cols)[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CENTER:
+            mean = tl.sum(x, axis=1) / n_cols
+            x = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        h = x * rstd[:, None]
+        if CAST_BEFORE_SCALE:
+            h = h.to(X.dtype.element_ty).to(tl.float32)
+        y = _affine(h, W, B, cols, col_mask, offset, HAS_WEIGHT, HAS_BIAS)
+        tl.store(y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if CENTER:
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _grad_terms(x, dy, W, cols, col_mask, mask, mean, rstd, offset, CENTER: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """x_hat (the normalised row) and g = dL/dx_hat for an fp32 tile."""
+    if CENTER:
+        x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    else:
+        x_hat = x * rstd[:, None]
+    g = dy
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = dy * (w + offset)[None, :]
+    return x_hat, g
+
+
+@triton.jit
+def _norm_bwd(
+    DY, dy_row_stride, X, x_row_stride, W, MEAN, RSTD, DX, dx_row_stride, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, offset,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+):
+    # dx = rstd * (g - x_hat * mean(g * x_hat) - [CENTER] mean(g)),  g = dy * (w + offset)
+    # dW = sum_rows dy * x_hat,  db = sum_rows dy
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    num_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    partial_row = pid.to(tl.int64) * n_cols  # this program's row in DW_PARTIAL / DB_PARTIAL
+    if LOOPED:
+        for tile in range(pid, num_tiles, n_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows = rows.to(tl.int64)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            if CENTER:
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            # pass 1: the row sums that couple all columns
+            sum_g_xhat = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+            sum_g = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)  # LayerNorm only
+            for start in range(0, n_cols, BLOCK_N):
+                col_mask = start + cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = (start + cols)[None, :]
+                x = tl.load(X + rows[:, None] * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows[:, None] * dy_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                x_hat, g = _grad_terms(x, dy, W, start + cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
+                sum_g_xhat += g * x_hat
+                if CENTER:
+                    sum_g += g
+            c_xhat = tl.sum(sum_g_xhat, axis=1) / n_cols
+            c_g = tl.sum(sum_g, axis=1) / n_cols
+            # pass 2: dx, and this tile's share of dW/db added into the program's partial row. Only this
+            # program touches that row; the barrier orders its read-modify-write across tiles.
+            for start in range(0, n_cols, BLOCK_N):
+                col_mask = start + cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                offs = (start + cols)[None, :]
+                x = tl.load(X + rows[:, None] * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(DY + rows[:, None] * dy_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                x_hat, g = _grad_terms(x, dy, W, start + cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
+                dx = (g - x_hat * c_xhat[:, None] - c_g[:, None]) * rstd[:, None]
+                tl.store(DX + rows[:, None] * dx_row_stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
+                part = partial_row + start + cols
+                if COMPUTE_DW:
+                    dw = tl.load(DW_PARTIAL + part, mask=col_mask, other=0.0)
+                    tl.store(DW_PARTIAL + part, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                if COMPUTE_DB:
+                    db = tl.load(DB_PARTIAL + part, mask=col_mask, other=0.0)
+                    tl.store(DB_PARTIAL + part, db + tl.sum(dy, axis=0), mask=col_mask)
+            tl.debug_barrier()
+    else:
+        col_mask = cols < n_cols
+        dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+        for tile in range(pid, num_tiles, n_programs):
+            rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+            row_mask = rows < n_rows
+            rows = rows.to(tl.int64)
+            mask = row_mask[:, None] & col_mask[None, :]
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+            if CENTER:
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x_hat, g = _grad_terms(x, dy, W, cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
+            dx = g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None]
+            if CENTER:
+                dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
+            dx = dx * rstd[:, None]
+            tl.store(DX + rows[:, None] * dx_row_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * x_hat
+            if COMPUTE_DB:
+                db_acc += dy
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if COMPUTE_DB:
+            tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+class _LaunchConfig(NamedTuple):
+    block_n: int          # columns per tile (a power of two)
+    block_rows: int       # rows per tile: narrow rows (q/k norms over a head dim) pack several per program
+    looped: bool          # row wider than block_n: walk it in column blocks
+    num_warps: int
+    programs_per_sm: int  # backward's persistent grid
+
+
+def _launch_config(n_cols: int, backward: bool) -> _LaunchConfig:
+    """All the tuning constants of this module, in one place; tune them on the GPU."""
+    max_fused_cols = 8192     # widest row kept whole in registers (no spills on sm_90 up to here)
+    looped_block_n = 4096     # column block for wider rows
+    min_tile = 2048 if backward else 4096  # pack rows up to this many elements per tile
+    elems_per_warp = 512      # 4096 cols -> 8 warps: two 16-byte bf16 vectors per thread per tensor
+    # Backward programs resident per SM, counted in warps: 8-warp programs use 80 (RMSNorm) to 125
+    # (LayerNorm) registers a thread, so two fit an SM's 64K registers. A grid larger than what is
+    # resident would run a second, under-filled wave; a smaller one hides less latency.
+    resident_warps_per_sm = 16
+    cols = triton.next_power_of_2(n_cols)
+    looped = cols > max_fused_cols
+    block_n = looped_block_n if looped else cols
+    block_rows = 1 if looped else max(1, min_tile // block_n)
+    num_warps = min(16, max(1, block_rows * block_n // elems_per_warp))
+    return _LaunchConfig(block_n, block_rows, looped, num_warps, max(1, resident_warps_per_sm // num_warps))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # interpreter: a small grid, so that the tests walk several tiles per program
+
+
+def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype):
+    n_rows, n_cols = x2.shape
+    cfg = _launch_config(n_cols, backward=False)
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if center else rstd  # rstd: unused stand-in
+    grid = (triton.cdiv(n_rows, cfg.block_rows),)
+    _norm_fwd[grid](
+        x2, x2.stride(0), weight if weight is not None else rstd, bias if bias is not None else rstd,
+        y, y.stride(0), mean, rstd, n_rows, n_cols, eps, offset,
+        BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, CENTER=center,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CAST_BEFORE_SCALE=cast_before_scale,
+        num_warps=cfg.num_warps,
+    )
+    return y, (mean if center else None), rstd
+
+
+def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_db):
+    """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for)."""
+    n_rows, n_cols = x2.shape
+    cfg = _launch_config(n_cols, backward=True)
+    n_programs = min(triton.cdiv(n_rows, cfg.block_rows), _num_sms(x2.device) * cfg.programs_per_sm)
+    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    # Looped tiles add into their partial row; fused ones write it once at the end.
+    alloc = torch.zeros if cfg.looped else torch.empty
+    dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else None
+    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_db else None
+    _norm_bwd[(n_programs,)](
+        dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else rstd,
+        mean if mean is not None else rstd, rstd, dx, dx.stride(0),
+        dw_partial if compute_dw else rstd, db_partial if compute_db else rstd,
+        n_rows, n_cols, offset,
+        BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, CENTER=mean is not None,
+        HAS_WEIGHT=weight is not None, COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+        num_warps=cfg.num_warps,
+    )
+    dw = dw_partial.sum(0) if compute_dw else None
+    db = db_partial.sum(0) if compute_db else None
+    return dx, dw, db
+
+
+def _check_inputs(x, weight, bias, eps):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor; got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last (hidden) dim; got shape {tuple(x.shape)}")
+    check_dtype("x", x)
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_dtype(name, t)
+            check_shape(name, t, (x.shape[-1],), "the last dim of x")
+    check_same_device(x=x, weight=weight, bias=bias)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Autograd functions
+# ----------------------------------------------------------------------------------------------------
+
+
+class RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        x2 = rows_view(x)
+        # offset 0 is Llama: scale the row rounded to x's dtype, result dtype promotes with the weight.
+        # Any other offset is Gemma: scale in fp32 by (offset + w), result in x's dtype.
+        llama = offset == 0.0
+        out_dtype = torch.promote_types(x.dtype, weight.dtype) if (llama and weight is not None) else x.dtype
+        y, _, rstd = _norm_forward(
+            x2, weight, None, eps, offset, center=False, cast_before_scale=llama, out_dtype=out_dtype
+        )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset = offset
+        ctx.x_shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw, _ = _norm_backward(
+            rows_view(dy), x2, weight, None, rstd, ctx.offset,
+            compute_dw=ctx.needs_input_grad[1], compute_db=False,
+        )
+        return dx.view(ctx.x_shape), (dw.to(weight.dtype) if dw is not None else None), None, None
+
+
+class LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x2 = rows_view(x)
+        y, mean, rstd = _norm_forward(
+            x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype
+        )
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = _norm_backward(
+            rows_view(dy), x2, weight, mean, rstd, 0.0,
+            compute_dw=ctx.needs_input_grad[1], compute_db=ctx.needs_input_grad[2],
+        )
+        dw = dw.to(weight.dtype) if dw is not None else None
+        db = db.to(ctx.bias_dtype) if db is not None else None
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Public functions
+# ----------------------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm over the last dim of x.
+
+    offset 0.0 is transformers' LlamaRMSNorm: normalise in fp32, round to x's dtype, multiply by weight
+    (result dtype promotes x with weight). Any other offset is GemmaRMSNorm's form (offset 1.0):
+    x_norm * (offset + w) in fp32, then cast to x's dtype. weight None: no scaling.
+    """
+    _check_inputs(x, weight, None, eps)
+    if weight is None and offset != 0.0:
+        raise ValueError(f"offset {offset!r} needs a weight (offset scales as offset + weight); got weight None")
+    if x.numel() == 0 or not use_triton(x, weight):
+        return rms_norm_reference(x, weight, eps, offset)
+    return RMSNorm.apply(x, weight, float(eps), float(offset))
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dim of x, statistics in fp32, result in x's dtype (like nn.LayerNorm)."""
+    _check_inputs(x, weight, bias, eps)
+    if x.numel() == 0 or not use_triton(x, weight, bias):
+        return layer_norm_reference(x, weight, bias, eps)
+    return LayerNorm.apply(x, weight, bias, float(eps))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. References (plain torch; float64 inputs are computed in float64)
+# ----------------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0
+) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return h.to(x.dtype)
+    if offset == 0.0:
+        return weight * h.to(x.dtype)  # LlamaRMSNorm
+    return (h * (offset + weight.to(compute))).to(x.dtype)  # GemmaRMSNorm
+
+
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
+) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    w = weight.to(compute) if weight is not None else None
+    b = bias.to(compute) if bias is not None else None
+    return F.layer_norm(x.to(compute), (x.shape[-1],), w, b, eps).to(x.dtype)

@@ -1,0 +1,224 @@
+"""Rotary position embedding with Hugging Face's rotate-half layout: x * cos + rotate_half(x) * sin.
+
+q [B, Hq, T, D] and k [B, Hk, T, D] are usually `proj(x).view(B, T, H, D).transpose(1, 2)`: non-contiguous,
+so the kernel reads and writes through the batch/head/token strides and the outputs keep the inputs' layout.
+cos/sin are what the model's rotary embedding returns: [B, T, Dr] (B may be 1) or [T, Dr]. With Dr < D only the
+first Dr dims rotate and the rest pass through (partial rotary).
+
+One launch covers q and k: a program takes a block of tokens of one sequence, loads their cos/sin once and
+applies them to every head of q and then of k (GQA: Hq != Hk). The backward is the same kernel: with
+y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2 (halves 1, 2 of the rotated dims) the transpose is
+dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1, i.e. the sine multipliers swap halves and change sign.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, check_same_device, use_triton
+
+MAX_HEAD_DIM = 512
+
+# Launch shape (a first guess for H100; the lead retunes): a program covers BLOCK_T tokens x BLOCK_H heads x
+# half a rotary dim at a time, about TILE_ELEMENTS elements per half.
+TILE_ELEMENTS = 2048
+NUM_WARPS = 4
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _rotate_heads(
+    x_ptr, y_ptr, stride_xb, stride_xh, stride_xt, stride_yb, stride_yh, stride_yt,
+    b, t, t_mask, n_heads, c1, c2, m1, m2,
+    HALF: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    """y = rotate(x) for all heads of one tensor at tokens t [BLOCK_T, 1, 1]; c*/m* are [BLOCK_T, 1, HALF_BLOCK]."""
+    d = tl.arange(0, HALF_BLOCK)[None, None, :]
+    x_base = x_ptr + b * stride_xb + t * stride_xt
+    y_base = y_ptr + b * stride_yb + t * stride_yt
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        row_mask = t_mask & (h < n_heads)
+        x_row = x_base + h * stride_xh
+        y_row = y_base + h * stride_yh
+        mask = row_mask & (d < HALF)
+        x1 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + d, (x1 * c1 + x2 * m1).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + HALF + d, (x2 * c2 + x1 * m2).to(y_ptr.dtype.element_ty), mask=mask)
+        if ROT_DIM < HEAD_DIM:  # dims past the rotary ones are copied unchanged
+            p = ROT_DIM + tl.arange(0, PASS_BLOCK)[None, None, :]
+            pass_mask = row_mask & (p < HEAD_DIM)
+            x_pass = tl.load(x_row + p, mask=pass_mask, other=0.0)
+            tl.store(y_row + p, x_pass.to(y_ptr.dtype.element_ty), mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    n_tokens, n_heads_q, n_heads_k,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
+    stride_cb, stride_ct,
+    HALF: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
+    t_mask = t < n_tokens
+    d = tl.arange(0, HALF_BLOCK)[None, None, :]
+    cs_mask = t_mask & (d < HALF)
+    cs_offset = b * stride_cb + t * stride_ct + d
+    c1 = tl.load(cos_ptr + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        m1 = s2
+        m2 = -s1
+    else:
+        m1 = -s1
+        m2 = s2
+    _rotate_heads(
+        q_ptr, q_out_ptr, stride_qb, stride_qh, stride_qt, stride_qob, stride_qoh, stride_qot,
+        b, t, t_mask, n_heads_q, c1, c2, m1, m2, HALF, ROT_DIM, HEAD_DIM, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK,
+    )
+    _rotate_heads(
+        k_ptr, k_out_ptr, stride_kb, stride_kh, stride_kt, stride_kob, stride_koh, stride_kot,
+        b, t, t_mask, n_heads_k, c1, c2, m1, m2, HALF, ROT_DIM, HEAD_DIM, BLOCK_HK, HALF_BLOCK, PASS_BLOCK,
+    )
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _check_inputs(q, k, cos, sin) -> None:
+    for name, x in (("q", q), ("k", k)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [batch, heads, tokens, head_dim]; got shape {tuple(x.shape)}")
+        check_dtype(name, x)
+    check_dtype("cos", cos)
+    check_dtype("sin", sin)
+    if k.dtype != q.dtype:
+        raise ValueError(f"k must have q's dtype {q.dtype}; got {k.dtype}")
+    if sin.dtype != cos.dtype:
+        raise ValueError(f"sin must have cos's dtype {cos.dtype}; got {sin.dtype}")
+    batch, _, tokens, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, tokens, head_dim):
+        raise ValueError(
+            f"k must have q's batch, tokens and head_dim ({batch}, {tokens}, {head_dim}) in dims 0, 2, 3; "
+            f"got shape {tuple(k.shape)}"
+        )
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q's head_dim must be at most {MAX_HEAD_DIM}; got {head_dim}")
+    if cos.dim() not in (2, 3) or cos.shape[-2] != tokens or (cos.dim() == 3 and cos.shape[0] not in (1, batch)):
+        raise ValueError(
+            f"cos must have shape [{batch} or 1, {tokens}, rotary_dim] or [{tokens}, rotary_dim]; got {tuple(cos.shape)}"
+        )
+    rot_dim = cos.shape[-1]
+    if rot_dim % 2 or not 0 < rot_dim <= head_dim:
+        raise ValueError(f"cos's last dim (rotary_dim) must be even and in [2, head_dim={head_dim}]; got {rot_dim}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin must have the shape of cos {tuple(cos.shape)}; got {tuple(sin.shape)}")
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor shaped like x [B, H, T, D] with x's order of batch/head/token strides and unit D stride."""
+    order = sorted(range(3), key=lambda i: x.stride(i), reverse=True) + [3]
+    out = torch.empty([x.shape[i] for i in order], dtype=dtype, device=x.device)
+    return out.permute([order.index(i) for i in range(4)])
+
+
+def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
+    """(batch stride, token stride) of cos; 0 for the batch of a [T, Dr] or [1, T, Dr] table (broadcast)."""
+    if cos.dim() == 2 or cos.shape[0] == 1:
+        return 0, cos.stride(-2)
+    return cos.stride(0), cos.stride(1)
+
+
+def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
+    cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
+    if cos.stride() != sin.stride():  # the kernel reads both with one set of strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    q_out, k_out = _empty_in_layout(q, q_dtype), _empty_in_layout(k, k_dtype)
+    batch, n_heads_q, tokens, head_dim = q.shape
+    n_heads_k = k.shape[1]
+    if q.numel() + k.numel() == 0:
+        return q_out, k_out
+    rot_dim = cos.shape[-1]
+    half_block = triton.next_power_of_2(rot_dim // 2)
+    heads_cap = max(1, TILE_ELEMENTS // half_block)
+    block_hq = min(triton.next_power_of_2(max(n_heads_q, 1)), heads_cap)
+    block_hk = min(triton.next_power_of_2(max(n_heads_k, 1)), heads_cap)
+    block_t = min(max(1, TILE_ELEMENTS // (block_hq * half_block)), triton.next_power_of_2(tokens))
+    stride_cb, stride_ct = _cos_sin_strides(cos)
+    grid = (triton.cdiv(tokens, block_t), batch)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin,
+        tokens, n_heads_q, n_heads_k,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        stride_cb, stride_ct,
+        HALF=rot_dim // 2, ROT_DIM=rot_dim, HEAD_DIM=head_dim, BACKWARD=backward,
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, HALF_BLOCK=half_block,
+        PASS_BLOCK=triton.next_power_of_2(max(head_dim - rot_dim, 1)),
+        num_warps=NUM_WARPS,
+    )
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+class RotaryEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.input_dtypes = (q.dtype, k.dtype)
+        # Output dtype as in transformers (q * cos promotes): bf16 q with fp32 cos gives fp32.
+        return _rope_launch(
+            q, k, cos, sin, torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype), False
+        )
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True)
+        return grad_q, grad_k, None, None
+
+
+# ------------------------------------------------------------------------------------------- public API
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D)."""
+    _check_inputs(q, k, cos, sin)
+    # The kernel gives no gradient for cos/sin; the rare caller that trains them gets the torch path.
+    if not use_triton(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:
+        return rope_reference(q, k, cos, sin)
+    return RotaryEmbedding.apply(q, k, cos, sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot_dim = cos.shape[-1]
+
+    def apply(x):
+        x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+        y = x_rot * cos + _rotate_half(x_rot) * sin
+        return torch.cat((y, x_pass.to(y.dtype)), dim=-1) if x_pass.shape[-1] else y
+
+    return apply(q), apply(k)

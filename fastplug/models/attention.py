@@ -1,0 +1,119 @@
+"""Attention blocks with q/k/v/o projections: fused LoRA QKV, q_norm/k_norm, the RoPE kernel, then the
+model's own attention function, called exactly as the family's forward calls it.
+
+What differs between families is only which extra arguments reach the attention function (sliding window,
+softcap): `Family.attention_extra_kwargs`. Everything else is the shared structure of transformers'
+Llama-derived attention forwards (transformers 5.17 to 5.23).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from ..kernels.lora import lora_linear, lora_qkv
+from ..kernels.rope import rope
+from .projections import fused_projections, unfused_notes
+from .rules import MatchContext, Patch, Skip
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "attention_dropout", "config")
+
+
+def _family_module(attn: nn.Module):
+    return sys.modules[type(attn).__module__]
+
+
+def attention_function(attn: nn.Module):
+    """The attention function the original forward would pick (config._attn_implementation, else eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = _family_module(attn).eager_attention_forward
+    implementation = attn.config._attn_implementation
+    if implementation in (None, "eager"):
+        return eager
+    if hasattr(ALL_ATTENTION_FUNCTIONS, "get_interface"):
+        return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+    return ALL_ATTENTION_FUNCTIONS[implementation]
+
+
+def _project_qkv(self, hidden_states, use_lora: bool):
+    projs = fused_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
+    if projs is not None:
+        return lora_qkv(hidden_states, *projs)
+    return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+
+
+def _project_out(self, attn_output, use_lora: bool):
+    projs = fused_projections(self.o_proj) if use_lora else None
+    return lora_linear(attn_output, projs[0]) if projs is not None else self.o_proj(attn_output)
+
+
+def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
+        if past_key_values is not None and not torch.is_grad_enabled():
+            # Generation / cached inference: transformers' own forward, cache handling and all.
+            return type(self).forward(
+                self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+                past_key_values=past_key_values, **kwargs,
+            )
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        query, key, value = _project_qkv(self, hidden_states, use_lora)
+        query, key = query.view(hidden_shape), key.view(hidden_shape)
+        value = value.view(hidden_shape).transpose(1, 2)
+        if hasattr(self, "q_norm"):  # Qwen3, Gemma3: per-head RMSNorm before RoPE
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+
+        cos, sin = position_embeddings
+        if use_rope:
+            query, key = rope(query, key, cos, sin)
+        else:
+            query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
+
+        if past_key_values is not None:  # training with use_cache: the cache still records the keys
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attn_output, attn_weights = attention_function(self)(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **extra_kwargs(self),
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return _project_out(self, attn_output, use_lora), attn_weights
+
+    return forward
+
+
+def match_attention(module: nn.Module, ctx: MatchContext):
+    if not all(hasattr(module, p) for p in PROJECTIONS) or not type(module).__name__.endswith("Attention"):
+        return None
+    options = ctx.options
+    if not (options.rope or options.lora):
+        return None
+    if ctx.family is None:
+        return Skip("attention", "attention forward of an unknown family is not reproduced")
+    missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
+    family_module = _family_module(module)
+    missing += [f for f in ("eager_attention_forward", "apply_rotary_pos_emb") if not hasattr(family_module, f)]
+    if missing:
+        return Skip("attention", f"not the expected attention structure (no {', '.join(missing)})")
+    if hasattr(module, "q_norm") != hasattr(module, "k_norm"):
+        return Skip("attention", "q_norm without k_norm (or the reverse)")
+    lora_now = options.lora and (
+        fused_projections(module.q_proj, module.k_proj, module.v_proj) is not None
+        or fused_projections(module.o_proj) is not None
+    )
+    notes = unfused_notes(module, PROJECTIONS) if options.lora else ()
+    forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora)
+    return Patch("attention", forward, lora_fused=lora_now, notes=notes)

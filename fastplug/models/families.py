@@ -1,0 +1,68 @@
+"""The supported model families and their few quirks.
+
+Everything else is matched by structure (see norms.py, mlp.py, attention.py, lm_head.py). A new family
+should be one `Family(...)` line here: what its RMSNorm computes and which extra arguments its attention
+forward passes to the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torch import nn
+
+
+def _no_extra(attn: nn.Module) -> dict:
+    return {}
+
+
+def _sliding_from_module(attn: nn.Module) -> dict:
+    # Qwen2/Qwen3/Gemma3: the layer's own window (None on full-attention layers).
+    return {"sliding_window": getattr(attn, "sliding_window", None)}
+
+
+def _sliding_from_config(attn: nn.Module) -> dict:
+    # Mistral/Mixtral: one window for every layer.
+    return {"sliding_window": getattr(attn.config, "sliding_window", None)}
+
+
+def _gemma2_extra(attn: nn.Module) -> dict:
+    return {"sliding_window": attn.sliding_window, "softcap": attn.attn_logit_softcapping}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # 0.0: Llama's RMSNorm (weight * x_norm in x's dtype); 1.0: Gemma's (x_norm * (1 + weight) in fp32).
+    rms_norm_offset: float = 0.0
+    # Keyword arguments this family's attention forward passes to the attention function, beyond
+    # dropout/scaling (read from transformers' modeling_<family>.py).
+    attention_extra_kwargs: Callable[[nn.Module], dict] = field(default=_no_extra)
+    # MoE families add the router's load-balancing loss to the LM loss when output_router_logits is set.
+    moe: bool = False
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama"),
+        Family("mistral", attention_extra_kwargs=_sliding_from_config),
+        Family("qwen2", attention_extra_kwargs=_sliding_from_module),
+        Family("qwen3", attention_extra_kwargs=_sliding_from_module),
+        Family("gemma", rms_norm_offset=1.0),
+        Family("gemma2", rms_norm_offset=1.0, attention_extra_kwargs=_gemma2_extra),
+        Family("gemma3_text", rms_norm_offset=1.0, attention_extra_kwargs=_sliding_from_module),
+        Family("mixtral", attention_extra_kwargs=_sliding_from_config, moe=True),
+        Family("qwen2_moe", moe=True),  # sets sliding_window on some layers but does not pass it
+        Family("qwen3_moe", attention_extra_kwargs=_sliding_from_module, moe=True),
+    )
+}
+
+SUPPORTED_FAMILIES = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe"
+
+
+def family_of(model: nn.Module) -> Family | None:
+    """The family of a transformers model (by config.model_type), or None when it is not one we know."""
+    config = getattr(model, "config", None)
+    return FAMILIES.get(getattr(config, "model_type", None))

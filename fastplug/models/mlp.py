@@ -1,0 +1,64 @@
+"""Gated MLPs: down(act(gate(x)) * up(x)) with SwiGLU or GeGLU (dense layers and MoE shared experts).
+
+With LoRA on all three projections the whole block is one fused autograd node (`lora_mlp`); otherwise the
+projections run as modules and only the activation is fused. A Qwen2-MoE shared expert is such an MLP;
+its sigmoid gate lives in the MoE block, which stays as it is.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..kernels.activations import geglu, swiglu
+from ..kernels.lora import lora_mlp
+from .projections import fused_projections, unfused_notes
+from .rules import MatchContext, Patch, Skip
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+# activation class name (transformers.activations, torch.nn) -> the kernels' activation name
+_ACTIVATION_BY_CLASS = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
+}
+
+
+def activation_name(act_fn: nn.Module) -> str | None:
+    if isinstance(act_fn, nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act_fn.approximate)
+    return _ACTIVATION_BY_CLASS.get(type(act_fn).__name__)
+
+
+def _gated(gate, up, activation: str):
+    if activation == "silu":
+        return swiglu(gate, up)
+    return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _mlp_forward(activation: str, use_lora: bool):
+    def forward(self, x):
+        projs = fused_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
+        if projs is not None:
+            return lora_mlp(x, *projs, activation=activation)
+        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation))
+
+    return forward
+
+
+def match_mlp(module: nn.Module, ctx: MatchContext):
+    if not ctx.options.mlp or not all(hasattr(module, p) for p in PROJECTIONS):
+        return None
+    act_fn = getattr(module, "act_fn", None)
+    if not isinstance(act_fn, nn.Module):
+        return Skip("mlp", "no act_fn module")
+    activation = activation_name(act_fn)
+    if activation is None:
+        return Skip("mlp", f"activation {type(act_fn).__name__} has no fused kernel")
+    use_lora = ctx.options.lora
+    lora_now = use_lora and fused_projections(*(getattr(module, p) for p in PROJECTIONS)) is not None
+    notes = unfused_notes(module, PROJECTIONS) if use_lora else ()
+    return Patch("mlp", _mlp_forward(activation, use_lora), lora_fused=lora_now, notes=notes)

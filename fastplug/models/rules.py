@@ -1,0 +1,35 @@
+"""What a matching rule returns: a Patch to apply to one module, a Skip to report, or None (not ours)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from ..options import KernelOptions
+from .families import Family
+
+
+@dataclass(frozen=True)
+class Patch:
+    kind: str  # summary key: "rms_norm", "mlp", "attention", "lm_head_loss", ...
+    forward: Callable  # function(self, ...) that becomes this instance's `forward`
+    lora_fused: bool = False  # takes the fused LoRA path (as the adapters stand at patch time)
+    notes: tuple[tuple[str, str], ...] = ()  # (submodule path, reason) to report, e.g. LoRA layers left unfused
+
+
+@dataclass(frozen=True)
+class Skip:
+    kind: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class MatchContext:
+    root: nn.Module  # the transformers model being patched (peft unwrapped)
+    family: Family | None  # None: unknown model type, structural rules only
+    options: KernelOptions
+
+
+Rule = Callable[[nn.Module, MatchContext], "Patch | Skip | None"]

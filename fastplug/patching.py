@@ -1,0 +1,170 @@
+"""The patching engine: apply the matching rules of `fastplug.models` to ONE model instance, remember what
+was there, and put it back.
+
+A patch is an instance attribute: `module.forward = MethodType(new_forward, module)`. The class, the
+transformers/peft module globals and every other model in the process are never touched; restoring deletes
+the attribute, so the class's forward is what runs again (bit-identical outputs). Modules whose forward was
+already replaced on the instance by someone else (TRL's fused LM head, accelerate hooks) are left alone.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections import Counter
+
+import torch
+from torch import nn
+
+from . import checkpointing
+from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
+from .options import KernelOptions
+
+_HANDLE_ATTRIBUTE = "_fastplug_handle"
+_warned_model_types: set[str] = set()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft PeftModel (or the model itself)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and type(model).__module__.startswith("peft"):
+        return get_base_model()
+    return model
+
+
+def active_handle(model: nn.Module) -> "PatchHandle | None":
+    handle = vars(unwrap(model)).get(_HANDLE_ATTRIBUTE)
+    return handle if handle is not None and handle.is_active else None
+
+
+class PatchHandle:
+    """What `patch_model` did to one model; `restore()` undoes all of it (a second call does nothing)."""
+
+    def __init__(self, model: nn.Module, options: KernelOptions):
+        self.model = model
+        self.options = options
+        self.family = family_of(model)
+        self.counts: dict[str, int] = {}
+        self.skipped: list[tuple[str, str]] = []
+        self.checkpointing: str | None = None
+        self._patched: list[tuple[nn.Module, object]] = []  # (module, the bound forward we installed)
+        self._checkpointing_snapshot = None
+        self._lora_fused = 0
+        self.is_active = False
+
+    # -- applying
+    def _apply(self, path: str, module: nn.Module, patch: Patch) -> None:
+        bound = types.MethodType(patch.forward, module)
+        module.forward = bound  # nn.Module.__setattr__ stores a plain attribute in the instance __dict__
+        self._patched.append((module, bound))
+        self._lora_fused += patch.lora_fused
+        for child, reason in patch.notes:
+            self.skipped.append((f"{path}.{child}" if path else child, reason))
+
+    def _patch_modules(self, outer: nn.Module) -> None:
+        ctx = MatchContext(root=self.model, family=self.family, options=self.options)
+        counts: Counter = Counter()
+        for path, module in self.model.named_modules():
+            for rule in RULES:
+                result = rule(module, ctx)
+                if result is None:
+                    continue
+                replaced_by_someone = "forward" in vars(module) or (module is self.model and "forward" in vars(outer))
+                if isinstance(result, Patch) and replaced_by_someone:
+                    result = Skip(result.kind, "forward already replaced on this instance by another library; left alone")
+                if isinstance(result, Skip):
+                    self.skipped.append((path or type(module).__name__, f"{result.kind}: {result.reason}"))
+                else:
+                    self._apply(path, module, result)
+                    counts[result.kind] += 1
+                break
+        if self._lora_fused:
+            counts["lora_fused"] = self._lora_fused
+        self.counts = dict(counts)
+
+    def _enable_checkpointing(self) -> None:
+        mode = self.options.gradient_checkpointing
+        if not mode:
+            return
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            self.skipped.append((type(self.model).__name__, "gradient checkpointing: not supported by this model"))
+            return
+        self._checkpointing_snapshot = checkpointing.snapshot(self.model)
+        self.checkpointing = checkpointing.enable(self.model, mode)
+
+    # -- undoing
+    def restore(self) -> None:
+        if not self.is_active:
+            return
+        for module, bound in reversed(self._patched):
+            if vars(module).get("forward") is bound:
+                del module.forward
+        self._patched.clear()
+        if self._checkpointing_snapshot is not None:
+            checkpointing.restore(self._checkpointing_snapshot)
+            self._checkpointing_snapshot = None
+        vars(self.model).pop(_HANDLE_ATTRIBUTE, None)
+        self.is_active = False
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    # -- reporting
+    def summary(self) -> str:
+        family = self.family.name if self.family else "unknown family: structural rules only"
+        state = "active" if self.is_active else "restored"
+        lines = [f"fastplug patch of {type(self.model).__name__} ({family}), {state}"]
+        counted = ", ".join(f"{kind}: {n}" for kind, n in self.counts.items()) or "nothing"
+        lines.append(f"  patched: {counted}")
+        if self.checkpointing:
+            lines.append(f"  gradient checkpointing: {self.checkpointing}")
+        if self.skipped:
+            lines.append(f"  skipped ({len(self.skipped)}):")
+            lines += [f"    {path}: {reason}" for path, reason in self.skipped]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<PatchHandle {type(self.model).__name__} {'active' if self.is_active else 'restored'} {self.counts}>"
+
+
+def patch_model(model: nn.Module, options: KernelOptions | None = None, **overrides) -> PatchHandle:
+    """Patch this model instance (a PreTrainedModel or a peft PeftModel, on any device); returns the handle.
+
+    Patching an already patched model returns its active handle unchanged.
+    """
+    options = KernelOptions.build(options, **overrides)
+    existing = active_handle(model)
+    if existing is not None:
+        return existing
+    base = unwrap(model)
+    handle = PatchHandle(base, options)
+    if handle.family is None:
+        _warn_unknown(base)
+    handle._patch_modules(model)
+    handle._enable_checkpointing()
+    handle.is_active = True
+    vars(base)[_HANDLE_ATTRIBUTE] = handle  # bypasses nn.Module.__setattr__: a plain instance attribute
+    return handle
+
+
+def _warn_unknown(model: nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    if model_type in _warned_model_types:
+        return
+    _warned_model_types.add(model_type)
+    warnings.warn(
+        f"fastplug: model type {model_type!r} is not a supported family ({SUPPORTED_FAMILIES}); "
+        "patching only the modules its structural rules recognise",
+        stacklevel=3,
+    )
+
+
+def kernel_path_of(model: nn.Module) -> str:
+    """Words for the logs: which path the kernels take for this model's parameters."""
+    from .kernels._utils import kernel_path
+
+    parameter = next(model.parameters(), None)
+    return kernel_path(parameter.device if parameter is not None else torch.device("cpu"))

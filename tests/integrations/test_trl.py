@@ -1,0 +1,179 @@
+"""FastSFTTrainer / FastDPOTrainer with the real TRL on a tiny Llama: same losses as TRL alone, models restored."""
+
+import math
+import string
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
+from fastplug.patching import active_handle  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+
+STEPS = 3
+
+
+def char_tokenizer():
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+
+
+TOKENIZER = char_tokenizer()
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
+        eos_token_id=TOKENIZER.eos_token_id, bos_token_id=TOKENIZER.bos_token_id,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def tiny_lora_llama(seed=0):
+    # init_lora_weights=False: random lora_B, so the adapter changes the outputs from the first step
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    model = tiny_llama(seed)
+    torch.manual_seed(seed + 1)
+    return get_peft_model(model, config)
+
+
+def module_state(model, trl_head=None):
+    """Identity, class and instance forward of every module, identity of every parameter.
+
+    `trl_head`'s instance forward is TRL's fused LM head (installed by TRL itself), so it is left out.
+    """
+    modules = [
+        (name, id(m), type(m), None if m is trl_head else vars(m).get("forward")) for name, m in model.named_modules()
+    ]
+    return modules, [(name, id(p)) for name, p in model.named_parameters()]
+
+
+class Probe(TrainerCallback):
+    """Records, at each step, whether fastplug was active on `models`; raises at `raise_at` if set."""
+
+    def __init__(self, models, raise_at=None):
+        self.models, self.raise_at, self.active = models, raise_at, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active.append(all(active_handle(m) is not None for m in self.models))
+        if state.global_step == self.raise_at:
+            raise RuntimeError("boom at step 2")
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def common_args(tmp_path):
+    return dict(
+        output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
+        logging_steps=1, report_to="none", save_strategy="no", max_length=32, seed=0, disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+
+
+def sft_dataset():
+    return datasets.Dataset.from_dict({"text": [f"{i} is {'even' if i % 2 == 0 else 'odd'}." for i in range(8)]})
+
+
+def dpo_dataset():
+    answers = [("yes", "no") if i % 2 == 0 else ("no", "yes") for i in range(8)]
+    return datasets.Dataset.from_dict(
+        {"prompt": [f"is {i} even? " for i in range(8)], "chosen": [a for a, _ in answers],
+         "rejected": [r for _, r in answers]}
+    )  # fmt: skip
+
+
+def test_sft_matches_trl_and_restores(tmp_path):
+    args = SFTConfig(**common_args(tmp_path))
+    reference = SFTTrainer(model=tiny_llama(), args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER)
+    reference.train()
+
+    model = tiny_llama()
+    before = module_state(model, trl_head=model)
+    probe = Probe([model])
+    trainer = FastSFTTrainer(
+        model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=sft_dataset(),
+        processing_class=TOKENIZER, callbacks=[probe],
+    )  # fmt: skip
+    trl_forward = vars(model)["forward"]
+    assert active_handle(model) is not None, "patched once TRL's set-up is done"
+    assert "TRL's fused LM head" in trainer.fast_kernels_summary
+    trainer.train()
+
+    assert probe.active == [True] * STEPS
+    assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
+    assert active_handle(model) is None
+    assert module_state(model, trl_head=model) == before
+    assert vars(model)["forward"] is trl_forward, "TRL's fused LM head forward was never replaced"
+
+
+def test_sft_peft_restores_after_exception(tmp_path):
+    model = tiny_lora_llama()
+    head = model.get_base_model()
+    before = module_state(model, trl_head=head)
+    probe = Probe([model], raise_at=2)
+    trainer = FastSFTTrainer(
+        model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=sft_dataset(),
+        processing_class=TOKENIZER, callbacks=[probe],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert probe.active == [True, True]
+    assert active_handle(model) is None
+    assert module_state(model, trl_head=head) == before
+
+
+def test_dpo_with_reference_model(tmp_path):
+    def run(trainer_cls):
+        policy, ref = tiny_llama(), tiny_llama(seed=1)
+        states = [module_state(m, trl_head=m) for m in (policy, ref)]
+        probe = Probe([policy, ref])
+        trainer = trainer_cls(
+            model=policy, ref_model=ref, args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(),
+            processing_class=TOKENIZER, callbacks=[probe],
+        )  # fmt: skip
+        trainer.train()
+        return trainer, probe, states, (policy, ref)
+
+    reference, _, _, _ = run(DPOTrainer)
+    trainer, probe, before, models = run(FastDPOTrainer)
+    assert probe.active == [True] * STEPS, "policy and reference model patched while training"
+    assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
+    assert [module_state(m, trl_head=m) for m in models] == before
+    assert all(active_handle(m) is None for m in models)
+
+
+def test_dpo_peft_reference_pass_disables_the_fused_adapter(tmp_path):
+    # No ref_model: TRL's reference pass runs the policy under disable_adapter(); with the fused LoRA path that
+    # must give the base model's log-probs, so the losses match TRL alone from the first step on.
+    reference = DPOTrainer(
+        model=tiny_lora_llama(), args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(),
+        processing_class=TOKENIZER,
+    )  # fmt: skip
+    reference.train()
+    model = tiny_lora_llama()
+    trainer = FastDPOTrainer(
+        model=model, args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(), processing_class=TOKENIZER
+    )
+    assert trainer.ref_model is None
+    trainer.train()
+    first = losses(reference)[0]
+    assert abs(first - math.log(2)) > 1e-3, "random lora_B: policy and reference differ at the first step"
+    assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
+    assert active_handle(model) is None

@@ -1,0 +1,178 @@
+"""Gated activations (SwiGLU, GeGLU): forward and backward against float64 references, on odd shapes and layouts."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastplug.kernels.activations as activations
+from fastplug.kernels.activations import (
+    ACTIVATIONS,
+    geglu,
+    geglu_reference,
+    glu_backward,
+    glu_forward,
+    swiglu,
+    swiglu_reference,
+)
+from tests.helpers import assert_close
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# activation name -> (public function, float64 reference)
+PUBLIC = {
+    "silu": (swiglu, swiglu_reference),
+    "gelu_tanh": (lambda g, u: geglu(g, u, "tanh"), lambda g, u: geglu_reference(g, u, "tanh")),
+    "gelu": (lambda g, u: geglu(g, u, approximate="none"), lambda g, u: geglu_reference(g, u, "none")),
+}
+
+
+def _inputs(shape, dtype, scale=2.0):
+    gate = (torch.randn(shape) * scale).to(dtype)
+    up = torch.randn(shape).to(dtype)
+    return gate, up
+
+
+def _reference_grads(activation, gate, up, grad_h):
+    """h, dgate, dup in float64 through autograd on the reference."""
+    g64 = gate.double().requires_grad_()
+    u64 = up.double().requires_grad_()
+    h = PUBLIC[activation][1](g64, u64)
+    h.backward(grad_h.double())
+    return h.detach(), g64.grad, u64.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(37, 129), (2, 3, 200)], ids=["37x129", "2x3x200"])
+def test_public_forward_backward(activation, dtype, shape):
+    gate, up = _inputs(shape, dtype)
+    gate.requires_grad_()
+    up.requires_grad_()
+    h = PUBLIC[activation][0](gate, up)
+    grad_h = torch.randn(shape).to(dtype)
+    h.backward(grad_h)
+    ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate.detach(), up.detach(), grad_h)
+    assert h.dtype == dtype and h.shape == gate.shape
+    assert_close(h, ref_h, dtype, "h")
+    assert_close(gate.grad, ref_dgate, dtype, "dgate")
+    assert_close(up.grad, ref_dup, dtype, "dup")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_chunks_of_fused_gate_up_and_transposed_inputs(activation):
+    # gate/up as the halves of one [.., 2I] projection (row stride 2I, no copy) and as a transposed view.
+    fused = torch.randn(3, 11, 2 * 96, requires_grad=True)
+    gate, up = fused.chunk(2, dim=-1)
+    h = PUBLIC[activation][0](gate, up)
+    grad_h = torch.randn_like(h)
+    h.backward(grad_h)
+    ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate.detach(), up.detach(), grad_h)
+    assert_close(h, ref_h, torch.float32, "h")
+    assert_close(fused.grad, torch.cat([ref_dgate, ref_dup], dim=-1), torch.float32, "d(gate_up)")
+
+    gate_t = torch.randn(129, 37).t()
+    up_t = torch.randn(129, 37).t()
+    ref = PUBLIC[activation][1](gate_t.double(), up_t.double())
+    assert_close(glu_forward(gate_t, up_t, activation), ref, torch.float32, "h (transposed inputs)")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_extreme_values_stay_finite(activation):
+    gate = torch.tensor([[-1e4, -100.0, -30.0, -8.0, -1e-3, 0.0, 1e-3, 8.0, 30.0, 100.0, 1e4]])
+    up = torch.randn_like(gate)
+    grad_h = torch.randn_like(gate)
+    h, dgate, dup = glu_backward(grad_h, gate, up, activation, recompute_h=True)
+    ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate, up, grad_h)
+    assert_close(h, ref_h, torch.float32, "h")
+    assert_close(dgate, ref_dgate, torch.float32, "dgate")
+    assert_close(dup, ref_dup, torch.float32, "dup")
+
+
+def test_matches_transformers_activations():
+    from transformers.activations import ACT2FN
+
+    gate, up = _inputs((37, 129), torch.float32)
+    assert_close(swiglu(gate, up), ACT2FN["silu"](gate) * up, torch.float32, "swiglu vs ACT2FN['silu']")
+    assert_close(geglu(gate, up), ACT2FN["gelu_pytorch_tanh"](gate) * up, torch.float32, "geglu vs gelu_pytorch_tanh")
+    assert_close(geglu(gate, up, "none"), ACT2FN["gelu"](gate) * up, torch.float32, "geglu vs gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("recompute_h", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_glu_backward_variants(activation, dtype, recompute_h, inplace):
+    gate, up = _inputs((37, 129), dtype)
+    grad_h = torch.randn(37, 129).to(dtype)
+    ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate, up, grad_h)
+    buffers = (grad_h.data_ptr(), gate.data_ptr(), up.data_ptr())
+    h, dgate, dup = glu_backward(grad_h, gate, up, activation, recompute_h=recompute_h, inplace=inplace)
+    if inplace:
+        assert (dgate.data_ptr(), dup.data_ptr()) == buffers[1:]
+        assert dgate is gate and dup is up
+    if recompute_h:
+        assert_close(h, ref_h, dtype, "h")
+        assert (h.data_ptr() == buffers[0]) == inplace  # h goes into grad_h's buffer only when inplace
+    else:
+        assert h is None
+    assert_close(dgate, ref_dgate, dtype, "dgate")
+    assert_close(dup, ref_dup, dtype, "dup")
+
+
+def test_glu_backward_inplace_into_buffers_that_are_not_row_views():
+    # Transposed buffers cannot be viewed as [rows, I]: the results are copied back into them.
+    gate = (torch.randn(129, 37) * 2).t()
+    up = torch.randn(129, 37).t()
+    grad_h = torch.randn(129, 37).t()
+    ref_h, ref_dgate, ref_dup = _reference_grads("silu", gate, up, grad_h)
+    h, dgate, dup = glu_backward(grad_h, gate, up, "silu", recompute_h=True, inplace=True)
+    assert h is grad_h and dgate is gate and dup is up
+    assert_close(grad_h, ref_h, torch.float32, "h in grad_h")
+    assert_close(gate, ref_dgate, torch.float32, "dgate in gate")
+    assert_close(up, ref_dup, torch.float32, "dup in up")
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_path_without_triton(monkeypatch, inplace):
+    monkeypatch.setattr(activations, "use_triton", lambda *tensors: False)
+    gate, up = _inputs((5, 33), torch.float32)
+    grad_h = torch.randn(5, 33)
+    ref_h, ref_dgate, ref_dup = _reference_grads("gelu", gate, up, grad_h)
+    assert_close(glu_forward(gate, up, "gelu"), ref_h, torch.float32, "h")
+    assert_close(geglu(gate, up, "none"), ref_h, torch.float32, "geglu")
+    h, dgate, dup = glu_backward(grad_h, gate, up, "gelu", recompute_h=True, inplace=inplace)
+    assert_close(h, ref_h, torch.float32, "h")
+    assert_close(dgate, ref_dgate, torch.float32, "dgate")
+    assert_close(dup, ref_dup, torch.float32, "dup")
+
+
+def test_empty_input():
+    gate = torch.randn(0, 16, requires_grad=True)
+    up = torch.randn(0, 16, requires_grad=True)
+    h = swiglu(gate, up)
+    h.sum().backward()
+    assert h.shape == (0, 16) and gate.grad.shape == (0, 16)
+
+
+def test_bad_input_raises_value_error_naming_the_argument():
+    gate, up = _inputs((4, 8), torch.float32)
+    with pytest.raises(ValueError, match="activation"):
+        glu_forward(gate, up, "relu")
+    with pytest.raises(ValueError, match="up"):
+        swiglu(gate, up[:, :4])
+    with pytest.raises(ValueError, match="up"):
+        swiglu(gate, up.half())
+    with pytest.raises(ValueError, match="gate"):
+        swiglu(gate.to(torch.int32), up)
+    with pytest.raises(ValueError, match="approximate"):
+        geglu(gate, up, approximate="erf")
+    with pytest.raises(ValueError, match="grad_h"):
+        glu_backward(torch.randn(4, 7), gate, up, "silu")
+    with pytest.raises(ValueError, match="grad_h"):
+        glu_backward(torch.randn(4, 8).to(torch.float64), gate, up, "silu")
+
+
+def test_reference_is_the_plain_torch_formula():
+    gate, up = _inputs((3, 10), torch.float64)
+    assert torch.equal(swiglu_reference(gate, up), F.silu(gate) * up)
+    assert torch.equal(geglu_reference(gate, up, "none"), F.gelu(gate) * up)

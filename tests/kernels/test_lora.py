@@ -1,0 +1,310 @@
+"""Fused LoRA linear / QKV / MLP against peft's own modules (run in float64 as the reference).
+
+Real peft layers from get_peft_model on a tiny attention+MLP block; init_lora_weights=False so B is not zero.
+The MLP's activation runs the Triton kernels under the interpreter: shapes stay tiny.
+"""
+
+import copy
+
+import peft
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
+from fastplug.models.peft_lora import lora_projection, unfused_reason
+from tests.helpers import assert_close
+
+HIDDEN, INTERMEDIATE, Q_OUT, KV_OUT, RANK = 48, 40, 48, 16, 4
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+TORCH_ACT = {
+    "silu": F.silu,
+    "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class TinyBlock(nn.Module):
+    """q/k/v/o with GQA-narrow k/v (optional Qwen2-style q/k/v bias) and a gated MLP."""
+
+    def __init__(self, qkv_bias=False):
+        super().__init__()
+        self.q_proj = nn.Linear(HIDDEN, Q_OUT, bias=qkv_bias)
+        self.k_proj = nn.Linear(HIDDEN, KV_OUT, bias=qkv_bias)
+        self.v_proj = nn.Linear(HIDDEN, KV_OUT, bias=qkv_bias)
+        self.o_proj = nn.Linear(Q_OUT, HIDDEN, bias=False)
+        self.gate_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
+        self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+
+
+def peft_block(dtype=torch.float32, qkv_bias=False, targets=ATTENTION + MLP, **lora):
+    """(peft model in dtype, the same model in float64)."""
+    config = dict(r=RANK, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
+    config.update(lora)
+    model = peft.get_peft_model(TinyBlock(qkv_bias), peft.LoraConfig(**config))
+    return model.to(dtype), copy.deepcopy(model).double()
+
+
+def layers(model):
+    return model.base_model.model if isinstance(model, peft.PeftModel) else model
+
+
+def fwd_bwd(model, fn, x, grads_out):
+    """Outputs, dX and the grads of model's trainable params after backward of fn(x) with grads_out."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().to(next(model.parameters()).dtype).requires_grad_()
+    outs = fn(x)
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads_out, outs)])
+    params = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    return outs, x.grad, params
+
+
+def assert_matches_peft(model, ref, fused_fn, peft_fn, x, out_features, dtype):
+    grads_out = [torch.randn(*x.shape[:-1], n, dtype=torch.float64) for n in out_features]
+    outs, dx, grads = fwd_bwd(model, lambda t: fused_fn(layers(model), t), x, grads_out)
+    ref_outs, ref_dx, ref_grads = fwd_bwd(ref, lambda t: peft_fn(layers(ref), t), x, grads_out)
+    for i, (out, ref_out) in enumerate(zip(outs, ref_outs)):
+        assert out.dtype == dtype
+        assert_close(out, ref_out, dtype, f"output {i}")
+    assert_close(dx, ref_dx, dtype, "dX")
+    assert ref_grads, "nothing trainable"
+    for name, ref_grad in ref_grads.items():
+        if ref_grad is None:  # a param the computation does not use
+            assert grads[name] is None, name
+            continue
+        assert grads[name] is not None, f"{name}: no gradient"
+        assert_close(grads[name], ref_grad, dtype, name)
+
+
+def fused_qkv(m, x):
+    return lora_qkv(x, lora_projection(m.q_proj), lora_projection(m.k_proj), lora_projection(m.v_proj))
+
+
+def peft_qkv(m, x):
+    return m.q_proj(x), m.k_proj(x), m.v_proj(x)
+
+
+def fused_mlp(activation):
+    return lambda m, x: lora_mlp(
+        x, lora_projection(m.gate_proj), lora_projection(m.up_proj), lora_projection(m.down_proj), activation
+    )
+
+
+def peft_mlp(activation):
+    return lambda m, x: m.down_proj(TORCH_ACT[activation](m.gate_proj(x)) * m.up_proj(x))
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------- QKV, O and MLP vs peft
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_qkv_matches_peft(dtype, qkv_bias, use_rslora):
+    # different ranks per module (k: 2, v: 6) exercise the concatenated x A^T slices
+    model, ref = peft_block(dtype, qkv_bias, use_rslora=use_rslora, rank_pattern={"k_proj": 2, "v_proj": 6})
+    x = torch.randn(3, 7, HIDDEN)
+    assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_o_proj_matches_peft(dtype):
+    model, ref = peft_block(dtype, alpha_pattern={"o_proj": 3})
+    x = torch.randn(2, 11, Q_OUT)
+    fused = lambda m, t: lora_linear(t, lora_projection(m.o_proj))  # noqa: E731
+    assert_matches_peft(model, ref, fused, lambda m, t: m.o_proj(t), x, [HIDDEN], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
+def test_mlp_matches_peft(dtype, activation):
+    model, ref = peft_block(dtype, rank_pattern={"down_proj": 8}, use_rslora=activation == "gelu")
+    x = torch.randn(37, HIDDEN)
+    assert_matches_peft(model, ref, fused_mlp(activation), peft_mlp(activation), x, [HIDDEN], dtype)
+
+
+def test_some_projections_without_adapter():
+    # LoRA on q and v only (a common config) and on up only: k, gate and down are frozen plain linears.
+    model, ref = peft_block(targets=["q_proj", "v_proj", "up_proj"])
+    assert lora_projection(layers(model).k_proj).lora_A is None
+    x = torch.randn(19, HIDDEN)
+    assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], torch.float32)
+    assert_matches_peft(model, ref, fused_mlp("silu"), peft_mlp("silu"), x, [HIDDEN], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_full_fine_tuning_without_lora(dtype):
+    # Plain trainable linears (with biases): the base weights and biases get their gradients.
+    model = TinyBlock(qkv_bias=True).to(dtype)
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(2, 5, HIDDEN)
+    assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], dtype)
+    assert_matches_peft(model, ref, fused_mlp("gelu_tanh"), peft_mlp("gelu_tanh"), x, [HIDDEN], dtype)
+
+
+def test_lora_on_trainable_base():
+    # Base weights unfrozen next to the adapters (modules_to_save-like setups): every grad is checked.
+    model, ref = peft_block(qkv_bias=True)
+    for m in (model, ref):
+        for name, p in m.named_parameters():
+            p.requires_grad_(True)
+    x = torch.randn(13, HIDDEN)
+    assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], torch.float32)
+    assert_matches_peft(model, ref, fused_mlp("silu"), peft_mlp("silu"), x, [HIDDEN], torch.float32)
+
+
+def test_frozen_base_gets_no_grad_and_x_without_grad():
+    model, _ = peft_block()
+    m = layers(model)
+    x = torch.randn(9, HIDDEN)  # no requires_grad: dX is skipped, the adapters still train
+    y = lora_mlp(x, lora_projection(m.gate_proj), lora_projection(m.up_proj), lora_projection(m.down_proj))
+    y.square().sum().backward()
+    assert m.gate_proj.base_layer.weight.grad is None
+    assert m.gate_proj.lora_A["default"].weight.grad is not None
+    assert m.down_proj.lora_B["default"].weight.grad is not None
+
+
+def test_bf16_base_with_fp32_adapters():
+    # peft's default (autocast_adapter_dtype) keeps adapters in fp32 next to a bf16 base: grads come back fp32.
+    model = peft.get_peft_model(
+        TinyBlock().to(torch.bfloat16),
+        peft.LoraConfig(r=RANK, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION + MLP),
+    )
+    assert layers(model).q_proj.lora_A["default"].weight.dtype == torch.float32
+    ref = copy.deepcopy(model).double()
+    x = torch.randn(17, HIDDEN)
+    grads_out = [torch.randn(17, n, dtype=torch.float64) for n in (Q_OUT, KV_OUT, KV_OUT)]
+    outs, _, grads = fwd_bwd(model, lambda t: fused_qkv(layers(model), t.bfloat16()), x, grads_out)
+    ref_outs, _, ref_grads = fwd_bwd(ref, lambda t: peft_qkv(layers(ref), t), x, grads_out)
+    for out, ref_out in zip(outs, ref_outs):
+        assert out.dtype == torch.bfloat16
+        assert_close(out, ref_out, torch.bfloat16)
+    for name, ref_grad in ref_grads.items():
+        if "q_proj" in name or "k_proj" in name or "v_proj" in name:
+            assert grads[name].dtype == torch.float32
+            assert_close(grads[name], ref_grad, torch.bfloat16, name)
+
+
+def test_autocast_runs_in_autocast_dtype():
+    model, ref = peft_block()
+    m = layers(model)
+    x = torch.randn(6, Q_OUT, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lora_linear(x, lora_projection(m.o_proj))
+    assert y.dtype == torch.bfloat16
+    assert_close(y, layers(ref).o_proj(x.detach().double()), torch.bfloat16)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and m.o_proj.lora_A["default"].weight.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ call-time state of the peft layers
+
+
+def test_disable_adapter_gives_base_output():
+    model, _ = peft_block(qkv_bias=True)
+    m = layers(model)
+    x = torch.randn(5, HIDDEN)
+    with model.disable_adapter():
+        proj = lora_projection(m.q_proj)
+        assert proj.lora_A is None and unfused_reason(m.q_proj) is None
+        assert_close(lora_linear(x, proj), m.q_proj.base_layer(x), torch.float32)
+        assert_close(lora_linear(x, proj), m.q_proj(x), torch.float32)
+    assert lora_projection(m.q_proj).lora_A is not None
+    assert_close(lora_linear(x, lora_projection(m.q_proj)), m.q_proj(x), torch.float32)
+
+
+def test_merged_adapter_gives_base_layer():
+    model, _ = peft_block()
+    m = layers(model)
+    x = torch.randn(5, HIDDEN)
+    unmerged = m.up_proj(x).detach()
+    model.merge_adapter()
+    proj = lora_projection(m.up_proj)
+    assert proj.lora_A is None  # the merged weight already holds the adapter
+    assert_close(lora_linear(x, proj), unmerged, torch.float32)
+    with model.disable_adapter():  # peft unmerges on the call: leave it to peft
+        assert lora_projection(m.up_proj) is None
+        assert unfused_reason(m.up_proj) == "merged adapter inside disable_adapter()"
+    model.unmerge_adapter()
+    assert lora_projection(m.up_proj).lora_A is not None
+
+
+def test_set_adapter_picks_the_active_one():
+    model, ref = peft_block()
+    model.add_adapter("other", peft.LoraConfig(r=2, lora_alpha=5, init_lora_weights=False, target_modules=MLP))
+    m = layers(model)
+    model.set_adapter("other")
+    proj = lora_projection(m.gate_proj)
+    assert proj.lora_A is m.gate_proj.lora_A["other"].weight and proj.scaling == 2.5
+    assert lora_projection(m.q_proj).lora_A is None  # "other" has no q_proj adapter: base layer alone
+    x = torch.randn(7, HIDDEN)
+    assert_close(fused_mlp("silu")(m, x), peft_mlp("silu")(m, x), torch.float32)
+    m.gate_proj.set_adapter(["default", "other"])  # peft sums both: stays unfused
+    assert lora_projection(m.gate_proj) is None
+    assert unfused_reason(m.gate_proj) == "several active adapters"
+
+
+@pytest.mark.parametrize(
+    "lora, reason",
+    [(dict(use_dora=True), "DoRA"), (dict(lora_dropout=0.1), "lora_dropout > 0"), (dict(lora_bias=True), "lora_bias")],
+)
+def test_unfusable_layers_fall_back(lora, reason):
+    model, _ = peft_block(**lora)
+    m = layers(model)
+    assert lora_projection(m.q_proj) is None
+    assert unfused_reason(m.q_proj) == reason
+    if "lora_dropout" in lora:  # in eval mode the dropout drops nothing: fused again
+        model.eval()
+        assert unfused_reason(m.q_proj) is None
+        x = torch.randn(4, HIDDEN)
+        assert_close(lora_linear(x, lora_projection(m.q_proj)), m.q_proj(x), torch.float32)
+
+
+def test_other_unfusable_layers():
+    model, _ = peft_block()
+    m = layers(model)
+    m.k_proj.fan_in_fan_out = True
+    assert unfused_reason(m.k_proj) == "fan_in_fan_out"
+    handle = m.v_proj.base_layer.register_forward_hook(lambda *args: None)
+    assert unfused_reason(m.v_proj) == "base layer has forward hooks"
+    handle.remove()
+    assert unfused_reason(m.v_proj) is None
+    assert lora_projection(nn.LayerNorm(4)) is None
+    assert "not nn.Linear" in unfused_reason(nn.LayerNorm(4))
+    plain = nn.Linear(3, 2)
+    assert lora_projection(plain) == LoRAProjection(plain.weight, plain.bias, None, None, 0.0)
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_naming_the_argument():
+    w, a, b = torch.randn(8, 6), torch.randn(2, 6), torch.randn(8, 2)
+    x = torch.randn(3, 6)
+    good = LoRAProjection(w, None, a, b, 1.0)
+    with pytest.raises(ValueError, match="proj.weight"):
+        lora_linear(torch.randn(3, 5), good)
+    with pytest.raises(ValueError, match="proj.lora_B"):
+        lora_linear(x, LoRAProjection(w, None, a, torch.randn(8, 3), 1.0))
+    with pytest.raises(ValueError, match="proj.lora_A and proj.lora_B"):
+        lora_linear(x, LoRAProjection(w, None, a, None, 1.0))
+    with pytest.raises(ValueError, match="proj.bias"):
+        lora_linear(x, LoRAProjection(w, torch.randn(7), a, b, 1.0))
+    with pytest.raises(ValueError, match="k_proj.lora_A"):
+        lora_qkv(x, good, LoRAProjection(w, None, torch.randn(2, 5), b, 1.0), good)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        lora_linear(x.long(), good)
+    up_wrong = LoRAProjection(torch.randn(9, 6), None, None, None, 0.0)
+    with pytest.raises(ValueError, match="up_proj.weight"):
+        lora_mlp(x, good, up_wrong, LoRAProjection(torch.randn(6, 8), None, None, None, 0.0))
+    with pytest.raises(ValueError, match="down_proj.weight"):
+        lora_mlp(x, good, good, good)
+    with pytest.raises(ValueError, match="activation"):
+        lora_mlp(x, good, good, LoRAProjection(torch.randn(6, 8), None, None, None, 0.0), "relu")

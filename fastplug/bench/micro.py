@@ -259,12 +259,12 @@ def _time_ms(fn, leaves, device, warmup_ms, rep_ms) -> float:
         return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves, return_mode="median")
     # CPU (the --quick smoke run): a plain median of a few calls.
     times = []
-    for _ in range(4):
+    for _ in range(3):
         _set_grads_none(leaves)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[1:])
+    return statistics.median(times)
 
 
 def _peak_mib(fn, leaves, device) -> float | None:

@@ -26,7 +26,7 @@ from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
 
-# Launch shape (tuned for H100 bf16 at 16384 x 14336; the lead retunes on the GPU): a program covers
+# Launch shape (a first guess for H100 bf16 at 16384 x 14336, to be tuned on the GPU): a program covers
 # BLOCK_ROWS x BLOCK_COLS elements, BLOCK_COLS a power of two up to MAX_BLOCK_COLS (2048 divides the usual
 # intermediate sizes 11008, 14336, 18944 ... into whole blocks).
 MAX_BLOCK_COLS = 2048

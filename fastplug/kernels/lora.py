@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ._utils import check_dtype, check_same_device, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
@@ -239,6 +240,8 @@ class _LoRAMLP(torch.autograd.Function):
             grad_h = _input_grad([dy], [down_p], down_adapters, dyb_down)
             # ...which glu_backward overwrites with h; gate and up become dgate and dup.
             h, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation, recompute_h=True, inplace=True)
+            # Kernel writes bypass autograd: a second backward (retain_graph) must fail, not read dgate as gate.
+            increment_version((gate, up))
             down_grads = _param_grads(h, xa_down, [dy], dyb_down, [down_p], down_adapters, needs[8:])
             del h, grad_h
             dgu = [dgate, dup]

@@ -18,7 +18,7 @@ from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E4
 from fastplug.patching import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 
-STEPS = 3
+STEPS = 2
 
 
 def char_tokenizer():
@@ -84,6 +84,7 @@ def common_args(tmp_path):
     return dict(
         output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-3,
         logging_steps=1, report_to="none", save_strategy="no", max_length=32, seed=0, disable_tqdm=True, use_cpu=True,
+        bf16=False,
     )  # fmt: skip
 
 
@@ -111,7 +112,7 @@ def test_sft_matches_trl_and_restores(tmp_path):
         model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=sft_dataset(),
         processing_class=TOKENIZER, callbacks=[probe],
     )  # fmt: skip
-    trl_forward = vars(model)["forward"]
+    trl_forward = vars(model)["forward"].__func__
     assert active_handle(model) is not None, "patched once TRL's set-up is done"
     assert "TRL's fused LM head" in trainer.fast_kernels_summary
     trainer.train()
@@ -120,7 +121,7 @@ def test_sft_matches_trl_and_restores(tmp_path):
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
     assert active_handle(model) is None
     assert module_state(model, trl_head=model) == before
-    assert vars(model)["forward"] is trl_forward, "TRL's fused LM head forward was never replaced"
+    assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head was never replaced"
 
 
 def test_sft_peft_restores_after_exception(tmp_path):
@@ -159,21 +160,33 @@ def test_dpo_with_reference_model(tmp_path):
     assert all(active_handle(m) is None for m in models)
 
 
+def randomise_lora_b(model):
+    """A trained-looking adapter (peft starts lora_B at zero), the same in every run."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.2 * torch.randn(param.shape, generator=generator))
+
+
 def test_dpo_peft_reference_pass_disables_the_fused_adapter(tmp_path):
-    # No ref_model: TRL's reference pass runs the policy under disable_adapter(); with the fused LoRA path that
-    # must give the base model's log-probs, so the losses match TRL alone from the first step on.
-    reference = DPOTrainer(
-        model=tiny_lora_llama(), args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(),
-        processing_class=TOKENIZER,
-    )  # fmt: skip
-    reference.train()
-    model = tiny_lora_llama()
-    trainer = FastDPOTrainer(
-        model=model, args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(), processing_class=TOKENIZER
-    )
-    assert trainer.ref_model is None
-    trainer.train()
-    first = losses(reference)[0]
-    assert abs(first - math.log(2)) > 1e-3, "random lora_B: policy and reference differ at the first step"
+    # No ref_model: TRL's reference pass runs the policy under disable_adapter(). With the fused LoRA path that
+    # must still give the base model's log-probs, so the losses match TRL alone from the first step on.
+    def run(trainer_cls):
+        trainer = trainer_cls(
+            model=tiny_llama(), args=DPOConfig(**common_args(tmp_path)), train_dataset=dpo_dataset(),
+            processing_class=TOKENIZER, peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        )  # fmt: skip
+        assert trainer.ref_model is None
+        randomise_lora_b(trainer.model)  # before train(): the optimizer does not exist yet
+        probe = Probe([trainer.model])
+        trainer.add_callback(probe)
+        trainer.train()
+        return trainer, probe
+
+    reference, _ = run(DPOTrainer)
+    trainer, probe = run(FastDPOTrainer)
+    assert abs(losses(reference)[0] - math.log(2)) > 1e-3, "the reference pass differs from the policy"
+    assert probe.active == [True] * STEPS
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
-    assert active_handle(model) is None
+    assert active_handle(trainer.model) is None

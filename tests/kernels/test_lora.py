@@ -29,23 +29,24 @@ TORCH_ACT = {
 class TinyBlock(nn.Module):
     """q/k/v/o with GQA-narrow k/v (optional Qwen2-style q/k/v bias) and a gated MLP."""
 
-    def __init__(self, qkv_bias=False):
+    def __init__(self, qkv_bias=False, hidden=HIDDEN, intermediate=INTERMEDIATE, q_out=Q_OUT, kv_out=KV_OUT):
         super().__init__()
-        self.q_proj = nn.Linear(HIDDEN, Q_OUT, bias=qkv_bias)
-        self.k_proj = nn.Linear(HIDDEN, KV_OUT, bias=qkv_bias)
-        self.v_proj = nn.Linear(HIDDEN, KV_OUT, bias=qkv_bias)
-        self.o_proj = nn.Linear(Q_OUT, HIDDEN, bias=False)
-        self.gate_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+        self.q_proj = nn.Linear(hidden, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
 
-def peft_block(dtype=torch.float32, qkv_bias=False, targets=ATTENTION + MLP, **lora):
-    """(peft model in dtype, the same model in float64)."""
+def peft_block(dtype=torch.float32, qkv_bias=False, targets=ATTENTION + MLP, device="cpu", sizes=None, **lora):
+    """(peft model in dtype, a float64 copy holding the same (rounded) values); sizes: TinyBlock's kwargs."""
     config = dict(r=RANK, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
     config.update(lora)
-    model = peft.get_peft_model(TinyBlock(qkv_bias), peft.LoraConfig(**config))
-    return model.to(dtype), copy.deepcopy(model).double()
+    model = peft.get_peft_model(TinyBlock(qkv_bias, **(sizes or {})), peft.LoraConfig(**config))
+    model.to(device=device, dtype=dtype)
+    return model, copy.deepcopy(model).double()
 
 
 def layers(model):
@@ -64,7 +65,7 @@ def fwd_bwd(model, fn, x, grads_out):
 
 
 def assert_matches_peft(model, ref, fused_fn, peft_fn, x, out_features, dtype):
-    grads_out = [torch.randn(*x.shape[:-1], n, dtype=torch.float64) for n in out_features]
+    grads_out = [torch.randn(*x.shape[:-1], n, dtype=torch.float64, device=x.device) for n in out_features]
     outs, dx, grads = fwd_bwd(model, lambda t: fused_fn(layers(model), t), x, grads_out)
     ref_outs, ref_dx, ref_grads = fwd_bwd(ref, lambda t: peft_fn(layers(ref), t), x, grads_out)
     for i, (out, ref_out) in enumerate(zip(outs, ref_outs)):
@@ -256,7 +257,7 @@ def test_set_adapter_picks_the_active_one():
     [(dict(use_dora=True), "DoRA"), (dict(lora_dropout=0.1), "lora_dropout > 0"), (dict(lora_bias=True), "lora_bias")],
 )
 def test_unfusable_layers_fall_back(lora, reason):
-    model, _ = peft_block(**lora)
+    model, _ = peft_block(qkv_bias=True, targets=["q_proj"], **lora)
     m = layers(model)
     assert lora_projection(m.q_proj) is None
     assert unfused_reason(m.q_proj) == reason

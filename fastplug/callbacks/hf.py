@@ -1,0 +1,177 @@
+"""`FastKernels`: the Hugging Face `TrainerCallback`.
+
+    Trainer(model=model, args=args, train_dataset=ds, callbacks=[FastKernels()])
+
+- on_init_end (end of Trainer.__init__: model on its device, no optimizer yet): patch the model; turn on
+  gradient checkpointing through the Trainer's own arguments when asked (the Trainer enables it in train()).
+- on_train_begin: `model_init` may have re-created the model: patch the new one; install the "offload"
+  checkpointing function; print the patch summary once.
+- on_log: tokens/s (non-padding tokens of the training forwards since the previous log) and peak GPU memory.
+- on_train_end: restore the model (and the checkpointing setting we changed).
+
+With `use_liger_kernel=True` as well, Liger wins: both replace the same modules, so fastplug leaves the
+model's modules alone (a warning says so) and only does gradient checkpointing and the logging.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from transformers import TrainerCallback
+
+from .. import checkpointing
+from ..options import KernelOptions
+from ..patching import kernel_path_of, patch_model, unwrap
+
+LIGER_CONFLICT = (
+    "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "
+    "Liger wins: fastplug leaves the modules alone and only handles gradient checkpointing and logging. "
+    "Set use_liger_kernel=False to use fastplug's kernels."
+)
+
+
+class _TokenCounter:
+    """Counts the tokens of training forwards with a removable forward pre-hook on the model."""
+
+    def __init__(self):
+        self.tokens = 0
+        self._pending: list[torch.Tensor] = []
+        self._hook = None
+
+    def attach(self, model: torch.nn.Module) -> None:
+        self.detach()
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def detach(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _count(self, module, args, kwargs):
+        if not module.training:
+            return
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(mask, torch.Tensor):
+            self._pending.append(mask.detach().sum())  # summed lazily: no GPU sync per step
+        elif isinstance(ids, torch.Tensor):
+            self.tokens += ids.numel()
+
+    def take(self) -> int:
+        pending, self._pending = self._pending, []
+        total, self.tokens = self.tokens + sum(int(t.item()) for t in pending), 0
+        return total
+
+
+class FastKernels(TrainerCallback):
+    """Patch the Trainer's model with fastplug's kernels for the duration of training.
+
+    Options are those of `fastplug.KernelOptions` (unknown names raise TypeError).
+    """
+
+    def __init__(self, options: KernelOptions | None = None, **overrides):
+        self.options = KernelOptions.build(options, **overrides)
+        self.handle = None
+        self.summary: str | None = None
+        self.offloaded_layers = 0
+        self._liger = False
+        self._args_before: dict | None = None  # checkpointing arguments we changed, to put back
+        self._checkpointing_snapshot = None
+        self._offload_snapshot = None  # layers' checkpointing functions before "offload" replaced them
+        self._tokens = _TokenCounter()
+        self._window_start: float | None = None
+
+    # ------------------------------------------------------------------------------------------ patching
+    def _patch(self, model) -> None:
+        if self._liger or model is None:
+            return
+        if self.handle is not None and self.handle.is_active and self.handle.model is unwrap(model):
+            return
+        if self.handle is not None:  # model_init replaced the model: the old one goes back to how it was
+            self.handle.restore()
+        # Checkpointing goes through the Trainer's arguments (below), not through patch_model.
+        self.handle = patch_model(model, self.options, gradient_checkpointing=False)
+
+    def _ask_trainer_for_checkpointing(self, args, model) -> None:
+        if not self.options.gradient_checkpointing:
+            return
+        names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
+        if any(getattr(args, n) for n in names):
+            return  # the user turned it on already; theirs to keep
+        kwargs_names = [n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(args, n)]
+        self._args_before = {n: getattr(args, n) for n in names + kwargs_names}
+        if model is not None:
+            self._checkpointing_snapshot = checkpointing.snapshot(unwrap(model))
+        for n in names:
+            setattr(args, n, True)
+        for n in kwargs_names:  # transformers 5.17 defaults to reentrant checkpointing
+            setattr(args, n, {"use_reentrant": False, **(getattr(args, n) or {})})
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "use_liger_kernel", False):
+            self._liger = True
+            warnings.warn(LIGER_CONFLICT, stacklevel=2)
+        self._patch(model)
+        self._ask_trainer_for_checkpointing(args, model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._patch(model)
+        if self.options.gradient_checkpointing == "offload" and model is not None and self._offload_snapshot is None:
+            self._offload_snapshot = checkpointing.snapshot(unwrap(model))
+            self.offloaded_layers = checkpointing.install_offload(unwrap(model))
+        if model is not None:
+            self._tokens.attach(model)
+        self._tokens.take()
+        self._window_start = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        if self.summary is None:
+            self.summary = self._describe(args, model)
+            if state.is_local_process_zero:
+                print(self.summary)
+
+    def _describe(self, args, model) -> str:
+        lines = [LIGER_CONFLICT] if self._liger else [self.handle.summary()] if self.handle else []
+        if model is not None:
+            lines.append(f"  kernel path: {kernel_path_of(model)}")
+        enabled = any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
+        if enabled:
+            mode = "offload" if self.offloaded_layers else "non-reentrant"
+            if self.options.gradient_checkpointing == "offload" and not self.offloaded_layers:
+                mode += " (offload needs CUDA)"
+            lines.append(f"  gradient checkpointing: on, {mode}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------------------------------- logging
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._window_start is None or not any(k in logs for k in ("loss", "train_loss")):
+            return
+        now = time.perf_counter()
+        tokens = self._tokens.take()
+        elapsed, self._window_start = now - self._window_start, now
+        extra = {}
+        if tokens and elapsed > 0:
+            extra["tokens_per_second"] = round(tokens / elapsed, 1)
+        if torch.cuda.is_available():
+            extra["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        logs.update(extra)
+        if state.log_history:  # the Trainer stored a copy of `logs` before calling us
+            state.log_history[-1].update(extra)
+
+    # ----------------------------------------------------------------------------------------- restoring
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._tokens.detach()
+        if self.handle is not None:
+            self.handle.restore()
+        if self._offload_snapshot is not None:
+            checkpointing.restore(self._offload_snapshot)
+            self._offload_snapshot = None
+        if self._args_before is not None:
+            for name, value in self._args_before.items():
+                setattr(args, name, value)
+            self._args_before = None
+            if self._checkpointing_snapshot is not None and self._checkpointing_snapshot.model is unwrap(model):
+                checkpointing.restore(self._checkpointing_snapshot)
+            self._checkpointing_snapshot = None

@@ -1,0 +1,44 @@
+"""Fused LoRA QKV / O / MLP at Llama-3.2-1B shapes on CUDA, bf16, against peft's modules in float64."""
+
+import pytest
+import torch
+
+from fastplug.kernels.lora import lora_linear
+from fastplug.models.peft_lora import lora_projection
+from tests.helpers import assert_close
+from tests.kernels.test_lora import assert_matches_peft, fused_mlp, fused_qkv, layers, peft_block, peft_mlp, peft_qkv
+
+# hidden 2048, intermediate 8192, 32 query heads and 8 key/value heads of 64; LoRA rank 16 on every projection
+LLAMA_1B = dict(hidden=2048, intermediate=8192, q_out=32 * 64, kv_out=8 * 64)
+BATCH, SEQ = 4, 512
+
+
+def llama_1b_block(**lora):
+    return peft_block(torch.bfloat16, device="cuda", sizes=LLAMA_1B, r=16, lora_alpha=32, **lora)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_llama_1b_attention_projections(qkv_bias):
+    model, ref = llama_1b_block(qkv_bias=qkv_bias, use_rslora=qkv_bias)
+    x = torch.randn(BATCH, SEQ, LLAMA_1B["hidden"], device="cuda")
+    kv = LLAMA_1B["kv_out"]
+    assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [LLAMA_1B["q_out"], kv, kv], torch.bfloat16)
+    o = torch.randn(BATCH, SEQ, LLAMA_1B["q_out"], device="cuda")
+    fused_o = lambda m, t: lora_linear(t, lora_projection(m.o_proj))  # noqa: E731
+    assert_matches_peft(model, ref, fused_o, lambda m, t: m.o_proj(t), o, [LLAMA_1B["hidden"]], torch.bfloat16)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_llama_1b_mlp(activation):
+    model, ref = llama_1b_block()
+    x = torch.randn(BATCH, SEQ, LLAMA_1B["hidden"], device="cuda")
+    assert_matches_peft(model, ref, fused_mlp(activation), peft_mlp(activation), x, [LLAMA_1B["hidden"]], torch.bfloat16)
+
+
+def test_llama_1b_disabled_adapter_is_the_base_model():
+    model, ref = llama_1b_block()
+    x = torch.randn(BATCH, SEQ, LLAMA_1B["hidden"], device="cuda")
+    with model.disable_adapter(), ref.disable_adapter(), torch.no_grad():
+        assert lora_projection(layers(model).up_proj).lora_A is None
+        fused = fused_mlp("silu")(layers(model), x.bfloat16())
+        assert_close(fused, peft_mlp("silu")(layers(ref), x.double()), torch.bfloat16)

@@ -1,0 +1,105 @@
+"""Every supported family, tiny and random: patched vs unpatched loss, gradients and logits (fp32), and
+restore() giving back the original forwards with bit-identical outputs."""
+
+import copy
+
+import pytest
+import torch
+
+from fastplug.patching import patch_model
+from tests.helpers import assert_close
+from tests.models.tiny import FAMILIES, batch, tiny_model
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Dense MLP modules per family (MoE experts are fused 3-D parameters; Qwen2-MoE has shared experts).
+DENSE_MLPS = {"mixtral": 0, "qwen3_moe": 0}
+
+
+def _loss_and_grads(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _assert_same_training_step(patched, reference, inputs):
+    patched.train(), reference.train()
+    out, grads = _loss_and_grads(patched, inputs)
+    ref_out, ref_grads = _loss_and_grads(reference, inputs)
+    assert out.logits is None, "the fused LM-head loss returns no logits"
+    assert_close(out.loss, ref_out.loss, torch.float32, "loss")
+    if getattr(ref_out, "aux_loss", None) is not None:
+        assert_close(out.aux_loss, ref_out.aux_loss, torch.float32, "aux_loss")
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+
+
+def _eval_logits(model, inputs):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_family_matches_unpatched(family):
+    model = tiny_model(family)
+    reference = copy.deepcopy(model)
+    inputs = batch()
+    original_logits = _eval_logits(reference, inputs)
+
+    handle = patch_model(model, gradient_checkpointing=False)
+    counts = handle.counts
+    assert counts["lm_head_loss"] == 1 and counts["attention"] == 2 and counts["rms_norm"] >= 5
+    assert counts.get("mlp", 0) == DENSE_MLPS.get(family, 2)
+    _assert_same_training_step(model, reference, inputs)
+    assert_close(_eval_logits(model, inputs), original_logits, torch.float32, "eval logits")
+
+    handle.restore()
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(_eval_logits(model, inputs), original_logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "qwen3_moe"])
+def test_patched_lora_matches_peft(family):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    model = get_peft_model(tiny_model(family), config)
+    reference = copy.deepcopy(model)
+    inputs = batch()
+
+    with patch_model(model) as handle:  # with the model's own checkpointing, as training would run
+        assert handle.counts["lora_fused"] == handle.counts.get("mlp", 0) + handle.counts["attention"]
+        _assert_same_training_step(model, reference, inputs)
+        # disable_adapter() after patching: the fused path computes the base model
+        with model.disable_adapter(), reference.disable_adapter():
+            assert_close(_eval_logits(model, inputs), _eval_logits(reference, inputs), torch.float32, "base")
+    assert torch.equal(_eval_logits(model, inputs), _eval_logits(reference, inputs))
+
+
+def test_unfusable_lora_is_reported_and_still_matches():
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.1, init_lora_weights=False)
+    model = get_peft_model(tiny_model("llama"), config)
+    reference = copy.deepcopy(model)
+    handle = patch_model(model, gradient_checkpointing=False)
+    assert "lora_fused" not in handle.counts
+    assert any("lora_dropout > 0" in reason for _, reason in handle.skipped)
+    inputs = batch()
+    assert_close(_eval_logits(model, inputs), _eval_logits(reference, inputs), torch.float32, "logits")
+    handle.restore()
+
+
+def test_eager_attention_and_generation_with_cache():
+    model = tiny_model("llama", attn_implementation="eager")
+    reference = copy.deepcopy(model)
+    inputs = batch(batch_size=1, tokens=6)
+    with patch_model(model):
+        _assert_same_training_step(model, reference, inputs)
+        model.eval(), reference.eval()
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        generated = model.generate(inputs["input_ids"], **kwargs)
+        assert torch.equal(generated, reference.generate(inputs["input_ids"], **kwargs))

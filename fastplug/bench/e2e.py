@@ -57,6 +57,7 @@ MODELS = {
                   query_pre_attn_scalar=16),
     ),
 }
+TINY_BATCH, TINY_SEQ = 2, 32
 COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms",
            "first step s", "losses (steps 1-3)", "max loss diff", "note")
 MAX_SEQ_COLUMNS = ("model", "impl", "longest seq that trains", "peak GiB there", "tok/s there",
@@ -81,7 +82,11 @@ def build_model(name: str, tiny: bool, device, seed: int):
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.23 renamed it (the old name warns); 5.17 on the GPU image only has the old one.
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM")
     torch.manual_seed(seed + 1)
     # bf16 adapters like the weights (peft would upcast them to fp32), so every implementation computes alike.
@@ -153,9 +158,8 @@ def run_throughput(spec: dict) -> dict:
     import torch
 
     device = torch.device(spec["device"])
-    preset = MODELS[spec["model"]]
-    batch, seq = spec["batch"] or preset["batch"], spec["seq"] or preset["seq"]
-    result = {"batch": batch, "seq": seq}
+    batch, seq = spec["batch"], spec["seq"]
+    result = {}
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
     if spec["model"] == "qwen3_moe":
         result["experts"] = getattr(model.config, "_experts_implementation", None)
@@ -266,14 +270,15 @@ def throughput_rows(args, models, impls, device) -> list[dict]:
     rows = []
     for model in models:
         base_losses, base_tps = None, None
+        preset = MODELS[model]
+        batch = args.batch or (TINY_BATCH if args.tiny else preset["batch"])
+        seq = args.seq or (TINY_SEQ if args.tiny else preset["seq"])
         for impl in impls:
             spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
+                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup,
                         time_budget=args.time_limit * 0.8)
             res = run_worker(spec, args.time_limit)
-            preset = MODELS[model]
-            row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl,
-                   "batch x seq": f"{args.batch or preset['batch']}x{args.seq or preset['seq']}"}
+            row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl, "batch x seq": f"{batch}x{seq}"}
             rows.append(row)
             if "error" in res:
                 row["note"] = res["error"]

@@ -154,7 +154,7 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) 
         return
     block, num_warps = _row_block(n_cols)
     write_grad = grad is not None
-    scale_stride = 1 if grad_scale.numel() == n_rows and n_rows > 1 else 0
+    scale_stride = 0 if grad_scale.numel() == 1 else 1
     _ce_rows[(n_rows,)](
         logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
         labels, loss_rows, grad_scale, scale_stride,
@@ -165,9 +165,13 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) 
 
 
 def logits_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk of the fused op: the largest power of two whose logits fit LOGITS_CHUNK_BYTES."""
+    """Rows per chunk of the fused op: as many as fit LOGITS_CHUNK_BYTES, in whole 128-row GEMM tiles.
+
+    Bigger chunks make the grad_weight GEMM (K = chunk rows) less bound by re-reading its accumulator.
+    """
     fit = max(1, LOGITS_CHUNK_BYTES // (vocab * torch.finfo(dtype).bits // 8))
-    return max(1, min(n_rows, 1 << (fit.bit_length() - 1)))
+    rows = fit // 128 * 128 if fit >= 128 else 1 << (fit.bit_length() - 1)
+    return min(n_rows, rows)
 
 
 def _is_one(t: torch.Tensor) -> bool:
@@ -406,11 +410,13 @@ def fused_linear_cross_entropy(
     """
     check_dtype("hidden", hidden)
     check_dtype("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight must have shape [V, H]; got {tuple(weight.shape)}")
+    if weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"weight must have shape [V, H] with V, H > 0; got {tuple(weight.shape)}")
     vocab, hidden_size = weight.shape
     if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
-        raise ValueError(f"hidden must have shape [..., {hidden_size}] to match weight [V, H]; got {tuple(hidden.shape)}")
+        raise ValueError(
+            f"hidden must have shape [..., {hidden_size}] to match weight [V, H]; got {tuple(hidden.shape)}"
+        )
     if bias is not None:
         check_dtype("bias", bias)
         check_shape("bias", bias, (vocab,), "one per row of weight")
@@ -486,5 +492,7 @@ def fused_linear_cross_entropy_reference(
     if bias is not None:
         z = z + bias.to(dtype)
     z = z * logit_scale
-    loss = _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, num_items_in_batch)
+    loss = _reference_loss(
+        z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, divisor=num_items_in_batch
+    )
     return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss

@@ -120,10 +120,7 @@ def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
 
 def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
     """Outputs [N, out_i] of projections of one input x2 [N, in], and xa = x2 @ a_cat^T [N, R] (or None)."""
-    ys = [
-        x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t())
-        for p in projs
-    ]
+    ys = [x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t()) for p in projs]
     if adapters is None:
         return ys, None
     xa = x2 @ adapters.a_cat.t()  # one read of x for all adapters
@@ -229,7 +226,8 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x2, gate, up, xa_gu, a_cat_gu, xa_down, *params = ctx.saved_tensors
-        gate_p, up_p, down_p = projs = _unflatten(params, ctx.scalings)
+        projs = _unflatten(params, ctx.scalings)
+        down_p = projs[2]
         needs = ctx.needs_input_grad[3:]
         gu_adapters = _Adapters(a_cat_gu, ctx.gu_slices) if a_cat_gu is not None else None
         down_adapters = _adapters([down_p])

@@ -32,7 +32,8 @@ def test_llama_1b_attention_projections(qkv_bias):
 def test_llama_1b_mlp(activation):
     model, ref = llama_1b_block()
     x = torch.randn(BATCH, SEQ, LLAMA_1B["hidden"], device="cuda")
-    assert_matches_peft(model, ref, fused_mlp(activation), peft_mlp(activation), x, [LLAMA_1B["hidden"]], torch.bfloat16)
+    fused, reference = fused_mlp(activation), peft_mlp(activation)
+    assert_matches_peft(model, ref, fused, reference, x, [LLAMA_1B["hidden"]], torch.bfloat16)
 
 
 def test_llama_1b_disabled_adapter_is_the_base_model():

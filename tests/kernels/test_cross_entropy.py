@@ -260,6 +260,8 @@ def test_chunk_rows_fit_the_budget(monkeypatch):
     assert ce_module.logits_chunk_rows(8192, 128256, torch.bfloat16) == 512
     assert ce_module.logits_chunk_rows(100, 128256, torch.bfloat16) == 100
     assert ce_module.logits_chunk_rows(8192, 32000, torch.float32) == 1024
+    monkeypatch.setattr(ce_module, "LOGITS_CHUNK_BYTES", 192 * 1024 * 1024)
+    assert ce_module.logits_chunk_rows(8192, 128256, torch.bfloat16) == 768
 
 
 @pytest.mark.parametrize(

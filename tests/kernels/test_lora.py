@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
 from fastplug.models.peft_lora import lora_projection, unfused_reason
@@ -170,6 +171,21 @@ def test_frozen_base_gets_no_grad_and_x_without_grad():
     assert m.gate_proj.base_layer.weight.grad is None
     assert m.gate_proj.lora_A["default"].weight.grad is not None
     assert m.down_proj.lora_B["default"].weight.grad is not None
+
+
+def test_mlp_under_checkpointing_and_a_second_backward():
+    model, _ = peft_block()
+    m = layers(model)
+    x = torch.randn(2, 9, HIDDEN, requires_grad=True)
+    mlp = fused_mlp("silu")
+    plain = torch.autograd.grad(mlp(m, x).sum(), x)[0]
+    y = torch.utils.checkpoint.checkpoint(mlp, m, x, use_reentrant=False)
+    assert_close(torch.autograd.grad(y.sum(), x)[0], plain, torch.float32, "dX under checkpointing")
+    # backward overwrites the saved gate/up with their grads: a second backward must fail loudly
+    y = mlp(m, x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def test_bf16_base_with_fp32_adapters():

@@ -1,0 +1,174 @@
+"""The fastplug Lightning strategies with the real Lightning on a tiny Llama: same losses as Lightning alone,
+modules restored after fit and after an exception, names registered in both Lightning packages."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning.pytorch")
+
+import fastplug  # noqa: E402,F401  (registers the strategies)
+from fastplug import KernelOptions  # noqa: E402
+from fastplug.integrations.lightning import (  # noqa: E402
+    FastKernelsDDPStrategy,
+    FastKernelsFSDPStrategy,
+    FastKernelsStrategy,
+    find_transformers_models,
+)
+from fastplug.patching import active_handle  # noqa: E402
+from tests.helpers import rel_err  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+STEPS = 2
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lm = tiny_llama()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.lm(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def batches():
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(torch.randint(0, 128, (8, 24), generator=generator), batch_size=2)
+
+
+def module_state(module):
+    """Identity, class and instance forward of every module, identity of every parameter."""
+    modules = [(name, id(m), type(m), vars(m).get("forward")) for name, m in module.named_modules()]
+    return modules, [(name, id(p)) for name, p in module.named_parameters()]
+
+
+def checkpointing_on(model):
+    # transformers 5.23 renamed is_gradient_checkpointing; the GPU image's older 5.x has only that name
+    return getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing")
+
+
+class Probe(L.Callback):
+    """Records at each step whether the model was patched and checkpointed; raises at `raise_at` if set."""
+
+    def __init__(self, raise_at=None):
+        self.raise_at, self.active, self.checkpointing = raise_at, [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.active.append(active_handle(pl_module.lm) is not None)
+        self.checkpointing.append(checkpointing_on(pl_module.lm))
+        if trainer.global_step == self.raise_at:
+            raise RuntimeError("boom at step 2")
+
+
+def fit(strategy, callbacks=()):
+    module = TinyLM()
+    before = module_state(module.lm)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, callbacks=list(callbacks),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, batches())
+    return module, before
+
+
+@pytest.mark.parametrize(("name", "lightning_name"), [("fastkernels", "auto"), ("fastkernels_ddp", "ddp")])
+def test_fit_matches_lightning_and_restores(name, lightning_name):
+    # DDP (one CPU process, gloo) samples the data in its own order, so each name is compared with its base
+    reference, _ = fit(lightning_name)
+    probe = Probe()
+    module, before = fit(name, [probe])
+    assert probe.active == [True] * STEPS
+    assert probe.checkpointing == [True] * STEPS, "gradient checkpointing on while fitting (default options)"
+    assert rel_err(torch.tensor(module.losses), torch.tensor(reference.losses)) < 1e-5
+    assert active_handle(module.lm) is None
+    assert module_state(module.lm) == before
+    assert not checkpointing_on(module.lm), "turned off again at teardown"
+
+
+def test_fit_restores_after_exception_with_constructed_strategy():
+    probe = Probe(raise_at=2)
+    strategy = FastKernelsStrategy(options=KernelOptions(gradient_checkpointing=False))
+    module = TinyLM()
+    before = module_state(module.lm)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=5, logger=False, callbacks=[probe],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(module, batches())
+    assert probe.active == [True, True]
+    assert probe.checkpointing == [False, False], "options reach the strategy"
+    assert active_handle(module.lm) is None
+    assert module_state(module.lm) == before
+
+
+def test_registered_names_resolve_and_take_the_accelerator_device():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+
+    expected = {
+        "fastkernels": (FastKernelsStrategy, SingleDeviceStrategy),
+        "fastkernels_ddp": (FastKernelsDDPStrategy, DDPStrategy),
+        "fastkernels_fsdp": (FastKernelsFSDPStrategy, FSDPStrategy),
+    }
+    for name, (cls, base) in expected.items():
+        assert StrategyRegistry[name]["strategy"] is cls and issubclass(cls, base)
+    # Built from the registry with no arguments, the single-device strategy takes its device from the accelerator.
+    trainer = L.Trainer(strategy="fastkernels", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, FastKernelsStrategy)
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert trainer.strategy.parallel_devices == [torch.device("cpu")]
+
+
+def test_find_transformers_models_takes_the_outermost():
+    from peft import LoraConfig, get_peft_model
+
+    holder = torch.nn.ModuleDict(
+        {"policy": get_peft_model(tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"])), "ref": tiny_llama(1)}
+    )
+    assert [path for path, _ in find_transformers_models(holder)] == ["policy", "ref"]
+
+
+REGISTRATION_CHECK = """
+import importlib
+import lightning.pytorch.strategies as lp
+import pytorch_lightning.strategies as pl
+from fastplug.integrations.lightning import FastKernelsStrategy, FastKernelsStrategyPL
+for strategies, cls in ((lp, FastKernelsStrategy), (pl, FastKernelsStrategyPL)):
+    names = {"fastkernels", "fastkernels_ddp", "fastkernels_fsdp"}
+    assert names <= set(strategies.StrategyRegistry), (strategies.__name__, sorted(strategies.StrategyRegistry))
+    assert strategies.StrategyRegistry["fastkernels"]["strategy"] is cls
+    assert issubclass(cls, strategies.SingleDeviceStrategy)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "imports",
+    ["import fastplug; import lightning.pytorch; import pytorch_lightning",
+     "import lightning.pytorch; import pytorch_lightning; import fastplug"],
+)  # fmt: skip
+def test_registration_in_either_import_order(imports):
+    pytest.importorskip("pytorch_lightning")
+    code = textwrap.dedent(imports.replace("; ", "\n")) + REGISTRATION_CHECK
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -1,0 +1,92 @@
+"""Gradient checkpointing: the model's own, restored exactly; "offload" trains like plain checkpointing."""
+
+import copy
+
+import pytest
+import torch
+
+from fastplug import checkpointing
+from fastplug.patching import patch_model
+from tests.helpers import assert_close
+from tests.models.tiny import batch, tiny_model
+
+
+def _checkpointing_attributes(model):
+    return [
+        (name, key, value)
+        for name, module in model.named_modules()
+        for key, value in vars(module).items()
+        if key in ("gradient_checkpointing", "_gradient_checkpointing_func", "_require_grads_hook")
+    ]
+
+
+def _step(model, inputs):
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_native_checkpointing_is_turned_on_and_restored_exactly():
+    model = tiny_model("llama")
+    before = _checkpointing_attributes(model)
+    handle = patch_model(model, gradient_checkpointing=True)
+    assert model.is_activation_checkpointing and "non-reentrant" in handle.summary()
+    handle.restore()
+    assert _checkpointing_attributes(model) == before
+
+
+def test_offload_without_cuda_falls_back_with_a_warning():
+    if torch.cuda.is_available():
+        pytest.skip("the fallback is for machines without CUDA")
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="offload"):
+        handle = patch_model(model, gradient_checkpointing="offload")
+    assert model.is_activation_checkpointing and "offload needs CUDA" in handle.summary()
+    handle.restore()
+
+
+def _install(model, func):
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module._gradient_checkpointing_func = func
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_offload_function_matches_plain_checkpointing(lora):
+    """The offload autograd function (on CPU the host copy is a clone) gives plain checkpointing's grads,
+    also for a peft model whose layer inputs do not require grad."""
+    model = tiny_model("llama")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "up_proj"], init_lora_weights=False))
+    model.train()
+    checkpointing.enable_native(model)
+    reference = copy.deepcopy(model)
+    _install(model, checkpointing.offload_checkpoint)
+    inputs = batch()
+    loss, grads = _step(model, inputs)
+    ref_loss, ref_grads = _step(reference, inputs)
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_offload_on_cuda_matches_plain_checkpointing():
+    model = tiny_model("llama").cuda().train()
+    reference = copy.deepcopy(model)
+    inputs = {k: v.cuda() for k, v in batch(tokens=64).items()}
+    with patch_model(model, gradient_checkpointing="offload") as handle:
+        assert "offload" in handle.summary() and "needs CUDA" not in handle.summary()
+        losses = [_step(model, inputs)[0] for _ in range(2)]
+        _, grads = _step(model, inputs)
+    with patch_model(reference, gradient_checkpointing=True):
+        ref_losses = [_step(reference, inputs)[0] for _ in range(2)]
+        _, ref_grads = _step(reference, inputs)
+    for loss, ref in zip(losses, ref_losses):
+        assert_close(loss, ref, torch.float32, "loss")
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")

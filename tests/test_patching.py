@@ -1,0 +1,114 @@
+"""The patching engine: per-instance only, idempotent, reversible, honest about what it skipped."""
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import fastplug
+from fastplug.patching import active_handle, patch_model
+from tests.helpers import assert_close
+from tests.models.tiny import batch, tiny_model
+
+
+def _has_instance_forward(model):
+    return any("forward" in vars(m) for m in model.modules())
+
+
+def test_patch_is_per_instance_idempotent_and_restorable():
+    before = tiny_model("llama", seed=1)  # built before the patch
+    model = tiny_model("llama")
+    llama_forward = transformers.LlamaForCausalLM.forward
+    handle = fastplug.patch_model(model)
+    after = tiny_model("llama", seed=2)  # built after the patch
+    assert handle.is_active and active_handle(model) is handle
+    assert patch_model(model) is handle, "patching twice returns the existing handle"
+    assert type(model).forward is llama_forward, "classes are never touched"
+    assert not _has_instance_forward(before) and not _has_instance_forward(after)
+    assert isinstance(model.model.layers[0].mlp.forward, types.MethodType)
+    assert model.is_activation_checkpointing
+
+    handle.restore()
+    handle.restore()  # harmless
+    assert not handle.is_active and active_handle(model) is None
+    assert not _has_instance_forward(model)
+    assert "_fastplug_handle" not in vars(model)
+    assert not model.is_activation_checkpointing
+    assert "restored" in handle.summary()
+
+
+def test_context_manager_and_summary():
+    model = tiny_model("qwen3")
+    with patch_model(model, rms_norm=False, gradient_checkpointing=False) as handle:
+        text = handle.summary()
+        assert "rms_norm" not in handle.counts
+        assert "attention: 2" in text and "mlp: 2" in text and "lm_head_loss: 1" in text
+    assert not _has_instance_forward(model)
+
+
+def test_peft_model_is_unwrapped():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    handle = patch_model(model, gradient_checkpointing=False)
+    assert handle.model is model.get_base_model()
+    assert active_handle(model) is handle and patch_model(model) is handle
+    handle.restore()
+    assert not _has_instance_forward(model)
+
+
+def test_unknown_architecture_warns_and_trains():
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="not a supported family"):
+        handle = patch_model(model, gradient_checkpointing=False)
+    assert handle.counts == {"layer_norm": 5}  # 2 per block + the final one
+    inputs = batch()
+    model.train(), reference.train()
+    torch.manual_seed(0)
+    loss = model(**inputs).loss
+    torch.manual_seed(0)
+    ref_loss = reference(**inputs).loss
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    loss.backward()
+    handle.restore()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(model, gradient_checkpointing=False).restore()  # warned once per model type
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="valid options"):
+        patch_model(tiny_model("llama"), flash=True)
+
+
+def test_forward_replaced_by_someone_else_is_left_alone():
+    model = tiny_model("llama")
+    foreign = types.MethodType(lambda self, **kw: "theirs", model)
+    model.forward = foreign  # as TRL's fused LM head does
+    handle = patch_model(model, gradient_checkpointing=False)
+    assert "lm_head_loss" not in handle.counts
+    assert any("already replaced" in reason for _, reason in handle.skipped)
+    handle.restore()
+    assert model.forward is foreign
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """Two micro-batches with num_items_in_batch give the gradient of the whole batch in one go."""
+    model = tiny_model("llama")
+    model.train()
+    inputs = batch(batch_size=4, tokens=9)
+    with patch_model(model, gradient_checkpointing=False):
+        model(**inputs).loss.backward()
+        full = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        num_items = (inputs["labels"][:, 1:] != -100).sum()
+        for half in (slice(0, 2), slice(2, 4)):
+            micro = {k: v[half] for k, v in inputs.items()}
+            model(**micro, num_items_in_batch=num_items).loss.backward()
+        for name, p in model.named_parameters():
+            assert_close(p.grad, full[name], torch.float32, f"accumulated grad of {name}")

@@ -20,6 +20,7 @@ PACKAGES = (
     ("peft", "peft"),
     ("accelerate", "accelerate"),
     ("trl", "trl"),
+    ("datasets", "datasets"),
     ("lightning", "lightning"),
     ("pytorch-lightning", "pytorch-lightning"),
     ("liger-kernel", "liger-kernel"),

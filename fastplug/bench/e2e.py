@@ -111,7 +111,8 @@ def apply_impl(model, impl: str, checkpointing):
 
         handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing)
         print(handle.summary(), flush=True)
-        return model, ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
+        note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
+        return model, note + (f"; {len(handle.skipped)} skipped" if handle.skipped else "")
     raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
 
 
@@ -168,8 +169,7 @@ def run_throughput(spec: dict) -> dict:
     batches = _batches(model.config.vocab_size, batch, seq, 4, spec["seed"], device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    deadline = time.perf_counter() + spec["time_budget"]
-    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, deadline)
+    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, _deadline(spec))
     measured = times[spec["warmup"]:] or times[-1:]
     result.update(
         step_ms=statistics.median(measured) * 1e3,
@@ -183,7 +183,8 @@ def run_throughput(spec: dict) -> dict:
 
 
 def run_max_seq(spec: dict) -> dict:
-    """Batch 1, doubling the sequence until a step fails (OOM) or the time budget is spent."""
+    """Batch 1: double the sequence until a step fails (OOM), then try once halfway back (e.g. 49152 after
+    65536 failed), within the time budget. Returns the longest length that trained and what failed."""
     import gc
 
     import torch
@@ -195,9 +196,9 @@ def run_max_seq(spec: dict) -> dict:
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
     runner, _ = apply_impl(model, impl, checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
-    deadline = time.perf_counter() + spec["time_budget"]
+    deadline = _deadline(spec)
     result = {"tried": [], "longest": None, "failure": None}
-    seq = spec["start_seq"]
+    seq, failed_at = spec["start_seq"], None
     while seq <= spec["max_seq"] and time.perf_counter() < deadline:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -208,18 +209,33 @@ def run_max_seq(spec: dict) -> dict:
             result["longest"] = {"seq": seq, "peak_gib": peak, "tokens_per_s": seq / times[-1]}
             result["tried"].append(f"{seq} ok")
             print(f"  seq {seq}: ok, peak {fmt(peak)} GiB, {seq / times[-1]:.0f} tok/s", flush=True)
-        except Exception as exc:  # OOM (or anything else) ends the search at this length
-            result["failure"] = f"{seq}: {short_error(exc)}"
+        except Exception as exc:  # OOM (or anything else) at this length
+            failed_at = failed_at or seq
+            result["failure"] = result["failure"] or f"{seq}: {short_error(exc)}"
             result["tried"].append(f"{seq} {short_error(exc, 40)}")
             print(f"  seq {seq}: {short_error(exc)}", flush=True)
-            break
         finally:
             batches = None
+            for p in params:  # a step that failed half-way leaves grads behind
+                p.grad = None
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        seq *= 2
+        if failed_at is None:
+            seq *= 2
+            continue
+        longest = result["longest"]["seq"] if result["longest"] else 0
+        halfway = (longest + failed_at) // 2 // 1024 * 1024
+        if seq == failed_at and longest < halfway < failed_at:
+            seq = halfway
+            continue
+        break
     return result
+
+
+def _deadline(spec) -> float:
+    """The parent's wall-clock deadline for this worker as a perf_counter time: stop measuring by then."""
+    return time.perf_counter() + (spec["deadline"] - time.time())
 
 
 def worker_main(spec_json: str, result_path: str) -> int:
@@ -242,6 +258,8 @@ def worker_main(spec_json: str, result_path: str) -> int:
 
 def run_worker(spec: dict, time_limit: float) -> dict:
     """Runs one worker process; its output streams through. A crash or timeout becomes an error entry."""
+    # The worker stops taking steps at 85% of the limit and reports; the hard limit is for a stuck worker.
+    spec = dict(spec, deadline=time.time() + 0.85 * time_limit)
     fd, result_path = tempfile.mkstemp(prefix="fastplug_e2e_", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, "-m", "fastplug.bench", "_worker", json.dumps(spec), result_path]
@@ -266,7 +284,7 @@ def _parse_list(text: str, valid, what: str) -> list[str]:
     return items
 
 
-def throughput_rows(args, models, impls, device) -> list[dict]:
+def throughput_rows(args, models, impls, device, save) -> list[dict]:
     rows = []
     for model in models:
         base_losses, base_tps = None, None
@@ -275,13 +293,13 @@ def throughput_rows(args, models, impls, device) -> list[dict]:
         seq = args.seq or (TINY_SEQ if args.tiny else preset["seq"])
         for impl in impls:
             spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup,
-                        time_budget=args.time_limit * 0.8)
+                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup)
             res = run_worker(spec, args.time_limit)
             row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl, "batch x seq": f"{batch}x{seq}"}
             rows.append(row)
             if "error" in res:
                 row["note"] = res["error"]
+                save(rows)
                 continue
             row.update({"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "step ms": res["step_ms"],
                         "first step s": res["first_step_s"], "losses": res["losses"],
@@ -302,26 +320,29 @@ def throughput_rows(args, models, impls, device) -> list[dict]:
                 if not diff <= LOSS_TOLERANCE:
                     notes.append(f"LOSSES DISAGREE (rel diff {diff:.2e})")
             row["note"] = "; ".join(n for n in notes if n)
+            save(rows)
     return rows
 
 
-def max_seq_rows(args, models, device) -> list[dict]:
+def max_seq_rows(args, models, device, save) -> list[dict]:
     rows = []
     for model in models:
         for impl in ("transformers", "fastplug", "fastplug_offload"):
             spec = dict(mode="max_seq", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        start_seq=args.start_seq, max_seq=args.max_seq, time_budget=args.time_limit * 0.8)
+                        start_seq=args.start_seq, max_seq=args.max_seq)
             res = run_worker(spec, args.time_limit)
             label = {"fastplug": "fastplug (checkpointing)", "fastplug_offload": "fastplug (offload)"}.get(impl, impl)
             row = {"model": model, "impl": label}
             rows.append(row)
             if "error" in res:
                 row["first failure"] = res["error"]
+                save(rows)
                 continue
             longest = res["longest"] or {}
             row.update({"longest seq that trains": longest.get("seq"), "peak GiB there": longest.get("peak_gib"),
                         "tok/s there": longest.get("tokens_per_s"), "first failure": res["failure"] or "-",
                         "tried": ", ".join(res["tried"])})
+            save(rows)
     return rows
 
 
@@ -333,7 +354,7 @@ def _print_table(rows, columns):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="llama", help=f"comma-separated, from {','.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile happens here)")
@@ -346,7 +367,7 @@ def main(argv=None) -> int:
     parser.add_argument("--offload-max-seq", action="store_true",
                         help="longest sequence at batch 1: transformers vs fastplug with and without offload")
     parser.add_argument("--start-seq", type=int, default=8192, help="--offload-max-seq: first length tried")
-    parser.add_argument("--max-seq", type=int, default=262144, help="--offload-max-seq: longest length tried")
+    parser.add_argument("--max-seq", type=int, default=524288, help="--offload-max-seq: longest length tried")
     args = parser.parse_args(argv)
 
     models = _parse_list(args.models, MODELS, "--models")
@@ -356,16 +377,16 @@ def main(argv=None) -> int:
         parser.error("without a GPU only --tiny runs")
     print(f"e2e bench on {device}: models {', '.join(models)}; LoRA r=16, checkpointing, AdamW, bf16", flush=True)
 
+    # The CSV is rewritten after every worker, so a run cut short still leaves what it measured.
     if args.offload_max_seq:
-        rows = max_seq_rows(args, models, device)
-        write_csv(os.path.join(args.out, "e2e_max_seq.csv"), rows, MAX_SEQ_COLUMNS)
-        print(f"\ncsv: {os.path.join(args.out, 'e2e_max_seq.csv')}\n")
+        csv_path = os.path.join(args.out, "e2e_max_seq.csv")
+        rows = max_seq_rows(args, models, device, lambda rows: write_csv(csv_path, rows, MAX_SEQ_COLUMNS))
+        print(f"\ncsv: {csv_path}\n")
         _print_table(rows, MAX_SEQ_COLUMNS)
         return 0
 
-    rows = throughput_rows(args, models, impls, device)
     csv_path = os.path.join(args.out, "e2e.csv")
-    write_csv(csv_path, rows, COLUMNS)
+    rows = throughput_rows(args, models, impls, device, lambda rows: write_csv(csv_path, rows, COLUMNS))
     groups = list(dict.fromkeys(r["model"] for r in rows))
     plot_msg = grouped_bar_plot(
         os.path.join(args.out, "e2e.png"), groups, impls,

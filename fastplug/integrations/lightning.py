@@ -60,7 +60,6 @@ class FastKernelsMixin:
         self.fast_kernels = KernelOptions.build(options)
         self.fast_kernel_handles = []
         self.fast_kernels_summary = ""
-        self._checkpointing_turned_on = []
         super().__init__(*args, **kwargs)
 
     def setup(self, trainer) -> None:
@@ -68,6 +67,16 @@ class FastKernelsMixin:
         # optimizers, and all of those must see the patched modules.
         self._patch_fast_kernels(fitting=trainer.state.fn == "fit")
         super().setup(trainer)
+        if self.fast_kernel_handles:
+            from ..patching import kernel_path_of
+
+            # After super().setup(), so the kernel path is that of the device the model now lives on.
+            self.fast_kernels_summary = "\n".join(
+                f"{handle.summary()}\n  kernel path: {kernel_path_of(handle.model)}"
+                for handle in self.fast_kernel_handles
+            )
+            if self.is_global_zero:
+                print(self.fast_kernels_summary)
 
     def teardown(self) -> None:
         try:
@@ -76,13 +85,10 @@ class FastKernelsMixin:
             super().teardown()
 
     def restore_fast_kernels(self) -> None:
-        """Put every original module back and undo the checkpointing fastplug turned on (harmless twice)."""
+        """Put every original module and checkpointing setting back (harmless when already restored)."""
         for handle in self.fast_kernel_handles:
             handle.restore()
         self.fast_kernel_handles = []
-        for model in self._checkpointing_turned_on:
-            _disable_checkpointing(model)
-        self._checkpointing_turned_on = []
 
     def _patch_fast_kernels(self, fitting: bool) -> None:
         if self.fast_kernel_handles:
@@ -97,17 +103,9 @@ class FastKernelsMixin:
                 type(module).__name__,
             )
             return
-        sections = []
-        for path, model in models:
-            handle = patch_model(model, self.fast_kernels)
-            self.fast_kernel_handles.append(handle)
-            sections.append(f"[{path}]\n{handle.summary()}")
-            mode = self.fast_kernels.gradient_checkpointing
-            if fitting and mode and not _checkpointing_on(model):
-                _enable_checkpointing(model, offload=mode == "offload")
-                self._checkpointing_turned_on.append(model)
-        self.fast_kernels_summary = "\n".join(sections)
-        logger.info("fastplug patched %s:\n%s", type(module).__name__, self.fast_kernels_summary)
+        # Checkpointing only pays off when training; patch_model turns it on and restore() turns it off.
+        options = self.fast_kernels if fitting else KernelOptions.build(self.fast_kernels, gradient_checkpointing=False)
+        self.fast_kernel_handles = [patch_model(model, options) for _, model in models]
 
 
 def find_transformers_models(module) -> list[tuple[str, object]]:
@@ -131,28 +129,6 @@ def find_transformers_models(module) -> list[tuple[str, object]]:
 
     visit("", module)
     return found
-
-
-def _checkpointing_on(model) -> bool:
-    return bool(getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)))
-
-
-def _enable_checkpointing(model, offload: bool) -> None:
-    # Non-reentrant: works with frozen (PEFT) embeddings and with the patched modules' autograd Functions.
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
-    elif offload:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, offload=True)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _disable_checkpointing(model) -> None:
-    if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    else:
-        model.gradient_checkpointing_disable()
 
 
 class _DeviceFromAccelerator:

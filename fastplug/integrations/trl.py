@@ -11,7 +11,7 @@ model's instance `forward`; fastplug leaves that forward alone and patches the l
 
 from __future__ import annotations
 
-import logging
+import torch
 
 from ..options import KernelOptions
 
@@ -19,10 +19,12 @@ try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as err:
     raise ImportError(f'fastplug.integrations.trl needs TRL: pip install "fastplug[trl]" ({err})') from err
+from transformers import TrainerCallback
+
+from .. import checkpointing
+from ..patching import kernel_path_of, patch_model, unwrap
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
-
-logger = logging.getLogger(__name__)
 
 
 class FastKernelsMixin:
@@ -36,68 +38,106 @@ class FastKernelsMixin:
         self.fast_kernels = KernelOptions.build(fast_kernels)
         self.fast_kernel_handles = []
         self.fast_kernels_summary = ""
+        self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing)
         super().__init__(*args, **kwargs)
-        _configure_checkpointing(self.args, self.fast_kernels.gradient_checkpointing)
         # After TRL's set-up (PEFT wrapping, fused LM head, reference model), before the optimizer exists.
         self._patch_fast_kernels()
+        self.add_callback(self._checkpointing)
 
     def train(self, *args, **kwargs):
         self._patch_fast_kernels()  # again when an earlier train() has restored the model
+        if self.is_world_process_zero():
+            print(self.fast_kernels_summary)
         try:
             return super().train(*args, **kwargs)
         finally:
             self.restore_fast_kernels()
 
     def restore_fast_kernels(self) -> None:
-        """Put every original module back (harmless when already restored)."""
+        """Put every original module and the checkpointing settings back (harmless when already restored)."""
         for handle in self.fast_kernel_handles:
             handle.restore()
         self.fast_kernel_handles = []
-
-    def _models_to_patch(self) -> dict:
-        models = {"model": self.model}
-        if getattr(self, "ref_model", None) is not None:  # DPO with a separate reference model
-            models["ref_model"] = self.ref_model
-        return {role: self.accelerator.unwrap_model(model) for role, model in models.items()}
+        self._checkpointing.restore(self.args)
 
     def _patch_fast_kernels(self) -> None:
         if self.fast_kernel_handles:
             return
-        from ..patching import patch_model
-
+        models = {"model": self.model}
+        if getattr(self, "ref_model", None) is not None:  # DPO with a separate reference model
+            models["ref_model"] = self.ref_model
         sections = []
-        for role, model in self._models_to_patch().items():
-            handle = patch_model(model, self.fast_kernels)
+        for role, model in models.items():
+            model = self.accelerator.unwrap_model(model)
+            # Checkpointing goes through the trainer's arguments (TRL toggles it around DPO's reference pass).
+            handle = patch_model(model, self.fast_kernels, gradient_checkpointing=False)
             self.fast_kernel_handles.append(handle)
-            sections.append(f"[{role}] loss path: {_loss_path(model)}\n{handle.summary()}")
+            sections.append(
+                f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"
+            )
+        self._checkpointing.ask_trainer(self.args, unwrap(self.model))
+        sections.append(f"  gradient checkpointing: {self._checkpointing.describe(self.args)}")
         self.fast_kernels_summary = "\n".join(sections)
-        logger.info("fastplug patched %s:\n%s", type(self).__name__, self.fast_kernels_summary)
 
 
-def _configure_checkpointing(args, mode) -> None:
-    """Turn on the trainer's own activation checkpointing when the options ask for it (False: leave it alone)."""
-    if not mode:
-        return
-    # transformers 5.23 names it activation_checkpointing; older 5.x only gradient_checkpointing.
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if hasattr(args, name):
-            setattr(args, name, True)
-    if mode == "offload":
-        kwargs_name = next(
-            name for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(args, name)
-        )
-        setattr(args, kwargs_name, {**(getattr(args, kwargs_name) or {}), "offload": True})
+class _Checkpointing(TrainerCallback):
+    """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
+
+    Trainer.train() turns checkpointing on from its arguments; "offload" then swaps each layer's checkpoint
+    function, in on_step_begin because TRL's DPO re-enables plain checkpointing after every reference pass.
+    """
+
+    def __init__(self, mode):
+        self.mode = mode
+        self._args_before = None  # the arguments we changed, to put back
+        self._model_before = None  # the model's checkpointing state before training
+        self._offload_before = None
+
+    def ask_trainer(self, args, model) -> None:
+        names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
+        if not self.mode or any(getattr(args, n) for n in names):
+            return  # off in the options, or already on in the arguments (TRL's default): the user's setting
+        kwargs_names = [n + "_kwargs" for n in names if hasattr(args, n + "_kwargs")]
+        self._args_before = {n: getattr(args, n) for n in names + kwargs_names}
+        self._model_before = checkpointing.snapshot(model)
+        for n in names:
+            setattr(args, n, True)
+        for n in kwargs_names:  # transformers 5.17 defaults to reentrant checkpointing
+            setattr(args, n, {"use_reentrant": False, **(getattr(args, n) or {})})
+
+    def describe(self, args) -> str:
+        if not any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing")):
+            return "off"
+        if self.mode == "offload":
+            where = "layer inputs in pinned CPU memory" if torch.cuda.is_available() else "offload needs CUDA: plain"
+            return f"on, offload ({where})"
+        return "on" + (", turned on by fastplug" if self._args_before is not None else "")
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.mode != "offload" or model is None or not checkpointing.is_enabled(unwrap(model)):
+            return
+        if self._offload_before is None:
+            self._offload_before = checkpointing.snapshot(unwrap(model))
+        checkpointing.install_offload(unwrap(model))
+
+    def restore(self, args) -> None:
+        for state in (self._offload_before, self._model_before):
+            if state is not None:
+                checkpointing.restore(state)
+        self._offload_before = self._model_before = None
+        for name, value in (self._args_before or {}).items():
+            setattr(args, name, value)
+        self._args_before = None
 
 
 def _loss_path(model) -> str:
     """Words for the summary: which code computes the training loss."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if "forward" in vars(base):
+    if "forward" in vars(unwrap(model)):
         return (
-            "TRL's fused LM head (its chunked log-prob kernel, installed as the model's instance forward); "
-            "fastplug's kernels run in the layers underneath it"
+            "TRL's fused LM head (its chunked log-prob kernel, the model's instance forward, left in place); "
+            "fastplug's kernels run in the layers underneath"
         )
-    return "the model's own forward (fastplug's cross-entropy when it is patched)"
+    return "the model's own forward (fastplug's fused linear cross-entropy where the LM head is patched)"
 
 
 class FastSFTTrainer(FastKernelsMixin, SFTTrainer):
@@ -105,4 +145,6 @@ class FastSFTTrainer(FastKernelsMixin, SFTTrainer):
 
 
 class FastDPOTrainer(FastKernelsMixin, DPOTrainer):
-    """TRL's DPOTrainer with fastplug's kernels (policy and reference model); takes `fast_kernels=KernelOptions(...)`."""
+    """TRL's DPOTrainer with fastplug's kernels on the policy and the reference model.
+
+    Takes `fast_kernels=KernelOptions(...)`."""

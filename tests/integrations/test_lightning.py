@@ -21,19 +21,14 @@ from fastplug.integrations.lightning import (  # noqa: E402
 )
 from fastplug.patching import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from tests.models.tiny import tiny_model  # noqa: E402
 
 STEPS = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    return tiny_model("llama", seed=seed)
 
 
 class TinyLM(L.LightningModule):

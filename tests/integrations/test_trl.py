@@ -11,12 +11,14 @@ datasets = pytest.importorskip("datasets")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
+from fastplug import checkpointing  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
 from fastplug.patching import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
+from tests.models.tiny import tiny_model  # noqa: E402
 
 STEPS = 2
 
@@ -36,13 +38,8 @@ TOKENIZER = char_tokenizer()
 
 
 def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=64, pad_token_id=TOKENIZER.pad_token_id,
-        eos_token_id=TOKENIZER.eos_token_id, bos_token_id=TOKENIZER.bos_token_id,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    ids = {f"{name}_token_id": getattr(TOKENIZER, f"{name}_token_id") for name in ("pad", "eos", "bos")}
+    return tiny_model("llama", seed=seed, **ids)
 
 
 def tiny_lora_llama(seed=0):
@@ -65,13 +62,14 @@ def module_state(model, trl_head=None):
 
 
 class Probe(TrainerCallback):
-    """Records, at each step, whether fastplug was active on `models`; raises at `raise_at` if set."""
+    """Records at each step whether fastplug was active on `models` and checkpointing was on; raises at `raise_at`."""
 
     def __init__(self, models, raise_at=None):
-        self.models, self.raise_at, self.active = models, raise_at, []
+        self.models, self.raise_at, self.active, self.checkpointing = models, raise_at, [], []
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         self.active.append(all(active_handle(m) is not None for m in self.models))
+        self.checkpointing.append(checkpointing.is_enabled(model))
         if state.global_step == self.raise_at:
             raise RuntimeError("boom at step 2")
 
@@ -129,15 +127,17 @@ def test_sft_peft_restores_after_exception(tmp_path):
     head = model.get_base_model()
     before = module_state(model, trl_head=head)
     probe = Probe([model], raise_at=2)
+    args = SFTConfig(**common_args(tmp_path), gradient_checkpointing=False)  # the options turn it on
     trainer = FastSFTTrainer(
-        model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=sft_dataset(),
-        processing_class=TOKENIZER, callbacks=[probe],
-    )  # fmt: skip
+        model=model, args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER, callbacks=[probe]
+    )
+    assert "gradient checkpointing: on, turned on by fastplug" in trainer.fast_kernels_summary
     with pytest.raises(RuntimeError, match="boom"):
         trainer.train()
-    assert probe.active == [True, True]
+    assert probe.active == [True, True] and probe.checkpointing == [True, True]
     assert active_handle(model) is None
     assert module_state(model, trl_head=head) == before
+    assert not checkpointing.is_enabled(model) and not args.gradient_checkpointing, "checkpointing set back"
 
 
 def test_dpo_with_reference_model(tmp_path):
@@ -188,5 +188,6 @@ def test_dpo_peft_reference_pass_disables_the_fused_adapter(tmp_path):
     trainer, probe = run(FastDPOTrainer)
     assert abs(losses(reference)[0] - math.log(2)) > 1e-3, "the reference pass differs from the policy"
     assert probe.active == [True] * STEPS
+    assert "lora_fused" in trainer.fast_kernels_summary, "the fused LoRA path is the one under test"
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
     assert active_handle(trainer.model) is None

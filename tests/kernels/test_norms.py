@@ -4,6 +4,8 @@ On CPU the Triton kernels run under the interpreter, so shapes stay small; they 
 tiles per program (300 x 64), packed narrow rows (2 x 3 x 80), odd widths and the looped wide-row path (3 x 9001).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,6 +64,38 @@ def test_layer_norm_matches_float64(shape, dtype):
     b = _leaf(torch.randn(shape[-1], dtype=dtype))
     dy = torch.randn(shape, dtype=dtype)
     _check_against_float64(layer_norm, layer_norm_reference, [x, w, b], dy, dtype, ["x", "weight", "bias"])
+
+
+# The launch alternatives scripts/tune_kernels.py may pick: each must give the same numbers. Small dW blocks
+# and many dW programs per "SM" make the split backward walk several row chunks and column blocks.
+TUNING_VARIANTS = {
+    "split_dw": dict(split_dw=True, dw_block_rows=4, dw_block_n=32, dw_programs_per_sm=64),
+    "pipelined_loop": dict(bwd_loop_stages=3),
+    "packed_bwd_rows": dict(bwd_min_tile=1024, bwd_elems_per_warp=256, resident_warps_per_sm=32),
+    "packed_fwd_rows": dict(fwd_min_tile=1024, fwd_elems_per_warp=128),
+}
+
+
+@pytest.mark.parametrize("variant", list(TUNING_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tuning_variants_match_float64(monkeypatch, variant, dtype):
+    for attr in ("TUNING", "LAYER_NORM_TUNING"):  # RMSNorm's and LayerNorm's settings
+        monkeypatch.setattr(norms, attr, dataclasses.replace(getattr(norms, attr), **TUNING_VARIANTS[variant]))
+    shape = (37, 129) if variant != "packed_bwd_rows" else (75, 64)
+    x = _leaf(torch.randn(shape, dtype=dtype) * 2 + 1)
+    w = _leaf(torch.randn(shape[-1], dtype=dtype))
+    b = _leaf(torch.randn(shape[-1], dtype=dtype))
+    dy = torch.randn(shape, dtype=dtype)
+    for offset in (0.0, 1.0):
+        _check_against_float64(
+            lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
+            [x, w], dy, dtype, ["x", "weight"],
+        )
+    _check_against_float64(layer_norm, layer_norm_reference, [x, w, b], dy, dtype, ["x", "weight", "bias"])
+    # frozen weight, trainable bias: the split backward computes db alone
+    _check_against_float64(
+        layer_norm, layer_norm_reference, [x, w.detach(), b], dy, dtype, ["x", "weight", "bias"]
+    )
 
 
 @pytest.mark.parametrize("affine", ["weight", "bias", "none"])

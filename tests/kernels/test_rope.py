@@ -1,9 +1,11 @@
 """RoPE (rotate-half): forward and backward against float64 references and transformers' apply_rotary_pos_emb."""
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 
-import importlib
 from fastplug.kernels.rope import rope, rope_reference
 from tests.helpers import assert_close
 
@@ -67,10 +69,28 @@ def test_cos_broadcast_and_layouts(form, layout):
 
 def test_many_heads_loop_over_head_blocks(monkeypatch):
     # A small tile makes a program walk over several head blocks, the last one partly masked.
-    monkeypatch.setattr(rope_module, "TILE_ELEMENTS", 256)
+    monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, tile_elements=256))
     q, k = _qk(2, 6, 3, 9, 128, torch.float32)
     cos, sin = _cos_sin(2, 9, 96, torch.float32)
     _check(q, k, cos, sin, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        dict(split_heads=True, tile_elements=256),  # q: 6 heads in blocks of 4 (last partly masked), k: 3 in 4
+        dict(split_heads=True, max_block_heads=2, tile_elements=512, num_warps=8),  # several tokens a program
+        dict(split_heads=False, max_block_heads=2, tile_elements=4096, num_warps=8),
+    ],
+    ids=["split", "split-2-heads", "loop-2-heads"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_tuning_variants(monkeypatch, tuning, dtype):
+    # The launch shapes scripts/tune_kernels.py may pick: same numbers, partial rotary included.
+    monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, **tuning))
+    q, k = _qk(2, 6, 3, 9, 128, dtype)
+    cos, sin = _cos_sin(1, 9, 96, dtype)
+    _check(q, k, cos, sin, dtype)
 
 
 def test_non_contiguous_gradients():

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Run fastplug's GPU checks and benchmarks on a machine with no network, from the repo root.
+#
+#   scripts/gpu_run.sh [PART [ARGS...]] ...
+#
+# PARTs run in the order given (default: doctor tests micro e2e):
+#   doctor                 python -m fastplug doctor
+#   tests [PYTEST ARGS]    pytest -m gpu tests/gpu (extra args go to pytest)
+#   micro [ARGS]           python -m fastplug.bench micro ARGS
+#   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
+#   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
+# Arguments after a PART belong to it until the next PART name.
+#
+# Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
+# are installed from .whl/ into /tmp/site when present. Outputs and each part's log go to $OUT (if set,
+# else bench_out/). Exit status: the first failing part's, after all parts ran.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=0
+OUT_DIR="${OUT:-bench_out}"
+mkdir -p "$OUT_DIR"
+PY="$(command -v python3)"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_run: installing .whl/ failed"; exit 1; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# fastplug itself from this checkout: on the path first (no build step, no network needed).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+PARTS="doctor tests micro e2e maxseq"
+is_part() { [[ " $PARTS " == *" $1 "* ]]; }
+
+run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
+    local name="$1"; shift
+    local cmd
+    case "$name" in
+        doctor) cmd=("$PY" -m fastplug doctor "$@") ;;
+        tests)  cmd=("$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@") ;;
+        micro)  cmd=("$PY" -m fastplug.bench micro --out "$OUT_DIR" "$@") ;;
+        e2e)    cmd=("$PY" -m fastplug.bench e2e --out "$OUT_DIR" "$@") ;;
+        maxseq) cmd=("$PY" -m fastplug.bench e2e --offload-max-seq --out "$OUT_DIR" "$@") ;;
+    esac
+    echo "=== gpu_run: $name: ${cmd[*]}"
+    local start=$SECONDS
+    "${cmd[@]}" 2>&1 | tee "$OUT_DIR/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== gpu_run: $name finished with exit code $rc in $((SECONDS - start)) s"
+    return "$rc"
+}
+
+[[ $# -eq 0 ]] && set -- $PARTS
+status=0
+while [[ $# -gt 0 ]]; do
+    name="$1"; shift
+    is_part "$name" || { echo "gpu_run: unknown part '$name' (parts: $PARTS)"; exit 2; }
+    args=()
+    while [[ $# -gt 0 ]] && ! is_part "$1"; do args+=("$1"); shift; done
+    run_part "$name" "${args[@]+"${args[@]}"}" || { rc=$?; [[ $status -eq 0 ]] && status=$rc; }
+done
+exit "$status"

@@ -1,0 +1,113 @@
+"""The real transformers.Trainer with FastKernels(): same losses as without it, patched during training,
+restored after; gradient accumulation, evaluation during training, model_init, LoRA, Liger conflict."""
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from fastplug import FastKernels
+from fastplug.patching import active_handle
+from tests.helpers import assert_close
+from tests.models.tiny import batch, tiny_model
+
+
+def _dataset(n=8, tokens=10):
+    data = batch(batch_size=n, tokens=tokens, seed=3)
+    return [{k: v[i] for k, v in data.items()} for i in range(n)]
+
+
+def _args(tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2, max_steps=2, learning_rate=5e-3, logging_steps=1, eval_strategy="steps",
+        eval_steps=2, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    return TrainingArguments(**{**base, **overrides})
+
+
+class _WatchPatch(TrainerCallback):
+    """Records, during training, whether the Trainer's model is patched."""
+
+    def __init__(self):
+        self.patched_steps = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        handle = active_handle(model)
+        self.patched_steps.append(handle is not None and handle.counts.get("attention") == 2)
+
+
+def _run(tmp_path, callbacks, model=None, args=None, **kwargs):
+    trainer = Trainer(
+        model=model, args=args or _args(tmp_path), train_dataset=_dataset(), eval_dataset=_dataset(4, 10),
+        callbacks=callbacks, **kwargs,
+    )
+    trainer.train()
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    eval_losses = [h["eval_loss"] for h in history if "eval_loss" in h]
+    return trainer, history, torch.tensor(losses), torch.tensor(eval_losses)
+
+
+def _has_instance_forward(model):
+    return any("forward" in vars(m) for m in model.modules())
+
+
+def test_trainer_losses_match_and_model_is_restored(tmp_path):
+    model = tiny_model("llama")
+    watch = _WatchPatch()
+    fast = FastKernels()
+    _, history, losses, eval_losses = _run(tmp_path, [fast, watch], model=model)
+    _, _, ref_losses, ref_eval = _run(tmp_path, [], model=tiny_model("llama"))
+
+    assert len(losses) == 2 and len(eval_losses) == 1
+    assert_close(losses, ref_losses, torch.float32, "training losses")
+    assert_close(eval_losses, ref_eval, torch.float32, "eval losses (eval takes the original forward)")
+    assert watch.patched_steps == [True, True]
+    assert any("tokens_per_second" in h for h in history)
+    assert "attention: 2" in fast.summary and "gradient checkpointing: on" in fast.summary
+    assert active_handle(model) is None and not _has_instance_forward(model)
+    assert not model.is_activation_checkpointing, "the checkpointing FastKernels turned on is turned off again"
+
+
+def test_trainer_with_lora_matches(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    def lora_model():
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+        return get_peft_model(tiny_model("qwen2"), config)
+
+    fast = FastKernels()
+    _, _, losses, _ = _run(tmp_path, [fast], model=lora_model())
+    _, _, ref_losses, _ = _run(tmp_path, [], model=lora_model())
+    assert "lora_fused: 4" in fast.summary
+    assert_close(losses, ref_losses, torch.float32, "training losses")
+
+
+def test_trainer_bf16_mixed_precision_matches(tmp_path):
+    args = dict(bf16=True, eval_strategy="no", gradient_accumulation_steps=1)
+    _, _, losses, _ = _run(tmp_path, [FastKernels()], model=tiny_model("gemma"), args=_args(tmp_path, **args))
+    _, _, ref_losses, _ = _run(tmp_path, [], model=tiny_model("gemma"), args=_args(tmp_path, **args))
+    assert_close(losses, ref_losses, torch.bfloat16, "bf16 training losses")
+
+
+def test_trainer_model_init_patches_the_new_model(tmp_path):
+    watch = _WatchPatch()
+    fast = FastKernels(gradient_checkpointing=False)
+    trainer, _, losses, _ = _run(tmp_path, [fast, watch], model_init=lambda: tiny_model("llama"))
+    assert watch.patched_steps == [True, True]
+    assert torch.isfinite(losses).all()
+    assert fast.handle.model is trainer.model and not fast.handle.is_active
+
+
+def test_liger_conflict_warns_and_fastplug_steps_back(tmp_path):
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="Liger wins"):
+        Trainer(model=model, args=_args(tmp_path, use_liger_kernel=True, eval_strategy="no"), train_dataset=_dataset(),
+                callbacks=[FastKernels()])
+    assert active_handle(model) is None
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="valid options"):
+        FastKernels(flash_attention=True)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad")
 IMPLS = ("eager", "compile", "liger", "fastplug")
 COLUMNS = ("op", "shape", "impl", "ms", "peak MiB", "rel err out", "rel err grads", "speedup vs compile", "note")
 # bf16 against bf16 eager: both round, so a few 1e-3 is normal; beyond this the row is flagged.
@@ -166,12 +166,12 @@ def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
     return case
 
 
-def case_cross_entropy(N, H, V, device, dtype) -> Case:
+def case_cross_entropy(N, H, V, device, dtype, train_head=False) -> Case:
     from fastplug.kernels import fused_linear_cross_entropy
 
     hidden = _randn(N, H, device=device, dtype=dtype, requires_grad=True)
-    # The LM head is frozen in LoRA fine-tuning: no weight grad, as in the baseline.
-    weight = _randn(V, H, device=device, dtype=dtype, scale=H ** -0.5)
+    # The LM head is frozen in LoRA fine-tuning (no weight grad); full fine-tuning or tied embeddings train it.
+    weight = _randn(V, H, device=device, dtype=dtype, scale=H ** -0.5, requires_grad=train_head)
     labels = torch.randint(0, V, (N,), device=device)
     labels[torch.rand(N, device=device) < 0.05] = -100  # some ignored positions, as with padding
 
@@ -180,7 +180,8 @@ def case_cross_entropy(N, H, V, device, dtype) -> Case:
         logits = F.linear(hidden, weight).float()
         return F.cross_entropy(logits, labels, ignore_index=-100)
 
-    case = Case("cross_entropy", f"{N}x{H}, vocab {V}", [hidden])
+    op = "cross_entropy_head_grad" if train_head else "cross_entropy"
+    case = Case(op, f"{N}x{H}, vocab {V}", [hidden, weight] if train_head else [hidden])
     case.impls["eager"] = eager_fn
     case.impls["compile"] = _compiled(eager_fn)
     case.impls["fastplug"] = lambda: fused_linear_cross_entropy(hidden, weight, labels)
@@ -214,6 +215,7 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             "geglu": lambda: case_geglu(37, 129, device, dtype),
             "rope": lambda: case_rope(1, 4, 2, 16, 80, device, dtype),
             "cross_entropy": lambda: case_cross_entropy(37, 64, 257, device, dtype),
+            "cross_entropy_head_grad": lambda: case_cross_entropy(37, 64, 257, device, dtype, train_head=True),
         }
     else:
         shapes = {
@@ -223,6 +225,7 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             "geglu": lambda: case_geglu(16384, 14336, device, dtype),
             "rope": lambda: case_rope(4, 32, 8, 4096, 128, device, dtype),
             "cross_entropy": lambda: case_cross_entropy(8192, 4096, 128256, device, dtype),
+            "cross_entropy_head_grad": lambda: case_cross_entropy(8192, 4096, 128256, device, dtype, train_head=True),
         }
     return [(op, shapes[op]) for op in ops]
 
@@ -283,6 +286,9 @@ def _peak_mib(fn, leaves, device) -> float | None:
 
 def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
     rows = []
+    # Some implementations (Liger's SwiGLU, GeGLU and RoPE) write their backward into their inputs: each
+    # implementation starts from these pristine values, or it would run on another's leftovers.
+    pristine = [t.detach().clone() for t in case.leaves]
     # Reference outputs, grads and grad outputs from eager, once.
     _set_grads_none(case.leaves)
     ref_outs = [o.detach().clone() for o in _as_tuple(case.impls["eager"]())]
@@ -300,6 +306,9 @@ def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
             continue
         try:
             # Each implementation gets its own copy of the grad outputs: some backward passes write into them.
+            with torch.no_grad():
+                for t, p in zip(case.leaves, pristine):
+                    t.copy_(p)
             _set_grads_none(case.leaves)
             outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
             row["rel err out"] = max(_rel_err(o, r) for o, r in zip(outs, ref_outs))

@@ -60,6 +60,7 @@ class FastKernelsMixin:
         self.fast_kernels = KernelOptions.build(options)
         self.fast_kernel_handles = []
         self.fast_kernels_summary = ""
+        self._patched_paths = []  # where each handle's model sits in the LightningModule
         super().__init__(*args, **kwargs)
 
     def setup(self, trainer) -> None:
@@ -72,8 +73,8 @@ class FastKernelsMixin:
 
             # After super().setup(), so the kernel path is that of the device the model now lives on.
             self.fast_kernels_summary = "\n".join(
-                f"{handle.summary()}\n  kernel path: {kernel_path_of(handle.model)}"
-                for handle in self.fast_kernel_handles
+                f"[{path}] {handle.summary()}\n  kernel path: {kernel_path_of(handle.model)}"
+                for path, handle in zip(self._patched_paths, self.fast_kernel_handles)
             )
             if self.is_global_zero:
                 print(self.fast_kernels_summary)
@@ -106,6 +107,7 @@ class FastKernelsMixin:
         # Checkpointing only pays off when training; patch_model turns it on and restore() turns it off.
         options = self.fast_kernels if fitting else KernelOptions.build(self.fast_kernels, gradient_checkpointing=False)
         self.fast_kernel_handles = [patch_model(model, options) for _, model in models]
+        self._patched_paths = [path for path, _ in models]
 
 
 def find_transformers_models(module) -> list[tuple[str, object]]:

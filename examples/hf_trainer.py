@@ -23,7 +23,6 @@ from transformers import (
 )
 
 from fastplug import FastKernels
-from fastplug.kernels._utils import kernel_path
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -69,6 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="path of a local checkpoint (default: a small random Llama)")
     parser.add_argument("--steps", type=int, default=100)
+    # FastKernels prints its patch summary, with the kernel path (Triton on GPU, torch reference on CPU),
+    # when training starts; tokens/s and peak GPU memory join the Trainer's logs.
     args = parser.parse_args()
 
     if args.model:
@@ -81,7 +82,6 @@ def main() -> None:
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS))
 
     cuda = torch.cuda.is_available()
-    print(f"fastplug kernel path: {kernel_path('cuda' if cuda else 'cpu')}")
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=16, learning_rate=2e-3, warmup_steps=10,

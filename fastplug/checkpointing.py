@@ -14,7 +14,6 @@ grad enabled and backpropagated. Only the layer output of the last layer and the
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-logger = logging.getLogger(__name__)
 
 _FLAG, _FUNC = "gradient_checkpointing", "_gradient_checkpointing_func"
 _MISSING = object()
@@ -107,7 +104,12 @@ class _Stash:
 
 
 _side_streams: dict[int, Any] = {}
-_last_stash = lambda: None  # noqa: E731  weakref to the previous layer's stash (prefetch target)
+
+def _no_stash() -> None:
+    return None
+
+
+_last_stash = _no_stash  # weakref to the stash of the layer that ran before (the next prefetch target)
 
 
 def _side_stream(device: torch.device):

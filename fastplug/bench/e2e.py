@@ -69,8 +69,11 @@ LOSS_TOLERANCE = 1e-2
 # --- the worker: one model, one implementation, in its own process --------------------------------
 
 
-def build_model(name: str, tiny: bool, device, seed: int):
-    """Random-init bf16 model with LoRA r=16 on its preset's targets and non-reentrant checkpointing."""
+def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "fp32"):
+    """Random-init bf16 model with LoRA r=16 on its preset's targets and non-reentrant checkpointing.
+
+    adapter_dtype "fp32" is what peft does by default (it upcasts adapters of a bf16 model, the set-up of
+    shared/BASELINES.md); "bf16" keeps them in the weights' dtype."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -89,8 +92,7 @@ def build_model(name: str, tiny: bool, device, seed: int):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM")
     torch.manual_seed(seed + 1)
-    # bf16 adapters like the weights (peft would upcast them to fp32), so every implementation computes alike.
-    return get_peft_model(model, lora, autocast_adapter_dtype=False)
+    return get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
 
 
 def apply_impl(model, impl: str, checkpointing):
@@ -161,7 +163,7 @@ def run_throughput(spec: dict) -> dict:
     device = torch.device(spec["device"])
     batch, seq = spec["batch"], spec["seq"]
     result = {}
-    model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
+    model = build_model(spec["model"], spec["tiny"], device, spec["seed"], spec["adapter_dtype"])
     if spec["model"] == "qwen3_moe":
         result["experts"] = getattr(model.config, "_experts_implementation", None)
     runner, result["note"] = apply_impl(model, spec["impl"], True)
@@ -171,6 +173,8 @@ def run_throughput(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, _deadline(spec))
     measured = times[spec["warmup"]:] or times[-1:]
+    if spec.get("profile"):
+        _print_profile(runner, params, batches, device)
     result.update(
         step_ms=statistics.median(measured) * 1e3,
         tokens_per_s=batch * seq / statistics.median(measured),
@@ -180,6 +184,15 @@ def run_throughput(spec: dict) -> dict:
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     )
     return result
+
+
+def _print_profile(model, params, batches, device, rows: int = 25):
+    """One more step under torch.profiler: where the GPU time goes, by kernel, for tuning."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_steps(model, params, batches, 1, device, float("inf"))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
 
 
 def run_max_seq(spec: dict) -> dict:
@@ -293,7 +306,8 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
         seq = args.seq or (TINY_SEQ if args.tiny else preset["seq"])
         for impl in impls:
             spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup)
+                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup,
+                        adapter_dtype=args.adapter_dtype, profile=args.profile)
             res = run_worker(spec, args.time_limit)
             row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl, "batch x seq": f"{batch}x{seq}"}
             rows.append(row)
@@ -363,6 +377,9 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per model and impl (hard)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same families (CPU smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--adapter-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="LoRA weights' dtype: fp32 is peft's default for a bf16 model")
+    parser.add_argument("--profile", action="store_true", help="print a kernel-time table of one more step")
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and PNG")
     parser.add_argument("--offload-max-seq", action="store_true",
                         help="longest sequence at batch 1: transformers vs fastplug with and without offload")

@@ -11,6 +11,8 @@ model's instance `forward`; fastplug leaves that forward alone and patches the l
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..options import KernelOptions
@@ -22,6 +24,7 @@ except ImportError as err:
 from transformers import TrainerCallback
 
 from .. import checkpointing
+from ..callbacks.hf import LIGER_CONFLICT
 from ..patching import kernel_path_of, patch_model, unwrap
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
@@ -67,6 +70,10 @@ class FastKernelsMixin:
         if getattr(self, "ref_model", None) is not None:  # DPO with a separate reference model
             models["ref_model"] = self.ref_model
         sections = []
+        if getattr(self.args, "use_liger_kernel", False):
+            # Both replace the same modules, and Liger is applied later, in train(): it wins, like with FastKernels.
+            warnings.warn(LIGER_CONFLICT, stacklevel=3)
+            models, sections = {}, [LIGER_CONFLICT]
         for role, model in models.items():
             model = self.accelerator.unwrap_model(model)
             # Checkpointing goes through the trainer's arguments (TRL toggles it around DPO's reference pass).

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch import nn
 
 from ..kernels.cross_entropy import fused_linear_cross_entropy

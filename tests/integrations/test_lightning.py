@@ -113,6 +113,7 @@ def test_fit_restores_after_exception_with_constructed_strategy():
         trainer.fit(module, batches())
     assert probe.active == [True, True]
     assert probe.checkpointing == [False, False], "options reach the strategy"
+    assert strategy.fast_kernels_summary.startswith("[lm] fastplug patch of LlamaForCausalLM")
     assert active_handle(module.lm) is None
     assert module_state(module.lm) == before
 

@@ -10,6 +10,17 @@ from fastplug.patching import patch_model
 from tests.helpers import assert_close
 from tests.models.tiny import FAMILIES, batch, tiny_model
 
+# On a GPU machine these run the compiled Triton kernels against that machine's transformers version.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _model(family, **overrides):
+    return tiny_model(family, **overrides).to(DEVICE)
+
+
+def _batch(**kwargs):
+    return {k: v.to(DEVICE) for k, v in batch(**kwargs).items()}
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Dense MLP modules per family (MoE experts are fused 3-D parameters; Qwen2-MoE has shared experts).
 DENSE_MLPS = {"mixtral": 0, "qwen3_moe": 0}
@@ -44,9 +55,9 @@ def _eval_logits(model, inputs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_family_matches_unpatched(family):
-    model = tiny_model(family)
+    model = _model(family)
     reference = copy.deepcopy(model)
-    inputs = batch()
+    inputs = _batch()
     original_logits = _eval_logits(reference, inputs)
 
     handle = patch_model(model, gradient_checkpointing=False)
@@ -66,9 +77,9 @@ def test_patched_lora_matches_peft(family):
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
-    model = get_peft_model(tiny_model(family), config)
+    model = get_peft_model(_model(family), config)
     reference = copy.deepcopy(model)
-    inputs = batch()
+    inputs = _batch()
 
     with patch_model(model) as handle:  # with the model's own checkpointing, as training would run
         assert handle.counts["lora_fused"] == handle.counts.get("mlp", 0) + handle.counts["attention"]
@@ -83,20 +94,20 @@ def test_unfusable_lora_is_reported_and_still_matches():
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.1, init_lora_weights=False)
-    model = get_peft_model(tiny_model("llama"), config)
+    model = get_peft_model(_model("llama"), config)
     reference = copy.deepcopy(model)
     handle = patch_model(model, gradient_checkpointing=False)
     assert "lora_fused" not in handle.counts
     assert any("lora_dropout > 0" in reason for _, reason in handle.skipped)
-    inputs = batch()
+    inputs = _batch()
     assert_close(_eval_logits(model, inputs), _eval_logits(reference, inputs), torch.float32, "logits")
     handle.restore()
 
 
 def test_eager_attention_and_generation_with_cache():
-    model = tiny_model("llama", attn_implementation="eager")
+    model = _model("llama", attn_implementation="eager")
     reference = copy.deepcopy(model)
-    inputs = batch(batch_size=1, tokens=6)
+    inputs = _batch(batch_size=1, tokens=6)
     with patch_model(model):
         _assert_same_training_step(model, reference, inputs)
         model.eval(), reference.eval()

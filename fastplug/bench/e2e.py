@@ -181,6 +181,7 @@ def run_throughput(spec: dict) -> dict:
         first_step_s=times[0],
         losses=losses[:3],
         measured_steps=len(measured),
+        all_step_ms=[round(t * 1e3, 1) for t in times],
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     )
     return result
@@ -261,6 +262,8 @@ def worker_main(spec_json: str, result_path: str) -> int:
 
         traceback.print_exc()
         result = {"error": short_error(exc)}
+    if "all_step_ms" in result:
+        print(f"step ms: {result['all_step_ms']}", flush=True)
     with open(result_path, "w") as f:
         json.dump(result, f)
     return 0

@@ -174,11 +174,6 @@ def logits_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
     return min(n_rows, rows)
 
 
-def _is_one(t: torch.Tensor) -> bool:
-    # A host sync, but it saves a pass over the 1 GiB grad_weight in the usual loss.backward() case.
-    return t.numel() == 1 and bool(t.reshape(()) == 1)
-
-
 def _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale=1.0) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}; got {reduction!r}")
@@ -272,26 +267,17 @@ def cross_entropy(
 # ------------------------------------------------------------------------- fused with the linear head
 
 
-def _plan_chunks(labels, ignore_index, vocab, chunk_rows) -> tuple[list[tuple[int, int]], int]:
-    """(start, end) of the chunks holding at least one label, and the non-ignored count: one host sync."""
-    n = labels.numel()
-    n_chunks = -(-n // chunk_rows)
-    valid = labels != ignore_index
-    bad = (valid & ((labels < 0) | (labels >= vocab))).sum().reshape(1)
-    padded = torch.nn.functional.pad(valid.to(torch.int64), (0, n_chunks * chunk_rows - n))
-    stats = torch.cat([padded.view(n_chunks, chunk_rows).sum(1), bad]).tolist()
-    if stats[-1]:
-        raise ValueError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
-    chunks = [(i * chunk_rows, min(n, (i + 1) * chunk_rows)) for i, c in enumerate(stats[:-1]) if c > 0]
-    return chunks, sum(stats[:-1])
+def _plan_chunks(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """(start, end) of each row chunk. Every chunk runs, even one whose labels are all ignored: skipping
+    it would need the labels on the host, and a host sync mid-step stalls the GPU behind Python."""
+    return [(start, min(n_rows, start + chunk_rows)) for start in range(0, n_rows, chunk_rows)]
 
 
 def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale,
                       grad_hidden=None, grad_weight=None, grad_bias=None) -> None:
     """Loss rows of the given chunks, and (into the buffers that are not None) the gradients.
 
-    grad_hidden must come zeroed (skipped chunks are not written); grad_weight is overwritten by the
-    first chunk; grad_bias is an fp32 accumulator.
+    grad_weight is overwritten by the first chunk; grad_bias is an fp32 accumulator.
     """
     write_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
     buf = torch.empty(min(chunk_rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
@@ -333,7 +319,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor)
             ctx.save_for_backward(hidden, weight, bias, labels)
             return loss_rows
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.empty_like(weight) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
         _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor,
@@ -347,7 +333,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if cfg.reduction == "none":
             hidden, weight, bias, labels = ctx.saved_tensors
             need_h, need_w, need_b = ctx.needs_input_grad[:3]
-            grad_hidden = torch.zeros_like(hidden) if need_h else None
+            grad_hidden = torch.empty_like(hidden) if need_h else None
             grad_weight = torch.empty_like(weight) if need_w else None
             grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
             scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
@@ -358,10 +344,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice; its gradients are used up")
-            if not _is_one(grad_output):
-                for g in grads:
-                    if g is not None:
-                        g.mul_(grad_output)
+            # Scaled on the device even when grad_output is 1: asking would be a host sync.
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_output)
         return (*grads, None, None, None, None, None)
 
 
@@ -375,8 +361,8 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _inverse_divisor(reduction, n_valid, num_items_in_batch, device) -> torch.Tensor:
-    """1 / (what the summed loss is divided by), as a 1-element fp32 tensor on the device."""
+def _inverse_divisor(reduction, labels, ignore_index, num_items_in_batch, device) -> torch.Tensor:
+    """1 / (what the summed loss is divided by), as a 1-element fp32 tensor on the device (no host sync)."""
     if num_items_in_batch is not None:
         if reduction != "mean":
             raise ValueError(f"num_items_in_batch needs reduction='mean'; got reduction={reduction!r}")
@@ -384,8 +370,10 @@ def _inverse_divisor(reduction, n_valid, num_items_in_batch, device) -> torch.Te
         if divisor.numel() != 1:
             raise ValueError(f"num_items_in_batch must be a number; got a tensor of shape {tuple(divisor.shape)}")
         return divisor.reshape(1).reciprocal()
-    value = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
-    return torch.full((1,), value, dtype=torch.float32, device=device)
+    if reduction == "mean":
+        n_valid = (labels != ignore_index).sum().clamp_min(1)
+        return n_valid.to(torch.float32).reshape(1).reciprocal()
+    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def fused_linear_cross_entropy(
@@ -406,7 +394,8 @@ def fused_linear_cross_entropy(
 
     hidden [..., H], weight [V, H], labels [...] already shifted (one per hidden row). With
     num_items_in_batch the summed loss is divided by it (transformers' gradient-accumulation loss);
-    otherwise the semantics are those of `cross_entropy`. The loss is fp32 (reduction "none": [N] rows).
+    otherwise the semantics are those of `cross_entropy` (a label outside [0, V) gives NaN). The loss is
+    fp32 (reduction "none": [N] rows).
     """
     check_dtype("hidden", hidden)
     check_dtype("weight", weight)
@@ -438,8 +427,8 @@ def fused_linear_cross_entropy(
     bias = None if bias is None else bias.to(dtype)
     labels = labels.reshape(-1).contiguous()
     chunk_rows = logits_chunk_rows(max(n_rows, 1), vocab, dtype)
-    chunks, n_valid = _plan_chunks(labels, ignore_index, vocab, chunk_rows)
-    inv_divisor = _inverse_divisor(reduction, n_valid, num_items_in_batch, hidden.device)
+    chunks = _plan_chunks(n_rows, chunk_rows)
+    inv_divisor = _inverse_divisor(reduction, labels, ignore_index, num_items_in_batch, hidden.device)
     cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, float(logit_scale), float(z_loss), reduction)
     loss = _FusedLinearCrossEntropy.apply(hidden2, weight, bias, labels, cfg, inv_divisor, chunks, chunk_rows)
     return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss

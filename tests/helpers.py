@@ -17,3 +17,10 @@ def assert_close(out, ref, dtype, name="output", tol=None):
     err = rel_err(out, ref)
     bound = TOL[dtype] if tol is None else tol
     assert err < bound, f"{name}: relative error {err:.3e} >= {bound:.1e} ({dtype})"
+
+
+def checkpointing_on(model) -> bool:
+    """transformers 5.23 renamed is_gradient_checkpointing; the GPU image's 5.17 has only the old name."""
+    if hasattr(model, "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing

@@ -10,7 +10,7 @@ import transformers
 
 import fastplug
 from fastplug.patching import active_handle, patch_model
-from tests.helpers import assert_close
+from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 
 
@@ -29,14 +29,14 @@ def test_patch_is_per_instance_idempotent_and_restorable():
     assert type(model).forward is llama_forward, "classes are never touched"
     assert not _has_instance_forward(before) and not _has_instance_forward(after)
     assert isinstance(model.model.layers[0].mlp.forward, types.MethodType)
-    assert model.is_activation_checkpointing
+    assert checkpointing_on(model)
 
     handle.restore()
     handle.restore()  # harmless
     assert not handle.is_active and active_handle(model) is None
     assert not _has_instance_forward(model)
     assert "_fastplug_handle" not in vars(model)
-    assert not model.is_activation_checkpointing
+    assert not checkpointing_on(model)
     assert "restored" in handle.summary()
 
 

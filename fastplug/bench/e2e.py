@@ -79,17 +79,15 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from fastplug import checkpointing
+
     preset = MODELS[name]
     config = getattr(transformers, preset["config"])(**preset["tiny" if tiny else "full"])
     config.use_cache = False
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
-    # transformers 5.23 renamed it (the old name warns); 5.17 on the GPU image only has the old one.
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing.enable_native(model)
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM")
     torch.manual_seed(seed + 1)
     return get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
@@ -137,7 +135,7 @@ def train_steps(model, params, batches, steps: int, device, deadline: float):
     import torch
 
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    times, losses = [], []
+    times, losses, host_times = [], [], []
     for step in range(steps):
         ids = batches[step % len(batches)]
         _sync(device)
@@ -146,12 +144,14 @@ def train_steps(model, params, batches, steps: int, device, deadline: float):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        host_times.append(time.perf_counter() - start)  # Python's share, when nothing in the step syncs
         _sync(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         del loss
         if time.perf_counter() > deadline:  # keep what was measured rather than lose it to the hard limit
             break
+    print(f"host ms per step (before the sync): {[round(t * 1e3, 1) for t in host_times]}", flush=True)
     return times, losses
 
 
@@ -188,12 +188,18 @@ def run_throughput(spec: dict) -> dict:
 
 
 def _print_profile(model, params, batches, device, rows: int = 25):
-    """One more step under torch.profiler: where the GPU time goes, by kernel, for tuning."""
+    """Two more steps: where the GPU time goes, by kernel (torch.profiler), and Python's (cProfile)."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         train_steps(model, params, batches, 1, device, float("inf"))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+    host = cProfile.Profile()
+    host.runcall(train_steps, model, params, batches, 1, device, float("inf"))
+    pstats.Stats(host).sort_stats("tottime").print_stats(rows)
 
 
 def run_max_seq(spec: dict) -> dict:

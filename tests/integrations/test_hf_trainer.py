@@ -7,7 +7,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from fastplug import FastKernels
 from fastplug.patching import active_handle
-from tests.helpers import assert_close
+from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 
 
@@ -66,7 +66,7 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert any("tokens_per_second" in h for h in history)
     assert "attention: 2" in fast.summary and "gradient checkpointing: on" in fast.summary
     assert active_handle(model) is None and not _has_instance_forward(model)
-    assert not model.is_activation_checkpointing, "the checkpointing FastKernels turned on is turned off again"
+    assert not checkpointing_on(model), "the checkpointing FastKernels turned on is turned off again"
 
 
 def test_trainer_with_lora_matches(tmp_path):

@@ -20,7 +20,7 @@ from fastplug.integrations.lightning import (  # noqa: E402
     find_transformers_models,
 )
 from fastplug.patching import active_handle  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import checkpointing_on, rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
 STEPS = 2
@@ -55,11 +55,6 @@ def module_state(module):
     """Identity, class and instance forward of every module, identity of every parameter."""
     modules = [(name, id(m), type(m), vars(m).get("forward")) for name, m in module.named_modules()]
     return modules, [(name, id(p)) for name, p in module.named_parameters()]
-
-
-def checkpointing_on(model):
-    # transformers 5.23 renamed is_gradient_checkpointing; the GPU image's older 5.x has only that name
-    return getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing")
 
 
 class Probe(L.Callback):

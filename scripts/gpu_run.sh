@@ -9,6 +9,7 @@
 #   micro [ARGS]           python -m fastplug.bench micro ARGS
 #   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
 #   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
+#   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT and Lightning, with and without fastplug)
 # Arguments after a PART belong to it until the next PART name.
 #
 # Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
@@ -29,7 +30,7 @@ fi
 # fastplug itself from this checkout: on the path first (no build step, no network needed).
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-PARTS="doctor tests micro e2e maxseq"
+PARTS="doctor tests micro e2e maxseq frameworks"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -41,6 +42,7 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         micro)  cmd=("$PY" -m fastplug.bench micro --out "$OUT_DIR" "$@") ;;
         e2e)    cmd=("$PY" -m fastplug.bench e2e --out "$OUT_DIR" "$@") ;;
         maxseq) cmd=("$PY" -m fastplug.bench e2e --offload-max-seq --out "$OUT_DIR" "$@") ;;
+        frameworks) cmd=("$PY" -m fastplug.bench frameworks --out "$OUT_DIR" "$@") ;;
     esac
     echo "=== gpu_run: $name: ${cmd[*]}"
     local start=$SECONDS

@@ -1,8 +1,9 @@
-"""python -m fastplug.bench micro|e2e [options]   (each takes --help)"""
+"""python -m fastplug.bench micro|e2e|frameworks [options]   (each takes --help)"""
 
+import json
 import sys
 
-USAGE = "usage: python -m fastplug.bench {micro,e2e} [options]   (--help after the command for its options)"
+USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks} [options]   (--help after the command for its options)"
 
 
 def main(argv=None) -> int:
@@ -19,8 +20,15 @@ def main(argv=None) -> int:
         from .e2e import main as e2e_main
 
         return e2e_main(rest)
-    if command == "_worker":  # internal: one e2e (model, impl) run in a fresh process
-        from .e2e import worker_main
+    if command == "frameworks":
+        from .frameworks import main as frameworks_main
+
+        return frameworks_main(rest)
+    if command == "_worker":  # internal: one run in a fresh process, e2e's or (by its spec) frameworks'
+        if json.loads(rest[0]).get("bench") == "frameworks":
+            from .frameworks import worker_main
+        else:
+            from .e2e import worker_main
 
         return worker_main(*rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)

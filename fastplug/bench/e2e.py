@@ -199,7 +199,9 @@ def _print_profile(model, params, batches, device, rows: int = 25):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
     host = cProfile.Profile()
     host.runcall(train_steps, model, params, batches, 1, device, float("inf"))
-    pstats.Stats(host).sort_stats("tottime").print_stats(rows)
+    stats = pstats.Stats(host)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats("fastplug|transformers|peft", rows)
 
 
 def run_max_seq(spec: dict) -> dict:

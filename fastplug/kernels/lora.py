@@ -73,11 +73,12 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _cast(proj: LoRAProjection, dtype: torch.dtype) -> LoRAProjection:
-    # .to is a no-op without a dtype change; otherwise autograd carries the grads back to the param's dtype
-    # (peft keeps adapters in fp32 next to a bf16 base by default).
-    cast = [None if t is None else t.to(dtype) for t in (proj.weight, proj.bias, proj.lora_A, proj.lora_B)]
-    return LoRAProjection(*cast, float(proj.scaling))
+def _cast_params(params, dtype: torch.dtype) -> list:
+    """The parameters in the compute dtype, cast inside the autograd function rather than before it: a
+    `.to` outside would add an autograd node per tensor per call (peft keeps adapters in fp32 next to a
+    bf16 base by default), and its Python cost per step is what a LoRA step is short of. Backward returns
+    grads in the compute dtype; autograd casts each to its parameter's dtype."""
+    return [None if t is None else t.to(dtype) for t in params]
 
 
 def _flatten(projs) -> list:
@@ -179,6 +180,7 @@ class _SharedInputLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, scalings, *params):
+        params = _cast_params(params, x.dtype)
         projs = _unflatten(params, scalings)
         adapters = _adapters(projs)
         x2 = rows_view(x)
@@ -208,6 +210,7 @@ class _LoRAMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, activation, scalings, *params):
+        params = _cast_params(params, x.dtype)
         gate_p, up_p, down_p = _unflatten(params, scalings)
         gu_adapters, down_adapters = _adapters([gate_p, up_p]), _adapters([down_p])
         x2 = rows_view(x)
@@ -263,8 +266,8 @@ def _launch_shared(x, named_projs: dict):
     dtype = _input_dtype(x)
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
-    projs = [_cast(p, dtype) for p in named_projs.values()]
-    return _SharedInputLoRA.apply(x.to(dtype), tuple(p.scaling for p in projs), *_flatten(projs))
+    projs = list(named_projs.values())
+    return _SharedInputLoRA.apply(x.to(dtype), tuple(float(p.scaling) for p in projs), *_flatten(projs))
 
 
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
@@ -293,5 +296,5 @@ def lora_mlp(
     intermediate = gate_proj.weight.shape[0]
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
-    projs = [_cast(p, dtype) for p in (gate_proj, up_proj, down_proj)]
-    return _LoRAMLP.apply(x.to(dtype), activation, tuple(p.scaling for p in projs), *_flatten(projs))
+    projs = (gate_proj, up_proj, down_proj)
+    return _LoRAMLP.apply(x.to(dtype), activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))

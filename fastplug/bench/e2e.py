@@ -189,14 +189,29 @@ def run_throughput(spec: dict) -> dict:
 
 def _print_profile(model, params, batches, device, rows: int = 25):
     """Two more steps: where the GPU time goes, by kernel (torch.profiler), and Python's (cProfile)."""
+    import collections
     import cProfile
     import pstats
+
+    import torch
 
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         train_steps(model, params, batches, 1, device, float("inf"))
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60), flush=True)
+    # Host syncs inside a step stall the GPU behind Python: list the ones this step makes.
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_steps(model, params, batches, 1, device, float("inf"))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    print(f"host syncs in one step: {dict(syncs) or 'none'}", flush=True)
     host = cProfile.Profile()
     host.runcall(train_steps, model, params, batches, 1, device, float("inf"))
     stats = pstats.Stats(host)

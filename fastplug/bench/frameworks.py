@@ -180,7 +180,7 @@ def run_lightning(spec: dict, device, fast: bool) -> dict:
     )  # fmt: skip
     # batch_size=None: each item already is a [batch, seq] batch.
     trainer.fit(CausalLM(model), torch.utils.data.DataLoader(batches, batch_size=None))
-    return _result(spec, device, timer, patched.get("note", "") if fast else "")
+    return _result(spec, device, timer, patched.get("note", "") if fast else "model's own checkpointing and loss")
 
 
 def _counts_note(handles) -> str:

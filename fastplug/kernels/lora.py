@@ -18,6 +18,7 @@ torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activatio
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -73,12 +74,31 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# id(param) -> (weakref to it, its version when cast, dtype, the cast copy). Checkpointing runs each
+# forward twice per step, and the copy stays valid until the optimizer writes the param in place (which
+# bumps its version). Keyed by id because tensors compare elementwise; the weakref drops dead entries.
+_CAST_CACHE: dict[int, tuple] = {}
+
+
+def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if t is None or t.dtype == dtype:
+        return t
+    key = id(t)
+    hit = _CAST_CACHE.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == dtype:
+        return hit[3]
+    cast = t.detach().to(dtype)
+    ref = weakref.ref(t, lambda _, key=key: _CAST_CACHE.pop(key, None))
+    _CAST_CACHE[key] = (ref, t._version, dtype, cast)
+    return cast
+
+
 def _cast_params(params, dtype: torch.dtype) -> list:
     """The parameters in the compute dtype, cast inside the autograd function rather than before it: a
     `.to` outside would add an autograd node per tensor per call (peft keeps adapters in fp32 next to a
     bf16 base by default), and its Python cost per step is what a LoRA step is short of. Backward returns
     grads in the compute dtype; autograd casts each to its parameter's dtype."""
-    return [None if t is None else t.to(dtype) for t in params]
+    return [_cast_param(t, dtype) for t in params]
 
 
 def _flatten(projs) -> list:

@@ -15,7 +15,7 @@ import torch.utils.checkpoint
 
 from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
 from fastplug.models.peft_lora import lora_projection, unfused_reason
-from tests.helpers import assert_close
+from tests.helpers import assert_close, rel_err
 
 HIDDEN, INTERMEDIATE, Q_OUT, KV_OUT, RANK = 48, 40, 48, 16, 4
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -325,3 +325,19 @@ def test_bad_input_raises_naming_the_argument():
         lora_mlp(x, good, good, good)
     with pytest.raises(ValueError, match="activation"):
         lora_mlp(x, good, good, LoRAProjection(torch.randn(6, 8), None, None, None, 0.0), "relu")
+
+
+def test_cast_adapters_follow_in_place_updates():
+    # The fp32 -> bf16 copies are cached per parameter version: an optimizer step must invalidate them.
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    weight = torch.randn(12, 16, dtype=torch.bfloat16)
+    a = torch.nn.Parameter(torch.randn(4, 16))
+    b = torch.nn.Parameter(torch.randn(12, 4))
+    proj = LoRAProjection(weight, None, a, b, 0.5)
+    first = lora_linear(x, proj)
+    with torch.no_grad():
+        b.mul_(-3.0)  # what an optimizer does: in place
+    second = lora_linear(x, proj)
+    expected = x.float() @ weight.float().t() + 0.5 * (x.float() @ a.t()) @ b.t()
+    assert_close(second, expected, torch.bfloat16, "after an in-place update")
+    assert rel_err(first, second) > 1e-2

@@ -39,16 +39,14 @@ MAX_REL_ERR = 1e-2
 # op -> (module whose TUNING the candidates replace, [(name, overrides)]); the first is the current default.
 NORM_CANDIDATES = [
     ("default", {}),
-    ("bwd pipelined 2", dict(bwd_loop_stages=2)),
-    ("bwd pipelined 3", dict(bwd_loop_stages=3)),
-    ("bwd 4 prog/SM", dict(resident_warps_per_sm=32)),
-    ("bwd 4 prog/SM pipelined 2", dict(resident_warps_per_sm=32, bwd_loop_stages=2)),
     ("bwd 4 warps x 8 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32)),
-    ("bwd 2 rows/tile 16 warps x 2", dict(bwd_min_tile=8192, resident_warps_per_sm=32)),
-    ("bwd split dx | dW", dict(split_dw=True)),
-    ("bwd split dx | dW 32x128", dict(split_dw=True, dw_block_rows=32, dw_block_n=128, dw_programs_per_sm=16)),
-    ("fwd 2 rows/tile 16 warps", dict(fwd_min_tile=8192)),
-    ("fwd 4 warps", dict(fwd_elems_per_warp=1024)),
+    ("bwd 4 warps x 8 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=2)),
+    ("bwd 4 warps x 8 prog/SM pipelined 3", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=3)),
+    ("bwd 4 warps x 12 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=48, bwd_loop_stages=2)),
+    ("bwd 8 warps x 3 prog/SM pipelined 2", dict(resident_warps_per_sm=24, bwd_loop_stages=2)),
+    ("bwd 2 rows/tile 16 warps x 2 pipelined 2", dict(bwd_min_tile=8192, resident_warps_per_sm=32, bwd_loop_stages=2)),
+    ("fwd 4 warps, bwd 4 warps x 8 pipelined 2",
+     dict(fwd_elems_per_warp=1024, bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=2)),
 ]
 GLU_CANDIDATES = [
     ("default 2-D 2048 cols, 4096 el, 8 warps", {}),

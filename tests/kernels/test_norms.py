@@ -66,10 +66,8 @@ def test_layer_norm_matches_float64(shape, dtype):
     _check_against_float64(layer_norm, layer_norm_reference, [x, w, b], dy, dtype, ["x", "weight", "bias"])
 
 
-# The launch alternatives scripts/tune_kernels.py may pick: each must give the same numbers. Small dW blocks
-# and many dW programs per "SM" make the split backward walk several row chunks and column blocks.
+# The launch alternatives scripts/tune_kernels.py may pick: each must give the same numbers.
 TUNING_VARIANTS = {
-    "split_dw": dict(split_dw=True, dw_block_rows=4, dw_block_n=32, dw_programs_per_sm=64),
     "pipelined_loop": dict(bwd_loop_stages=3),
     "packed_bwd_rows": dict(bwd_min_tile=1024, bwd_elems_per_warp=256, resident_warps_per_sm=32),
     "packed_fwd_rows": dict(fwd_min_tile=1024, fwd_elems_per_warp=128),

@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch.nn.functional as F  # noqa: E402
 
+from fastplug.bench.micro import as_tuple, rel_err, rope_inputs, set_grads_none  # noqa: E402
+
 norms = importlib.import_module("fastplug.kernels.norms")
 activations = importlib.import_module("fastplug.kernels.activations")
 rope_module = importlib.import_module("fastplug.kernels.rope")  # the package re-exports a function `rope`
@@ -93,7 +95,7 @@ def _randn(*shape, device, dtype, requires_grad=False):
 def _fp32_ref(fn, leaves, grad_outputs):
     """fn on float32 copies of the leaves: outputs and grads."""
     copies = [t.detach().float().requires_grad_() for t in leaves]
-    outs = _as_tuple(fn(*copies))
+    outs = as_tuple(fn(*copies))
     torch.autograd.backward(outs, [g.float() for g in grad_outputs])
     return [o.detach() for o in outs], [c.grad for c in copies]
 
@@ -130,13 +132,7 @@ def case_glu(op, M, N, device, dtype) -> Case:
 
 
 def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
-    # As the attention module makes them: [B, T, H, D] projections viewed as [B, H, T, D]; cos/sin [1, T, D].
-    q_proj = _randn(B, T, Hq, D, device=device, dtype=dtype, requires_grad=True)
-    k_proj = _randn(B, T, Hk, D, device=device, dtype=dtype, requires_grad=True)
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
-    freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[None]
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_proj, k_proj, cos, sin = rope_inputs(B, Hq, Hk, T, D, device, dtype)  # the micro-benchmark's inputs
 
     def ref_fn(qp, kp):
         return rope_module.rope_reference(qp.transpose(1, 2), kp.transpose(1, 2), cos.to(qp.dtype), sin.to(qp.dtype))
@@ -159,22 +155,6 @@ def build_case(op, quick, device, dtype) -> Case:
 # --- measuring -----------------------------------------------------------------------------------------
 
 
-def _as_tuple(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def _rel_err(out, ref) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def _set_grads_none(leaves):
-    for t in leaves:
-        t.grad = None
-
-
 def _bench(fn, leaves, args) -> float:
     if torch.cuda.is_available():
         from triton.testing import do_bench
@@ -182,7 +162,7 @@ def _bench(fn, leaves, args) -> float:
         return do_bench(fn, warmup=args.warmup, rep=args.rep, grad_to_none=leaves, return_mode="median")
     times = []  # --quick on CPU: a plain median of a few calls
     for _ in range(3):
-        _set_grads_none(leaves)
+        set_grads_none(leaves)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -200,12 +180,12 @@ def measure(fn, case: Case, grad_outputs, args) -> dict:
     row = {}
 
     def fwd_bwd():
-        torch.autograd.backward(_as_tuple(fn()), grad_outputs)
+        torch.autograd.backward(as_tuple(fn()), grad_outputs)
 
     row["fwd"] = _bench(fn, leaves, args)
     try:
-        _set_grads_none(leaves)
-        outs = _as_tuple(fn())
+        set_grads_none(leaves)
+        outs = as_tuple(fn())
         row["bwd"] = _bench(lambda: torch.autograd.backward(outs, grad_outputs, retain_graph=True), leaves, args)
         del outs
     except Exception as e:  # a compiled backward may refuse retain_graph
@@ -217,21 +197,21 @@ def measure(fn, case: Case, grad_outputs, args) -> dict:
     n = 10
     start = time.perf_counter()
     for _ in range(n):
-        _set_grads_none(leaves)
+        set_grads_none(leaves)
         fwd_bwd()
     row["host_us"] = (time.perf_counter() - start) / n * 1e6
     _sync()
-    _set_grads_none(leaves)
+    set_grads_none(leaves)
     return row
 
 
 def check(fn, case: Case, grad_outputs, ref_outs, ref_grads) -> float:
-    _set_grads_none(case.leaves)
-    outs = _as_tuple(fn())
+    set_grads_none(case.leaves)
+    outs = as_tuple(fn())
     torch.autograd.backward(outs, grad_outputs)
-    errs = [_rel_err(o, r) for o, r in zip(outs, ref_outs)]
-    errs += [_rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads)]
-    _set_grads_none(case.leaves)
+    errs = [rel_err(o, r) for o, r in zip(outs, ref_outs)]
+    errs += [rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads)]
+    set_grads_none(case.leaves)
     return max(errs)
 
 
@@ -241,11 +221,11 @@ def _fmt(v) -> str:
 
 def run_op(op, args, device, dtype) -> dict | None:
     case = build_case(op, args.quick, device, dtype)
-    outs = _as_tuple(case.eager())
+    outs = as_tuple(case.eager())
     grad_outputs = [torch.randn_like(o) for o in outs]  # keeps the outputs' layout, as autograd's would
     del outs
     ref_outs, ref_grads = case.reference(grad_outputs)
-    _set_grads_none(case.leaves)
+    set_grads_none(case.leaves)
     gbytes = case.bytes_moved / 1e9
     print(f"\n## {op} {case.shape} {str(dtype).replace('torch.', '')}: minimum traffic {gbytes:.3f} GB fwd+bwd "
           f"(= {gbytes / 3.0:.3f} ms at 3 TB/s)", flush=True)

@@ -116,14 +116,14 @@ def apply_impl(model, impl: str, checkpointing):
     raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
 
 
-def _batches(vocab: int, batch: int, seq: int, count: int, seed: int, device):
+def token_batches(vocab: int, batch: int, seq: int, count: int, seed: int, device):
     import torch
 
     gen = torch.Generator().manual_seed(seed + 2)
     return [torch.randint(0, vocab, (batch, seq), generator=gen).to(device) for _ in range(count)]
 
 
-def _sync(device):
+def sync_device(device):
     import torch
 
     if device.type == "cuda":
@@ -138,14 +138,14 @@ def train_steps(model, params, batches, steps: int, device, deadline: float):
     times, losses, host_times = [], [], []
     for step in range(steps):
         ids = batches[step % len(batches)]
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         host_times.append(time.perf_counter() - start)  # Python's share, when nothing in the step syncs
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
         del loss
@@ -168,10 +168,10 @@ def run_throughput(spec: dict) -> dict:
         result["experts"] = getattr(model.config, "_experts_implementation", None)
     runner, result["note"] = apply_impl(model, spec["impl"], True)
     params = [p for p in model.parameters() if p.requires_grad]
-    batches = _batches(model.config.vocab_size, batch, seq, 4, spec["seed"], device)
+    batches = token_batches(model.config.vocab_size, batch, seq, 4, spec["seed"], device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, _deadline(spec))
+    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, worker_deadline(spec))
     measured = times[spec["warmup"]:] or times[-1:]
     if spec.get("profile"):
         _print_profile(runner, params, batches, device)
@@ -233,16 +233,19 @@ def run_max_seq(spec: dict) -> dict:
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
     runner, _ = apply_impl(model, impl, checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
-    deadline = _deadline(spec)
+    deadline = worker_deadline(spec)
     result = {"tried": [], "longest": None, "failure": None}
-    seq, failed_at = spec["start_seq"], None
-    while seq <= spec["max_seq"] and time.perf_counter() < deadline:
+    seq, failed_at, last_step_s = spec["start_seq"], None, 0.0
+    # A step at twice the length costs up to 4x (attention is quadratic), and it runs 2 steps: stop before
+    # a length that cannot finish in time, so the worker reports what it measured instead of timing out.
+    while seq <= spec["max_seq"] and time.perf_counter() + 8 * last_step_s < deadline:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            batches = _batches(model.config.vocab_size, 1, seq, 1, spec["seed"], device)
+            batches = token_batches(model.config.vocab_size, 1, seq, 1, spec["seed"], device)
             times, _ = train_steps(runner, params, batches, 2, device, deadline)
             peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            last_step_s = times[-1]
             result["longest"] = {"seq": seq, "peak_gib": peak, "tokens_per_s": seq / times[-1]}
             result["tried"].append(f"{seq} ok")
             print(f"  seq {seq}: ok, peak {fmt(peak)} GiB, {seq / times[-1]:.0f} tok/s", flush=True)
@@ -270,7 +273,7 @@ def run_max_seq(spec: dict) -> dict:
     return result
 
 
-def _deadline(spec) -> float:
+def worker_deadline(spec) -> float:
     """The parent's wall-clock deadline for this worker as a perf_counter time: stop measuring by then."""
     return time.perf_counter() + (spec["deadline"] - time.time())
 
@@ -315,7 +318,7 @@ def run_worker(spec: dict, time_limit: float) -> dict:
         os.unlink(result_path)
 
 
-def _parse_list(text: str, valid, what: str) -> list[str]:
+def parse_list(text: str, valid, what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in valid]
     if bad:
@@ -386,7 +389,7 @@ def max_seq_rows(args, models, device, save) -> list[dict]:
     return rows
 
 
-def _print_table(rows, columns):
+def print_table(rows, columns):
     text_columns = {"model", "impl", "batch x seq", "losses (steps 1-3)", "note", "first failure", "tried"}
     print(markdown_table([{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in columns} for r in rows],
                          columns))
@@ -413,9 +416,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq", type=int, default=524288, help="--offload-max-seq: longest length tried")
     args = parser.parse_args(argv)
 
-    models = _parse_list(args.models, MODELS, "--models")
-    impls = _parse_list(args.impls, IMPLS, "--impls")
-    device = _default_device()
+    models = parse_list(args.models, MODELS, "--models")
+    impls = parse_list(args.impls, IMPLS, "--impls")
+    device = default_device()
     if device == "cpu" and not args.tiny:
         parser.error("without a GPU only --tiny runs")
     print(f"e2e bench on {device}: models {', '.join(models)}; LoRA r=16, checkpointing, AdamW, bf16", flush=True)
@@ -425,7 +428,7 @@ def main(argv=None) -> int:
         csv_path = os.path.join(args.out, "e2e_max_seq.csv")
         rows = max_seq_rows(args, models, device, lambda rows: write_csv(csv_path, rows, MAX_SEQ_COLUMNS))
         print(f"\ncsv: {csv_path}\n")
-        _print_table(rows, MAX_SEQ_COLUMNS)
+        print_table(rows, MAX_SEQ_COLUMNS)
         return 0
 
     csv_path = os.path.join(args.out, "e2e.csv")
@@ -437,12 +440,12 @@ def main(argv=None) -> int:
          ("peak memory (weights included)", "GiB", {(r["model"], r["impl"]): r.get("peak GiB") for r in rows})],
     )
     print(f"\ncsv: {csv_path}\n{plot_msg}\n")
-    _print_table(rows, COLUMNS)
+    print_table(rows, COLUMNS)
     bad = [r for r in rows if r["impl"] == "fastplug" and ("tok/s" not in r or "DISAGREE" in r.get("note", ""))]
     return 1 if bad else 0
 
 
-def _default_device() -> str:
+def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -25,8 +25,8 @@ import time
 
 from ._report import short_error, write_csv
 from .e2e import (
-    LOSS_TOLERANCE, MODELS, TINY_BATCH, TINY_SEQ, _batches, _deadline, _default_device, _parse_list, _print_table,
-    _sync, build_model, run_worker,
+    LOSS_TOLERANCE, MODELS, TINY_BATCH, TINY_SEQ, build_model, default_device, parse_list, print_table, run_worker,
+    sync_device, token_batches, worker_deadline,
 )
 
 RUNS = ("sft", "fast_sft", "lightning", "lightning_fastkernels")
@@ -47,12 +47,12 @@ class StepTimer:
         self._start = None
 
     def begin(self) -> None:
-        _sync(self.device)
+        sync_device(self.device)
         self._start = time.perf_counter()
 
     def end(self, loss=None) -> bool:
         """Records the step; True when the run should stop to keep what it measured (the deadline passed)."""
-        _sync(self.device)
+        sync_device(self.device)
         self.times.append(time.perf_counter() - self._start)
         if loss is not None:
             self.losses.append(float(loss))
@@ -86,7 +86,7 @@ def _model_and_rows(spec, device, peft: bool):
     if device.type == "cpu":
         model = model.float()
     count = spec["warmup"] + spec["steps"]
-    batches = _batches(model.config.vocab_size, spec["batch"], spec["seq"], count, spec["seed"], "cpu")
+    batches = token_batches(model.config.vocab_size, spec["batch"], spec["seq"], count, spec["seed"], "cpu")
     return model, batches
 
 
@@ -112,7 +112,7 @@ def run_sft(spec: dict, device, fast: bool) -> dict:
     )  # fmt: skip
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
                       task_type="CAUSAL_LM")  # every linear layer but the LM head, as in build_model
-    timer = StepTimer(device, _deadline(spec))
+    timer = StepTimer(device, worker_deadline(spec))
 
     class Timing(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -145,7 +145,7 @@ def run_lightning(spec: dict, device, fast: bool) -> dict:
     import torch
 
     model, batches = _model_and_rows(spec, device, peft=True)  # build_model turned checkpointing on
-    timer = StepTimer(device, _deadline(spec))
+    timer = StepTimer(device, worker_deadline(spec))
     patched = {}
 
     class CausalLM(L.LightningModule):
@@ -290,8 +290,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out", help="folder for the CSV")
     args = parser.parse_args(argv)
 
-    runs = _parse_list(args.runs, RUNS, "--runs")
-    device = _default_device()
+    runs = parse_list(args.runs, RUNS, "--runs")
+    device = default_device()
     if device == "cpu" and not args.tiny:
         parser.error("without a GPU only --tiny runs")
     print(f"frameworks bench on {device}: {MODEL} LoRA r=16, checkpointing, runs {', '.join(runs)}", flush=True)
@@ -299,6 +299,6 @@ def main(argv=None) -> int:
     csv_path = os.path.join(args.out, "frameworks.csv")
     rows = frameworks_rows(args, runs, device, lambda rows: write_csv(csv_path, rows, COLUMNS))
     print(f"\ncsv: {csv_path}\n")
-    _print_table(rows, COLUMNS)
+    print_table(rows, COLUMNS)
     bad = [r for r in rows if r["run"] in BASELINE and ("tok/s" not in r or "DISAGREE" in r.get("note", ""))]
     return 1 if bad else 0

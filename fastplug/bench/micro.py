@@ -139,19 +139,23 @@ def case_geglu(M, N, device, dtype) -> Case:
     )
 
 
+def rope_inputs(B, Hq, Hk, T, D, device, dtype):
+    """Realistic rope inputs: q/k projections [B, T, H, D] (leaves; callers view them as [B, H, T, D] like the
+    attention module does) and cos/sin [1, T, D] as Llama's rotary embedding returns them in training (theta 500000)."""
+    q_proj = _randn(B, T, Hq, D, device=device, dtype=dtype, requires_grad=True)
+    k_proj = _randn(B, T, Hk, D, device=device, dtype=dtype, requires_grad=True)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
+    freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return q_proj, k_proj, emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from fastplug.kernels import rope
 
-    # q/k as the attention module makes them: [B, T, H, D] projections viewed as [B, H, T, D].
-    q_proj = _randn(B, T, Hq, D, device=device, dtype=dtype, requires_grad=True)
-    k_proj = _randn(B, T, Hk, D, device=device, dtype=dtype, requires_grad=True)
-    # cos/sin as Llama's rotary embedding returns them during training: [1, T, D], theta 500000.
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=device, dtype=torch.float32) / D))
-    freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)[None]
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q_proj, k_proj, cos, sin = rope_inputs(B, Hq, Hk, T, D, device, dtype)
 
     def views():
         return q_proj.transpose(1, 2), k_proj.transpose(1, 2)
@@ -233,24 +237,24 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
 # --- measuring -----------------------------------------------------------------------------------
 
 
-def _as_tuple(out) -> tuple:
-    return out if isinstance(out, (tuple, list)) else (out,)
+def as_tuple(out) -> tuple:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def _fwd_bwd(fn, grad_outputs):
-    outs = _as_tuple(fn())
+    outs = as_tuple(fn())
     torch.autograd.backward(outs, grad_outputs)
     return outs
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double(), ref.detach().double()
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _set_grads_none(leaves):
+def set_grads_none(leaves):
     for t in leaves:
         t.grad = None
 
@@ -263,7 +267,7 @@ def _time_ms(fn, leaves, device, warmup_ms, rep_ms) -> float:
     # CPU (the --quick smoke run): a plain median of a few calls.
     times = []
     for _ in range(3):
-        _set_grads_none(leaves)
+        set_grads_none(leaves)
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -274,7 +278,7 @@ def _peak_mib(fn, leaves, device) -> float | None:
     """Extra memory of one fwd+bwd over what is already held (inputs, grad outputs), grads freed first."""
     if device.type != "cuda":
         return None
-    _set_grads_none(leaves)
+    set_grads_none(leaves)
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -290,10 +294,10 @@ def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
     # implementation starts from these pristine values, or it would run on another's leftovers.
     pristine = [t.detach().clone() for t in case.leaves]
     # Reference outputs, grads and grad outputs from eager, once.
-    _set_grads_none(case.leaves)
-    ref_outs = [o.detach().clone() for o in _as_tuple(case.impls["eager"]())]
+    set_grads_none(case.leaves)
+    ref_outs = [o.detach().clone() for o in as_tuple(case.impls["eager"]())]
     grad_outputs = [torch.randn_like(o) if o.dim() else None for o in ref_outs]
-    _set_grads_none(case.leaves)
+    set_grads_none(case.leaves)
     _fwd_bwd(case.impls["eager"], [g.clone() if g is not None else None for g in grad_outputs])
     ref_grads = [t.grad.detach().clone() for t in case.leaves]
 
@@ -309,10 +313,10 @@ def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
             with torch.no_grad():
                 for t, p in zip(case.leaves, pristine):
                     t.copy_(p)
-            _set_grads_none(case.leaves)
+            set_grads_none(case.leaves)
             outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
-            row["rel err out"] = max(_rel_err(o, r) for o, r in zip(outs, ref_outs))
-            row["rel err grads"] = max(_rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads))
+            row["rel err out"] = max(rel_err(o, r) for o, r in zip(outs, ref_outs))
+            row["rel err grads"] = max(rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads))
             del outs
             my_grads = [g.clone() if g is not None else None for g in grad_outputs]
             step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
@@ -325,7 +329,7 @@ def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
         except Exception as exc:  # one failing implementation is one row's error, not the end of the run
             row["note"] = short_error(exc)
         finally:
-            _set_grads_none(case.leaves)
+            set_grads_none(case.leaves)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     compile_ms = next((r.get("ms") for r in rows if r["impl"] == "compile"), None)

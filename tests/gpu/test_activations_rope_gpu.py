@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from fastplug.kernels.activations import ACTIVATIONS, geglu, glu_backward, swiglu
-from fastplug.kernels.rope import rope, rope_reference
+from fastplug.kernels.rope import rope
 from tests.helpers import assert_close
+from tests.kernels.test_rope import check_rope
 
 PUBLIC = {
     "silu": (swiglu, lambda g, u: torch.nn.functional.silu(g) * u),
@@ -61,22 +62,6 @@ def test_glu_backward_inplace_recompute_h(dtype):
     assert_close(dup, ref_dup, dtype, "dup")
 
 
-def _check_rope(q, k, cos, sin, dtype):
-    q_rot, k_rot = rope(q, k, cos, sin)
-    grad_q, grad_k = torch.randn_like(q_rot), torch.randn_like(k_rot)
-    torch.autograd.backward((q_rot, k_rot), (grad_q, grad_k))
-    q64 = q.detach().double().requires_grad_()
-    k64 = k.detach().double().requires_grad_()
-    ref_q, ref_k = rope_reference(q64, k64, cos.double(), sin.double())
-    torch.autograd.backward((ref_q, ref_k), (grad_q.double(), grad_k.double()))
-    for out, x in ((q_rot, q), (k_rot, k)):  # outputs keep the inputs' layout (strides of size-1 dims are free)
-        assert [s for s, n in zip(out.stride(), x.shape) if n > 1] == [s for s, n in zip(x.stride(), x.shape) if n > 1]
-    assert_close(q_rot, ref_q, dtype, "q_rot")
-    assert_close(k_rot, ref_k, dtype, "k_rot")
-    assert_close(q.grad, q64.grad, dtype, "dq")
-    assert_close(k.grad, k64.grad, dtype, "dk")
-
-
 def _hf_qk(batch, heads_q, heads_k, tokens, head_dim, dtype):
     """proj(x).view(B, T, H, D).transpose(1, 2), as transformers' attention builds q and k."""
     def make(heads):
@@ -101,7 +86,7 @@ def test_rope_benchmark_shape_with_llama_rotary_embedding(dtype):
         ours = rope(q, k, cos, sin)
     for out, ref, name in zip(ours, theirs, ("q", "k")):
         assert_close(out, ref, dtype, f"{name} vs apply_rotary_pos_emb")
-    _check_rope(q, k, cos, sin, dtype)
+    check_rope(q, k, cos, sin, dtype)
 
 
 @pytest.mark.parametrize(
@@ -121,4 +106,4 @@ def test_rope_head_dims_and_cos_forms(heads_q, heads_k, head_dim, rot_dim, cos_f
     cos = torch.randn(shape, device="cuda").bfloat16()
     sin = torch.randn(shape, device="cuda").bfloat16()
     q, k = _hf_qk(batch, heads_q, heads_k, tokens, head_dim, torch.bfloat16)
-    _check_rope(q, k, cos, sin, torch.bfloat16)
+    check_rope(q, k, cos, sin, torch.bfloat16)

@@ -31,7 +31,8 @@ def _cos_sin(batch, tokens, rot_dim, dtype, form="batched"):
     return torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)
 
 
-def _check(q, k, cos, sin, dtype, check_layout=True):
+def check_rope(q, k, cos, sin, dtype, check_layout=True):
+    """rope forward and backward against the float64 reference; also used by tests/gpu at the benchmark shapes."""
     q_rot, k_rot = rope(q, k, cos, sin)
     grad_q, grad_k = torch.randn_like(q_rot), torch.randn_like(k_rot)
     torch.autograd.backward((q_rot, k_rot), (grad_q, grad_k))
@@ -56,7 +57,7 @@ def _check(q, k, cos, sin, dtype, check_layout=True):
 def test_forward_backward(dtype, head_dim, rot_dim):
     q, k = _qk(2, 4, 2, 7, head_dim, dtype)
     cos, sin = _cos_sin(2, 7, rot_dim, dtype)
-    _check(q, k, cos, sin, dtype)
+    check_rope(q, k, cos, sin, dtype)
 
 
 @pytest.mark.parametrize("form", ["broadcast", "2d"])
@@ -64,7 +65,7 @@ def test_forward_backward(dtype, head_dim, rot_dim):
 def test_cos_broadcast_and_layouts(form, layout):
     q, k = _qk(3, 4, 1, 5, 80, torch.float32, layout)
     cos, sin = _cos_sin(3, 5, 80, torch.float32, form)
-    _check(q, k, cos, sin, torch.float32)
+    check_rope(q, k, cos, sin, torch.float32)
 
 
 def test_many_heads_loop_over_head_blocks(monkeypatch):
@@ -72,7 +73,7 @@ def test_many_heads_loop_over_head_blocks(monkeypatch):
     monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, tile_elements=256))
     q, k = _qk(2, 6, 3, 9, 128, torch.float32)
     cos, sin = _cos_sin(2, 9, 96, torch.float32)
-    _check(q, k, cos, sin, torch.float32)
+    check_rope(q, k, cos, sin, torch.float32)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +91,7 @@ def test_tuning_variants(monkeypatch, tuning, dtype):
     monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, **tuning))
     q, k = _qk(2, 6, 3, 9, 128, dtype)
     cos, sin = _cos_sin(1, 9, 96, dtype)
-    _check(q, k, cos, sin, dtype)
+    check_rope(q, k, cos, sin, dtype)
 
 
 def test_non_contiguous_gradients():
@@ -123,7 +124,7 @@ def test_matches_transformers_llama(dtype):
     for out, ref, name in zip(ours, theirs, ("q", "k")):
         assert out.dtype == ref.dtype
         assert_close(out, ref, dtype, f"{name} vs apply_rotary_pos_emb")
-    _check(q, k, cos, sin, dtype)
+    check_rope(q, k, cos, sin, dtype)
 
 
 def test_output_dtype_promotes_like_transformers():
@@ -151,7 +152,7 @@ def test_torch_path_without_triton(monkeypatch):
     monkeypatch.setattr(rope_module, "use_triton", lambda *tensors: False)
     q, k = _qk(2, 4, 2, 7, 80, torch.float32)
     cos, sin = _cos_sin(2, 7, 48, torch.float32)
-    _check(q, k, cos, sin, torch.float32, check_layout=False)  # torch.cat gives contiguous outputs
+    check_rope(q, k, cos, sin, torch.float32, check_layout=False)  # torch.cat gives contiguous outputs
 
 
 def test_bad_input_raises_value_error_naming_the_argument():

@@ -1,6 +1,7 @@
 """The fastplug Lightning strategies with the real Lightning on a tiny Llama: same losses as Lightning alone,
 modules restored after fit and after an exception, names registered in both Lightning packages."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -25,6 +26,18 @@ from tests.models.tiny import tiny_model  # noqa: E402
 
 STEPS = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _leave_no_distributed_state():
+    """A DDP fit sets MASTER_PORT, WORLD_SIZE, ... in os.environ and keeps its process group: later tests
+    (and their subprocesses, which inherit the environment) would try to join it."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def tiny_llama(seed=0):

@@ -294,12 +294,6 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
     alloc = torch.zeros if cfg.looped else torch.empty
     dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else None
     db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_db else None
-    return _launch_norm_bwd(dy2, x2, weight, mean, rstd, offset, dx, dw_partial, db_partial, n_programs, cfg)
-
-
-def _launch_norm_bwd(dy2, x2, weight, mean, rstd, offset, dx, dw_partial, db_partial, n_programs, cfg):
-    """dx, and dW/db summed over the programs' partial rows (None for a partials buffer not given)."""
-    n_rows, n_cols = x2.shape
     _norm_bwd[(n_programs,)](
         dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else rstd,
         mean if mean is not None else rstd, rstd, dx, dx.stride(0),

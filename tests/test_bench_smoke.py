@@ -6,6 +6,8 @@ numbers agree with eager / plain transformers, and the CSV is written.
 
 import csv
 
+import pytest
+
 from fastplug.bench import e2e, micro
 
 
@@ -24,6 +26,20 @@ def test_micro_quick_on_cpu_writes_csv_with_agreeing_outputs(tmp_path, capsys):
         assert float(fast["ms"]) > 0, fast
         assert float(fast["rel err out"]) < 2e-2 and float(fast["rel err grads"]) < 2e-2, fast
     assert "| op | shape | impl |" in out
+    assert {r["timing"] for r in rows if r.get("ms")} == {"cpu"}
+
+
+def test_micro_timing_option_is_checked_and_profile_is_skipped_on_cpu(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        micro.main(["--quick", "--timing", "wall", "--out", str(tmp_path)])
+    assert "--timing: invalid choice: 'wall'" in capsys.readouterr().err
+    # A valid mode parses; on CPU it is ignored (plain median) and --profile says it needs CUDA.
+    rc = micro.main(["--quick", "--ops", "rms_norm", "--timing", "launch", "--profile", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "--profile needs CUDA" in out
+    rows = _read_csv(tmp_path / "micro.csv")
+    assert [(r["impl"], r["timing"]) for r in rows] == [("eager", "cpu"), ("fastplug", "cpu")]
 
 
 def test_e2e_tiny_llama_losses_agree(tmp_path, capsys, monkeypatch):

@@ -1,9 +1,19 @@
 """`python -m fastplug.bench micro`: each op forward+backward, fastplug against torch eager, torch.compile
 and Liger-Kernel (when importable), at the shapes of shared/BASELINES.md, in bf16 on random data.
 
-Per op and implementation: median ms (`triton.testing.do_bench`, grads set to None between calls), peak
-memory of one fwd+bwd over what the inputs and grad outputs already hold, and the relative error of the
-output and of the input grads against torch eager, so a fast but wrong kernel shows in the table.
+Per op and implementation: median ms per fwd+bwd step, peak memory of one step over what the inputs and
+grad outputs already hold, and the relative error of the output and of the input grads against torch eager,
+so a fast but wrong kernel shows in the table.
+
+Timing (`--timing`, column "timing"). Small ops are host-bound: RMSNorm 16384x4096 fwd+bwd is ~0.26 ms of
+GPU work, but Python's launch path (autograd, wrappers) costs ~0.5 ms per call, so timing eager calls
+measures the CPU, and numbers move 20-40% between machines. `graph` (the default on CUDA) captures the whole
+step (grads set to None, forward, backward; a few steps unrolled) in a CUDA graph and reports the median
+device time per step over replays: kernel time only, no host cost, no L2 flush between steps. An
+implementation that cannot be captured (something syncs) falls back to `launch` and says so in its note.
+`launch` is `triton.testing.do_bench` of eager calls (grads set to None, L2 flushed between calls): what a
+training step sees when the host is the bottleneck. On CPU (the --quick smoke run): a plain median of 3 calls.
+`--profile` adds, per op and implementation, the top CUDA kernels of a few steps (torch.profiler).
 """
 
 from __future__ import annotations
@@ -23,7 +33,10 @@ from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_c
 
 OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad")
 IMPLS = ("eager", "compile", "liger", "fastplug")
-COLUMNS = ("op", "shape", "impl", "ms", "peak MiB", "rel err out", "rel err grads", "speedup vs compile", "note")
+TIMINGS = ("graph", "launch")
+COLUMNS = ("op", "shape", "impl", "ms", "timing", "peak MiB", "rel err out", "rel err grads", "speedup vs compile",
+           "note")
+TEXT_COLUMNS = ("op", "shape", "impl", "timing", "note")
 # bf16 against bf16 eager: both round, so a few 1e-3 is normal; beyond this the row is flagged.
 SUSPICIOUS_REL_ERR = 3e-2
 
@@ -259,19 +272,84 @@ def set_grads_none(leaves):
         t.grad = None
 
 
-def _time_ms(fn, leaves, device, warmup_ms, rep_ms) -> float:
-    if device.type == "cuda":
-        from triton.testing import do_bench
+def time_step(step, leaves, device, timing, warmup_ms, rep_ms) -> tuple[float, str, str | None]:
+    """(median ms per step, how it was timed, a note when graph timing fell back to launch timing)."""
+    if device.type != "cuda":
+        return _cpu_median_ms(step, leaves), "cpu", None
+    note = None
+    if timing == "graph":
+        try:
+            return _graph_ms(step, leaves, warmup_ms, rep_ms), "graph", None
+        except Exception as exc:
+            note = f"launch timing: graph capture failed: {short_error(exc, 100)}"
+            set_grads_none(leaves)
+            torch.cuda.synchronize()
+    from triton.testing import do_bench
 
-        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves, return_mode="median")
-    # CPU (the --quick smoke run): a plain median of a few calls.
+    ms = do_bench(step, warmup=warmup_ms, rep=rep_ms, grad_to_none=leaves, return_mode="median")
+    return ms, "launch", note
+
+
+def _cpu_median_ms(step, leaves) -> float:
     times = []
     for _ in range(3):
         set_grads_none(leaves)
         start = time.perf_counter()
-        fn()
+        step()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
+    """Median device ms per step: steps unrolled into one CUDA graph and replayed, so no host cost is timed."""
+
+    def fresh_step():
+        set_grads_none(leaves)  # at capture time: each captured step's backward writes fresh grads, as in launch
+        step()
+
+    # Warm up on a side stream (torch.cuda.graph requires it; compiled functions are built by now) and get a
+    # rough step time, host cost included, only to choose how many steps to unroll.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        fresh_step()
+        start.record()
+        for _ in range(3):
+            fresh_step()
+        end.record()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    # Unroll up to ~5 ms of (estimated) steps per replay so that the replay's own launch cost is negligible.
+    unroll = max(1, min(50, round(5.0 / max(start.elapsed_time(end) / 3, 1e-3))))
+
+    graph = torch.cuda.CUDAGraph()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # a Triton kernel object collected mid-capture unloads its module and breaks the capture
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(unroll):
+                fresh_step()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    replay_ms = max(start.elapsed_time(end), 1e-3)
+    for _ in range(int(warmup_ms / replay_ms)):
+        graph.replay()
+    # Queue all timed replays before waiting: the GPU never idles, so no launch latency is in the events.
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(10, min(1000, int(rep_ms / replay_ms))))]
+    for before, after in events:
+        before.record()
+        graph.replay()
+        after.record()
+    torch.cuda.synchronize()
+    return statistics.median(before.elapsed_time(after) for before, after in events) / unroll
 
 
 def _peak_mib(fn, leaves, device) -> float | None:
@@ -288,7 +366,38 @@ def _peak_mib(fn, leaves, device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
+def kernel_table(step, leaves, steps: int = 3, top: int = 12) -> str:
+    """The top CUDA kernels (and memsets/copies) of `steps` fwd+bwd steps by total device time, per step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                set_grads_none(leaves)
+                step()
+            torch.cuda.synchronize()
+    except Exception as exc:
+        return f"    profile failed: {short_error(exc)}"
+    calls, total_us = {}, {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            calls[event.name] = calls.get(event.name, 0) + 1
+            total_us[event.name] = total_us.get(event.name, 0.0) + event.time_range.elapsed_us()
+
+    def line(name, n_calls, us):
+        name = name if len(name) <= 60 else name[:57] + "..."
+        return f"    {name:<60} {n_calls / steps:>6g} {us / 1e3 / steps:>9.4f}"
+
+    lines = [f"    {'kernel':<60} {'calls':>6} {'ms/step':>9}"]
+    top_names = sorted(total_us, key=total_us.get, reverse=True)[:top]
+    lines += [line(name, calls[name], total_us[name]) for name in top_names]
+    lines.append(line("all kernels", sum(calls.values()), sum(total_us.values())))
+    return "\n".join(lines)
+
+
+def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=False) -> list[dict]:
+    """One row per implementation; with `profile` (CUDA only) a row also gets "kernels", its kernel table."""
     rows = []
     # Some implementations (Liger's SwiGLU, GeGLU and RoPE) write their backward into their inputs: each
     # implementation starts from these pristine values, or it would run on another's leftovers.
@@ -320,12 +429,17 @@ def measure_case(case: Case, impls, device, warmup_ms, rep_ms) -> list[dict]:
             del outs
             my_grads = [g.clone() if g is not None else None for g in grad_outputs]
             step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
-            row["ms"] = _time_ms(step, case.leaves, device, warmup_ms, rep_ms)
+            row["ms"], row["timing"], timing_note = time_step(step, case.leaves, device, timing, warmup_ms, rep_ms)
             row["peak MiB"] = _peak_mib(step, case.leaves, device)
+            if profile:
+                row["kernels"] = kernel_table(step, case.leaves)
             del my_grads
             worst = max(row["rel err out"], row["rel err grads"])
+            notes = [timing_note] if timing_note else []
             if not worst <= SUSPICIOUS_REL_ERR:
-                row["note"] = f"WRONG? rel err {worst:.2e} vs eager"
+                notes.insert(0, f"WRONG? rel err {worst:.2e} vs eager")
+            if notes:
+                row["note"] = "; ".join(notes)
         except Exception as exc:  # one failing implementation is one row's error, not the end of the run
             row["note"] = short_error(exc)
         finally:
@@ -345,8 +459,13 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--out", default="bench_out", help="folder for micro.csv and micro.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on CPU, for smoke tests)")
-    parser.add_argument("--warmup-ms", type=float, default=50.0, help="do_bench warm-up time")
-    parser.add_argument("--rep-ms", type=float, default=300.0, help="do_bench measuring time")
+    parser.add_argument("--timing", choices=TIMINGS, default="graph",
+                        help="CUDA only: graph = device time of CUDA-graph replays of the fwd+bwd step (default); "
+                             "launch = triton do_bench of eager calls, host launch cost included")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA only: also print the top kernels of a few fwd+bwd steps per op and implementation")
+    parser.add_argument("--warmup-ms", type=float, default=50.0, help="warm-up time per implementation")
+    parser.add_argument("--rep-ms", type=float, default=300.0, help="measuring time per implementation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -364,11 +483,15 @@ def main(argv=None) -> int:
             parser.error("without a GPU only --quick runs (tiny shapes, eager and fastplug)")
         # torch.compile needs a C++ toolchain on CPU and Liger needs CUDA: only eager and fastplug here.
         impls = [i for i in impls if i in ("eager", "fastplug")]
+        if args.profile:
+            print("--profile needs CUDA (torch.profiler CUDA kernels): skipped on CPU", flush=True)
+    profile = args.profile and device.type == "cuda"
     dtype = torch.bfloat16
     from fastplug.kernels._utils import kernel_path
 
-    print(f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd; "
-          f"fastplug path: {kernel_path(device)}", flush=True)
+    timing = args.timing if device.type == "cuda" else "cpu median"
+    print(f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd, "
+          f"timing: {timing}; fastplug path: {kernel_path(device)}", flush=True)
 
     rows = []
     for op, build in build_cases(ops, args.quick, device, dtype):
@@ -378,10 +501,14 @@ def main(argv=None) -> int:
         except Exception as exc:
             rows.append({"op": op, "impl": "all", "note": f"setup failed: {short_error(exc)}"})
             continue
-        case_rows = measure_case(case, impls, device, args.warmup_ms, args.rep_ms)
+        case_rows = measure_case(case, impls, device, args.timing, args.warmup_ms, args.rep_ms, profile)
         for r in case_rows:
-            print(f"  {r['op']:<13} {r['impl']:<8} ms={fmt(r.get('ms'))} peak={fmt(r.get('peak MiB'))} MiB "
-                  f"err={fmt(r.get('rel err out'))}/{fmt(r.get('rel err grads'))} {r.get('note', '')}", flush=True)
+            print(f"  {r['op']:<13} {r['impl']:<8} ms={fmt(r.get('ms'))} ({r.get('timing', '-')}) "
+                  f"peak={fmt(r.get('peak MiB'))} MiB err={fmt(r.get('rel err out'))}/{fmt(r.get('rel err grads'))} "
+                  f"{r.get('note', '')}", flush=True)
+        for r in case_rows:
+            if "kernels" in r:
+                print(f"\n  top kernels, {r['op']} {r['impl']} (per step):\n{r['kernels']}\n", flush=True)
         rows.extend(case_rows)
         del case
         gc.collect()
@@ -402,7 +529,7 @@ def main(argv=None) -> int:
         [("fwd+bwd speedup over torch eager (bf16, higher is better)", "x eager", speedups)],
     )
     print(f"\ncsv: {csv_path}\n{plot_msg}\n")
-    table = [{c: (fmt(r.get(c)) if c not in ("op", "shape", "impl", "note") else r.get(c, "")) for c in COLUMNS} for r in rows]
+    table = [{c: (r.get(c, "") if c in TEXT_COLUMNS else fmt(r.get(c))) for c in COLUMNS} for r in rows]
     print(markdown_table(table, COLUMNS))
     failed = [r for r in rows if r["impl"] == "fastplug" and (not r.get("ms") or "WRONG" in r.get("note", ""))]
     return 1 if failed else 0

@@ -65,9 +65,41 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must be on one device; got {listing}")
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, the unit of persistent grids; 1 elsewhere (the
+    interpreter then walks several rows or tiles per program, which the CPU tests want)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last dim] tensor with unit stride in the last dim (copies only when it must)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2
+
+
+def keep_params(ctx, params) -> None:
+    """Keep the parameters on ctx instead of save_for_backward: under checkpointing every saved tensor
+    costs a pack hook in forward, another in the recompute and an unpack hook, and parameters need none of
+    that (they outlive the step). What save_for_backward would still give, a check that nothing wrote
+    them in place before backward, is done by `kept_params`."""
+    ctx.params = params
+    ctx.param_versions = [None if p is None else p._version for p in params]
+
+
+def kept_params(ctx) -> list:
+    for p, version in zip(ctx.params, ctx.param_versions):
+        if p is not None and p._version != version:
+            raise RuntimeError(
+                "a parameter saved for backward was modified by an inplace operation between forward "
+                "and backward"
+            )
+    return ctx.params

@@ -1,6 +1,6 @@
 """Cross-entropy on materialised logits, and fused with the LM head so that [N, V] logits never exist.
 
-Both ops share one Triton row kernel (`_ce_rows`): a program per row reads the row once to build the
+Both ops share one Triton row kernel (`_ce_rows`): a program reads a row once to build the
 logsumexp online in fp32, then reads it again to write d(loss)/d(logits), possibly over the same buffer.
 Label smoothing, z-loss, Gemma2's softcap and a logit scale are constexpr flags of that one kernel.
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+from ._utils import check_dtype, check_same_device, check_shape, num_sms, rows_view, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -31,6 +31,8 @@ LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 # Columns one program handles per loop step; tests lower it to exercise vocabularies of several blocks.
 ROW_BLOCK = 8192
+# Row programs resident per SM: rows in flight = SMs x this, which must fit L2 with pass 1 behind them.
+ROW_PROGRAMS_PER_SM = 1
 
 
 # --------------------------------------------------------------------------------------------- kernels
@@ -53,7 +55,7 @@ def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 @triton.jit
 def _ce_rows(
     logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr, scale_stride,
-    n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
+    n_rows, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -61,8 +63,26 @@ def _ce_rows(
 
     loss_row = lse - (1 - eps) * z_label - eps * mean(z) + z_loss * lse^2, z = softcap(logit_scale * x).
     grad_ptr may equal logits_ptr: each element is read before the same program overwrites it.
+
+    A persistent grid: few rows are in flight at once, so that pass 2 finds its row (a 128K bf16 vocab row
+    is 250 KB) still in L2 instead of reading it from HBM again; pass 2 walks the row backwards, starting
+    with the blocks pass 1 loaded last.
     """
-    row = tl.program_id(0).to(tl.int64)
+    for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row * stride
+        _ce_row(
+            row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr,
+            scale_stride, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
+            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, BLOCK,
+        )
+
+
+@triton.jit
+def _ce_row(
+    row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr, scale_stride,
+    n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_row = logits_ptr + row * logits_stride
     out_row = grad_ptr + row * grad_stride
@@ -113,8 +133,9 @@ def _ce_rows(
             label_coef = scale
             if HAS_SMOOTHING:
                 label_coef = scale * (1.0 - smoothing)
-            for start in range(0, n_cols, BLOCK):
-                offs = start + cols
+            last_start = (n_cols - 1) // BLOCK * BLOCK
+            for back in range(0, n_cols, BLOCK):
+                offs = last_start - back + cols
                 mask = offs < n_cols
                 z = _final_logits(tl.load(in_row + offs, mask=mask, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
                 g = tl.exp(z - lse) * p_coef
@@ -126,6 +147,19 @@ def _ce_rows(
                     g *= 1.0 - capped * capped
                 g *= logit_scale
                 tl.store(out_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_in_place(x_ptr, n, scale_ptr, BLOCK: tl.constexpr):
+    """x *= scale for a contiguous x and a one-element scale on the device; a scale of 1 (what a plain
+    loss.backward() passes) reads and writes nothing, so the common case costs no pass over a 1 GiB grad."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(x_ptr + offs, mask=mask)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * scale).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 # ------------------------------------------------------------------------------------------- launchers
@@ -157,13 +191,26 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) 
     block, num_warps = _row_block(n_cols)
     write_grad = grad is not None
     scale_stride = 0 if grad_scale.numel() == 1 else 1
-    _ce_rows[(n_rows,)](
+    n_programs = min(n_rows, num_sms(logits.device) * ROW_PROGRAMS_PER_SM)
+    _ce_rows[(n_programs,)](
         logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
         labels, loss_rows, grad_scale, scale_stride,
-        n_cols, cfg.ignore_index, cfg.logit_scale, cfg.softcap or 1.0, cfg.label_smoothing, cfg.z_loss,
+        n_rows, n_cols, cfg.ignore_index, cfg.logit_scale, cfg.softcap or 1.0, cfg.label_smoothing, cfg.z_loss,
         HAS_SOFTCAP=cfg.softcap is not None, HAS_SMOOTHING=cfg.label_smoothing > 0, HAS_Z_LOSS=cfg.z_loss > 0,
         WRITE_GRAD=write_grad, BLOCK=block, num_warps=num_warps,
     )
+
+
+def _scale_grad(grad: torch.Tensor | None, grad_output: torch.Tensor) -> None:
+    """grad *= grad_output (one element) in place, without asking the host whether it is 1 (a sync)."""
+    if grad is None:
+        return
+    if not (grad.is_contiguous() and use_triton(grad, grad_output)):
+        grad.mul_(grad_output)
+        return
+    block = 4096
+    n_programs = max(1, min(triton.cdiv(grad.numel(), block), num_sms(grad.device) * 8))
+    _scale_in_place[(n_programs,)](grad, grad.numel(), grad_output, BLOCK=block, num_warps=8)
 
 
 def logits_chunk_rows(n_rows: int, vocab: int, dtype: torch.dtype) -> int:
@@ -230,7 +277,7 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.reduction == "none":
             grad.mul_(grad_output.reshape(-1, 1))
         else:
-            grad.mul_(grad_output)
+            _scale_grad(grad, grad_output)
         return grad.reshape(ctx.logits_shape), None, None
 
 
@@ -346,10 +393,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError("fused_linear_cross_entropy: backward ran twice; its gradients are used up")
-            # Scaled on the device even when grad_output is 1: asking would be a host sync.
             for g in grads:
-                if g is not None:
-                    g.mul_(grad_output)
+                _scale_grad(g, grad_output)
         return (*grads, None, None, None, None, None)
 
 

@@ -4,11 +4,13 @@ A projection is y = x W^T + b + s * (x A^T) B^T. In plain peft that is three mat
 each its own autograd node saving its own inputs. Here the whole block is one torch.autograd.Function with a
 hand-derived backward:
 
-- the adapter terms go into the base output with addmm's alpha (no separate scale or add kernels);
+- the adapter term s * (x A^T) B^T is one matmul with alpha=s writing y, and the base matmul adds into it
+  (no separate scale or add kernels, and y is read only in the big matmul's epilogue);
 - projections that read the same x (q/k/v, gate/up) compute x A^T for all their adapters in one matmul on
   cat(A_1, A_2, ...) (ranks may differ), and in backward one matmul gives the adapters' share of dX and
   one gives every dA;
-- dX is accumulated in one buffer (addmm_ with beta=1 for each contribution);
+- dX is accumulated in one buffer (addmm_ with beta=1 for each contribution, the small one first);
+- parameters are kept on ctx, not saved tensors (no checkpointing hooks for them), version-checked;
 - the MLP saves only x and the gate/up outputs (plus the small [N, r] x A^T): the activation is recomputed
   in backward by `glu_backward`, which writes h, dgate and dup into buffers this function owns.
 
@@ -24,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from ._utils import check_dtype, check_same_device, rows_view
+from ._utils import check_dtype, check_same_device, keep_params, kept_params, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
 
 
@@ -64,7 +66,9 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
             raise ValueError(f"{name}.lora_B must have shape ({out}, {a.shape[0]}); got {tuple(b.shape)}")
         if not isinstance(proj.scaling, (int, float)):
             raise ValueError(f"{name}.scaling must be a Python number; got {type(proj.scaling).__name__}")
-    check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
+    device = x.device
+    if any(t is not None and t.device != device for t in proj[:4]):  # the message is built only on failure
+        check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -74,23 +78,47 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-# id(param) -> (weakref to it, its version when cast, dtype, the cast copy). Checkpointing runs each
-# forward twice per step, and the copy stays valid until the optimizer writes the param in place (which
-# bumps its version). Keyed by id because tensors compare elementwise; the weakref drops dead entries.
-_CAST_CACHE: dict[int, tuple] = {}
+class _Cast(NamedTuple):
+    ref: weakref.ref  # the parameter
+    version: int  # its version when cast
+    dtype: torch.dtype
+    cast: torch.Tensor  # the copy in `dtype`
+
+
+# id(param) -> _Cast. Checkpointing runs each forward twice per step, and a copy stays valid until the
+# optimizer writes the param in place (which bumps its version). Keyed by id because tensors compare
+# elementwise; the weakref's callback drops the entry of a dead param.
+_CAST_CACHE: dict[int, _Cast] = {}
+
+
+def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
+    """Cast t, and with it every cached param of its device whose version moved since its copy was made.
+
+    An optimizer step moves every adapter at once: refreshing them together is one allocation and one
+    foreach copy, instead of a launch per adapter per step (a Llama-1B LoRA has 224 of them). The copies go
+    into a new buffer, never into the old copies, which a graph not yet backpropagated may still hold."""
+    stale = [t]
+    for entry in list(_CAST_CACHE.values()):
+        p = entry.ref()
+        if p is not None and p is not t and p._version != entry.version and p.device == t.device:
+            stale.append(p)
+    flat = torch.empty(sum(p.numel() for p in stale), dtype=dtype, device=t.device)
+    casts = [part.view(p.shape) for part, p in zip(flat.split([p.numel() for p in stale]), stale)]
+    torch._foreach_copy_(casts, [p.detach() for p in stale])
+    for p, cast in zip(stale, casts):
+        key = id(p)
+        ref = weakref.ref(p, lambda _, key=key: _CAST_CACHE.pop(key, None))
+        _CAST_CACHE[key] = _Cast(ref, p._version, dtype, cast)
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
-    key = id(t)
-    hit = _CAST_CACHE.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version and hit[2] == dtype:
-        return hit[3]
-    cast = t.detach().to(dtype)
-    ref = weakref.ref(t, lambda _, key=key: _CAST_CACHE.pop(key, None))
-    _CAST_CACHE[key] = (ref, t._version, dtype, cast)
-    return cast
+    hit = _CAST_CACHE.get(id(t))
+    if hit is None or hit.ref() is not t or hit.version != t._version or hit.dtype != dtype:
+        _refresh_casts(t, dtype)
+        hit = _CAST_CACHE[id(t)]
+    return hit.cast
 
 
 def _cast_params(params, dtype: torch.dtype) -> list:
@@ -140,14 +168,22 @@ def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
 
 
 def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
-    """Outputs [N, out_i] of projections of one input x2 [N, in], and xa = x2 @ a_cat^T [N, R] (or None)."""
-    ys = [x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t()) for p in projs]
-    if adapters is None:
-        return ys, None
-    xa = x2 @ adapters.a_cat.t()  # one read of x for all adapters
-    for y, p, sl in zip(ys, projs, adapters.slices):
-        if sl is not None:
-            y.addmm_(xa[:, sl[0] : sl[1]], p.lora_B.t(), alpha=p.scaling)
+    """Outputs [N, out_i] of projections of one input x2 [N, in], and xa = x2 @ a_cat^T [N, R] (or None).
+
+    With an adapter, the small LoRA matmul writes y first (bias included) and the base matmul adds into it:
+    the read of y then happens in the epilogue of a compute-bound matmul, where it is nearly free, instead
+    of in a memory-bound read-modify-write of y by the small one.
+    """
+    xa = x2 @ adapters.a_cat.t() if adapters is not None else None  # one read of x for all adapters
+    ys = []
+    for i, p in enumerate(projs):
+        sl = adapters.slices[i] if adapters is not None else None
+        if sl is None:
+            ys.append(x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t()))
+            continue
+        xa_i, b_t = xa[:, sl[0] : sl[1]], p.lora_B.t()
+        y = _mm_scaled(xa_i, b_t, p.scaling) if p.bias is None else torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling)
+        ys.append(y.addmm_(x2, p.weight.t()))
     return ys, xa
 
 
@@ -163,12 +199,14 @@ def _dy_b(dys, projs, adapters: _Adapters | None):
 
 
 def _input_grad(dys, projs, adapters: _Adapters | None, dyb) -> torch.Tensor:
-    """dX = sum_i dY_i W_i + dyb @ a_cat, accumulated in one buffer."""
-    dx = dys[0] @ projs[0].weight
-    for dy, p in zip(dys[1:], projs[1:]):
-        dx.addmm_(dy, p.weight)
+    """dX = dyb @ a_cat + sum_i dY_i W_i in one buffer; the small matmul first, so that the large ones add
+    into it in their epilogues (see `_forward`)."""
+    pairs = list(zip(dys, (p.weight for p in projs)))
     if adapters is not None:
-        dx.addmm_(dyb, adapters.a_cat)
+        pairs.insert(0, (dyb, adapters.a_cat))
+    dx = pairs[0][0] @ pairs[0][1]
+    for dy, w in pairs[1:]:
+        dx.addmm_(dy, w)
     return dx
 
 
@@ -207,16 +245,18 @@ class _SharedInputLoRA(torch.autograd.Function):
         with _no_autocast(x):
             ys, xa = _forward(x2, projs, adapters)
         ctx.scalings, ctx.x_shape = scalings, x.shape
-        ctx.slices = adapters.slices if adapters is not None else None
-        ctx.save_for_backward(x2, xa, adapters.a_cat if adapters is not None else None, *params)
+        # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
+        ctx.adapters = adapters
+        keep_params(ctx, params)
+        ctx.save_for_backward(x2, xa)
         lead = tuple(x.shape[:-1])
         return tuple(y.view(*lead, y.shape[-1]) for y in ys)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        x2, xa, a_cat, *params = ctx.saved_tensors
-        projs = _unflatten(params, ctx.scalings)
-        adapters = _Adapters(a_cat, ctx.slices) if a_cat is not None else None
+        x2, xa = ctx.saved_tensors
+        projs = _unflatten(kept_params(ctx), ctx.scalings)
+        adapters = ctx.adapters
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
         with _no_autocast(x2):
             dyb = _dy_b(dys, projs, adapters)
@@ -239,21 +279,19 @@ class _LoRAMLP(torch.autograd.Function):
             h = glu_forward(gate, up, activation)
             (y,), xa_down = _forward(h, [down_p], down_adapters)
         ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
-        ctx.gu_slices = gu_adapters.slices if gu_adapters is not None else None
+        ctx.adapters = gu_adapters, down_adapters
+        keep_params(ctx, params)
         # gate and up are this function's own buffers: backward overwrites them with dgate and dup.
-        ctx.save_for_backward(
-            x2, gate, up, xa_gu, gu_adapters.a_cat if gu_adapters is not None else None, xa_down, *params
-        )
+        ctx.save_for_backward(x2, gate, up, xa_gu, xa_down)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, gate, up, xa_gu, a_cat_gu, xa_down, *params = ctx.saved_tensors
-        projs = _unflatten(params, ctx.scalings)
+        x2, gate, up, xa_gu, xa_down = ctx.saved_tensors
+        projs = _unflatten(kept_params(ctx), ctx.scalings)
         down_p = projs[2]
         needs = ctx.needs_input_grad[3:]
-        gu_adapters = _Adapters(a_cat_gu, ctx.gu_slices) if a_cat_gu is not None else None
-        down_adapters = _adapters([down_p])
+        gu_adapters, down_adapters = ctx.adapters
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         with _no_autocast(x2):
             # grad_h = dY W_down + s (dY B_down) A_down, in a buffer of our own...

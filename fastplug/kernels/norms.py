@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+from ._utils import check_dtype, check_same_device, check_shape, keep_params, kept_params, num_sms, rows_view, use_triton
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Triton kernels
@@ -261,12 +261,6 @@ def _launch_config(n_cols: int, backward: bool, center: bool) -> _LaunchConfig:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1  # interpreter: a small grid, so that the tests walk several tiles per program
-
-
 def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype):
     n_rows, n_cols = x2.shape
     cfg = _launch_config(n_cols, backward=False, center=center)
@@ -288,7 +282,7 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
     """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for)."""
     n_rows, n_cols = x2.shape
     cfg = _launch_config(n_cols, backward=True, center=mean is not None)
-    n_programs = min(triton.cdiv(n_rows, cfg.block_rows), _num_sms(x2.device) * cfg.programs_per_sm)
+    n_programs = min(triton.cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     # Looped tiles add into their partial row; fused ones write it once at the end.
     alloc = torch.zeros if cfg.looped else torch.empty
@@ -339,14 +333,16 @@ class RMSNorm(torch.autograd.Function):
         y, _, rstd = _norm_forward(
             x2, weight, None, eps, offset, center=False, cast_before_scale=llama, out_dtype=out_dtype
         )
-        ctx.save_for_backward(x2, weight, rstd)
+        keep_params(ctx, (weight,))
+        ctx.save_for_backward(x2, rstd)
         ctx.offset = offset
         ctx.x_shape = x.shape
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
+        x2, rstd = ctx.saved_tensors
+        (weight,) = kept_params(ctx)
         dx, dw, _ = _norm_backward(
             rows_view(dy), x2, weight, None, rstd, ctx.offset,
             compute_dw=ctx.needs_input_grad[1], compute_db=False,
@@ -361,14 +357,16 @@ class LayerNorm(torch.autograd.Function):
         y, mean, rstd = _norm_forward(
             x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype
         )
-        ctx.save_for_backward(x2, weight, mean, rstd)
+        keep_params(ctx, (weight,))
+        ctx.save_for_backward(x2, mean, rstd)
         ctx.x_shape = x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
+        x2, mean, rstd = ctx.saved_tensors
+        (weight,) = kept_params(ctx)
         dx, dw, db = _norm_backward(
             rows_view(dy), x2, weight, mean, rstd, 0.0,
             compute_dw=ctx.needs_input_grad[1], compute_db=ctx.needs_input_grad[2],

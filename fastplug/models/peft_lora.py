@@ -57,7 +57,7 @@ def _fused_view(module: nn.Module) -> tuple[LoRAProjection | None, str | None]:
         return None, f"{type(module).__name__} is a subclass of peft's lora.Linear"
     if _has_hooks(module):
         return None, "LoRA layer has forward hooks"
-    base = module.get_base_layer()
+    base = module.base_layer  # not get_base_layer(): a wrapper in between must not be skipped over
     reason = _plain_linear_reason(base, "base layer")
     if reason:
         return None, reason

@@ -341,3 +341,34 @@ def test_cast_adapters_follow_in_place_updates():
     expected = x.float() @ weight.float().t() + 0.5 * (x.float() @ a.t()) @ b.t()
     assert_close(second, expected, torch.bfloat16, "after an in-place update")
     assert rel_err(first, second) > 1e-2
+
+
+def test_one_optimizer_step_refreshes_every_cast_adapter_together():
+    # The first stale adapter met after a step recasts all stale ones in one go; each copy must still be its
+    # own parameter's values (shapes differ, so a mix-up in the shared buffer would show).
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    weights = [torch.randn(n, 16, dtype=torch.bfloat16) for n in (12, 7)]
+    adapters = [(torch.nn.Parameter(torch.randn(r, 16)), torch.nn.Parameter(torch.randn(w.shape[0], r)))
+                for r, w in zip((4, 3), weights)]
+    projs = [LoRAProjection(w, None, a, b, 0.5) for w, (a, b) in zip(weights, adapters)]
+    for proj in projs:
+        lora_linear(x, proj)
+    with torch.no_grad():
+        for a, b in adapters:
+            a.add_(torch.randn_like(a))
+            b.mul_(-2.0)
+    for proj in projs:
+        expected = x.float() @ proj.weight.float().t() + 0.5 * (x.float() @ proj.lora_A.t()) @ proj.lora_B.t()
+        assert_close(lora_linear(x, proj), expected, torch.bfloat16, "after a step on every adapter")
+
+
+def test_base_weight_written_between_forward_and_backward_raises():
+    # Parameters are kept on ctx rather than saved tensors; the version check save_for_backward would have
+    # made must still catch an in-place write before backward.
+    x = torch.randn(5, 16, requires_grad=True)
+    weight = torch.randn(12, 16)
+    proj = LoRAProjection(weight, None, torch.randn(4, 16, requires_grad=True), torch.randn(12, 4), 0.5)
+    y = lora_linear(x, proj)
+    weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

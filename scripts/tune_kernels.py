@@ -5,9 +5,10 @@
 
 For each op at the micro-benchmark's shape (bf16): every candidate config (module-level `TUNING` of
 fastplug/kernels/{norms,activations,rope}.py replaced with `dataclasses.replace(TUNING, **overrides)`) is
-checked against a float32 torch reference (rel err > 1e-2 or NaN: dropped) and timed forward alone,
-backward alone (one graph, retain_graph) and fwd+bwd, as median ms of triton.testing.do_bench with grads
-set to None between calls. torch.compile of the eager op is timed the same way. One table per op, sorted by
+checked against a float32 torch reference (rel err > 1e-2 or NaN: dropped) and timed: forward alone and
+backward alone (one graph, retain_graph) as median ms of triton.testing.do_bench, fwd+bwd as device time
+of CUDA-graph replays (the micro bench's graph timing), with the peak MiB of one fwd+bwd above the inputs.
+torch.compile of the eager op is measured the same way. One table per op, sorted by
 fwd+bwd, printed as soon as the op is done; a summary of the best config per op comes last.
 """
 
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch.nn.functional as F  # noqa: E402
 
-from fastplug.bench.micro import as_tuple, rel_err, rope_inputs, set_grads_none  # noqa: E402
+from fastplug.bench.micro import as_tuple, peak_mib, rel_err, rope_inputs, set_grads_none, time_step  # noqa: E402
 
 norms = importlib.import_module("fastplug.kernels.norms")
 activations = importlib.import_module("fastplug.kernels.activations")
@@ -41,14 +42,15 @@ MAX_REL_ERR = 1e-2
 # op -> (module whose TUNING the candidates replace, [(name, overrides)]); the first is the current default.
 NORM_CANDIDATES = [
     ("default", {}),
-    ("bwd 4 warps x 8 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32)),
+    # Fewer resident backward programs: fewer fp32 dW (and db) partial rows, so less memory.
+    ("bwd 4 warps x 4 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=16, bwd_loop_stages=1)),
+    ("bwd 4 warps x 4 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=16, bwd_loop_stages=2)),
+    ("bwd 4 warps x 5 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=20, bwd_loop_stages=1)),
+    ("bwd 4 warps x 5 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=20, bwd_loop_stages=2)),
+    ("bwd 4 warps x 6 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=24, bwd_loop_stages=1)),
+    ("bwd 4 warps x 6 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=24, bwd_loop_stages=2)),
+    ("bwd 4 warps x 8 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=1)),
     ("bwd 4 warps x 8 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=2)),
-    ("bwd 4 warps x 8 prog/SM pipelined 3", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=3)),
-    ("bwd 4 warps x 12 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=48, bwd_loop_stages=2)),
-    ("bwd 8 warps x 3 prog/SM pipelined 2", dict(resident_warps_per_sm=24, bwd_loop_stages=2)),
-    ("bwd 2 rows/tile 16 warps x 2 pipelined 2", dict(bwd_min_tile=8192, resident_warps_per_sm=32, bwd_loop_stages=2)),
-    ("fwd 4 warps, bwd 4 warps x 8 pipelined 2",
-     dict(fwd_elems_per_warp=1024, bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=2)),
 ]
 GLU_CANDIDATES = [
     ("default 2-D 2048 cols, 4096 el, 8 warps", {}),
@@ -191,7 +193,12 @@ def measure(fn, case: Case, grad_outputs, args) -> dict:
     except Exception as e:  # a compiled backward may refuse retain_graph
         row["bwd"] = float("nan")
         row["note"] = f"bwd alone: {type(e).__name__}"
-    row["fwd+bwd"] = _bench(fwd_bwd, leaves, args)
+    # fwd+bwd as one CUDA graph (micro's graph timing): kernel time, not the host's launch cost.
+    device = leaves[0].device
+    row["fwd+bwd"], _, note = time_step(fwd_bwd, leaves, device, "graph", args.warmup, args.rep)
+    if note:
+        row["note"] = note
+    row["peak_mib"] = peak_mib(fwd_bwd, leaves, device) or float("nan")
     # Host time per call with the GPU queue far from full: what a fwd+bwd costs the CPU.
     _sync()
     n = 10
@@ -229,14 +236,15 @@ def run_op(op, args, device, dtype) -> dict | None:
     gbytes = case.bytes_moved / 1e9
     print(f"\n## {op} {case.shape} {str(dtype).replace('torch.', '')}: minimum traffic {gbytes:.3f} GB fwd+bwd "
           f"(= {gbytes / 3.0:.3f} ms at 3 TB/s)", flush=True)
-    header = f"{'config':44s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} {'TB/s':>5s} {'host us':>7s} {'err':>8s}  overrides"
+    header = (f"{'config':44s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} {'TB/s':>5s} {'MiB':>6s} {'host us':>7s} "
+              f"{'err':>8s}  overrides")
     print(header, flush=True)
     rows = []
 
     def emit(name, row, overrides):
         tbps = gbytes / row["fwd+bwd"] if row["fwd+bwd"] > 0 else float("nan")
         line = (f"{name:44s} {_fmt(row['fwd'])} {_fmt(row['bwd'])} {_fmt(row['fwd+bwd'])} {tbps:5.2f} "
-                f"{row['host_us']:7.0f} {row['err']:8.1e}  {overrides} {row.get('note', '')}")
+                f"{row['peak_mib']:6.0f} {row['host_us']:7.0f} {row['err']:8.1e}  {overrides} {row.get('note', '')}")
         print(line, flush=True)
         rows.append((row["fwd+bwd"], line, name, overrides, row))
 

@@ -112,3 +112,32 @@ def test_gradient_accumulation_matches_one_big_batch():
             model(**micro, num_items_in_batch=num_items).loss.backward()
         for name, p in model.named_parameters():
             assert_close(p.grad, full[name], torch.float32, f"accumulated grad of {name}")
+
+
+def test_training_steps_leave_no_tensors_behind():
+    # A kernel that caches its outputs, or an autograd ctx holding a tensor of its own graph, keeps every
+    # step's activations alive: the count of live tensors must not grow from one step to the next.
+    import gc
+
+    import peft
+
+    model = peft.get_peft_model(
+        tiny_model("llama").to(torch.bfloat16),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"]),
+    )
+    patch_model(model, gradient_checkpointing=True)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    inputs = batch()
+
+    def live_tensors_after_step():
+        model(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    live_tensors_after_step()  # the optimizer's state and the adapters' compute-dtype copies appear here
+    counts = [live_tensors_after_step() for _ in range(3)]
+    assert counts[0] == counts[1] == counts[2], counts

@@ -352,7 +352,7 @@ def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
     return statistics.median(before.elapsed_time(after) for before, after in events) / unroll
 
 
-def _peak_mib(fn, leaves, device) -> float | None:
+def peak_mib(fn, leaves, device) -> float | None:
     """Extra memory of one fwd+bwd over what is already held (inputs, grad outputs), grads freed first."""
     if device.type != "cuda":
         return None
@@ -430,7 +430,7 @@ def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=F
             my_grads = [g.clone() if g is not None else None for g in grad_outputs]
             step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
             row["ms"], row["timing"], timing_note = time_step(step, case.leaves, device, timing, warmup_ms, rep_ms)
-            row["peak MiB"] = _peak_mib(step, case.leaves, device)
+            row["peak MiB"] = peak_mib(step, case.leaves, device)
             if profile:
                 row["kernels"] = kernel_table(step, case.leaves)
             del my_grads

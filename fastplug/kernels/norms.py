@@ -14,7 +14,6 @@ the reduction, so no atomics contend however many rows there are. `NormTuning` h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import NamedTuple
 
@@ -23,7 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, check_shape, keep_params, kept_params, num_sms, rows_view, use_triton
+from ._utils import (
+    check_dtype, check_same_device, check_shape, keep_params, kept_params, num_sms, rows_view, use_triton,
+)
 
 # ----------------------------------------------------------------------------------------------------
 # 1. Triton kernels
@@ -260,7 +261,6 @@ def _launch_config(n_cols: int, backward: bool, center: bool) -> _LaunchConfig:
     return _LaunchConfig(block_n, block_rows, looped, num_warps, max(1, tune.resident_warps_per_sm // num_warps))
 
 
-@functools.cache
 def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype):
     n_rows, n_cols = x2.shape
     cfg = _launch_config(n_cols, backward=False, center=center)

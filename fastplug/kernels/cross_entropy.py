@@ -32,7 +32,7 @@ LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 # Columns one program handles per loop step; tests lower it to exercise vocabularies of several blocks.
 ROW_BLOCK = 8192
 # Row programs resident per SM: rows in flight = SMs x this, which must fit L2 with pass 1 behind them.
-ROW_PROGRAMS_PER_SM = 1
+ROW_PROGRAMS_PER_SM = 2
 
 
 # --------------------------------------------------------------------------------------------- kernels

@@ -229,12 +229,13 @@ class NormTuning:
     bwd_loop_stages: int = 2
 
 
-# RMSNorm: 4-warp backward programs, 8 resident per SM, the row loop pipelined 2 deep (H100, 16384x4096
-# bf16 fwd+bwd: 0.261 ms against torch.compile's 0.433 in the same sweep).
-TUNING = NormTuning(bwd_elems_per_warp=1024, resident_warps_per_sm=32)
-# LayerNorm's backward holds more registers (mean and two partial sums): more, narrower programs win there
-# (H100, 16384x4096 bf16 fwd+bwd: 0.543 ms against 0.723 with RMSNorm's settings).
-LAYER_NORM_TUNING = NormTuning(bwd_loop_stages=1, bwd_elems_per_warp=1024, resident_warps_per_sm=32)
+# Each resident backward program holds one fp32 dW (and db) partial row: the counts below are the fewest
+# that keep fwd+bwd at torch.compile's time, so the partials cost less memory than compile's reduction.
+# H100, 16384x4096 bf16, fwd+bwd as CUDA-graph device time, peak MiB above the inputs (tune_kernels.py):
+# RMSNorm  5 per SM: 0.257 ms, 266 MiB; 8 per SM: 0.251 ms, 307 MiB; torch.compile 0.256 ms, 304 MiB.
+# LayerNorm 4 per SM: 0.290 ms, 273 MiB; 8 per SM: 0.289 ms, 323 MiB; torch.compile 0.293 ms, 320 MiB.
+TUNING = NormTuning(bwd_elems_per_warp=1024, resident_warps_per_sm=20, bwd_loop_stages=1)
+LAYER_NORM_TUNING = NormTuning(bwd_loop_stages=1, bwd_elems_per_warp=1024, resident_warps_per_sm=16)
 
 
 def _tuning(center: bool) -> NormTuning:

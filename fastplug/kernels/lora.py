@@ -78,16 +78,22 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _Cast(NamedTuple):
-    ref: weakref.ref  # the parameter
-    version: int  # its version when cast
-    dtype: torch.dtype
-    cast: torch.Tensor  # the copy in `dtype`
+class _Cast:
+    """The compute-dtype copy of one parameter; updated in place when the parameter moves, so that a step
+    allocates no new Python objects for it (fewer objects to promote means fewer full GC passes)."""
+
+    __slots__ = ("ref", "version", "dtype", "cast")
+
+    def __init__(self, ref: weakref.ref):
+        self.ref = ref  # the parameter; its callback drops this entry when the parameter dies
+        self.version = -1  # the parameter's version when `cast` was made
+        self.dtype = None
+        self.cast = None
 
 
 # id(param) -> _Cast. Checkpointing runs each forward twice per step, and a copy stays valid until the
 # optimizer writes the param in place (which bumps its version). Keyed by id because tensors compare
-# elementwise; the weakref's callback drops the entry of a dead param.
+# elementwise.
 _CAST_CACHE: dict[int, _Cast] = {}
 
 
@@ -97,18 +103,20 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
     An optimizer step moves every adapter at once: refreshing them together is one allocation and one
     foreach copy, instead of a launch per adapter per step (a Llama-1B LoRA has 224 of them). The copies go
     into a new buffer, never into the old copies, which a graph not yet backpropagated may still hold."""
-    stale = [t]
-    for entry in list(_CAST_CACHE.values()):
-        p = entry.ref()
-        if p is not None and p is not t and p._version != entry.version and p.device == t.device:
-            stale.append(p)
-    flat = torch.empty(sum(p.numel() for p in stale), dtype=dtype, device=t.device)
-    casts = [part.view(p.shape) for part, p in zip(flat.split([p.numel() for p in stale]), stale)]
-    torch._foreach_copy_(casts, [p.detach() for p in stale])
-    for p, cast in zip(stale, casts):
-        key = id(p)
-        ref = weakref.ref(p, lambda _, key=key: _CAST_CACHE.pop(key, None))
-        _CAST_CACHE[key] = _Cast(ref, p._version, dtype, cast)
+    key = id(t)
+    entry = _CAST_CACHE.get(key)
+    if entry is None or entry.ref() is not t:
+        entry = _CAST_CACHE[key] = _Cast(weakref.ref(t, lambda _, key=key: _CAST_CACHE.pop(key, None)))
+    stale = [(t, entry)]
+    for other in _CAST_CACHE.values():
+        p = other.ref()
+        if p is not None and p is not t and p._version != other.version and p.device == t.device:
+            stale.append((p, other))
+    flat = torch.empty(sum(p.numel() for p, _ in stale), dtype=dtype, device=t.device)
+    casts = [part.view(p.shape) for part, (p, _) in zip(flat.split([p.numel() for p, _ in stale]), stale)]
+    torch._foreach_copy_(casts, [p.detach() for p, _ in stale])
+    for (p, other), cast in zip(stale, casts):
+        other.version, other.dtype, other.cast = p._version, dtype, cast
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -229,11 +229,11 @@ class NormTuning:
     bwd_loop_stages: int = 2
 
 
-# Each resident backward program holds one fp32 dW (and db) partial row: the counts below are the fewest
-# that keep fwd+bwd at torch.compile's time, so the partials cost less memory than compile's reduction.
-# H100, 16384x4096 bf16, fwd+bwd as CUDA-graph device time, peak MiB above the inputs (tune_kernels.py):
-# RMSNorm  5 per SM: 0.257 ms, 266 MiB; 8 per SM: 0.251 ms, 307 MiB; torch.compile 0.256 ms, 304 MiB.
-# LayerNorm 4 per SM: 0.290 ms, 273 MiB; 8 per SM: 0.289 ms, 323 MiB; torch.compile 0.293 ms, 320 MiB.
+# Each resident backward program holds one fp32 dW (and db) partial row, so fewer programs cost less
+# memory; these counts are the fewest at full speed. H100, 16384x4096 bf16, fwd+bwd as CUDA-graph device
+# time, peak MiB above the inputs (scripts/tune_kernels.py, partials summed by `_reduce_partials`):
+# RMSNorm  5 per SM: 0.243 ms, 266 MiB; 8 per SM: 0.246 ms, 273 MiB; torch.compile 0.256 ms, 304 MiB.
+# LayerNorm 4 per SM: 0.267 ms, 273 MiB; 8 per SM: 0.278 ms, 289 MiB; torch.compile 0.299 ms, 320 MiB.
 TUNING = NormTuning(bwd_elems_per_warp=1024, resident_warps_per_sm=20, bwd_loop_stages=1)
 LAYER_NORM_TUNING = NormTuning(bwd_loop_stages=1, bwd_elems_per_warp=1024, resident_warps_per_sm=16)
 
@@ -298,9 +298,23 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
         HAS_WEIGHT=weight is not None, COMPUTE_DW=dw_partial is not None, COMPUTE_DB=db_partial is not None,
         LOOP_STAGES=_tuning(mean is not None).bwd_loop_stages, num_warps=cfg.num_warps,
     )
-    dw = dw_partial.sum(0) if dw_partial is not None else None
-    db = db_partial.sum(0) if db_partial is not None else None
-    return dx, dw, db
+    return dx, _reduce_partials(dw_partial), _reduce_partials(db_partial)
+
+
+# (rows, device) -> fp32 ones: the partial rows are summed as a matrix-vector product.
+_ONES: dict = {}
+
+
+def _reduce_partials(partials: torch.Tensor | None) -> torch.Tensor | None:
+    """The column sums of the fp32 partial rows, as one GEMV against a cached ones vector: deterministic,
+    and without scratch memory (torch's sum(0) over 1056 x 4096 partials took 34 MiB of it on an H100)."""
+    if partials is None:
+        return None
+    key = (partials.shape[0], partials.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones(partials.shape[0], dtype=torch.float32, device=partials.device)
+    return partials.t().mv(ones)
 
 
 def _check_inputs(x, weight, bias, eps):

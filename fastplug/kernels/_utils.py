@@ -78,6 +78,17 @@ def _cuda_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b). Plain Python: triton.cdiv is a constexpr_function now, whose call from the host costs
+    microseconds of argument unwrapping; launchers call these several times per launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1); plain Python, like `cdiv`."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """x as a 2-D [rows, last dim] tensor with unit stride in the last dim (copies only when it must)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -86,20 +97,20 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
     return x2
 
 
-def keep_params(ctx, params) -> None:
-    """Keep the parameters on ctx instead of save_for_backward: under checkpointing every saved tensor
-    costs a pack hook in forward, another in the recompute and an unpack hook, and parameters need none of
-    that (they outlive the step). What save_for_backward would still give, a check that nothing wrote
-    them in place before backward, is done by `kept_params`."""
-    ctx.params = params
-    ctx.param_versions = [None if p is None else p._version for p in params]
+def keep_for_backward(ctx, tensors) -> None:
+    """Keep tensors that live through the step anyway (parameters, the rotary cos/sin tables) on ctx instead
+    of save_for_backward: under checkpointing every saved tensor costs a pack hook in forward, another in
+    the recompute and an unpack hook. What save_for_backward would still give, a check that nothing wrote
+    them in place before backward, is done by `kept_for_backward`. Never for an output or an intermediate
+    of the function: those would form a reference cycle through the graph."""
+    ctx.kept = tensors
+    ctx.kept_versions = [None if t is None else t._version for t in tensors]
 
 
-def kept_params(ctx) -> list:
-    for p, version in zip(ctx.params, ctx.param_versions):
-        if p is not None and p._version != version:
+def kept_for_backward(ctx) -> list:
+    for t, version in zip(ctx.kept, ctx.kept_versions):
+        if t is not None and t._version != version:
             raise RuntimeError(
-                "a parameter saved for backward was modified by an inplace operation between forward "
-                "and backward"
+                "a tensor kept for backward was modified by an inplace operation between forward and backward"
             )
-    return ctx.params
+    return ctx.kept

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, check_shape, rows_view, use_triton
+from ._utils import cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, rows_view, use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -160,13 +160,13 @@ def _launch_shape(*views: torch.Tensor) -> tuple[dict, tuple[int, int]]:
     n_rows, n_cols = views[0].shape
     if tune.flat and all(v.stride(0) == n_cols for v in views):
         numel = n_rows * n_cols
-        block = min(triton.next_power_of_2(numel), tune.tile_elements)
+        block = min(next_power_of_2(numel), tune.tile_elements)
         args = dict(n_rows=1, n_cols=numel, FLAT=True, BLOCK_ROWS=1, BLOCK_COLS=block)
-        return args, (triton.cdiv(numel, block), 1)
-    block_cols = min(triton.next_power_of_2(n_cols), tune.max_block_cols)
+        return args, (cdiv(numel, block), 1)
+    block_cols = min(next_power_of_2(n_cols), tune.max_block_cols)
     block_rows = max(1, tune.tile_elements // block_cols)
     args = dict(n_rows=n_rows, n_cols=n_cols, FLAT=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
-    return args, (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+    return args, (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
 
 
 def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:

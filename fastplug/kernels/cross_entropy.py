@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, check_shape, num_sms, rows_view, use_triton
+from ._utils import (
+    cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, num_sms, rows_view, use_triton,
+)
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -176,7 +178,7 @@ class _LossConfig(NamedTuple):
 
 def _row_block(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) of the row kernel: 16 fp32 values per thread at the full 8192 block."""
-    block = min(ROW_BLOCK, triton.next_power_of_2(n_cols))
+    block = min(ROW_BLOCK, next_power_of_2(n_cols))
     return block, max(1, min(16, block // 512))
 
 
@@ -209,7 +211,7 @@ def _scale_grad(grad: torch.Tensor | None, grad_output: torch.Tensor) -> None:
         grad.mul_(grad_output)
         return
     block = 4096
-    n_programs = max(1, min(triton.cdiv(grad.numel(), block), num_sms(grad.device) * 8))
+    n_programs = max(1, min(cdiv(grad.numel(), block), num_sms(grad.device) * 8))
     _scale_in_place[(n_programs,)](grad, grad.numel(), grad_output, BLOCK=block, num_warps=8)
 
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch.autograd.graph import increment_version
 
-from ._utils import check_dtype, check_same_device, keep_params, kept_params, rows_view
+from ._utils import check_dtype, check_same_device, keep_for_backward, kept_for_backward, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
 
 
@@ -257,7 +257,7 @@ class _SharedInputLoRA(torch.autograd.Function):
         ctx.scalings, ctx.x_shape = scalings, x.shape
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
         ctx.adapters = adapters
-        keep_params(ctx, params)
+        keep_for_backward(ctx, params)
         ctx.save_for_backward(x2, xa)
         lead = tuple(x.shape[:-1])
         return tuple(y.view(*lead, y.shape[-1]) for y in ys)
@@ -265,7 +265,7 @@ class _SharedInputLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         x2, xa = ctx.saved_tensors
-        projs = _unflatten(kept_params(ctx), ctx.scalings)
+        projs = _unflatten(kept_for_backward(ctx), ctx.scalings)
         adapters = ctx.adapters
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
         with _no_autocast(x2):
@@ -290,7 +290,7 @@ class _LoRAMLP(torch.autograd.Function):
             (y,), xa_down = _forward(h, [down_p], down_adapters)
         ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
         ctx.adapters = gu_adapters, down_adapters
-        keep_params(ctx, params)
+        keep_for_backward(ctx, params)
         # gate and up are this function's own buffers: backward overwrites them with dgate and dup.
         ctx.save_for_backward(x2, gate, up, xa_gu, xa_down)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -298,7 +298,7 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x2, gate, up, xa_gu, xa_down = ctx.saved_tensors
-        projs = _unflatten(kept_params(ctx), ctx.scalings)
+        projs = _unflatten(kept_for_backward(ctx), ctx.scalings)
         down_p = projs[2]
         needs = ctx.needs_input_grad[3:]
         gu_adapters, down_adapters = ctx.adapters

@@ -14,6 +14,7 @@ the reduction, so no atomics contend however many rows there are. `NormTuning` h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -23,7 +24,8 @@ import triton
 import triton.language as tl
 
 from ._utils import (
-    check_dtype, check_same_device, check_shape, keep_params, kept_params, num_sms, rows_view, use_triton,
+    cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, next_power_of_2,
+    num_sms, rows_view, use_triton,
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,10 +253,14 @@ class _LaunchConfig(NamedTuple):
 
 
 def _launch_config(n_cols: int, backward: bool, center: bool) -> _LaunchConfig:
-    tune = _tuning(center)
+    return _config_for(_tuning(center), n_cols, backward)
+
+
+@functools.lru_cache(maxsize=256)  # keyed by the tuning too: tune_kernels.py swaps it
+def _config_for(tune: NormTuning, n_cols: int, backward: bool) -> _LaunchConfig:
     min_tile = tune.bwd_min_tile if backward else tune.fwd_min_tile
     elems_per_warp = tune.bwd_elems_per_warp if backward else tune.fwd_elems_per_warp
-    cols = triton.next_power_of_2(n_cols)
+    cols = next_power_of_2(n_cols)
     looped = cols > tune.max_fused_cols
     block_n = tune.looped_block_n if looped else cols
     block_rows = 1 if looped else max(1, min_tile // block_n)
@@ -268,7 +274,7 @@ def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, o
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if center else rstd  # rstd: unused stand-in
-    grid = (triton.cdiv(n_rows, cfg.block_rows),)
+    grid = (cdiv(n_rows, cfg.block_rows),)
     _norm_fwd[grid](
         x2, x2.stride(0), weight if weight is not None else rstd, bias if bias is not None else rstd,
         y, y.stride(0), mean, rstd, n_rows, n_cols, eps, offset,
@@ -283,7 +289,7 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
     """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for)."""
     n_rows, n_cols = x2.shape
     cfg = _launch_config(n_cols, backward=True, center=mean is not None)
-    n_programs = min(triton.cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
+    n_programs = min(cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     # Looped tiles add into their partial row; fused ones write it once at the end.
     alloc = torch.zeros if cfg.looped else torch.empty
@@ -348,7 +354,7 @@ class RMSNorm(torch.autograd.Function):
         y, _, rstd = _norm_forward(
             x2, weight, None, eps, offset, center=False, cast_before_scale=llama, out_dtype=out_dtype
         )
-        keep_params(ctx, (weight,))
+        keep_for_backward(ctx, (weight,))
         ctx.save_for_backward(x2, rstd)
         ctx.offset = offset
         ctx.x_shape = x.shape
@@ -357,7 +363,7 @@ class RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, rstd = ctx.saved_tensors
-        (weight,) = kept_params(ctx)
+        (weight,) = kept_for_backward(ctx)
         dx, dw, _ = _norm_backward(
             rows_view(dy), x2, weight, None, rstd, ctx.offset,
             compute_dw=ctx.needs_input_grad[1], compute_db=False,
@@ -372,7 +378,7 @@ class LayerNorm(torch.autograd.Function):
         y, mean, rstd = _norm_forward(
             x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype
         )
-        keep_params(ctx, (weight,))
+        keep_for_backward(ctx, (weight,))
         ctx.save_for_backward(x2, mean, rstd)
         ctx.x_shape = x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -381,7 +387,7 @@ class LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, mean, rstd = ctx.saved_tensors
-        (weight,) = kept_params(ctx)
+        (weight,) = kept_for_backward(ctx)
         dx, dw, db = _norm_backward(
             rows_view(dy), x2, weight, mean, rstd, 0.0,
             compute_dw=ctx.needs_input_grad[1], compute_db=ctx.needs_input_grad[2],

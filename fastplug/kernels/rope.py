@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_same_device, use_triton
+from ._utils import (
+    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, next_power_of_2, use_triton,
+)
 
 MAX_HEAD_DIM = 512
 
@@ -184,17 +186,17 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
         return q_out, k_out
     rot_dim = cos.shape[-1]
     tune = TUNING
-    half_block = triton.next_power_of_2(rot_dim // 2)
+    half_block = next_power_of_2(rot_dim // 2)
     heads_cap = max(1, tune.tile_elements // half_block)
     if tune.max_block_heads:
         heads_cap = min(heads_cap, tune.max_block_heads)
-    block_hq = min(triton.next_power_of_2(max(n_heads_q, 1)), heads_cap)
-    block_hk = min(triton.next_power_of_2(max(n_heads_k, 1)), heads_cap)
-    block_t = min(max(1, tune.tile_elements // (block_hq * half_block)), triton.next_power_of_2(tokens))
+    block_hq = min(next_power_of_2(max(n_heads_q, 1)), heads_cap)
+    block_hk = min(next_power_of_2(max(n_heads_k, 1)), heads_cap)
+    block_t = min(max(1, tune.tile_elements // (block_hq * half_block)), next_power_of_2(tokens))
     stride_cb, stride_ct = _cos_sin_strides(cos)
-    grid = (triton.cdiv(tokens, block_t), batch)
+    grid = (cdiv(tokens, block_t), batch)
     if tune.split_heads:
-        grid += (triton.cdiv(n_heads_q, block_hq) + triton.cdiv(n_heads_k, block_hk),)
+        grid += (cdiv(n_heads_q, block_hq) + cdiv(n_heads_k, block_hk),)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
         tokens, n_heads_q, n_heads_k,
@@ -203,7 +205,7 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
         stride_cb, stride_ct,
         HALF=rot_dim // 2, ROT_DIM=rot_dim, HEAD_DIM=head_dim, BACKWARD=backward,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, HALF_BLOCK=half_block,
-        PASS_BLOCK=triton.next_power_of_2(max(head_dim - rot_dim, 1)), SPLIT_HEADS=tune.split_heads,
+        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)), SPLIT_HEADS=tune.split_heads,
         num_warps=tune.num_warps,
     )
     return q_out, k_out
@@ -213,7 +215,7 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
 class RotaryEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
-        ctx.save_for_backward(cos, sin)
+        keep_for_backward(ctx, (cos, sin))
         ctx.input_dtypes = (q.dtype, k.dtype)
         # Output dtype as in transformers (q * cos promotes): bf16 q with fp32 cos gives fp32.
         return _rope_launch(
@@ -222,7 +224,7 @@ class RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
+        cos, sin = kept_for_backward(ctx)
         grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True)
         return grad_q, grad_k, None, None
 

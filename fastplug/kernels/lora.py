@@ -335,7 +335,8 @@ def _launch_shared(x, named_projs: dict):
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
-    return _SharedInputLoRA.apply(x.to(dtype), tuple(float(p.scaling) for p in projs), *_flatten(projs))
+    x = x if x.dtype == dtype else x.to(dtype)
+    return _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), *_flatten(projs))
 
 
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
@@ -365,4 +366,5 @@ def lora_mlp(
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)
-    return _LoRAMLP.apply(x.to(dtype), activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))
+    x = x if x.dtype == dtype else x.to(dtype)
+    return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))

@@ -27,8 +27,15 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         || { echo "gpu_run: installing .whl/ failed"; exit 1; }
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# fastplug itself from this checkout: on the path first (no build step, no network needed).
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# fastplug itself: installed from this checkout with --no-deps into the Python that already has torch,
+# triton and transformers (editable, so edits need no reinstall). Offline pip needs setuptools in that
+# Python to build; without it the checkout goes first on PYTHONPATH instead, which imports the same code.
+if "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT_DIR/install.log" 2>&1; then
+    echo "gpu_run: fastplug installed from $PWD (pip --no-deps, editable)"
+else
+    echo "gpu_run: pip could not build fastplug offline (see $OUT_DIR/install.log); using PYTHONPATH=$PWD"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 PARTS="doctor tests micro e2e maxseq frameworks"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -101,8 +101,8 @@ def keep_for_backward(ctx, tensors) -> None:
     """Keep tensors that live through the step anyway (parameters, the rotary cos/sin tables) on ctx instead
     of save_for_backward: under checkpointing every saved tensor costs a pack hook in forward, another in
     the recompute and an unpack hook. What save_for_backward would still give, a check that nothing wrote
-    them in place before backward, is done by `kept_for_backward`. Never for an output or an intermediate
-    of the function: those would form a reference cycle through the graph."""
+    them in place before backward, is done by `kept_for_backward`. Never for an output of the function:
+    its grad_fn is this very node, a reference cycle that keeps the graph alive."""
     ctx.kept = tensors
     ctx.kept_versions = [None if t is None else t._version for t in tensors]
 

@@ -323,19 +323,20 @@ class _LoRAMLP(torch.autograd.Function):
 # --------------------------------------------------------------------------------------- public API
 
 
-def _input_dtype(x: torch.Tensor) -> torch.dtype:
+def _checked_input(x: torch.Tensor) -> torch.Tensor:
+    """x in the compute dtype (no dispatch when it already is); raises ValueError on a bad x."""
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise ValueError("x must be a tensor of shape [..., in]")
     check_dtype("x", x)
-    return _compute_dtype(x)
+    dtype = _compute_dtype(x)
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _launch_shared(x, named_projs: dict):
-    dtype = _input_dtype(x)
+    x = _checked_input(x)
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
-    x = x if x.dtype == dtype else x.to(dtype)
     return _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), *_flatten(projs))
 
 
@@ -360,11 +361,10 @@ def lora_mlp(
     """down(act(gate(x)) * up(x)) for x [..., hidden]; activation one of ACTIVATIONS; one autograd node."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
-    dtype = _input_dtype(x)
+    x = _checked_input(x)
     _check_projection("gate_proj", gate_proj, x)
     intermediate = gate_proj.weight.shape[0]
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)
-    x = x if x.dtype == dtype else x.to(dtype)
     return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))

@@ -1,0 +1,236 @@
+"""The MoE expert MLP, out[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])) with e = index[t, j],
+as one autograd node over the grouped GEMMs, with optional LoRA on the expert weights.
+
+Forward: routing metadata (one launch) -> gate_up grouped GEMM gathering token rows on load -> the gated
+activation (`activations.glu_forward`, reading the two halves in place) -> down grouped GEMM storing each
+row at its (token, slot) place times its routing weight -> a sum over the k slots.
+LoRA on an expert weight W [E, out, in] is the rank-r grouped term s * (x A_e^T) B_e^T: a grouped GEMM to
+[rows, r], added in the epilogue of the base GEMM. No E x out x in delta weight is ever formed.
+
+Saved for backward: x, the gate_up output and the [rows, r] LoRA inputs. The activation h is recomputed
+by `_glu_rows_bwd`, which also applies the routing weights to dgate/dup and computes their gradient
+<d(unweighted row), h> in the same pass.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, \
+    next_power_of_2, use_triton
+from ..activations import ACTIVATIONS, _gate_factor, _gate_factor_torch, glu_forward
+from .grouped_gemm import grouped_mm_dw, grouped_mm_rows
+from .routing import routing_metadata
+
+_BLOCK_ROWS = 16
+_MAX_BLOCK_I = 256
+
+
+class ExpertLoRA(NamedTuple):
+    """LoRA on one 3-D expert weight W [E, out, in]: W_e + scaling * B_e @ A_e."""
+
+    A: torch.Tensor  # [E, r, in]
+    B: torch.Tensor  # [E, out, r]
+    scaling: float
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _glu_rows_bwd(
+    dh_ptr, gu_ptr, rw_ptr, dgu_ptr, drw_ptr, M, I,
+    stride_dh, stride_gu, stride_dgu,
+    ACT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """dh: d(unweighted h) [M, I]; gu: [gate | up] [M, 2I]. Writes dgu = rw * d[gate | up], h into dh's
+    buffer (each element is read before this program overwrites it) and drw = <dh, h>."""
+    rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    row_ok = rows < M
+    rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+    for c0 in range(0, I, BLOCK_I):
+        cols = c0 + tl.arange(0, BLOCK_I)
+        mask = row_ok[:, None] & (cols[None, :] < I)
+        g = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(gu_ptr + rows[:, None] * stride_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + rows[:, None] * stride_gu + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        p, dp = _gate_factor(x, ACT)
+        act = x * p
+        h = act * u
+        dot += tl.sum(g * h, 1)
+        tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], h.to(dh_ptr.dtype.element_ty), mask=mask)
+        gw = g * rw[:, None]
+        tl.store(dgu_ptr + rows[:, None] * stride_dgu + cols[None, :],
+                 (gw * u * (p + x * dp)).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + rows[:, None] * stride_dgu + I + cols[None, :],
+                 (gw * act).to(dgu_ptr.dtype.element_ty), mask=mask)
+    tl.store(drw_ptr + rows, dot, mask=row_ok)
+
+
+def _glu_rows_backward(dh: torch.Tensor, gu: torch.Tensor, rw: torch.Tensor, activation: str):
+    """(dgu, h, drw); h is written into dh's buffer (owned by the caller)."""
+    M, I = dh.shape
+    dgu = torch.empty_like(gu)
+    drw = torch.empty(M, dtype=torch.float32, device=dh.device)
+    if M:
+        _glu_rows_bwd[(cdiv(M, _BLOCK_ROWS),)](
+            dh, gu, rw, dgu, drw, M, I, dh.stride(0), gu.stride(0), dgu.stride(0),
+            ACT=ACTIVATIONS.index(activation), BLOCK_ROWS=_BLOCK_ROWS, BLOCK_I=min(_MAX_BLOCK_I, next_power_of_2(I)),
+        )
+    return dgu, dh, drw
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+def _t(w: torch.Tensor | None) -> torch.Tensor | None:
+    return None if w is None else w.transpose(1, 2)
+
+
+class MoEExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation):
+        T, H = x.shape
+        E, two_i, _ = gate_up.shape
+        k = top_k_index.shape[1]
+        offsets, gather, scatter = routing_metadata(top_k_index, E)
+        rw = top_k_weights.reshape(-1)[scatter.long()]
+        t1 = grouped_mm_rows(x, a1, offsets, a_index=gather) if a1 is not None else None
+        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1, s1) if a1 is not None else None)
+        inter = two_i // 2
+        h = glu_forward(gu[:, :inter], gu[:, inter:], activation)
+        t2 = grouped_mm_rows(h, a2, offsets) if a2 is not None else None
+        y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw,
+                            lora=(t2, b2, s2) if a2 is not None else None)
+        ctx.save_for_backward(x, gu, t1, t2, offsets, gather, scatter, rw)
+        keep_for_backward(ctx, (gate_up, down, a1, b1, a2, b2))
+        ctx.scales, ctx.activation, ctx.k = (s1, s2), activation, k
+        ctx.weights_dtype = top_k_weights.dtype
+        return y.view(T, k, H).sum(1)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gu, t1, t2, offsets, gather, scatter, rw = ctx.saved_tensors
+        gate_up, down, a1, b1, a2, b2 = kept_for_backward(ctx)
+        s1, s2 = ctx.scales
+        needs = ctx.needs_input_grad
+        E = gate_up.shape[0]
+        T, H = x.shape
+        g = grad_out.to(x.dtype)
+        grads = [None] * 12
+
+        # down projection: d(unweighted h) rows, read from the token gradients
+        u2 = grouped_mm_rows(g, _t(b2), offsets, a_index=gather) if a2 is not None else None
+        dh = grouped_mm_rows(g, _t(down), offsets, a_index=gather,
+                             lora=(u2, _t(a2), s2) if a2 is not None else None)
+        dgu, h, drw = _glu_rows_backward(dh, gu, rw, ctx.activation)
+        if needs[4]:
+            grads[4] = grouped_mm_dw(g, h, offsets, E, dy_index=gather, row_weights=rw, dtype=down.dtype)
+        if a2 is not None:
+            if needs[8]:
+                grads[8] = grouped_mm_dw(g, t2, offsets, E, dy_index=gather, row_weights=rw, scale=s2, dtype=b2.dtype)
+            if needs[7]:
+                grads[7] = grouped_mm_dw(u2, h, offsets, E, row_weights=rw, scale=s2, dtype=a2.dtype)
+        if needs[1]:
+            dw = torch.zeros(scatter.shape[0], dtype=torch.float32, device=x.device)
+            dw.index_copy_(0, scatter.long(), drw)
+            grads[1] = dw.view(T, ctx.k).to(ctx.weights_dtype)
+
+        # gate_up projection (dgu already carries the routing weights)
+        u1 = grouped_mm_rows(dgu, _t(b1), offsets) if a1 is not None else None
+        if needs[0]:
+            slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
+                                    lora=(u1, _t(a1), s1) if a1 is not None else None)
+            grads[0] = slots.view(T, ctx.k, H).sum(1)
+        if needs[3]:
+            grads[3] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
+        if a1 is not None:
+            if needs[6]:
+                grads[6] = grouped_mm_dw(dgu, t1, offsets, E, scale=s1, dtype=b1.dtype)
+            if needs[5]:
+                grads[5] = grouped_mm_dw(u1, x, offsets, E, x_index=gather, scale=s1, dtype=a1.dtype)
+        return tuple(grads)
+
+
+def _check_experts(x, gate_up, down, top_k_index, top_k_weights, activation, lora):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    check_dtype("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [tokens, hidden]; got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if gate_up.dim() != 3 or gate_up.shape[2] != H or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up_proj must be [experts, 2 * intermediate, {H}]; got {tuple(gate_up.shape)}")
+    E, two_i, _ = gate_up.shape
+    check_shape("down_proj", down, (E, H, two_i // 2), "[experts, hidden, intermediate]")
+    for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must have x's dtype {x.dtype}; got {w.dtype}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k_index must be int32/int64 [{T}, k]; got {top_k_index.dtype} {tuple(top_k_index.shape)}")
+    check_shape("top_k_weights", top_k_weights, tuple(top_k_index.shape), "the shape of top_k_index")
+    check_dtype("top_k_weights", top_k_weights)
+    for name, (w, adapter) in (lora or {}).items():
+        if adapter is None:
+            continue
+        E_, out, inp = w.shape
+        r = adapter.A.shape[1]
+        check_shape(f"{name}.A", adapter.A, (E_, r, inp), "[experts, r, in]")
+        check_shape(f"{name}.B", adapter.B, (E_, out, r), "[experts, out, r]")
+    check_same_device(x=x, gate_up_proj=gate_up, down_proj=down, top_k_index=top_k_index, top_k_weights=top_k_weights)
+
+
+# ------------------------------------------------------------------------------------------- public API
+def moe_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    activation: str = "silu",
+    gate_up_lora: ExpertLoRA | None = None,
+    down_lora: ExpertLoRA | None = None,
+) -> torch.Tensor:
+    """The routed experts of an MoE block: x [T, H]; gate_up_proj [E, 2I, H] ([gate; up] halves, as in
+    transformers); down_proj [E, H, I]; top_k_index / top_k_weights [T, k]. Returns [T, H] in x's dtype.
+    LoRA adapters are cast to the weights' dtype (as peft does) and differentiable."""
+    _check_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation,
+                   {"gate_up_lora": (gate_up_proj, gate_up_lora), "down_lora": (down_proj, down_lora)})
+    if not use_triton(x, gate_up_proj, down_proj):
+        return moe_experts_reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation,
+                                     gate_up_lora=gate_up_lora, down_lora=down_lora)
+    if x.shape[0] == 0:
+        return x.new_zeros(x.shape)
+    a1, b1, s1 = _adapter(gate_up_lora, gate_up_proj.dtype)
+    a2, b2, s2 = _adapter(down_lora, down_proj.dtype)
+    return MoEExperts.apply(x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2, activation)
+
+
+def _adapter(adapter: ExpertLoRA | None, dtype: torch.dtype):
+    if adapter is None:
+        return None, None, 0.0
+    return adapter.A.to(dtype), adapter.B.to(dtype), float(adapter.scaling)
+
+
+def moe_experts_reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights, *, activation="silu",
+                          gate_up_lora=None, down_lora=None):
+    """Per-expert loop in plain torch (the maths of transformers' eager experts, LoRA as W + s B A)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = down_proj.shape[2]
+    for e in range(gate_up_proj.shape[0]):
+        token, slot = torch.where(top_k_index == e)
+        if token.numel() == 0:
+            continue
+        rows = x[token]
+        gu = rows @ gate_up_proj[e].T
+        if gate_up_lora is not None:
+            gu = gu + gate_up_lora.scaling * (rows @ gate_up_lora.A[e].to(x.dtype).T) @ gate_up_lora.B[e].to(x.dtype).T
+        gate, up = gu[:, :inter], gu[:, inter:]
+        h = gate * _gate_factor_torch(gate, activation)[0] * up
+        y = h @ down_proj[e].T
+        if down_lora is not None:
+            y = y + down_lora.scaling * (h @ down_lora.A[e].to(x.dtype).T) @ down_lora.B[e].to(x.dtype).T
+        out = out.index_add(0, token, (y * top_k_weights[token, slot, None]).float())
+    return out.to(x.dtype)

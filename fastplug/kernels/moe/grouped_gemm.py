@@ -1,0 +1,370 @@
+"""Grouped GEMM over experts with the token permutation fused into its loads and stores.
+
+Rows are grouped by expert: expert e owns rows [offsets[e-1], offsets[e]) (offsets are cumulative ends,
+as torch._grouped_mm takes them). Row m of the product is
+
+    out[scatter_index[m]] = row_weights[m] * (x[gather_index[m]] @ w[e]^T)      w: [E, N, K]
+
+so the first GEMM of an MoE MLP reads token rows straight from the hidden states (no permuted copy) and the
+second writes each row back to its (token, slot) place already scaled by its routing weight.
+
+Three kernels:
+- `_grouped_mm`: forward and dX (dX is the same product against w[e] read transposed, through strides).
+  Programs map to (expert, row tile, column tile) on the device: each program reads the offsets and finds
+  its tile in the per-expert tile counts, so there is no host sync and an expert with no rows costs nothing.
+  Optional epilogues: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM) and a
+  per-row dot with another tensor (the routing weights' gradient), accumulated with atomics over tiles.
+- `_grouped_mm_dw`: dW[e] = sum over the expert's rows of (row_weights * dy)^T x, one program per
+  (expert, N tile, K tile) looping over that expert's rows (an empty expert writes zeros).
+Block sizes come from `tuning.config_for` (autotuned per device and shape, cached on disk).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
+from . import tuning
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    if PRECISION == "upcast":  # the interpreter's 16-bit dot returns garbage (triton 3.9): fp32 products
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _expert_tile(offsets_ptr, tile, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of the `tile`-th row tile when each expert's rows are cut in BLOCK_M
+    tiles; expert == E when the tile lies beyond the last one."""
+    e_idx = tl.arange(0, BLOCK_E)
+    ends = tl.load(offsets_ptr + e_idx, mask=e_idx < E, other=0).to(tl.int32)
+    starts = tl.load(offsets_ptr + e_idx - 1, mask=(e_idx > 0) & (e_idx < E), other=0).to(tl.int32)
+    tiles = tl.where(e_idx < E, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, 0)
+    expert = tl.sum((cum <= tile).to(tl.int32), 0)
+    this = e_idx == expert
+    first_tile = tl.sum(tl.where(this, cum - tiles, 0), 0)
+    row_start = tl.sum(tl.where(this, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(this, ends, 0), 0)
+    return expert, row_start, row_end
+
+
+@triton.jit
+def _grouped_mm(
+    a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
+    t_ptr, b_ptr, lora_scale, dot_ptr, dot_src_ptr, dot_index_ptr,
+    N, K, E, R,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_tm, stride_tr, stride_be, stride_bn, stride_br, stride_dm, stride_dk,
+    HAS_A_INDEX: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, HAS_RW: tl.constexpr, HAS_LORA: tl.constexpr,
+    ROW_DOT: tl.constexpr, DOT_INDEXED: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    expert, row_start, row_end = _expert_tile(offsets_ptr, pid // n_tiles, E, BLOCK_E, BLOCK_M)
+    if expert >= E:
+        return
+    rm = row_start + tl.arange(0, BLOCK_M)
+    mask_m = rm < row_end
+    rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    if HAS_A_INDEX:
+        src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = rm.to(tl.int64)
+    a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = rk < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, w, acc, PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_LORA:
+        rr = tl.arange(0, BLOCK_R)
+        t = tl.load(t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
+                    mask=mask_m[:, None] & (rr[None, :] < R), other=0.0)
+        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
+                    mask=(rr[:, None] < R) & mask_n[None, :], other=0.0)
+        acc += lora_scale * _dot(t, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+    if ROW_DOT:
+        # d(row weight) = <this unweighted row, the other tensor's row>, summed over the column tiles.
+        if DOT_INDEXED:
+            drow = tl.load(dot_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+        else:
+            drow = rm.to(tl.int64)
+        other = tl.load(dot_src_ptr + drow[:, None] * stride_dm + rn[None, :] * stride_dk,
+                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+        tl.atomic_add(dot_ptr + rm, tl.sum(acc * other, 1), mask=mask_m)
+    if HAS_RW:
+        acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    if HAS_OUT_INDEX:
+        dst = tl.load(out_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+    else:
+        dst = rm.to(tl.int64)
+    tl.store(out_ptr + dst[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _grouped_mm_dw(
+    dy_ptr, dy_index_ptr, x_ptr, x_index_ptr, rw_ptr, offsets_ptr, dw_ptr, scale,
+    N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+    HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    rn = (pid // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = (pid % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = rn < N
+    mask_k = rk < K
+    row_end = tl.load(offsets_ptr + expert).to(tl.int32)
+    row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int32)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        mask_m = rm < row_end
+        if HAS_DY_INDEX:
+            dy_rows = tl.load(dy_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+        else:
+            dy_rows = rm.to(tl.int64)
+        if HAS_X_INDEX:
+            x_rows = tl.load(x_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+        else:
+            x_rows = rm.to(tl.int64)
+        dy = tl.load(dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
+                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+        if HAS_RW:
+            rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
+            dy = (dy.to(tl.float32) * rw[None, :]).to(dy_ptr.dtype.element_ty)
+        x = tl.load(x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = _dot(dy, x, acc, PRECISION)
+    acc *= scale
+    tl.store(dw_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
+             acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+
+
+# --------------------------------------------------------------------------------------------- launchers
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    # fp32 inputs get fp32 products (tl.dot would use TF32 otherwise); 16-bit inputs ignore this.
+    if device.type != "cuda":
+        return "upcast"
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def grouped_mm_rows(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    a_index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_index: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    row_dot: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+) -> torch.Tensor:
+    """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + s * t[m] @ b[e]^T); no autograd.
+
+    w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r], s).
+    row_dot = (acc [M] fp32, src, src_index or None): acc[m] += <unweighted row m, src[src_index[m]]>.
+    M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
+    """
+    M = a_index.shape[0] if a_index is not None else a.shape[0]
+    E, N, K = w.shape
+    if out is None:
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()  # the product of empty rows; nothing for the kernel to accumulate
+    t, b, scale = lora if lora is not None else (None, None, 0.0)
+    R = t.shape[1] if lora is not None else 0
+    dot_acc, dot_src, dot_index = row_dot if row_dot is not None else (None, None, None)
+    dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
+
+    def launch(cfg: dict, dot_acc: torch.Tensor | None) -> None:
+        grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(N, cfg["BLOCK_N"]),)
+        _grouped_mm[grid](
+            a, a_index if a_index is not None else dummy, w, out, out_index if out_index is not None else dummy,
+            row_weights if row_weights is not None else dummy, offsets,
+            t if t is not None else dummy, b if b is not None else dummy, float(scale),
+            dot_acc if dot_acc is not None else dummy, dot_src if dot_src is not None else dummy,
+            dot_index if dot_index is not None else dummy,
+            N, K, E, R,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+            *(t.stride() if t is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
+            *(dot_src.stride() if dot_src is not None else (0, 0)),
+            HAS_A_INDEX=a_index is not None, HAS_OUT_INDEX=out_index is not None, HAS_RW=row_weights is not None,
+            HAS_LORA=lora is not None, ROW_DOT=row_dot is not None, DOT_INDEXED=dot_index is not None,
+            PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2), BLOCK_R=max(16, next_power_of_2(R)),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    # tuning runs write `out` (overwritten by the real launch) and atomics into a scratch row-dot buffer
+    scratch = None if dot_acc is None else torch.empty_like(dot_acc)
+    launch(tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=lambda cfg: launch(cfg, scratch)), dot_acc)
+    return out
+
+
+def grouped_mm_dw(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    num_experts: int,
+    *,
+    dy_index: torch.Tensor | None = None,
+    x_index: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+    scale: float = 1.0,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """dW [E, N, K]: dW[e] = scale * sum over e's rows m of (row_weights[m] dy[dy_index[m]])^T x[x_index[m]]."""
+    N, K = dy.shape[1], x.shape[1]
+    M = dy_index.shape[0] if dy_index is not None else dy.shape[0]
+    dw = torch.empty((num_experts, N, K), dtype=dtype or x.dtype, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    if M == 0:
+        return dw.zero_()
+    dummy = offsets
+
+    def launch(cfg: dict) -> None:
+        grid = (cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"]), num_experts)
+        _grouped_mm_dw[grid](
+            dy, dy_index if dy_index is not None else dummy, x, x_index if x_index is not None else dummy,
+            row_weights if row_weights is not None else dummy, offsets, dw, float(scale), N, K,
+            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+            HAS_DY_INDEX=dy_index is not None, HAS_X_INDEX=x_index is not None, HAS_RW=row_weights is not None,
+            PRECISION=_precision(x.dtype, x.device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    launch(tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch))
+    return dw
+
+
+def _check_args(x, w, offsets, gather_index, scatter_index, row_weights) -> int:
+    """Validates the public arguments; returns M, the number of grouped rows."""
+    check_dtype("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, K]; got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"w must be 3-D [experts, N, K]; got shape {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w must have x's dtype {x.dtype}; got {w.dtype}")
+    if w.shape[2] != x.shape[1]:
+        raise ValueError(f"w's last dim must be x's K={x.shape[1]}; got w of shape {tuple(w.shape)}")
+    if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"expert_offsets must be int32/int64 of shape ({w.shape[0]},) (cumulative rows per expert); "
+            f"got {offsets.dtype} {tuple(offsets.shape)}"
+        )
+    M = gather_index.shape[0] if gather_index is not None else x.shape[0]
+    for name, idx in (("gather_index", gather_index), ("scatter_index", scatter_index)):
+        if idx is not None and (idx.dim() != 1 or idx.shape[0] != M or idx.dtype not in _INDEX_DTYPES):
+            raise ValueError(f"{name} must be int32/int64 of shape ({M},); got {idx.dtype} {tuple(idx.shape)}")
+    if row_weights is not None:
+        if row_weights.shape != (M,):
+            raise ValueError(f"row_weights must have shape ({M},); got {tuple(row_weights.shape)}")
+        check_dtype("row_weights", row_weights)
+    check_same_device(x=x, w=w, expert_offsets=offsets, gather_index=gather_index, scatter_index=scatter_index,
+                      row_weights=row_weights)
+    return M
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+class GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets, gather_index, scatter_index, row_weights):
+        ctx.save_for_backward(x, w, offsets, gather_index, scatter_index, row_weights)
+        return grouped_mm_rows(x, w, offsets, a_index=gather_index, out_index=scatter_index, row_weights=row_weights)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w, offsets, gather_index, scatter_index, row_weights = ctx.saved_tensors
+        need_x, need_w, _, _, _, need_rw = ctx.needs_input_grad
+        dx = dw = drw = None
+        row_dot = None
+        if need_rw:
+            drw = torch.zeros(row_weights.shape, dtype=torch.float32, device=x.device)
+            row_dot = (drw, x, gather_index)
+        if need_x or need_rw:
+            rows = grouped_mm_rows(grad_out, w.transpose(1, 2), offsets, a_index=scatter_index,
+                                   row_weights=row_weights, row_dot=row_dot)
+            if need_x and gather_index is not None:
+                # several rows read one token: sum their gradients (fp32, then x's dtype)
+                dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+                dx = dx.index_add_(0, gather_index, rows.float()).to(x.dtype)
+            elif need_x:
+                dx = rows
+        if need_w:
+            dw = grouped_mm_dw(grad_out, x, offsets, w.shape[0], dy_index=scatter_index, x_index=gather_index,
+                               row_weights=row_weights, dtype=w.dtype)
+        return dx, dw, None, None, None, (drw.to(row_weights.dtype) if drw is not None else None)
+
+
+# ------------------------------------------------------------------------------------------- public API
+def grouped_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    gather_index: torch.Tensor | None = None,
+    scatter_index: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped x @ w[e]^T over experts; differentiable in x, w and row_weights.
+
+    x [T, K] (token rows, read through gather_index) or [M, K] (rows already grouped by expert);
+    w [E, N, K] (transformers' expert layout: out x in); expert_offsets [E] cumulative row counts, the last
+    one M; gather_index [M]: grouped row m reads x[gather_index[m]]; scatter_index [M], a permutation of
+    range(M): row m is written to output row scatter_index[m]; row_weights [M] scale the rows (routing
+    weights). Returns [M, N] in x's dtype.
+    """
+    _check_args(x, w, expert_offsets, gather_index, scatter_index, row_weights)
+    if not use_triton(x, w):
+        return grouped_gemm_reference(x, w, expert_offsets, gather_index=gather_index, scatter_index=scatter_index,
+                                      row_weights=row_weights)
+    return GroupedGemm.apply(x, w, expert_offsets, gather_index, scatter_index, row_weights)
+
+
+def grouped_gemm_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    *,
+    gather_index: torch.Tensor | None = None,
+    scatter_index: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same maths as `grouped_gemm` with a per-expert loop of matmuls (reads the offsets on the host)."""
+    rows = x[gather_index] if gather_index is not None else x
+    ends = expert_offsets.tolist()
+    pieces, start = [], 0
+    for e, end in enumerate(ends):
+        pieces.append(rows[start:end] @ w[e].T)
+        start = end
+    out = torch.cat(pieces) if pieces else rows.new_zeros((0, w.shape[1]))
+    if row_weights is not None:
+        out = out * row_weights[:, None].to(out.dtype)
+    if scatter_index is not None:
+        out = torch.empty_like(out).index_copy(0, scatter_index, out)
+    return out

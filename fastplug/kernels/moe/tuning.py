@@ -1,0 +1,195 @@
+"""Launch configurations of the grouped GEMM kernels: autotuned per (device, dtype, N, K, experts, row
+bucket) and cached on disk, so the second process starts tuned.
+
+- Candidates are pruned before any is compiled: those whose pipelined tiles do not fit the device's shared
+  memory (read from the device) and those with blocks far larger than the shape.
+- The winners live in one JSON file, `$FASTPLUG_MOE_TUNE_CACHE` or `<user cache dir>/fastplug/moe_tuning.json`,
+  under the key "<device name>|triton <version>": another GPU or another Triton never reads them.
+- `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
+  config and the cache is neither read nor written.
+- Under CUDA graph capture or torch.compile tracing nothing is timed: the cached or default config is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+import triton
+
+from .._utils import interpreter_enabled, next_power_of_2
+
+KINDS = ("fwd", "dw")
+
+# kind -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). For dw, BLOCK_M is the reduction step over
+# an expert's rows and BLOCK_N x BLOCK_K the tile of dW it owns.
+CANDIDATES = {
+    "fwd": [
+        (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 64, 64, 4, 3),
+        (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 2),
+    ],
+    "dw": [
+        (64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
+        (128, 128, 128, 8, 2), (64, 256, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 256, 8, 3),
+        (128, 64, 128, 8, 3), (32, 128, 64, 4, 5),
+    ],
+}
+DEFAULTS = {"fwd": (128, 128, 64, 8, 3), "dw": (64, 128, 128, 8, 3)}
+# Small tiles: the interpreter walks every program in Python, and the CPU tests' experts have a few rows.
+_INTERPRETER = (16, 32, 32, 1, 1)
+
+_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_lock = threading.Lock()
+_memory: dict[str, dict] = {}  # key -> config, this process
+_disk: dict | None = None  # the file's section for this device and Triton, loaded once
+_enabled_override: bool | None = None
+
+
+def as_config(values: tuple) -> dict:
+    return dict(zip(_FIELDS, values))
+
+
+def set_autotune(enabled: bool | None) -> None:
+    """True/False overrides FASTPLUG_MOE_AUTOTUNE for this process; None goes back to the variable."""
+    global _enabled_override
+    _enabled_override = enabled
+
+
+def autotune_enabled() -> bool:
+    if _enabled_override is not None:
+        return _enabled_override
+    return os.environ.get("FASTPLUG_MOE_AUTOTUNE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def cache_path() -> Path:
+    explicit = os.environ.get("FASTPLUG_MOE_TUNE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fastplug" / "moe_tuning.json"
+
+
+def device_key(device: torch.device) -> str:
+    return f"{torch.cuda.get_device_name(device)}|triton {triton.__version__}"
+
+
+def shape_key(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int) -> str:
+    """Rows are bucketed by the next power of two: one tuning serves every batch of a similar size."""
+    return f"{kind}|{str(dtype).replace('torch.', '')}|N{N}|K{K}|E{E}|M{next_power_of_2(M)}"
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_bytes(kind: str, cfg: dict, dtype: torch.dtype) -> int:
+    """Pipelined operand tiles of one program: num_stages copies of both tiles of a K (or M) step."""
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    per_stage = (bm * bk + bk * bn) if kind == "fwd" else (bn * bm + bm * bk)
+    return cfg["num_stages"] * per_stage * torch.empty((), dtype=dtype).element_size()
+
+
+def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, smem_limit: int) -> list[dict]:
+    """The configs worth timing for this shape: they fit shared memory and their blocks fit the shape."""
+    rows_per_expert = max(1, M // max(E, 1))
+    fits = []
+    for values in CANDIDATES[kind]:
+        cfg = as_config(values)
+        if shared_memory_bytes(kind, cfg, dtype) > smem_limit:
+            continue
+        too_big = cfg["BLOCK_N"] > max(16, next_power_of_2(N)) or cfg["BLOCK_K"] > max(16, next_power_of_2(K))
+        if kind == "fwd":
+            too_big |= cfg["BLOCK_M"] > max(16, next_power_of_2(rows_per_expert))
+        if not too_big:
+            fits.append(cfg)
+    if not fits:  # tiny shapes: the smallest candidate that fits the device
+        fits = sorted((as_config(v) for v in CANDIDATES[kind] if shared_memory_bytes(kind, as_config(v), dtype)
+                       <= smem_limit), key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])[:1]
+    return fits
+
+
+def _load_disk(device: torch.device) -> dict:
+    global _disk
+    if _disk is None:
+        try:
+            data = json.loads(cache_path().read_text())
+            section = data.get(device_key(device), {}) if isinstance(data, dict) else {}
+            _disk = {k: v for k, v in section.items() if isinstance(v, dict) and set(v) == set(_FIELDS)}
+        except (OSError, ValueError):
+            _disk = {}
+    return _disk
+
+
+def _save_disk(device: torch.device, key: str, cfg: dict) -> None:
+    """Merge one entry into the file (other devices' sections are kept); written atomically."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            data = {}
+        data.setdefault(device_key(device), {})[key] = cfg
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".moe_tuning.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: tuning still holds for this process
+
+
+def reset_cache_state() -> None:
+    """Forget what this process tuned or read (tests, and after changing FASTPLUG_MOE_TUNE_CACHE)."""
+    global _disk
+    with _lock:
+        _memory.clear()
+        _disk = None
+
+
+def _may_time(device: torch.device) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
+    """Median ms of run(cfg), or None when the config does not compile or launch on this device."""
+    try:
+        run(cfg)
+        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25)
+    except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
+        return None
+
+
+def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, device: torch.device,
+               run: Callable[[dict], None] | None = None) -> dict:
+    """The launch config for this shape: memory, then the disk cache, then (if allowed) timing every
+    candidate with `run(config)`, which must launch the kernel without side effects the caller keeps."""
+    if device.type != "cuda":
+        return as_config(_INTERPRETER) if interpreter_enabled() else as_config(DEFAULTS[kind])
+    if not autotune_enabled():
+        return as_config(DEFAULTS[kind])
+    key = shape_key(kind, dtype, N, K, E, M)
+    cfg = _memory.get(key)
+    if cfg is not None:
+        return cfg
+    with _lock:
+        cfg = _memory.get(key) or _load_disk(device).get(key)
+        if cfg is None and run is not None and _may_time(device):
+            timed = [(time_config(run, c), c) for c in candidates(kind, dtype, N, K, E, M, shared_memory_limit(device))]
+            timed = [(ms, c) for ms, c in timed if ms is not None]
+            if timed:
+                cfg = min(timed, key=lambda t: t[0])[1]
+                _save_disk(device, key, cfg)
+        if cfg is None:
+            return as_config(DEFAULTS[kind])  # not remembered: a later eager call may still tune
+        _memory[key] = cfg
+        return cfg

@@ -1,0 +1,232 @@
+"""Attention on one GPU in one go: correctness of the Triton kernel at full shapes against the fp32 reference,
+a sweep of launch configs per kernel and head dim, and the issue-11 comparison table (SDPA, the Triton kernel,
+the dispatcher). Run from the repo root:  python scripts/attention_gpu.py [--sweep] [--quick]
+
+The last lines printed are the table; the chosen configs go into attention.TUNING by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+from fastplug.kernels import attention as A  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DT = torch.bfloat16
+
+
+def rand(*shape, grad=True):
+    return torch.randn(*shape, device=DEV, dtype=DT).requires_grad_(grad)
+
+
+def bench_ms(fn, rep=200):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
+
+
+def check(name, B, Hq, Hkv, T, D, **kw):
+    """Triton path (forced) vs the fp32 reference, forward and the three grads."""
+    q, k, v = rand(B, Hq, T, D), rand(B, Hkv, T, D), rand(B, Hkv, T, D)
+    start = end = None
+    cu = kw.pop("cu_seqlens", None)
+    if cu is not None:
+        start, end = A.bounds_from_cu_seqlens(cu, T)
+    p = A._Problem(B, Hq, Hkv, T, T, D, max(16, A.next_power_of_2(D)), kw.get("causal", True),
+                   kw.get("sliding_window"), kw.get("softcap"), D ** -0.5)
+    out = A.FlashAttention.apply(q, k, v, p, start, end)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref = A._reference(q.float(), k.float(), v.float(), p.causal, p.window, p.softcap, p.scale, start, end)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g.float())
+    errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_grads)]
+    ok = max(errs) < 2e-2
+    print(f"check {name:<28} out/dq/dk/dv rel err " + " ".join(f"{e:.2e}" for e in errs) + ("" if ok else "  FAIL"))
+    return ok
+
+
+def cases():
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(16383, generator=g)[:7] + 1).values
+    cu = torch.cat((torch.tensor([0]), cuts, torch.tensor([16384]))).to(torch.int32).to(DEV)
+    return {
+        "llama causal B4 32/8 T4096 D128": dict(B=4, Hq=32, Hkv=8, T=4096, D=128),
+        "gemma2 B2 8/4 T2048 D256 cap50 w4096": dict(B=2, Hq=8, Hkv=4, T=2048, D=256, softcap=50.0, sliding_window=4096),
+        "gemma2 B2 8/4 T8192 D256 cap50 w4096": dict(B=2, Hq=8, Hkv=4, T=8192, D=256, softcap=50.0, sliding_window=4096),
+        "varlen 8 docs 16384 32/8 D128": dict(B=1, Hq=32, Hkv=8, T=16384, D=128, cu_seqlens=cu),
+    }
+
+
+def make(c):
+    c = dict(c)
+    B, Hq, Hkv, T, D = (c.pop(x) for x in ("B", "Hq", "Hkv", "T", "D"))
+    q, k, v = rand(B, Hq, T, D), rand(B, Hkv, T, D), rand(B, Hkv, T, D)
+    return q, k, v, c
+
+
+def triton_step(q, k, v, kw, do):
+    start = end = None
+    if kw.get("cu_seqlens") is not None:
+        start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], q.shape[2])
+    D = q.shape[3]
+    p = A._Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, max(16, A.next_power_of_2(D)),
+                   True, A._normalise_window(kw.get("sliding_window"), True, q.shape[2], k.shape[2]),
+                   kw.get("softcap"), D ** -0.5)
+
+    def fwd():
+        return A._flash_forward(q, k, v, p, start, end)
+
+    out, lse = fwd()
+
+    def bwd():
+        return A._flash_backward(do, q, k, v, out, lse, p, start, end)
+
+    return fwd, bwd
+
+
+SWEEP = {
+    "fwd": {128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4)],
+            256: [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)]},
+    "dkdv": {128: [(64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3)],
+             256: [(32, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)]},
+    "dq": {128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+           256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)]},
+}
+
+
+def sweep(name, c):
+    q, k, v, kw = make(c)
+    D = q.shape[3]
+    do = torch.randn(q.shape[0], q.shape[2], q.shape[1], D, device=DEV, dtype=DT)
+    base = A.TUNING
+    for kernel, table in SWEEP.items():
+        results = []
+        for cfg in table[128 if D <= 128 else 256]:
+            A.TUNING = dataclasses.replace(base, **{kernel: ((256, A.KernelConfig(*cfg)),)})
+            try:
+                fwd, bwd = triton_step(q, k, v, kw, do)
+                ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
+                results.append((ms, cfg))
+            except Exception as exc:  # out of shared memory or registers: that config is out
+                results.append((float("inf"), cfg))
+                print(f"  {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+        A.TUNING = base
+        results.sort()
+        print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}" for ms, c in results), flush=True)
+
+
+def table():
+    rows = []
+    for name, c in cases().items():
+        q, k, v, kw = make(c)
+        B, Hq, T, D = q.shape
+        leaves = [q, k, v]
+        do = torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+
+        def step(fn):
+            def run():
+                for t in leaves:
+                    t.grad = None
+                fn().backward(do)
+            return run
+
+        impls = {}
+        cu = kw.get("cu_seqlens")
+        if cu is None and "softcap" not in kw:
+            impls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+            impls["sdpa repeat_kv"] = lambda: F.scaled_dot_product_attention(
+                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True).transpose(1, 2)
+        if cu is not None:
+            seen = A.visible_keys(T, T, True, None, *A.bounds_from_cu_seqlens(cu, T), device=DEV)
+            impls["sdpa block-diag mask"] = lambda: F.scaled_dot_product_attention(
+                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=seen).transpose(1, 2)
+        if "softcap" in kw and T <= 2048:
+            def eager():
+                kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+                s = (q @ kk.transpose(-1, -2)) * D ** -0.5
+                s = 50.0 * torch.tanh(s / 50.0)
+                s = s.masked_fill(~A.visible_keys(T, T, True, 4096, device=DEV), float("-inf"))
+                return (torch.softmax(s.float(), -1).to(DT) @ vv).transpose(1, 2)
+            impls["eager"] = eager
+        impls["triton kernel"] = lambda: A.FlashAttention.apply(
+            q, k, v, A._Problem(B, Hq, k.shape[1], T, T, D, max(16, A.next_power_of_2(D)), True,
+                                A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"), D ** -0.5),
+            *((A.bounds_from_cu_seqlens(cu, T)) if cu is not None else (None, None)))
+        impls["fastplug dispatcher"] = lambda: A.attention(q, k, v, **kw)
+        for impl, fn in impls.items():
+            try:
+                ms = bench_ms(step(fn))
+                fms = bench_ms(fn)
+                rows.append((name, impl, ms, fms))
+            except Exception as exc:
+                rows.append((name, impl, float("nan"), float("nan")))
+                print(f"{name} {impl}: {type(exc).__name__}: {str(exc)[:200]}")
+        del q, k, v, leaves
+        torch.cuda.empty_cache()
+    print("\n| case | impl | fwd+bwd ms | fwd ms |\n|---|---|---|---|")
+    for name, impl, ms, fms in rows:
+        print(f"| {name} | {impl} | {ms:.3f} | {fms:.3f} |")
+
+
+def guarded(fn, *args):
+    """One failing section prints its traceback and the run goes on: a device call is too dear to lose."""
+    try:
+        return fn(*args)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        return False
+
+
+def checks():
+    cu = torch.tensor([0, 1000, 1777, 3001], dtype=torch.int32, device=DEV)
+    ok = check("causal D128 GQA4", 1, 8, 2, 1531, 128)
+    ok &= check("full D64 MQA", 1, 4, 1, 1000, 64, causal=False)
+    ok &= check("causal D80 window 300", 1, 4, 2, 1200, 80, sliding_window=300)
+    ok &= check("D256 softcap 50 window 512", 1, 4, 2, 1500, 256, softcap=50.0, sliding_window=512)
+    ok &= check("D96 varlen 3 docs", 1, 4, 2, 3001, 96, cu_seqlens=cu)
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-check", action="store_true")
+    args = parser.parse_args()
+    import transformers
+    import triton
+
+    print(f"torch {torch.__version__} triton {triton.__version__} transformers {transformers.__version__} "
+          f"{torch.cuda.get_device_name()}")
+    from transformers import masking_utils
+
+    print("sliding_window_overlay:", inspect.getsource(masking_utils.sliding_window_overlay).split("def inner_mask")[1]
+          .strip().splitlines()[-1].strip())
+    t0 = time.time()
+    if not args.no_check:
+        ok = guarded(checks)
+        print(f"checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s", flush=True)
+    if args.sweep:
+        for name, c in cases().items():
+            guarded(sweep, name, c)
+        print(f"sweep done at {time.time() - t0:.0f} s", flush=True)
+    guarded(table)
+    print(f"total {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,10 @@ from .cross_entropy import (
     fused_linear_cross_entropy_reference,
 )
 from .lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
+from .moe import (
+    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
+    moe_router_reference,
+)
 from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
 
@@ -22,4 +26,6 @@ __all__ = [
     "cross_entropy", "cross_entropy_reference",
     "fused_linear_cross_entropy", "fused_linear_cross_entropy_reference",
     "LoRAProjection", "lora_linear", "lora_qkv", "lora_mlp",
+    "grouped_gemm", "grouped_gemm_reference", "moe_router", "moe_router_reference",
+    "ExpertLoRA", "moe_experts", "moe_experts_reference",
 ]

@@ -60,7 +60,7 @@ def _expert_tile(offsets_ptr, tile, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.conste
 def _grouped_mm(
     a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
     t_ptr, b_ptr, lora_scale, dot_ptr, dot_src_ptr, dot_index_ptr,
-    N, K, E, R,
+    M, N, K, E, R,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_tm, stride_tr, stride_be, stride_bn, stride_br, stride_dm, stride_dk,
     HAS_A_INDEX: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, HAS_RW: tl.constexpr, HAS_LORA: tl.constexpr,
@@ -73,6 +73,7 @@ def _grouped_mm(
     expert, row_start, row_end = _expert_tile(offsets_ptr, pid // n_tiles, E, BLOCK_E, BLOCK_M)
     if expert >= E:
         return
+    row_end = tl.minimum(row_end, M)  # offsets past the rows given must not write out of bounds
     rm = row_start + tl.arange(0, BLOCK_M)
     mask_m = rm < row_end
     rn = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +122,7 @@ def _grouped_mm(
 @triton.jit
 def _grouped_mm_dw(
     dy_ptr, dy_index_ptr, x_ptr, x_index_ptr, rw_ptr, offsets_ptr, dw_ptr, scale,
-    N, K,
+    M, N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
     HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -133,7 +134,7 @@ def _grouped_mm_dw(
     rk = (pid % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_n = rn < N
     mask_k = rk < K
-    row_end = tl.load(offsets_ptr + expert).to(tl.int32)
+    row_end = tl.minimum(tl.load(offsets_ptr + expert).to(tl.int32), M)
     row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m0 in range(row_start, row_end, BLOCK_M):
@@ -207,7 +208,7 @@ def grouped_mm_rows(
             t if t is not None else dummy, b if b is not None else dummy, float(scale),
             dot_acc if dot_acc is not None else dummy, dot_src if dot_src is not None else dummy,
             dot_index if dot_index is not None else dummy,
-            N, K, E, R,
+            M, N, K, E, R,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             *(t.stride() if t is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
             *(dot_src.stride() if dot_src is not None else (0, 0)),
@@ -250,7 +251,7 @@ def grouped_mm_dw(
         grid = (cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"]), num_experts)
         _grouped_mm_dw[grid](
             dy, dy_index if dy_index is not None else dummy, x, x_index if x_index is not None else dummy,
-            row_weights if row_weights is not None else dummy, offsets, dw, float(scale), N, K,
+            row_weights if row_weights is not None else dummy, offsets, dw, float(scale), M, N, K,
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
             HAS_DY_INDEX=dy_index is not None, HAS_X_INDEX=x_index is not None, HAS_RW=row_weights is not None,
             PRECISION=_precision(x.dtype, x.device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],

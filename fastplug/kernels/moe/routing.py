@@ -82,7 +82,7 @@ def _router_bwd(
         dsel = tl.where(hit, g[:, None], dsel)
     if NORMALIZE:
         # w_j = p_j / S, S = sum of the selected p: dp_j = (dw_j - sum_i dw_i w_i) / S
-        total = tl.sum(p * sel, 1)
+        total = tl.where(row_ok, tl.sum(p * sel, 1), 1.0)
         wdot = tl.sum(dsel * p * sel, 1) / total
         dsel = (dsel - wdot[:, None]) / total[:, None] * sel
     # softmax backward; dp is zero outside the selected experts

@@ -1,0 +1,176 @@
+"""MoE kernels against float64 references: grouped GEMM (forward, dX, dW, routing-weight grads) with uneven,
+empty and single-row experts; the router and routing metadata; the expert MLP with and without LoRA;
+the autotune cache."""
+
+import json
+
+import pytest
+import torch
+
+from fastplug.kernels.moe import (
+    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
+    moe_router_reference, routing_metadata, routing_metadata_reference,
+)
+from fastplug.kernels.moe import tuning
+from tests.helpers import assert_close
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _f64(*tensors):
+    return [t.detach().double().requires_grad_(t.requires_grad) for t in tensors]
+
+
+def _grads(out, inputs, grad):
+    return torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts, K, N, fused", [
+    ([3, 0, 1, 17, 2], 40, 24, True),   # uneven, an empty and a single-row expert, odd K/N
+    ([0, 0, 5], 16, 33, True),          # leading empty experts
+    ([1, 1], 8, 16, False),             # rows already grouped: no gather/scatter
+])
+def test_grouped_gemm_matches_loop(dtype, counts, K, N, fused):
+    E, M = len(counts), sum(counts)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    T = 9
+    x = torch.randn(T if fused else M, K, device=DEVICE).to(dtype).requires_grad_()
+    w = (torch.randn(E, N, K, device=DEVICE) / K**0.5).to(dtype).requires_grad_()
+    kw = {}
+    if fused:
+        kw = dict(gather_index=torch.randint(0, T, (M,), device=DEVICE), scatter_index=torch.randperm(M, device=DEVICE),
+                  row_weights=torch.rand(M, device=DEVICE, requires_grad=True))
+    out = grouped_gemm(x, w, offsets, **kw)
+    assert out.dtype == dtype and out.shape == (M, N)
+    x64, w64 = _f64(x, w)
+    kw64 = dict(kw, row_weights=_f64(kw["row_weights"])[0]) if fused else {}
+    ref = grouped_gemm_reference(x64, w64, offsets, **kw64)
+    assert_close(out, ref, dtype, "out")
+    grad = torch.randn(out.shape, device=DEVICE).to(dtype)
+    inputs, inputs64 = [x, w], [x64, w64]
+    if fused:
+        inputs.append(kw["row_weights"]), inputs64.append(kw64["row_weights"])
+    for name, g, g64 in zip(("dx", "dw", "drow_weights"), _grads(out, inputs, grad), _grads(ref, inputs64, grad.double())):
+        assert_close(g, g64, dtype, name)
+
+
+def test_grouped_gemm_errors_name_the_argument():
+    x, w = torch.randn(4, 8), torch.randn(2, 6, 8)
+    offsets = torch.tensor([1, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        grouped_gemm(x, w, offsets[:1])
+    with pytest.raises(ValueError, match="w's last dim"):
+        grouped_gemm(x, torch.randn(2, 6, 7), offsets)
+    with pytest.raises(ValueError, match="gather_index"):
+        grouped_gemm(x, w, offsets, gather_index=torch.zeros(4, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="row_weights"):
+        grouped_gemm(x, w, offsets, row_weights=torch.ones(5))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("T, E, k", [(13, 6, 2), (5, 4, 4), (1, 3, 1)])
+def test_router_matches_torch(T, E, k, normalize):
+    logits = torch.randn(T, E, device=DEVICE, requires_grad=True)
+    weights, index = moe_router(logits, k, normalize=normalize)
+    ref_logits = _f64(logits)[0]
+    ref_weights, ref_index = moe_router_reference(ref_logits, k, normalize=normalize, weights_dtype=torch.float64)
+    assert torch.equal(index, ref_index)
+    assert_close(weights, ref_weights, torch.float32, "weights")
+    grad = torch.randn(weights.shape, device=DEVICE)
+    assert_close(_grads(weights, [logits], grad)[0], _grads(ref_weights, [ref_logits], grad.double())[0],
+                 torch.float32, "dlogits")
+    with pytest.raises(ValueError, match="top_k"):
+        moe_router(logits, E + 1)
+
+
+@pytest.mark.parametrize("T, E, k", [(11, 5, 2), (1, 3, 3), (300, 7, 2)])
+def test_routing_metadata_is_a_stable_sort(T, E, k):
+    index = torch.stack([torch.randperm(E, device=DEVICE)[:k] for _ in range(T)])
+    index[0] = torch.arange(k, device=DEVICE)  # expert E-1 may be empty
+    for got, want in zip(routing_metadata(index, E), routing_metadata_reference(index, E)):
+        assert torch.equal(got.cpu(), want.cpu().to(got.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lora", [False, True])
+def test_moe_experts_matches_loop(dtype, lora):
+    T, H, I, E, k, r = 9, 40, 24, 5, 2, 4
+    x = torch.randn(T, H, device=DEVICE).to(dtype).requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5).to(dtype).requires_grad_()
+    down = (torch.randn(E, H, I, device=DEVICE) / I**0.5).to(dtype).requires_grad_()
+    logits = torch.randn(T, E, device=DEVICE)
+    logits[:, E - 1] = -1e4  # one expert gets no tokens
+    logits = logits.requires_grad_()
+    adapters = [torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+
+    def run(fn, x, gate_up, down, logits, adapters):
+        weights, index = moe_router_reference(logits, k, weights_dtype=x.dtype)
+        kw = dict(gate_up_lora=ExpertLoRA(*adapters[:2], 0.5), down_lora=ExpertLoRA(*adapters[2:], 2.0)) if lora else {}
+        return fn(x, gate_up, down, index, weights, **kw)
+
+    inputs = [x, gate_up, down, logits] + (adapters if lora else [])
+    out = run(moe_experts, x, gate_up, down, logits, adapters)
+    inputs64 = _f64(*inputs)
+    ref = run(moe_experts_reference, *inputs64[:4], inputs64[4:] if lora else adapters)
+    # two GEMMs with bf16 intermediates (gate_up output, h), rounded as transformers rounds them; the
+    # interpreter truncates to bf16 instead of rounding (twice the error)
+    tol = (2e-2 if DEVICE.type == "cuda" else 3e-2) if dtype == torch.bfloat16 else None
+    assert_close(out, ref, dtype, "out", tol=tol)
+    grad = torch.randn(out.shape, device=DEVICE).to(dtype)
+    names = ["dx", "dgate_up", "ddown", "dlogits", "dA1", "dB1", "dA2", "dB2"]
+    for name, g, g64 in zip(names, _grads(out, inputs, grad), _grads(ref, inputs64, grad.double())):
+        assert_close(g, g64, dtype, name, tol=tol)
+
+
+def test_tuning_candidates_fit_shared_memory():
+    small = tuning.candidates("fwd", torch.bfloat16, 1536, 2048, 64, 65536, smem_limit=64 * 1024)
+    assert small and all(tuning.shared_memory_bytes("fwd", c, torch.bfloat16) <= 64 * 1024 for c in small)
+    big = tuning.candidates("fwd", torch.bfloat16, 1536, 2048, 64, 65536, smem_limit=228 * 1024)
+    assert len(big) > len(small)
+    tiny = tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, smem_limit=228 * 1024)
+    assert len(tiny) == 1  # nothing fits the shape: the smallest config
+
+
+def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
+    path = tmp_path / "moe.json"
+    monkeypatch.setenv("FASTPLUG_MOE_TUNE_CACHE", str(path))
+    monkeypatch.setattr(tuning, "device_key", lambda device: "Fake GPU|triton 0")
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 228 * 1024)
+    monkeypatch.setattr(tuning, "_may_time", lambda device: True)
+    timings = {}
+
+    def fake_time(run, cfg):
+        timings[str(cfg)] = 1.0 / (cfg["BLOCK_N"] * cfg["num_stages"])  # prefers big BLOCK_N, many stages
+        return timings[str(cfg)]
+
+    monkeypatch.setattr(tuning, "time_config", fake_time)
+    fake = torch.device("cuda", 0)
+    args = ("fwd", torch.bfloat16, 1536, 2048, 64, 65536, fake)
+    tuning.set_autotune(True)
+    try:
+        tuning.reset_cache_state()
+        best = tuning.config_for(*args, run=lambda cfg: None)
+        assert timings and best == min(tuning.candidates(*args[:6], 228 * 1024), key=lambda c: timings[str(c)])
+        data = json.loads(path.read_text())
+        assert data["Fake GPU|triton 0"][tuning.shape_key(*args[:6])] == best
+
+        # a new process reads it back without timing anything
+        tuning.reset_cache_state()
+        monkeypatch.setattr(tuning, "time_config", lambda run, cfg: pytest.fail("timed a cached shape"))
+        assert tuning.config_for(*args, run=lambda cfg: None) == best
+
+        # another device or Triton version ignores the entry (no run given: the default)
+        tuning.reset_cache_state()
+        monkeypatch.setattr(tuning, "device_key", lambda device: "Other GPU|triton 0")
+        assert tuning.config_for(*args) == tuning.as_config(tuning.DEFAULTS["fwd"])
+
+        # the switch: no tuning, no cache, the default config
+        tuning.set_autotune(False)
+        tuning.reset_cache_state()
+        monkeypatch.setattr(tuning, "device_key", lambda device: "Fake GPU|triton 0")
+        assert tuning.config_for(*args, run=lambda cfg: None) == tuning.as_config(tuning.DEFAULTS["fwd"])
+    finally:
+        tuning.set_autotune(None)
+        tuning.reset_cache_state()

@@ -4,6 +4,7 @@ Every op runs its Triton kernels on CUDA tensors (and on CPU tensors under TRITO
 plain-torch `*_reference` everywhere else.
 """
 
+from .attention import attention, attention_reference, cu_seqlens_from_position_ids
 from .activations import geglu, geglu_reference, swiglu, swiglu_reference
 from .cross_entropy import (
     cross_entropy,
@@ -28,4 +29,5 @@ __all__ = [
     "LoRAProjection", "lora_linear", "lora_qkv", "lora_mlp",
     "grouped_gemm", "grouped_gemm_reference", "moe_router", "moe_router_reference",
     "ExpertLoRA", "moe_experts", "moe_experts_reference",
+    "attention", "attention_reference", "cu_seqlens_from_position_ids",
 ]

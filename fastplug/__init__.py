@@ -35,6 +35,15 @@ def _register_lightning_strategies(strategies_module):
     register_strategies(strategies_module)
 
 
+def _register_attention(modeling_utils):
+    from .models.fast_attention import register
+
+    register()
+
+
+# `attn_implementation="fastplug"` works as soon as transformers' models can be built.
+when_imported("transformers.modeling_utils", _register_attention)
+
 # Lightning's registry lives in its strategies package; lightning.pytorch and pytorch_lightning each have one.
 for _name in ("lightning.pytorch.strategies", "pytorch_lightning.strategies"):
     when_imported(_name, _register_lightning_strategies)

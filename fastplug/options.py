@@ -19,6 +19,7 @@ class KernelOptions:
     mlp: bool = True
     cross_entropy: bool = True
     lora: bool = True
+    attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
     # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True

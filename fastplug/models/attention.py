@@ -1,5 +1,6 @@
 """Attention blocks with q/k/v/o projections: fused LoRA QKV, q_norm/k_norm, the RoPE kernel, then the
-model's own attention function, called exactly as the family's forward calls it.
+attention function, called exactly as the family's forward calls it: fastplug's (the patch switches the
+model's config to "fastplug", see fast_attention.py) or, with attention=False, the model's own.
 
 What differs between families is only which extra arguments reach the attention function (sliding window,
 softcap): `Family.attention_extra_kwargs`. Everything else is the shared structure of transformers'
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
+from . import fast_attention
 from .projections import fused_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip
 
@@ -99,7 +101,7 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     if not all(hasattr(module, p) for p in PROJECTIONS) or not type(module).__name__.endswith("Attention"):
         return None
     options = ctx.options
-    if not (options.rope or options.lora):
+    if not (options.rope or options.lora or options.attention):
         return None
     if ctx.family is None:
         return Skip("attention", "attention forward of an unknown family is not reproduced")
@@ -116,4 +118,19 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     )
     notes = unfused_notes(module, PROJECTIONS) if options.lora else ()
     forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora)
-    return Patch("attention", forward, lora_fused=lora_now, notes=notes)
+    switch, path = _attention_route(module, ctx)
+    return Patch("attention", forward, lora_fused=lora_now, notes=notes, switch=switch, path_taken=path)
+
+
+def _attention_route(module: nn.Module, ctx: MatchContext):
+    """(switch, path): the first attention module of a model carries the switch of its config to fastplug's
+    attention (undone by restore); every module reports the path it takes."""
+    config = module.config
+    current = config._attn_implementation
+    if not ctx.options.attention:
+        return None, f"transformers' {current or 'eager'} attention (attention=False)"
+    if current == fast_attention.NAME:  # switched by an earlier module, or loaded as "fastplug"
+        return None, fast_attention.describe(module, ctx.family, fast_attention.fallback_name(config))
+    if current not in (None, "eager", "sdpa"):
+        return None, f"transformers' {current} attention, as loaded (fastplug replaces eager and sdpa)"
+    return (lambda: fast_attention.route(config)), fast_attention.describe(module, ctx.family, current or "eager")

@@ -1,0 +1,176 @@
+"""fastplug's attention inside transformers: `"fastplug"` in AttentionInterface and AttentionMaskInterface.
+
+A patched model (or one loaded with `attn_implementation="fastplug"`) builds no 4-D mask: the mask function
+returns None unless the batch has real padding, and the attention function applies causality, the layer's
+sliding window and softcap, and the document bounds of packed rows itself:
+- no mask: `fastplug.kernels.attention.flash_attention`; position_ids that restart (padding-free / packed
+  rows) give per-token document bounds, computed on the device once per forward (cached on the
+  position_ids tensor), so no host sync happens in the layer stack. Only where SDPA is a candidate
+  (CUDA, no softcap, no window) does one cached check per forward ask the host whether rows are packed.
+- a padding mask (some attention_mask entry 0): the mask function builds the 4-D mask of the implementation
+  the model had before (sdpa or eager; "sdpa" for a model loaded as "fastplug", "eager" when it softcaps),
+  and the attention function runs that implementation: transformers' own path, bit for bit.
+- dropout > 0 while training, or output_attentions: the family's eager attention with a 4-D mask built here.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+from torch import nn
+
+NAME = "fastplug"
+# id(config) -> the implementation a patched model had: padded batches run it (set by `route`).
+_FALLBACK: dict[int, str] = {}
+
+
+def register() -> None:
+    """Make "fastplug" a known attention implementation (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, fastplug_attention_forward)
+    AttentionMaskInterface.register(NAME, fastplug_mask)
+
+
+def fallback_name(config) -> str:
+    name = _FALLBACK.get(id(config))
+    if name is not None:
+        return name
+    return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
+
+
+def route(config) -> callable:
+    """Switch this model's config to "fastplug"; returns the function that switches it back."""
+    register()
+    previous = config._attn_implementation
+    _FALLBACK[id(config)] = previous or "eager"
+    config._attn_implementation = NAME
+
+    def undo():
+        config._attn_implementation = previous
+        _FALLBACK.pop(id(config), None)
+
+    return undo
+
+
+# ----------------------------------------------------------------------------------------- the mask
+def fastplug_mask(*args, **kwargs):
+    """None (the kernel masks by itself) unless the 2-D attention_mask pads; then the fallback's 4-D mask.
+    Arguments pass through untouched: transformers 5.17 and 5.23 name them differently."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    attention_mask = kwargs.get("attention_mask")
+    kv_length = kwargs.get("kv_length")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+        return None  # one host sync per mask, before the layer stack (flash-attention's mask does the same)
+    return ALL_MASK_ATTENTION_FUNCTIONS[fallback_name(kwargs.get("config"))](*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- packed rows
+class _BoundsCache:
+    """The document bounds of the last position_ids seen: every layer of a forward (and the recompute under
+    checkpointing) passes the same tensor, so they are computed once."""
+
+    def __init__(self):
+        self.key = None
+        self.value = None
+
+    def get(self, position_ids: torch.Tensor, batch: int, need_packed: bool):
+        key = (position_ids._version, batch)
+        if self.key is not None and self.key[0]() is position_ids and self.key[1] == key:
+            start, end, packed = self.value
+        else:
+            from ..kernels.attention import packed_bounds
+
+            start, end = packed_bounds(position_ids.expand(batch, -1))
+            packed = None
+            self.key, self.value = (weakref.ref(position_ids), key), (start, end, packed)
+        if need_packed and packed is None:
+            packed = bool((start != 0).any())  # the one host sync, cached with the bounds
+            self.value = (start, end, packed)
+        return start, end, packed
+
+
+_BOUNDS = _BoundsCache()
+
+
+def _dense_mask(query, key, causal, window, start, end) -> torch.Tensor:
+    """Additive (B, 1, T, S) mask for transformers' eager attention: the keys the kernel would let through."""
+    from ..kernels.attention import visible_keys
+
+    seen = visible_keys(query.shape[2], key.shape[2], causal, window, start, end, query.device)
+    return torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~seen, torch.finfo(query.dtype).min)
+
+
+def _family_eager(module: nn.Module):
+    return getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+
+
+def _fallback_function(module: nn.Module, name: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name == "eager":
+        return _family_eager(module)
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+# ------------------------------------------------------------------------- the attention function
+def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                               sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
+    extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+    if attention_mask is not None:  # the batch pads: transformers' own path with the 4-D mask it built
+        fn = _fallback_function(module, fallback_name(module.config))
+        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
+
+    causal = kwargs.pop("is_causal", None)
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    T, S = query.shape[2], key.shape[2]
+    position_ids = kwargs.get("position_ids")
+    start = end = None
+    packable = causal and position_ids is not None and T == S and T > 1 and position_ids.shape[-1] == T
+    from ..kernels.attention import _normalise_window, _sdpa_suits, flash_attention
+
+    if dropout > 0.0 or kwargs.get("output_attentions", False):
+        if packable:
+            start, end, _ = _BOUNDS.get(position_ids, query.shape[0], need_packed=False)
+        window = _normalise_window(sliding_window, causal, T, S)
+        mask = _dense_mask(query, key, causal, window, start, end)
+        eager = _family_eager(module)
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
+
+    if packable:
+        window = _normalise_window(sliding_window, True, T, S)
+        sdpa_candidate = _sdpa_suits(query, key, True, window, softcap, varlen=False)
+        start, end, packed = _BOUNDS.get(position_ids, query.shape[0], need_packed=sdpa_candidate)
+        if sdpa_candidate and not packed:
+            start = end = None
+    if key.dtype != query.dtype:  # an upcast on the way (fp32 rotary tables): compute in the query's dtype
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    out = flash_attention(query, key, value, causal=causal, sliding_window=sliding_window, softcap=softcap,
+                          scale=scaling, doc_start=start, doc_end=end)
+    return out, None
+
+
+def describe(module: nn.Module, family, fallback: str) -> str:
+    """Which path this attention module takes (for handle.summary()), and when it leaves it."""
+    extra = family.attention_extra_kwargs(module)
+    window, softcap = extra.get("sliding_window"), extra.get("softcap")
+    if softcap is not None or window is not None:
+        quirks = ([f"softcap {softcap:g}"] if softcap is not None else []) + (
+            [f"sliding window {window}"] if window is not None else [])
+        what = f"Triton flash kernel ({', '.join(quirks)})"
+    else:
+        what = "torch SDPA on CUDA, Triton flash kernel for packed rows"
+    notes = [f"padded batches: transformers' {fallback}"]
+    dropout = getattr(module, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        notes.append(f"training: transformers' eager (attention_dropout {dropout:g})")
+    return f"fastplug attention: {what}; " + "; ".join(notes)

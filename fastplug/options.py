@@ -20,6 +20,7 @@ class KernelOptions:
     cross_entropy: bool = True
     lora: bool = True
     attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
+    moe: bool = True  # MoE experts on the grouped GEMM kernels (LoRA on experts too), the fused router
     # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True

@@ -50,13 +50,20 @@ class PatchHandle:
         self._patched: list[tuple[nn.Module, object]] = []  # (module, the bound forward we installed)
         self._checkpointing_snapshot = None
         self._lora_fused = 0
+        self._undo: list = []  # what the patches' `switch`es return, run in reverse by restore()
+        self.paths: list[tuple[str, str]] = []  # (module path, the implementation it takes)
         self.is_active = False
 
     # -- applying
     def _apply(self, path: str, module: nn.Module, patch: Patch) -> None:
-        bound = types.MethodType(patch.forward, module)
-        module.forward = bound  # nn.Module.__setattr__ stores a plain attribute in the instance __dict__
-        self._patched.append((module, bound))
+        if patch.forward is not None:
+            bound = types.MethodType(patch.forward, module)
+            module.forward = bound  # nn.Module.__setattr__ stores a plain attribute in the instance __dict__
+            self._patched.append((module, bound))
+        if patch.switch is not None:
+            self._undo.append(patch.switch())
+        if patch.path_taken:
+            self.paths.append((path, patch.path_taken))
         self._lora_fused += patch.lora_fused
         for child, reason in patch.notes:
             self.skipped.append((f"{path}.{child}" if path else child, reason))
@@ -100,6 +107,8 @@ class PatchHandle:
             if vars(module).get("forward") is bound:
                 del module.forward
         self._patched.clear()
+        while self._undo:
+            self._undo.pop()()
         if self._checkpointing_snapshot is not None:
             checkpointing.restore(self._checkpointing_snapshot)
             self._checkpointing_snapshot = None
@@ -121,6 +130,9 @@ class PatchHandle:
         lines.append(f"  patched: {counted}")
         if self.checkpointing:
             lines.append(f"  gradient checkpointing: {self.checkpointing}")
+        if self.paths:
+            lines.append("  paths:")
+            lines += [f"    {path}: {taken}" for path, taken in self.paths]
         if self.skipped:
             lines.append(f"  skipped ({len(self.skipped)}):")
             lines += [f"    {path}: {reason}" for path, reason in self.skipped]

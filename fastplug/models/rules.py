@@ -14,9 +14,13 @@ from .families import Family
 @dataclass(frozen=True)
 class Patch:
     kind: str  # summary key: "rms_norm", "mlp", "attention", "lm_head_loss", ...
-    forward: Callable  # function(self, ...) that becomes this instance's `forward`
+    forward: Callable | None  # function(self, ...) that becomes this instance's `forward`; None: keep it
     lora_fused: bool = False  # takes the fused LoRA path (as the adapters stand at patch time)
     notes: tuple[tuple[str, str], ...] = ()  # (submodule path, reason) to report, e.g. LoRA layers left unfused
+    # Instance state to change besides `forward` (the model's experts implementation): called once when
+    # the patch is applied, it returns the function that puts the previous state back.
+    switch: Callable[[], Callable[[], None]] | None = None
+    path_taken: str = ""  # which implementation this module runs and why, listed by summary()
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ def _grads(out, inputs, grad):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("counts, K, N, fused", [
     ([3, 0, 1, 17, 2], 40, 24, True),   # uneven, an empty and a single-row expert, odd K/N
+    ([40, 0, 1, 70], 150, 70, True),    # several row tiles per expert, K and N past one block
     ([0, 0, 5], 16, 33, True),          # leading empty experts
     ([1, 1], 8, 16, False),             # rows already grouped: no gather/scatter
 ])

@@ -42,7 +42,7 @@ CANDIDATES = {
 }
 DEFAULTS = {"fwd": (128, 128, 64, 8, 3), "dw": (64, 128, 128, 8, 3)}
 # Small tiles: the interpreter walks every program in Python, and the CPU tests' experts have a few rows.
-_INTERPRETER = (16, 32, 32, 1, 1)
+_INTERPRETER = (32, 64, 64, 1, 1)
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _lock = threading.Lock()

@@ -6,7 +6,8 @@ the output is (B, T, Hq, D) like `sdpa_attention_forward` returns it. GQA reads 
 and never repeats k/v in memory; dK/dV programs loop over the query heads of their group, so no atomics.
 
 Which keys a query row sees is one rule, `_row_bounds`: query i (causal: at position p = i + S - T,
-bottom-right aligned like flash-attn, so a decode step with a cache sees every cached key; else p = i) sees keys first(i)..last(i):
+bottom-right aligned like flash-attn, so a decode step with a cache sees every cached key; else p = i)
+sees keys first(i)..last(i):
   causal:              j <= p; with sliding_window W: p - W < j <= p (transformers' `sliding_window_overlay`
                        on top of `causal_mask_function`, masking_utils of transformers 5.17 to 5.23; Mistral,
                        Qwen2/3, Gemma2/3 and Mixtral all build their sliding masks from it);
@@ -114,13 +115,20 @@ def _block_split(first, last, valid, n_max, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    if PRECISION == "upcast":  # the interpreter's bf16 dot returns garbage (triton 3.9): fp32 products
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP: tl.constexpr):
     """Scores in base-2 units, and tanh of the softcap (for backward's chain rule; qk itself otherwise)."""
     if HAS_SOFTCAP:
-        # tanh from exp: no tanh in tl (libdevice's does not run under the interpreter); exact enough in fp32
-        # and saturates cleanly to +-1 for large |u|.
+        # tanh from exp: no tanh in tl (libdevice's does not run under the interpreter); exact enough in fp32.
+        # tanh(20) is 1 in fp32: the clamp only keeps exp finite.
         u = qk * qk_scale
-        t = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        t = 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(u, 20.0)) + 1.0)
         return t * cap_scale, t
     return qk * qk_scale, qk
 
@@ -135,7 +143,7 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
         kv_mask = (cols < S)[:, None] & d_mask[None, :]
         k = tl.load(K + cols[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        qk = _dot(q, tl.trans(k), PRECISION)
         s, _ = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         if MASKED:
             seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
@@ -144,7 +152,7 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -231,19 +239,19 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
         lse = tl.load(LSE + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=row_valid, other=0.0)
         # transposed tiles: keys along dim 0, query rows along dim 1
-        qk = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        qk = _dot(k, tl.trans(q), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[None, :])
         if MASKED:
             first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
             seen = (cols[:, None] >= first[None, :]) & (cols[:, None] <= last[None, :]) & row_valid[None, :]
             p = tl.where(seen, p, 0.0)
-        dv += tl.dot(p.to(do.dtype), do, input_precision=PRECISION)
-        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv += _dot(p.to(do.dtype), do, PRECISION)
+        dp = _dot(v, tl.trans(do), PRECISION)
         ds = p * (dp - delta[None, :])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+        dk += _dot(ds.to(q.dtype), q, PRECISION)
     return dk, dv
 
 
@@ -310,17 +318,17 @@ def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, strid
         kv_mask = (cols < S)[:, None] & d_mask[None, :]
         k = tl.load(K + cols[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
         v = tl.load(V + cols[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        qk = _dot(q, tl.trans(k), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
             p = tl.where(seen, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dp = _dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += _dot(ds.to(k.dtype), k, PRECISION)
     return dq
 
 
@@ -427,7 +435,7 @@ class _Problem(NamedTuple):
     scale: float
 
 
-def _consts(p: _Problem, dtype: torch.dtype) -> dict:
+def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
     if p.softcap is not None:
         qk_scale, cap_scale = p.scale / p.softcap, p.softcap * LOG2E
     else:
@@ -435,7 +443,7 @@ def _consts(p: _Problem, dtype: torch.dtype) -> dict:
     return dict(
         qk_scale=qk_scale, cap_scale=cap_scale, window=p.window or 0,
         BLOCK_D=p.block_d, CAUSAL=p.causal, HAS_WINDOW=p.window is not None, HAS_SOFTCAP=p.softcap is not None,
-        PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if dtype == torch.float32 else "upcast" if interpret and dtype == torch.bfloat16 else "tf32",
     )
 
 
@@ -447,7 +455,7 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
     _attn_fwd[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, lse, start if varlen else lse, end if varlen else lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype),
+        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype, q.device.type != "cuda"),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -455,7 +463,7 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
 
 def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
     varlen = start is not None
-    consts = _consts(p, q.dtype)
+    consts = _consts(p, q.dtype, q.device.type != "cuda")
     delta = torch.empty_like(lse)
     block_rows = 16 if q.device.type != "cuda" else 64
     _attn_bwd_delta[(cdiv(p.T, block_rows), p.B * p.Hq)](
@@ -554,8 +562,8 @@ def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, m
         (cu_seqlens[0], cu_seqlens[-1], (cu_seqlens[1:] > cu_seqlens[:-1]).all().to(torch.int32))
     ).tolist()
     if first != 0 or last != T or not increasing:
-        raise ValueError(f"cu_seqlens must increase strictly from 0 to the packed length {T}; got "
-                         f"{cu_seqlens.tolist() if cu_seqlens.numel() <= 16 else 'first ' + str(first) + ', last ' + str(last)}")
+        shown = cu_seqlens.tolist() if cu_seqlens.numel() <= 16 else f"first {first}, last {last}"
+        raise ValueError(f"cu_seqlens must increase strictly from 0 to the packed length {T}; got {shown}")
     if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1):
         raise ValueError(f"max_seqlen must be None or an int >= 1; got {max_seqlen!r}")
 

@@ -1,0 +1,144 @@
+"""Flash attention (Triton, interpreter on CPU) against attention_reference: forward and dq/dk/dv, causal and
+not, sliding window, softcap, GQA/MQA, head dims that are not powers of two, packed documents; bad input."""
+
+import pytest
+import torch
+
+from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids
+from fastplug.kernels.attention import flash_attention, packed_bounds
+from tests.helpers import assert_close
+
+
+def _inputs(B, Hq, Hkv, T, S, D, dtype=torch.float32):
+    q = torch.randn(B, Hq, T, D, dtype=dtype)
+    # k and v transposed views, as the attention modules hand them over (B, T, H, D) -> (B, H, T, D)
+    k = torch.randn(B, S, Hkv, D, dtype=dtype).transpose(1, 2)
+    v = torch.randn(B, S, Hkv, D, dtype=dtype).transpose(1, 2)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _fwd_bwd(fn, inputs, grad):
+    out = fn(*inputs)
+    grads = torch.autograd.grad(out, inputs, grad)
+    return out, grads
+
+
+def _compare(fn, ref_fn, inputs, dtype, tol=None):
+    out_shape = (inputs[0].shape[0], inputs[0].shape[2], inputs[0].shape[1], inputs[0].shape[3])
+    grad = torch.randn(out_shape, dtype=dtype)
+    out, grads = _fwd_bwd(fn, inputs, grad)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    ref, ref_grads = _fwd_bwd(ref_fn, ref_inputs, grad.float())
+    assert out.shape == out_shape and out.dtype == dtype
+    assert_close(out, ref, dtype, "out", tol)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.shape == r.shape
+        assert_close(g, r, dtype, name, tol)
+
+
+# (B, Hq, Hkv, T, S, D, options): T and S are never multiples of the interpreter's 16/32 blocks
+CASES = {
+    "causal GQA 4:1 D64": (2, 8, 2, 37, 37, 64, {}),
+    "full MQA D80": (1, 4, 1, 45, 45, 80, {"causal": False}),
+    "window D128": (1, 4, 2, 50, 50, 128, {"sliding_window": 7}),
+    "softcap D256": (1, 2, 1, 33, 33, 256, {"softcap": 5.0}),
+    "window+softcap MQA D80": (1, 4, 1, 41, 41, 80, {"sliding_window": 9, "softcap": 5.0, "scale": 0.2}),
+    "keys longer than queries D64": (1, 2, 1, 5, 40, 64, {"sliding_window": 20}),
+    "full with window D64": (1, 2, 2, 40, 40, 64, {"causal": False, "sliding_window": 6}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_matches_reference_fp32(case):
+    B, Hq, Hkv, T, S, D, options = CASES[case]
+    inputs = _inputs(B, Hq, Hkv, T, S, D)
+    _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs,
+             torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_half_precision(dtype):
+    inputs = _inputs(1, 4, 2, 39, 39, 96, dtype)
+    options = {"sliding_window": 11, "softcap": 20.0}
+    # the reference rounds nothing: bf16/fp16 kernels round p and dS to the input dtype for the dots
+    _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs, dtype,
+             tol=2e-2)
+
+
+DOCS = (11, 17, 9)
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "softcap": 5.0}, {"causal": False}])
+def test_varlen_matches_per_document_reference(options):
+    total = sum(DOCS)
+    cu = torch.tensor([0, 11, 28, 37], dtype=torch.int32)
+    inputs = _inputs(1, 4, 2, total, total, 64)
+
+    def per_document(q, k, v):
+        outs = [attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **options)
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        return torch.cat(outs, dim=1)
+
+    _compare(lambda *x: attention(*x, cu_seqlens=cu, max_seqlen=17, **options), per_document, inputs,
+             torch.float32)
+
+
+def test_packed_bounds_and_cu_seqlens_from_position_ids():
+    position_ids = torch.cat([torch.arange(n) for n in DOCS])[None]
+    cu, max_seqlen = cu_seqlens_from_position_ids(position_ids)
+    assert cu.tolist() == [0, 11, 28, 37] and cu.dtype == torch.int32 and max_seqlen == 17
+    start, end = packed_bounds(position_ids.expand(2, -1))
+    assert start.shape == (2, 37) and start.dtype == torch.int32
+    assert start[1].tolist() == [0] * 11 + [11] * 17 + [28] * 9
+    assert end[0].tolist() == [11] * 11 + [28] * 17 + [37] * 9
+    # an unpacked row is one document
+    start, end = packed_bounds(torch.arange(6)[None])
+    assert start.tolist() == [[0] * 6] and end.tolist() == [[6] * 6]
+    # the kernel takes the bounds directly (the model path), same result as cu_seqlens
+    q, k, v = _inputs(1, 2, 1, 37, 37, 32)
+    start, end = packed_bounds(position_ids)
+    out = flash_attention(q, k, v, sliding_window=4, doc_start=start, doc_end=end)
+    assert_close(out, attention_reference(q, k, v, sliding_window=4, cu_seqlens=cu), torch.float32, "bounds")
+
+
+def test_torch_reference_path_without_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU tensors, no interpreter: the op takes its reference
+    q, k, v = _inputs(1, 2, 1, 9, 9, 16)
+    assert torch.equal(attention(q, k, v, softcap=3.0), attention_reference(q, k, v, softcap=3.0))
+
+
+def _bad(**changes):
+    q, k, v = _inputs(1, 4, 2, 8, 8, 32)
+    args = {"q": q, "k": k, "v": v, **changes}
+    return args.pop("q"), args.pop("k"), args.pop("v"), args
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"q": torch.randn(4, 8, 32)}, "q must have rank 4"),
+    ({"k": torch.randn(1, 3, 8, 32), "v": torch.randn(1, 3, 8, 32)}, "k's head count 3 must divide"),
+    ({"v": torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)}, "k and v must have q's dtype"),
+    ({"q": torch.randn(1, 4, 8, 32, dtype=torch.float64)}, "q must have dtype"),
+    ({"q": torch.randn(1, 4, 8, 288), "k": torch.randn(1, 2, 8, 288), "v": torch.randn(1, 2, 8, 288)},
+     "head_dim must be between 1 and 256"),
+    ({"k": torch.randn(1, 2, 8, 16), "v": torch.randn(1, 2, 8, 16)}, "k must have q's batch"),
+    ({"k": torch.randn(1, 2, 4, 32), "v": torch.randn(1, 2, 4, 32)}, "causal attention needs k at least"),
+    ({"cu_seqlens": torch.tensor([0, 5, 3, 8], dtype=torch.int32)}, "cu_seqlens must increase"),
+    ({"cu_seqlens": torch.tensor([0, 5, 7], dtype=torch.int32)}, "cu_seqlens must increase strictly from 0 to"),
+    ({"cu_seqlens": torch.tensor([0, 8])}, "cu_seqlens must be a 1-D int32"),
+    ({"max_seqlen": 8}, "max_seqlen is only meaningful with cu_seqlens"),
+    ({"sliding_window": 0}, "sliding_window must be None or an int >= 1"),
+    ({"softcap": -1.0}, "softcap must be None or a finite number > 0"),
+    ({"scale": float("nan")}, "scale must be None"),
+    ({"causal": 1}, "causal must be a bool"),
+])
+def test_bad_input_names_the_argument(changes, match):
+    q, k, v, options = _bad(**changes)
+    for fn in (attention, attention_reference):
+        with pytest.raises(ValueError, match=match):
+            fn(q, k, v, **options)
+
+
+def test_cu_seqlens_needs_one_packed_row():
+    q, k, v = _inputs(2, 4, 2, 8, 8, 32)
+    with pytest.raises(ValueError, match="packed rows"):
+        attention(q, k, v, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))

@@ -180,12 +180,14 @@ def grouped_mm_rows(
     row_weights: torch.Tensor | None = None,
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     row_dot: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + s * t[m] @ b[e]^T); no autograd.
 
     w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r], s).
     row_dot = (acc [M] fp32, src, src_index or None): acc[m] += <unweighted row m, src[src_index[m]]>.
     M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
+    `config` (block sizes, warps, stages) overrides the tuned one (tuning sweeps).
     """
     M = a_index.shape[0] if a_index is not None else a.shape[0]
     E, N, K = w.shape
@@ -221,7 +223,9 @@ def grouped_mm_rows(
 
     # tuning runs write `out` (overwritten by the real launch) and atomics into a scratch row-dot buffer
     scratch = None if dot_acc is None else torch.empty_like(dot_acc)
-    launch(tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=lambda cfg: launch(cfg, scratch)), dot_acc)
+    if config is None:
+        config = tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=lambda cfg: launch(cfg, scratch))
+    launch(config, dot_acc)
     return out
 
 
@@ -236,6 +240,7 @@ def grouped_mm_dw(
     row_weights: torch.Tensor | None = None,
     scale: float = 1.0,
     dtype: torch.dtype | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """dW [E, N, K]: dW[e] = scale * sum over e's rows m of (row_weights[m] dy[dy_index[m]])^T x[x_index[m]]."""
     N, K = dy.shape[1], x.shape[1]
@@ -258,7 +263,7 @@ def grouped_mm_dw(
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
-    launch(tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch))
+    launch(config or tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch))
     return dw
 
 

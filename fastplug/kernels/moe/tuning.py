@@ -32,12 +32,10 @@ CANDIDATES = {
     "fwd": [
         (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
         (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 64, 64, 4, 3),
-        (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 128, 128, 4, 3), (128, 128, 128, 8, 2),
     ],
     "dw": [
         (64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
-        (128, 128, 128, 8, 2), (64, 256, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 256, 8, 3),
-        (128, 64, 128, 8, 3), (32, 128, 64, 4, 5),
+        (64, 256, 128, 8, 3), (32, 64, 64, 4, 4),
     ],
 }
 DEFAULTS = {"fwd": (128, 128, 64, 8, 3), "dw": (64, 128, 128, 8, 3)}
@@ -193,3 +191,49 @@ def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, de
             return as_config(DEFAULTS[kind])  # not remembered: a later eager call may still tune
         _memory[key] = cfg
         return cfg
+
+
+def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.bfloat16,
+          device: torch.device | str = "cuda", seed: int = 0) -> list[dict]:
+    """Times every candidate config of one kernel on random data of this shape (rows spread over the
+    experts at random); one dict per config: the config, ms, TFLOP/s, shared memory, and why it was
+    skipped (pruned, or it failed to launch). What `python -m fastplug.bench moe-tune` reports."""
+    from .grouped_gemm import grouped_mm_dw, grouped_mm_rows
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    counts = torch.bincount(torch.randint(0, E, (M,), device=device, generator=g), minlength=E)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device=device, generator=g).to(dtype)
+    if kind == "fwd":
+        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
+        out = torch.empty(M, N, device=device, dtype=dtype)
+
+        def run(cfg):
+            grouped_mm_rows(x, w, offsets, out=out, config=cfg)
+    else:
+        dy = torch.randn(M, N, device=device, generator=g).to(dtype)
+
+        def run(cfg):
+            grouped_mm_dw(dy, x, offsets, E, config=cfg)
+
+    limit = shared_memory_limit(device)
+    kept = candidates(kind, dtype, N, K, E, M, limit)
+    rows = []
+    for values in CANDIDATES[kind]:
+        cfg = as_config(values)
+        smem = shared_memory_bytes(kind, cfg, dtype)
+        row = {"kind": kind, "N": N, "K": K, "E": E, "M": M, "dtype": str(dtype).replace("torch.", ""), **cfg,
+               "smem_KiB": smem // 1024, "ms": None, "TFLOPs": None, "skipped": ""}
+        if cfg not in kept:
+            row["skipped"] = "shared memory" if smem > limit else "blocks larger than the shape"
+        else:
+            ms = time_config(run, cfg)
+            if ms is None:
+                row["skipped"] = "failed to launch"
+            else:
+                row["ms"], row["TFLOPs"] = ms, 2 * M * N * K / ms / 1e9
+        rows.append(row)
+    return rows

@@ -1,0 +1,61 @@
+"""MoE kernels at Qwen3-MoE-like sizes on CUDA (bf16 and fp32) against float64 references, and the tiny MoE
+families patched on the GPU's transformers version."""
+
+import pytest
+import torch
+
+from fastplug.kernels.moe import (
+    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
+    moe_router_reference,
+)
+from tests.helpers import assert_close
+from tests.models import test_moe_models
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_large(dtype):
+    E, K, N, T = 64, 2048, 768, 4096
+    counts = torch.randint(0, 2 * T // E, (E,), device="cuda")
+    counts[3], counts[7] = 0, 1
+    offsets = counts.cumsum(0).to(torch.int32)
+    M = int(offsets[-1])
+    x = torch.randn(T, K, device="cuda").to(dtype).requires_grad_()
+    w = (torch.randn(E, N, K, device="cuda") / K**0.5).to(dtype).requires_grad_()
+    rw = torch.rand(M, device="cuda", requires_grad=True)
+    kw = dict(gather_index=torch.randint(0, T, (M,), device="cuda"), scatter_index=torch.randperm(M, device="cuda"))
+    out = grouped_gemm(x, w, offsets, row_weights=rw, **kw)
+    ref_in = [t.detach().double().requires_grad_() for t in (x, w, rw)]
+    ref = grouped_gemm_reference(ref_in[0], ref_in[1], offsets, row_weights=ref_in[2], **kw)
+    assert_close(out, ref, dtype, "out")
+    grad = torch.randn_like(out)
+    for name, g, r in zip(("dx", "dw", "drw"), torch.autograd.grad(out, (x, w, rw), grad),
+                          torch.autograd.grad(ref, ref_in, grad.double())):
+        assert_close(g, r, dtype, name)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_moe_experts_qwen3_shape(lora):
+    T, H, I, E, k, r = 2048, 2048, 768, 64, 8, 16
+    x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    down = (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16().requires_grad_()
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    adapters = [(torch.randn(*s, device="cuda") / 8).requires_grad_()
+                for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    inputs = [x, gate_up, down, logits] + (adapters if lora else [])
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    outs = []
+    for fn, args in ((moe_experts, inputs), (moe_experts_reference, inputs64)):
+        weights, index = moe_router(args[3], k) if fn is moe_experts else moe_router_reference(args[3], k)
+        kw = dict(gate_up_lora=ExpertLoRA(*args[4:6], 2.0), down_lora=ExpertLoRA(*args[6:8], 2.0)) if lora else {}
+        y = fn(args[0], args[1], args[2], index, weights.to(args[0].dtype), **kw)
+        grad = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(y.dtype)
+        outs.append([y, *torch.autograd.grad(y, args, grad)])
+    for i, (got, want) in enumerate(zip(*outs)):
+        assert_close(got, want, torch.bfloat16, f"output {i}", tol=2e-2)
+
+
+@pytest.mark.parametrize("family", test_moe_models.MOE_FAMILIES)
+def test_tiny_moe_families_on_gpu(family):
+    test_moe_models.test_moe_full_finetuning_matches_and_restores(family)
+    test_moe_models.test_moe_lora_matches_peft(family, True)

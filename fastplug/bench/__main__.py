@@ -3,7 +3,7 @@
 import json
 import sys
 
-USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks} [options]   (--help after the command for its options)"
+USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks,moe-tune} [options]   (--help after the command for its options)"
 
 
 def main(argv=None) -> int:
@@ -20,6 +20,10 @@ def main(argv=None) -> int:
         from .e2e import main as e2e_main
 
         return e2e_main(rest)
+    if command == "moe-tune":
+        from .moe_tune import main as moe_tune_main
+
+        return moe_tune_main(rest)
     if command == "frameworks":
         from .frameworks import main as frameworks_main
 

@@ -1,0 +1,119 @@
+"""The attention patch through fastplug's attention ("fastplug" in transformers' AttentionInterface): tiny
+models whose sequences are longer than their sliding windows and the kernel's blocks, patched vs unpatched
+loss and LoRA gradients on unpadded and packed (padding-free) batches; padded batches take transformers' path."""
+
+import copy
+
+import pytest
+import torch
+
+from fastplug.models import fast_attention
+from fastplug.patching import patch_model
+from tests.helpers import assert_close
+from tests.models.test_families import _loss_and_grads
+from tests.models.tiny import VOCAB, tiny_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOKENS = 37  # > the windows (6) and the interpreter's 16/32 blocks
+DOCS = (13, 5, 19)  # packed row: position_ids restart per document
+# family -> config overrides: Mistral slides everywhere, Gemma2 alternates windowed/full with a softcap (and
+# runs eager attention in transformers), Gemma3 has local and global layers.
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "gemma2": {"attn_implementation": "eager"},
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def _lora_model(family):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(family, max_position_embeddings=64, **FAMILIES[family]).to(DEVICE)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _inputs(batch, position_ids=None):
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(1, VOCAB, (batch, TOKENS), generator=g).to(DEVICE)
+    inputs = {"input_ids": input_ids, "labels": input_ids.clone(), "use_cache": False}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids.to(DEVICE)
+    return inputs
+
+
+def _assert_same_training_step(patched, reference, inputs):
+    out, grads = _loss_and_grads(patched, inputs)
+    ref_out, ref_grads = _loss_and_grads(reference, inputs)
+    assert_close(out.loss, ref_out.loss, torch.float32, "loss")
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, grad in grads.items():
+        # fp32, but through two layers of attention whose softmax sums in another order (blocks of keys
+        # against transformers' one row): a few 1e-6 on the smallest LoRA grads
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}", tol=5e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_patched_attention_matches_unpatched(family):
+    model = _lora_model(family)
+    reference = copy.deepcopy(model)
+    base = model.get_base_model()
+    original = base.config._attn_implementation
+    model.train(), reference.train()
+    with patch_model(model, gradient_checkpointing=False) as handle:
+        assert base.config._attn_implementation == "fastplug"
+        summary = handle.summary()
+        assert summary.count("fastplug attention") == 2 and f"padded batches: transformers' {original}" in summary
+        if family == "gemma2":
+            assert "softcap 50, sliding window 6" in summary
+        _assert_same_training_step(model, reference, _inputs(2))
+        # packed: the unpatched model masks across documents (use_cache=False lets transformers see the
+        # restarts), the patched one runs the varlen kernel with no 4-D mask
+        packed = torch.cat([torch.arange(n) for n in DOCS])[None]
+        _assert_same_training_step(model, reference, _inputs(1, packed))
+    assert base.config._attn_implementation == original
+
+
+def test_packed_rows_see_only_their_document():
+    model = tiny_model("gemma2", attn_implementation="eager").to(DEVICE).eval()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(1, torch.cat([torch.arange(n) for n in DOCS])[None])
+    with torch.no_grad(), patch_model(model, gradient_checkpointing=False):
+        logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits
+        starts = [0, DOCS[0], DOCS[0] + DOCS[1], TOKENS]
+        per_doc = torch.cat([reference(input_ids=inputs["input_ids"][:, a:b], use_cache=False).logits
+                             for a, b in zip(starts[:-1], starts[1:])], dim=1)
+    assert_close(logits, per_doc, torch.float32, "packed logits")
+
+
+def test_padded_batch_takes_transformers_path_and_output_attentions_works():
+    model = tiny_model("gemma2", attn_implementation="eager").to(DEVICE).eval()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(2)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, :5] = 0  # left padding
+    with torch.no_grad(), patch_model(model, gradient_checkpointing=False):
+        out = model(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=False)
+        unpadded = model(input_ids=inputs["input_ids"], use_cache=False, output_attentions=True)
+    ref = reference(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=False)
+    assert_close(out.logits, ref.logits, torch.float32, "padded logits")
+    ref_unpadded = reference(input_ids=inputs["input_ids"], use_cache=False, output_attentions=True)
+    for layer, (weights, ref_weights) in enumerate(zip(unpadded.attentions, ref_unpadded.attentions)):
+        assert_close(weights, ref_weights, torch.float32, f"attention weights of layer {layer}")
+
+
+def test_attention_option_off_and_loading_as_fastplug():
+    model = tiny_model("llama").to(DEVICE)
+    with patch_model(model, attention=False, gradient_checkpointing=False) as handle:
+        assert model.config._attn_implementation == "sdpa"
+        assert "transformers' sdpa attention (attention=False)" in handle.summary()
+    fast_attention.register()
+    loaded = tiny_model("llama", attn_implementation="fastplug").to(DEVICE)
+    reference = tiny_model("llama").to(DEVICE)
+    inputs = _inputs(2)
+    with torch.no_grad():
+        assert_close(loaded(input_ids=inputs["input_ids"]).logits, reference(input_ids=inputs["input_ids"]).logits,
+                     torch.float32, "logits")

@@ -3,10 +3,11 @@
 A patched model (or one loaded with `attn_implementation="fastplug"`) builds no 4-D mask: the mask function
 returns None unless the batch has real padding, and the attention function applies causality, the layer's
 sliding window and softcap, and the document bounds of packed rows itself:
-- no mask: `fastplug.kernels.attention.flash_attention`; position_ids that restart (padding-free / packed
-  rows) give per-token document bounds, computed on the device once per forward (cached on the
-  position_ids tensor), so no host sync happens in the layer stack. Only where SDPA is a candidate
-  (CUDA, no softcap, no window) does one cached check per forward ask the host whether rows are packed.
+- no mask: `fastplug.kernels.attention.flash_attention`; TRL's cu_seq_lens_q, or position_ids that restart
+  (padding-free / packed rows), give per-token document bounds, computed on the device once per forward
+  (cached on that tensor), so the layer stack does not sync with the host. Only with position_ids alone and
+  where SDPA is a candidate (CUDA, no softcap, no window) does one cached check per forward ask the host
+  whether rows are packed.
 - a padding mask (some attention_mask entry 0): the mask function builds the 4-D mask of the implementation
   the model had before (sdpa or eager; "sdpa" for a model loaded as "fastplug", "eager" when it softcaps),
   and the attention function runs that implementation: transformers' own path, bit for bit.
@@ -73,25 +74,31 @@ def fastplug_mask(*args, **kwargs):
 
 # ---------------------------------------------------------------------------------- packed rows
 class _BoundsCache:
-    """The document bounds of the last position_ids seen: every layer of a forward (and the recompute under
-    checkpointing) passes the same tensor, so they are computed once."""
+    """The document bounds of the last packed batch: every layer of a forward (and the recompute under
+    checkpointing) passes the same position_ids / cu_seq_lens tensor, so they are computed once."""
 
     def __init__(self):
         self.key = None
         self.value = None
 
-    def get(self, position_ids: torch.Tensor, batch: int, need_packed: bool):
-        key = (position_ids._version, batch)
-        if self.key is not None and self.key[0]() is position_ids and self.key[1] == key:
+    def get(self, source: torch.Tensor, batch: int, tokens: int, device: torch.device, need_packed: bool):
+        """(start, end, packed) from TRL's cu_seq_lens_q (int32, n + 1) or position_ids (B or 1, T); `packed`
+        is None unless asked for (from position_ids that costs the one host sync, cached with the bounds)."""
+        from ..kernels.attention import bounds_from_cu_seqlens, packed_bounds
+
+        key = (source._version, batch)
+        if self.key is not None and self.key[0]() is source and self.key[1] == key:
             start, end, packed = self.value
         else:
-            from ..kernels.attention import packed_bounds
-
-            start, end = packed_bounds(position_ids.expand(batch, -1))
-            packed = None
-            self.key, self.value = (weakref.ref(position_ids), key), (start, end, packed)
+            if source.dim() == 1:  # cu_seq_lens: its length says whether the row is packed, no sync
+                start, end = bounds_from_cu_seqlens(source.to(device, torch.int32), tokens)
+                packed = source.numel() > 2
+            else:
+                start, end = packed_bounds(source.expand(batch, -1))
+                packed = None
+            self.key, self.value = (weakref.ref(source), key), (start, end, packed)
         if need_packed and packed is None:
-            packed = bool((start != 0).any())  # the one host sync, cached with the bounds
+            packed = bool((start != 0).any())
             self.value = (start, end, packed)
         return start, end, packed
 
@@ -133,14 +140,19 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
     causal = kwargs.pop("is_causal", None)
     causal = getattr(module, "is_causal", True) if causal is None else causal
     T, S = query.shape[2], key.shape[2]
-    position_ids = kwargs.get("position_ids")
+    # TRL's padding-free collator also passes cu_seq_lens_q (one packed row): bounds without any host sync
+    source = kwargs.get("cu_seq_lens_q") if query.shape[0] == 1 else None
+    if source is None or source.dim() != 1:
+        source = kwargs.get("position_ids")
+        if source is not None and source.shape[-1] != T:
+            source = None
     start = end = None
-    packable = causal and position_ids is not None and T == S and T > 1 and position_ids.shape[-1] == T
+    packable = causal and source is not None and T == S and T > 1
     from ..kernels.attention import _normalise_window, _sdpa_suits, flash_attention
 
     if dropout > 0.0 or kwargs.get("output_attentions", False):
         if packable:
-            start, end, _ = _BOUNDS.get(position_ids, query.shape[0], need_packed=False)
+            start, end, _ = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=False)
         window = _normalise_window(sliding_window, causal, T, S)
         mask = _dense_mask(query, key, causal, window, start, end)
         eager = _family_eager(module)
@@ -149,7 +161,7 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
     if packable:
         window = _normalise_window(sliding_window, True, T, S)
         sdpa_candidate = _sdpa_suits(query, key, True, window, softcap, varlen=False)
-        start, end, packed = _BOUNDS.get(position_ids, query.shape[0], need_packed=sdpa_candidate)
+        start, end, packed = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=sdpa_candidate)
         if sdpa_candidate and not packed:
             start = end = None
     if key.dtype != query.dtype:  # an upcast on the way (fp32 rotary tables): compute in the query's dtype

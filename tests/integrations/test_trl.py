@@ -191,3 +191,21 @@ def test_dpo_peft_reference_pass_disables_the_fused_adapter(tmp_path):
     assert "lora_fused" in trainer.fast_kernels_summary, "the fused LoRA path is the one under test"
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
     assert active_handle(trainer.model) is None
+
+
+@pytest.mark.parametrize("mode", [{"packing": True}, {"padding_free": True, "max_length": None}])
+def test_sft_packed_padding_free_matches_trl(tmp_path, mode):
+    # Padding-free batches (TRL's bfd packing turns it on): one row per batch, position_ids restarting per
+    # document, no attention_mask. fastplug runs its varlen attention; TRL alone masks across documents.
+    def run(trainer_cls):
+        model = tiny_llama()
+        model.config.use_cache = False  # with a cache, transformers would not look for packed documents
+        args = SFTConfig(**{**common_args(tmp_path), **mode})
+        trainer = trainer_cls(model=model, args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER)
+        trainer.train()
+        return trainer
+
+    reference = run(SFTTrainer)
+    trainer = run(FastSFTTrainer)
+    assert "fastplug attention" in trainer.fast_kernels_summary
+    assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5

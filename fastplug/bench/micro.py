@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad")
-IMPLS = ("eager", "compile", "liger", "fastplug")
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad",
+       "attention_causal", "attention_gemma2", "attention_gemma2_8k", "attention_varlen")
+# sdpa / flex / triton (fastplug's kernel without the dispatcher): the attention rows only
+IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "fastplug")
 TIMINGS = ("graph", "launch")
 COLUMNS = ("op", "shape", "impl", "ms", "timing", "peak MiB", "rel err out", "rel err grads", "speedup vs compile",
            "note")
@@ -209,6 +211,94 @@ def case_cross_entropy(N, H, V, device, dtype, train_head=False) -> Case:
     return case
 
 
+class _AttentionModule(torch.nn.Module):
+    """What transformers' eager_attention_forward reads off the attention module."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.training = False  # no dropout
+
+
+def case_attention(op, B, Hq, Hkv, T, D, device, dtype, softcap=None, window=None, docs=None) -> Case:
+    """q (B, Hq, T, D), k/v (B, Hkv, T, D), causal. eager: transformers' eager attention (Gemma2's with a
+    softcap) and its 4-D mask; for packed documents (docs: lengths) the reference is SDPA with the
+    block-diagonal mask transformers builds for them. Outputs (B, T, Hq, D) everywhere."""
+    import importlib
+
+    A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
+
+    q = _randn(B, Hq, T, D, device=device, dtype=dtype, requires_grad=True)
+    k = _randn(B, Hkv, T, D, device=device, dtype=dtype, requires_grad=True)
+    v = _randn(B, Hkv, T, D, device=device, dtype=dtype, requires_grad=True)
+    scale = D ** -0.5
+    start = end = cu = None
+    if docs is not None:
+        cu = torch.tensor([0, *docs], device=device).cumsum(0).to(torch.int32)
+        start, end = A.bounds_from_cu_seqlens(cu, T)
+    seen = A.visible_keys(T, T, True, window, start, end, device)
+    desc = f"B{B} {Hq}/{Hkv} heads T{T} D{D}" + (f" softcap {softcap:g}" if softcap else "") + (
+        f" window {window}" if window else "") + (f", {len(docs)} docs" if docs else "")
+    case = Case(op, desc, [q, k, v])
+    module = _AttentionModule(Hq // Hkv)
+    if docs is not None:
+        groups = Hq // Hkv
+        case.impls["eager"] = lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=seen, scale=scale
+        ).transpose(1, 2)
+    else:
+        if softcap is not None:
+            from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+        else:
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+        mask = torch.zeros(seen.shape, device=device, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+        extra = {"softcap": softcap} if softcap is not None else {}
+        case.impls["eager"] = lambda: eager_attention_forward(module, q, k, v, mask, scaling=scale, **extra)[0]
+    if softcap is None and window is None and docs is None:
+        case.impls["sdpa"] = lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv).transpose(1, 2)
+    if docs is None:
+        case.impls["flex"] = _flex(q, k, v, T, scale, softcap, window)
+    p = A._Problem(B, Hq, Hkv, T, T, D, max(16, A.next_power_of_2(D)), True, A._normalise_window(window, True, T, T),
+                   softcap, scale)
+    case.impls["triton"] = lambda: A.FlashAttention.apply(q, k, v, p, start, end)
+    case.impls["fastplug"] = lambda: A.attention(q, k, v, sliding_window=window, softcap=softcap, scale=scale,
+                                                 cu_seqlens=cu)
+    return case
+
+
+def _flex(q, k, v, T, scale, softcap, window) -> Callable:
+    """torch's flex_attention (compiled on first call) with the same mask and softcap."""
+    state = {}
+
+    def run():
+        if not state:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                causal = q_idx >= kv_idx
+                return causal & (q_idx - kv_idx < window) if window is not None else causal
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return softcap * torch.tanh(score / softcap)
+
+            state["mask"] = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+            state["score_mod"] = score_mod if softcap is not None else None
+            state["fn"] = torch.compile(flex_attention)
+        out = state["fn"](q, k, v, score_mod=state["score_mod"], block_mask=state["mask"], scale=scale,
+                          enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _varlen_docs(total: int, n: int, seed: int = 0) -> list[int]:
+    """n document lengths of random sizes summing to total."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.sort(torch.randperm(total - 1, generator=g)[: n - 1] + 1).values.tolist()
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+
+
 def _compiled(fn: Callable) -> Callable:
     """torch.compile of the eager version, built lazily so that a failing compile is one row's error."""
     compiled = None
@@ -233,6 +323,13 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             "rope": lambda: case_rope(1, 4, 2, 16, 80, device, dtype),
             "cross_entropy": lambda: case_cross_entropy(37, 64, 257, device, dtype),
             "cross_entropy_head_grad": lambda: case_cross_entropy(37, 64, 257, device, dtype, train_head=True),
+            "attention_causal": lambda: case_attention("attention_causal", 1, 4, 2, 40, 64, device, dtype),
+            "attention_gemma2": lambda: case_attention(
+                "attention_gemma2", 1, 2, 1, 40, 80, device, dtype, softcap=50.0, window=9),
+            "attention_gemma2_8k": lambda: case_attention(
+                "attention_gemma2_8k", 1, 2, 1, 33, 32, device, dtype, softcap=50.0, window=5),
+            "attention_varlen": lambda: case_attention(
+                "attention_varlen", 1, 4, 2, 40, 64, device, dtype, docs=_varlen_docs(40, 3)),
         }
     else:
         shapes = {
@@ -243,6 +340,14 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             "rope": lambda: case_rope(4, 32, 8, 4096, 128, device, dtype),
             "cross_entropy": lambda: case_cross_entropy(8192, 4096, 128256, device, dtype),
             "cross_entropy_head_grad": lambda: case_cross_entropy(8192, 4096, 128256, device, dtype, train_head=True),
+            # shared/BASELINES.md: SDPA 3.96 ms, flex 5.37; Gemma2 T2048 eager 3.34, flex 1.94; T8192 flex 15.7
+            "attention_causal": lambda: case_attention("attention_causal", 4, 32, 8, 4096, 128, device, dtype),
+            "attention_gemma2": lambda: case_attention(
+                "attention_gemma2", 2, 8, 4, 2048, 256, device, dtype, softcap=50.0, window=4096),
+            "attention_gemma2_8k": lambda: case_attention(
+                "attention_gemma2_8k", 2, 8, 4, 8192, 256, device, dtype, softcap=50.0, window=4096),
+            "attention_varlen": lambda: case_attention(
+                "attention_varlen", 1, 32, 8, 16384, 128, device, dtype, docs=_varlen_docs(16384, 8)),
         }
     return [(op, shapes[op]) for op in ops]
 
@@ -411,9 +516,11 @@ def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=F
     ref_grads = [t.grad.detach().clone() for t in case.leaves]
 
     for impl in impls:
+        fn = case.impls.get(impl)
+        if fn is None and impl != "liger":  # an implementation this op does not have (sdpa for RMSNorm ...)
+            continue
         row = {"op": case.op, "shape": case.shape, "impl": impl}
         rows.append(row)
-        fn = case.impls.get(impl)
         if fn is None:
             row["note"] = "not available (liger_kernel not importable)" if impl == "liger" else "not available"
             continue

@@ -108,14 +108,22 @@ SWEEP = {
 }
 
 
-def sweep(name, c):
+# A second, finer round around the first round's best D128 configs (Llama causal, the case furthest from SDPA).
+SWEEP2 = {
+    "fwd": {128: [(128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5)]},
+    "dkdv": {128: [(32, 64, 4, 3), (32, 64, 4, 4), (32, 64, 4, 2), (32, 64, 8, 3), (64, 32, 4, 3), (32, 32, 4, 3)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 4)]},
+}
+
+
+def sweep(name, c, table=SWEEP):
     q, k, v, kw = make(c)
     D = q.shape[3]
     do = torch.randn(q.shape[0], q.shape[2], q.shape[1], D, device=DEV, dtype=DT)
     base = A.TUNING
-    for kernel, table in SWEEP.items():
+    for kernel, configs in table.items():
         results = []
-        for cfg in table[128 if D <= 128 else 256]:
+        for cfg in configs.get(128 if D <= 128 else 256, []):
             A.TUNING = dataclasses.replace(base, **{kernel: ((256, A.KernelConfig(*cfg)),)})
             try:
                 fwd, bwd = triton_step(q, k, v, kw, do)
@@ -205,8 +213,10 @@ def checks():
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="first round: six configs per kernel, all cases")
+    parser.add_argument("--sweep2", action="store_true", help="second round around the D128 best (Llama case)")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--no-table", action="store_true")
     args = parser.parse_args()
     import transformers
     import triton
@@ -225,7 +235,11 @@ def main():
         for name, c in cases().items():
             guarded(sweep, name, c)
         print(f"sweep done at {time.time() - t0:.0f} s", flush=True)
-    guarded(table)
+    if args.sweep2:
+        name, c = next(iter(cases().items()))
+        guarded(sweep, name, c, SWEEP2)
+    if not args.no_table:
+        guarded(table)
     print(f"total {time.time() - t0:.0f} s")
 
 

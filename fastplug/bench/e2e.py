@@ -47,6 +47,14 @@ MODELS = {
                   head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
                   num_experts_per_tok=2, vocab_size=128),
     ),
+    "mixtral": dict(  # Mixtral-8x7B layer widths (8 experts top-2), 4 layers
+        config="MixtralConfig", batch=2, seq=4096, lora=ATTENTION_LORA, attn="sdpa",
+        full=dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                  intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                  max_position_embeddings=32768, sliding_window=None),
+        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, vocab_size=128),
+    ),
     "gemma2": dict(
         config="Gemma2Config", batch=2, seq=2048, lora=ALL_LINEAR_LORA, attn="eager",
         full=dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
@@ -57,6 +65,8 @@ MODELS = {
                   query_pre_attn_scalar=16),
     ),
 }
+# Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
+MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["experts.gate_up_proj", "experts.down_proj"])
 TINY_BATCH, TINY_SEQ = 2, 32
 COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms",
            "first step s", "losses (steps 1-3)", "max loss diff", "note")
@@ -88,7 +98,8 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
     checkpointing.enable_native(model)
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM")
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM",
+                      target_parameters=preset.get("lora_parameters"))
     torch.manual_seed(seed + 1)
     return get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
 
@@ -164,9 +175,9 @@ def run_throughput(spec: dict) -> dict:
     batch, seq = spec["batch"], spec["seq"]
     result = {}
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"], spec["adapter_dtype"])
-    if spec["model"] == "qwen3_moe":
-        result["experts"] = getattr(model.config, "_experts_implementation", None)
     runner, result["note"] = apply_impl(model, spec["impl"], True)
+    if getattr(model.config, "_experts_implementation", None):  # MoE models: after patching, which one runs
+        result["experts"] = model.config._experts_implementation
     params = [p for p in model.parameters() if p.requires_grad]
     batches = token_batches(model.config.vocab_size, batch, seq, 4, spec["seed"], device)
     if device.type == "cuda":

@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
 OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad",
-       "attention_causal", "attention_gemma2", "attention_gemma2_8k", "attention_varlen")
+       "attention_causal", "attention_gemma2", "attention_gemma2_8k", "attention_varlen", "moe_grouped_gemm", "moe_layer")
 # sdpa / flex / triton (fastplug's kernel without the dispatcher): the attention rows only
-IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "fastplug")
+# grouped_mm: torch._grouped_mm (the moe rows; their eager is a per-expert loop / transformers' default experts)
+IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "grouped_mm", "fastplug")
 TIMINGS = ("graph", "launch")
 COLUMNS = ("op", "shape", "impl", "ms", "timing", "peak MiB", "rel err out", "rel err grads", "speedup vs compile",
            "note")
@@ -211,6 +212,64 @@ def case_cross_entropy(N, H, V, device, dtype, train_head=False) -> Case:
     return case
 
 
+def case_moe_grouped_gemm(M, E, K, N, device, dtype) -> Case:
+    """Rows already grouped by expert (random counts, top-8 routing of M / 8 tokens): out = x @ w[e]^T."""
+    from fastplug.kernels.moe import grouped_gemm, moe_router_reference, routing_metadata
+
+    top_k = min(8, E)
+    _, index = moe_router_reference(torch.randn(M // top_k, E, device=device), top_k)
+    offsets = routing_metadata(index, E)[0]
+    ends = offsets.tolist()
+    x = _randn(M // top_k * top_k, K, device=device, dtype=dtype, requires_grad=True)
+    w = _randn(E, N, K, device=device, dtype=dtype, scale=K**-0.5, requires_grad=True)
+
+    def loop():
+        out, start = [], 0
+        for e, end in enumerate(ends):
+            out.append(x[start:end] @ w[e].T)
+            start = end
+        return torch.cat(out)
+
+    case = Case("moe_grouped_gemm", f"{M} rows, {E} experts, {K}->{N}", [x, w])
+    case.impls["eager"] = loop
+    case.impls["grouped_mm"] = lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    case.impls["fastplug"] = lambda: grouped_gemm(x, w, offsets)
+    return case
+
+
+def case_moe_layer(T, H, I, E, top_k, device, dtype) -> Case:
+    """One Qwen3-MoE sparse block (router + experts + combine), full fine-tuning: transformers' default
+    experts implementation (grouped_mm) against the block as fastplug patches it."""
+    import copy
+    import types
+
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from fastplug.models import moe as moe_rules
+
+    config = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
+                                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    config._experts_implementation = "grouped_mm"
+    block = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    fast = copy.deepcopy(block)  # its own config: switching it leaves `block` alone
+    moe_rules._register()
+    fast.experts.config._experts_implementation = moe_rules.IMPLEMENTATION
+    fast.gate.forward = types.MethodType(moe_rules._router_forward("norm_topk_prob", False), fast.gate)
+    x = _randn(1, T, H, device=device, dtype=dtype, scale=0.5, requires_grad=True)
+    params = dict(block.named_parameters())
+    for name, p in fast.named_parameters():  # one set of leaves: both blocks read the same parameters
+        parent, _, leaf = name.rpartition(".")
+        setattr(fast.get_submodule(parent), leaf, params[name])
+    case = Case("moe_layer", f"{T} tokens, hidden {H}, {E}x{I} top-{top_k}", [x, *params.values()])
+    case.impls["eager"] = lambda: block(x)
+    case.impls["fastplug"] = lambda: fast(x)
+    return case
+
+
 class _AttentionModule(torch.nn.Module):
     """What transformers' eager_attention_forward reads off the attention module."""
 
@@ -330,6 +389,8 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
                 "attention_gemma2_8k", 1, 2, 1, 33, 32, device, dtype, softcap=50.0, window=5),
             "attention_varlen": lambda: case_attention(
                 "attention_varlen", 1, 4, 2, 40, 64, device, dtype, docs=_varlen_docs(40, 3)),
+            "moe_grouped_gemm": lambda: case_moe_grouped_gemm(256, 4, 32, 48, device, dtype),
+            "moe_layer": lambda: case_moe_layer(32, 64, 32, 4, 2, device, dtype),
         }
     else:
         shapes = {
@@ -348,6 +409,9 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
                 "attention_gemma2_8k", 2, 8, 4, 8192, 256, device, dtype, softcap=50.0, window=4096),
             "attention_varlen": lambda: case_attention(
                 "attention_varlen", 1, 32, 8, 16384, 128, device, dtype, docs=_varlen_docs(16384, 8)),
+            # shared/BASELINES.md: torch._grouped_mm fwd+bwd 2.16 ms
+            "moe_grouped_gemm": lambda: case_moe_grouped_gemm(65536, 64, 2048, 1536, device, dtype),
+            "moe_layer": lambda: case_moe_layer(8192, 2048, 768, 64, 8, device, dtype),
         }
     return [(op, shapes[op]) for op in ops]
 

@@ -91,6 +91,9 @@ def _t(w: torch.Tensor | None) -> torch.Tensor | None:
 class MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation):
+        # peft's factors are strided views ([out, r * E] seen as [E, out, r]); a few MiB of contiguous
+        # copies keep the kernels' loads of them coalesced
+        a1, b1, a2, b2 = (None if t is None else t.contiguous() for t in (a1, b1, a2, b2))
         T, H = x.shape
         E, two_i, _ = gate_up.shape
         k = top_k_index.shape[1]

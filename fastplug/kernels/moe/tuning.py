@@ -32,10 +32,14 @@ CANDIDATES = {
     "fwd": [
         (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
         (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 64, 64, 4, 3),
+        # narrow outputs: the rank-r LoRA products
+        (128, 16, 128, 4, 3), (64, 32, 128, 4, 4),
     ],
     "dw": [
         (64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
         (64, 256, 128, 8, 3), (32, 64, 64, 4, 4),
+        # one narrow side: dA [r, in] and dB [out, r] of LoRA
+        (64, 16, 128, 4, 4), (64, 128, 16, 4, 4), (128, 32, 128, 4, 3), (128, 128, 32, 8, 3),
     ],
 }
 DEFAULTS = {"fwd": (128, 128, 64, 8, 3), "dw": (64, 128, 128, 8, 3)}
@@ -105,7 +109,9 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         too_big = cfg["BLOCK_N"] > max(16, next_power_of_2(N)) or cfg["BLOCK_K"] > max(16, next_power_of_2(K))
         if kind == "fwd":
             too_big |= cfg["BLOCK_M"] > max(16, next_power_of_2(rows_per_expert))
-        if not too_big:
+        # narrow tiles only where a side is narrow (they lose elsewhere; no point compiling them)
+        too_small = (cfg["BLOCK_N"] < 64 and N >= 128) or (kind == "dw" and cfg["BLOCK_K"] < 64 and K >= 128)
+        if not (too_big or too_small):
             fits.append(cfg)
     if not fits:  # tiny shapes: the smallest candidate that fits the device
         fits = sorted((as_config(v) for v in CANDIDATES[kind] if shared_memory_bytes(kind, as_config(v), dtype)

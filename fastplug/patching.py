@@ -18,6 +18,7 @@ from torch import nn
 
 from . import checkpointing
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
+from .models.peft_lora import watch_adapter_writes
 from .options import KernelOptions
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
@@ -52,6 +53,7 @@ class PatchHandle:
         self._lora_fused = 0
         self._undo: list = []  # what the patches' `switch`es return, run in reverse by restore()
         self.paths: list[tuple[str, str]] = []  # (module path, the implementation it takes)
+        self._adapter_watch = None  # the forward pre-hook that keeps fused LoRA's adapter copies current
         self.is_active = False
 
     # -- applying
@@ -87,6 +89,8 @@ class PatchHandle:
                 break
         if self._lora_fused:
             counts["lora_fused"] = self._lora_fused
+        if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
+            self._adapter_watch = watch_adapter_writes(self.model)
         self.counts = dict(counts)
 
     def _enable_checkpointing(self) -> None:
@@ -109,6 +113,9 @@ class PatchHandle:
         self._patched.clear()
         while self._undo:
             self._undo.pop()()
+        if self._adapter_watch is not None:
+            self._adapter_watch.remove()
+            self._adapter_watch = None
         if self._checkpointing_snapshot is not None:
             checkpointing.restore(self._checkpointing_snapshot)
             self._checkpointing_snapshot = None

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._utils import check_dtype, check_same_device, keep_for_backward, kept_for_backward, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
@@ -82,27 +83,56 @@ class _Cast:
     """The compute-dtype copy of one parameter; updated in place when the parameter moves, so that a step
     allocates no new Python objects for it (fewer objects to promote means fewer full GC passes)."""
 
-    __slots__ = ("ref", "version", "dtype", "cast")
+    __slots__ = ("ref", "version", "generation", "dtype", "cast")
 
     def __init__(self, ref: weakref.ref):
         self.ref = ref  # the parameter; its callback drops this entry when the parameter dies
         self.version = -1  # the parameter's version when `cast` was made
+        self.generation = -1  # _generation when `cast` was made
         self.dtype = None
         self.cast = None
 
 
-# id(param) -> _Cast. Checkpointing runs each forward twice per step, and a copy stays valid until the
-# optimizer writes the param in place (which bumps its version). Keyed by id because tensors compare
-# elementwise.
+# id(param) -> _Cast. Checkpointing runs each forward twice per step; the copy made by the first serves the
+# recompute. Keyed by id because tensors compare elementwise.
 _CAST_CACHE: dict[int, _Cast] = {}
+
+# A copy is valid while its parameter's version AND this generation are what they were when it was made.
+# The version alone misses writers that bypass autograd's counter: fused AdamW (the HF Trainer's default),
+# bitsandbytes' 8-bit and paged optimizers, writes through `.data`. So the generation moves after every
+# torch optimizer step (a post hook on all of them, registered on first use) and whenever
+# `invalidate_adapter_casts()` is called: a patched model calls it at the start of each forward.
+_generation = 0
+_optimizer_hook = None
+
+
+def invalidate_adapter_casts(*_) -> None:
+    """Make every cached adapter copy stale: the next fused LoRA call recasts them all (one foreach copy).
+
+    Called after each optimizer step and at each forward of a patched model; call it yourself after writing
+    adapter parameters in a way autograd does not see, between calls of the fused ops outside a patched model.
+    """
+    global _generation
+    _generation += 1
+
+
+def _watch_optimizers() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_post_hook(invalidate_adapter_casts)
+
+
+def _is_current(entry: _Cast, p: torch.Tensor) -> bool:
+    return entry.version == p._version and entry.generation == _generation
 
 
 def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
-    """Cast t, and with it every cached param of its device whose version moved since its copy was made.
+    """Cast t, and with it every cached param of its device whose copy is no longer current.
 
     An optimizer step moves every adapter at once: refreshing them together is one allocation and one
     foreach copy, instead of a launch per adapter per step (a Llama-1B LoRA has 224 of them). The copies go
     into a new buffer, never into the old copies, which a graph not yet backpropagated may still hold."""
+    _watch_optimizers()
     key = id(t)
     entry = _CAST_CACHE.get(key)
     if entry is None or entry.ref() is not t:
@@ -110,20 +140,20 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
     stale = [(t, entry)]
     for other in _CAST_CACHE.values():
         p = other.ref()
-        if p is not None and p is not t and p._version != other.version and p.device == t.device:
+        if p is not None and p is not t and other.dtype == dtype and p.device == t.device and not _is_current(other, p):
             stale.append((p, other))
     flat = torch.empty(sum(p.numel() for p, _ in stale), dtype=dtype, device=t.device)
     casts = [part.view(p.shape) for part, (p, _) in zip(flat.split([p.numel() for p, _ in stale]), stale)]
     torch._foreach_copy_(casts, [p.detach() for p, _ in stale])
     for (p, other), cast in zip(stale, casts):
-        other.version, other.dtype, other.cast = p._version, dtype, cast
+        other.version, other.generation, other.dtype, other.cast = p._version, _generation, dtype, cast
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
     hit = _CAST_CACHE.get(id(t))
-    if hit is None or hit.ref() is not t or hit.version != t._version or hit.dtype != dtype:
+    if hit is None or hit.ref() is not t or hit.dtype != dtype or not _is_current(hit, t):
         _refresh_casts(t, dtype)
         hit = _CAST_CACHE[id(t)]
     return hit.cast

@@ -13,7 +13,7 @@ import sys
 
 import torch.nn as nn
 
-from ..kernels.lora import LoRAProjection
+from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
 
 
 def _peft_lora_linear_class():
@@ -102,3 +102,16 @@ def lora_projection(module: nn.Module) -> LoRAProjection | None:
 def unfused_reason(module: nn.Module) -> str | None:
     """Why `lora_projection(module)` is None right now (for the patch summary); None when it can be fused."""
     return _fused_view(module)[1]
+
+
+def watch_adapter_writes(model: nn.Module):
+    """Make the fused path recast its adapter copies at each forward of this model; returns the hook handle.
+
+    The hook sits on the decoder stack (which every forward calls through `__call__`, whether from peft,
+    TRL's fused LM head or a DDP wrapper), so writes that no version counter sees, `.data` assignments
+    among them, are picked up by the next forward. A checkpoint recompute of that forward runs in backward,
+    before any new forward, and so reuses the same copies."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    target = decoder if isinstance(decoder, nn.Module) else model
+    return target.register_forward_pre_hook(invalidate_adapter_casts)

@@ -398,12 +398,13 @@ class AttentionTuning:
 
     # H100, bf16 (scripts/attention_gpu.py --sweep): the best of six configs each, fwd / whole backward ms.
     # D128 Llama causal B4 32/8 T4096: fwd 1.34 (128x128 8 warps) vs 1.40 (128x64), 2.55 (128x64, 4 warps);
-    # dK/dV 32x64 4 warps 3 stages 4.89 vs 5.48 (64x128 8 warps); dQ 128x64 8 warps 3 stages 5.29 vs 5.42.
+    # dK/dV 32x64 4 warps 3 stages 4.89 vs 5.48 (64x128 8 warps); dQ 128x64 8 warps 3 stages 5.29 vs 5.42;
+    # a finer second round (--sweep2): dK/dV 32x64 with 2 stages 4.62 vs 4.74 (3) and 4.92 (4).
     # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64); dK/dV 32x32 8.54 vs 8.87 (32x64); dQ 128x32 6.94
     # vs 8.69 (64x32, 8 warps).
     fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
                   (256, KernelConfig(128, 64, 8, 2)))
-    dkdv: tuple = ((128, KernelConfig(32, 64, 4, 3)), (256, KernelConfig(32, 32, 4, 2)))
+    dkdv: tuple = ((128, KernelConfig(32, 64, 4, 2)), (256, KernelConfig(32, 32, 4, 2)))
     dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 2)))
 
 

@@ -10,6 +10,8 @@
 #   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
 #   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
 #   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT and Lightning, with and without fastplug)
+#   probe [ARGS]           python scripts/precision_probe.py ARGS      (loss bias and LoRA grad error vs an fp32 truth)
+#   convergence [ARGS]     python scripts/convergence.py all ARGS      (120 real-text steps, e.g. lora:hf,lora:fastplug)
 # Arguments after a PART belong to it until the next PART name.
 #
 # Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
@@ -37,7 +39,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks"
+PARTS="doctor tests micro e2e maxseq frameworks probe convergence"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -50,6 +52,8 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         e2e)    cmd=("$PY" -m fastplug.bench e2e --out "$OUT_DIR" "$@") ;;
         maxseq) cmd=("$PY" -m fastplug.bench e2e --offload-max-seq --out "$OUT_DIR" "$@") ;;
         frameworks) cmd=("$PY" -m fastplug.bench frameworks --out "$OUT_DIR" "$@") ;;
+        probe)  cmd=("$PY" scripts/precision_probe.py "$@") ;;
+        convergence) cmd=("$PY" scripts/convergence.py all "$@") ;;
     esac
     echo "=== gpu_run: $name: ${cmd[*]}"
     local start=$SECONDS

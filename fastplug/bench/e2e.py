@@ -142,10 +142,10 @@ def sync_device(device):
 
 
 def train_steps(model, params, batches, steps: int, device, deadline: float):
-    """The manual loop: forward with labels, backward, AdamW step, zero_grad. Returns (step seconds, losses)."""
+    """The manual loop: forward with labels, backward, fused AdamW step, zero_grad. Returns (step seconds, losses)."""
     import torch
 
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the HF Trainer's and TRL's default optimizer
     times, losses, host_times = [], [], []
     for step in range(steps):
         ids = batches[step % len(batches)]

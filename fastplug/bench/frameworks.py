@@ -109,7 +109,7 @@ def run_sft(spec: dict, device, fast: bool) -> dict:
         use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
         save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, packing=False, max_length=spec["seq"],
         seed=spec["seed"], disable_tqdm=True,
-    )  # fmt: skip
+    )  # fmt: skip; optim left at its default, adamw_torch_fused, as users run it
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
                       task_type="CAUSAL_LM")  # every linear layer but the LM head, as in build_model
     timer = StepTimer(device, worker_deadline(spec))

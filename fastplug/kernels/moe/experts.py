@@ -91,21 +91,23 @@ def _t(w: torch.Tensor | None) -> torch.Tensor | None:
 class MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation):
-        # peft's factors are strided views ([out, r * E] seen as [E, out, r]); a few MiB of contiguous
-        # copies keep the kernels' loads of them coalesced
-        a1, b1, a2, b2 = (None if t is None else t.contiguous() for t in (a1, b1, a2, b2))
+        # peft's factors are strided views ([out, r * E] seen as [E, out, r]): a few MiB of contiguous
+        # copies keep the kernels' loads coalesced. B carries the scale (b = s B): the kernels then add the
+        # LoRA term into their accumulator, and in backward u = dy b already holds s for dA and dX.
+        a1, a2 = (None if t is None else t.contiguous() for t in (a1, a2))
+        b1, b2 = (None if b is None else (b * s if s != 1.0 else b).contiguous() for b, s in ((b1, s1), (b2, s2)))
         T, H = x.shape
         E, two_i, _ = gate_up.shape
         k = top_k_index.shape[1]
         offsets, gather, scatter = routing_metadata(top_k_index, E)
         rw = top_k_weights.reshape(-1)[scatter.long()]
         t1 = grouped_mm_rows(x, a1, offsets, a_index=gather) if a1 is not None else None
-        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1, s1) if a1 is not None else None)
+        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1) if a1 is not None else None)
         inter = two_i // 2
         h = glu_forward(gu[:, :inter], gu[:, inter:], activation)
         t2 = grouped_mm_rows(h, a2, offsets) if a2 is not None else None
         y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw,
-                            lora=(t2, b2, s2) if a2 is not None else None)
+                            lora=(t2, b2) if a2 is not None else None)
         ctx.save_for_backward(x, gu, t1, t2, offsets, gather, scatter, rw)
         keep_for_backward(ctx, (gate_up, down, a1, b1, a2, b2))
         ctx.scales, ctx.activation, ctx.k = (s1, s2), activation, k
@@ -126,7 +128,7 @@ class MoEExperts(torch.autograd.Function):
         # down projection: d(unweighted h) rows, read from the token gradients
         u2 = grouped_mm_rows(g, _t(b2), offsets, a_index=gather) if a2 is not None else None
         dh = grouped_mm_rows(g, _t(down), offsets, a_index=gather,
-                             lora=(u2, _t(a2), s2) if a2 is not None else None)
+                             lora=(u2, _t(a2)) if a2 is not None else None)
         dgu, h, drw = _glu_rows_backward(dh, gu, rw, ctx.activation)
         if needs[4]:
             grads[4] = grouped_mm_dw(g, h, offsets, E, dy_index=gather, row_weights=rw, dtype=down.dtype)
@@ -134,7 +136,7 @@ class MoEExperts(torch.autograd.Function):
             if needs[8]:
                 grads[8] = grouped_mm_dw(g, t2, offsets, E, dy_index=gather, row_weights=rw, scale=s2, dtype=b2.dtype)
             if needs[7]:
-                grads[7] = grouped_mm_dw(u2, h, offsets, E, row_weights=rw, scale=s2, dtype=a2.dtype)
+                grads[7] = grouped_mm_dw(u2, h, offsets, E, row_weights=rw, dtype=a2.dtype)
         if needs[1]:
             dw = torch.zeros(scatter.shape[0], dtype=torch.float32, device=x.device)
             dw.index_copy_(0, scatter.long(), drw)
@@ -144,7 +146,7 @@ class MoEExperts(torch.autograd.Function):
         u1 = grouped_mm_rows(dgu, _t(b1), offsets) if a1 is not None else None
         if needs[0]:
             slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
-                                    lora=(u1, _t(a1), s1) if a1 is not None else None)
+                                    lora=(u1, _t(a1)) if a1 is not None else None)
             grads[0] = slots.view(T, ctx.k, H).sum(1)
         if needs[3]:
             grads[3] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
@@ -152,7 +154,7 @@ class MoEExperts(torch.autograd.Function):
             if needs[6]:
                 grads[6] = grouped_mm_dw(dgu, t1, offsets, E, scale=s1, dtype=b1.dtype)
             if needs[5]:
-                grads[5] = grouped_mm_dw(u1, x, offsets, E, x_index=gather, scale=s1, dtype=a1.dtype)
+                grads[5] = grouped_mm_dw(u1, x, offsets, E, x_index=gather, dtype=a1.dtype)
         return tuple(grads)
 
 

@@ -12,7 +12,7 @@ Three kernels:
 - `_grouped_mm`: forward and dX (dX is the same product against w[e] read transposed, through strides).
   Programs map to (expert, row tile, column tile) on the device: each program reads the offsets and finds
   its tile in the per-expert tile counts, so there is no host sync and an expert with no rows costs nothing.
-  Optional epilogues: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM) and a
+  Optional epilogues: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM, b = s B) and a
   per-row dot with another tensor (the routing weights' gradient), accumulated with atomics over tiles.
 - `_grouped_mm_dw`: dW[e] = sum over the expert's rows of (row_weights * dy)^T x, one program per
   (expert, N tile, K tile) looping over that expert's rows (an empty expert writes zeros).
@@ -59,7 +59,7 @@ def _expert_tile(offsets_ptr, tile, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.conste
 @triton.jit
 def _grouped_mm(
     a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
-    t_ptr, b_ptr, lora_scale, dot_ptr, dot_src_ptr, dot_index_ptr,
+    t_ptr, b_ptr, dot_ptr, dot_src_ptr, dot_index_ptr,
     M, N, K, E, R,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_tm, stride_tr, stride_be, stride_bn, stride_br, stride_dm, stride_dk,
@@ -99,7 +99,7 @@ def _grouped_mm(
                     mask=mask_m[:, None] & (rr[None, :] < R), other=0.0)
         b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
                     mask=(rr[:, None] < R) & mask_n[None, :], other=0.0)
-        acc += lora_scale * _dot(t, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), PRECISION)
+        acc = _dot(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
     if ROW_DOT:
         # d(row weight) = <this unweighted row, the other tensor's row>, summed over the column tiles.
         if DOT_INDEXED:
@@ -178,13 +178,14 @@ def grouped_mm_rows(
     out: torch.Tensor | None = None,
     out_index: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
-    lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
     row_dot: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + s * t[m] @ b[e]^T); no autograd.
+    """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + t[m] @ b[e]^T); no autograd.
 
-    w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r], s).
+    w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r]), the
+    LoRA scale already folded into b.
     row_dot = (acc [M] fp32, src, src_index or None): acc[m] += <unweighted row m, src[src_index[m]]>.
     M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
     `config` (block sizes, warps, stages) overrides the tuned one (tuning sweeps).
@@ -197,7 +198,7 @@ def grouped_mm_rows(
         return out
     if K == 0:
         return out.zero_()  # the product of empty rows; nothing for the kernel to accumulate
-    t, b, scale = lora if lora is not None else (None, None, 0.0)
+    t, b = lora if lora is not None else (None, None)
     R = t.shape[1] if lora is not None else 0
     dot_acc, dot_src, dot_index = row_dot if row_dot is not None else (None, None, None)
     dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
@@ -207,7 +208,7 @@ def grouped_mm_rows(
         _grouped_mm[grid](
             a, a_index if a_index is not None else dummy, w, out, out_index if out_index is not None else dummy,
             row_weights if row_weights is not None else dummy, offsets,
-            t if t is not None else dummy, b if b is not None else dummy, float(scale),
+            t if t is not None else dummy, b if b is not None else dummy,
             dot_acc if dot_acc is not None else dummy, dot_src if dot_src is not None else dummy,
             dot_index if dot_index is not None else dummy,
             M, N, K, E, R,

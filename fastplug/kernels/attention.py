@@ -635,6 +635,9 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, softcap=None, 
                     doc_start=None, doc_end=None) -> torch.Tensor:
     """The dispatcher without the input checks, for callers that built their arguments (the model
     integration): per-token document bounds (B, T) int32 from `packed_bounds`, or None."""
+    if torch.is_autocast_enabled(q.device.type):  # like SDPA under autocast: compute in the autocast dtype
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     T, S = q.shape[2], k.shape[2]
     scale = float(q.shape[3] ** -0.5 if scale is None else scale)
     window = _normalise_window(sliding_window, causal, T, S)

@@ -164,7 +164,7 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
         start, end, packed = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=sdpa_candidate)
         if sdpa_candidate and not packed:
             start = end = None
-    if key.dtype != query.dtype:  # an upcast on the way (fp32 rotary tables): compute in the query's dtype
+    if key.dtype != query.dtype or value.dtype != query.dtype:  # RoPE under autocast returns fp32 q/k
         key, value = key.to(query.dtype), value.to(query.dtype)
     out = flash_attention(query, key, value, causal=causal, sliding_window=sliding_window, softcap=softcap,
                           scale=scaling, doc_start=start, doc_end=end)

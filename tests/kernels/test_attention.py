@@ -142,3 +142,13 @@ def test_cu_seqlens_needs_one_packed_row():
     q, k, v = _inputs(2, 4, 2, 8, 8, 32)
     with pytest.raises(ValueError, match="packed rows"):
         attention(q, k, v, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+
+
+def test_autocast_computes_in_the_autocast_dtype():
+    q, k, v = _inputs(1, 2, 1, 20, 20, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q, k, v, softcap=10.0)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(v.grad).all()
+    assert_close(out, attention_reference(q, k, v, softcap=10.0), torch.bfloat16, "autocast out", tol=2e-2)

@@ -29,8 +29,8 @@ from .e2e import (
     sync_device, token_batches, worker_deadline,
 )
 
-RUNS = ("sft", "fast_sft", "lightning", "lightning_fastkernels")
-BASELINE = {"fast_sft": "sft", "lightning_fastkernels": "lightning"}
+RUNS = ("sft", "fast_sft", "sft_packed", "fast_sft_packed", "lightning", "lightning_fastkernels")
+BASELINE = {"fast_sft": "sft", "fast_sft_packed": "sft_packed", "lightning_fastkernels": "lightning"}
 MODEL = "llama"
 COLUMNS = ("run", "batch x seq", "tok/s", "vs baseline", "peak GiB", "step ms", "losses (first 3)", "note")
 
@@ -90,7 +90,21 @@ def _model_and_rows(spec, device, peft: bool):
     return model, batches
 
 
-def run_sft(spec: dict, device, fast: bool) -> dict:
+def _documents(batches, seq: int, seed: int) -> list[list[int]]:
+    """The rows' tokens cut into documents of random lengths (16 to seq tokens) for TRL to pack."""
+    import torch
+
+    tokens = torch.cat(batches).flatten().tolist()
+    gen = torch.Generator().manual_seed(seed + 3)
+    docs, at = [], 0
+    while at < len(tokens):
+        n = int(torch.randint(min(16, seq), seq + 1, (1,), generator=gen))
+        docs.append(tokens[at:at + n])
+        at += n
+    return docs
+
+
+def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -100,14 +114,21 @@ def run_sft(spec: dict, device, fast: bool) -> dict:
     from ..patching import unwrap
 
     model, batches = _model_and_rows(spec, device, peft=False)
-    # Pre-packed: every row is exactly seq tokens, so TRL neither tokenizes, packs nor pads.
-    dataset = Dataset.from_dict({"input_ids": torch.cat(batches).tolist()})
+    if packed:
+        # Documents of random lengths, packed by TRL (bfd: padding-free rows, position_ids restarting per
+        # document). No KV cache: with one, transformers would not look for the documents and would attend
+        # across them, and the two runs' losses would not compare.
+        dataset = Dataset.from_dict({"input_ids": _documents(batches, spec["seq"], spec["seed"])})
+        model.config.use_cache = False
+    else:
+        # Pre-packed: every row is exactly seq tokens, so TRL neither tokenizes, packs nor pads.
+        dataset = Dataset.from_dict({"input_ids": torch.cat(batches).tolist()})
     on_gpu = device.type == "cuda"
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="fastplug_bench_sft_"), per_device_train_batch_size=spec["batch"],
         gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=on_gpu,
         use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, packing=False, max_length=spec["seq"],
+        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, packing=packed, max_length=spec["seq"],
         seed=spec["seed"], disable_tqdm=True,
     )  # fmt: skip; optim left at its default, adamw_torch_fused, as users run it
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
@@ -220,8 +241,8 @@ def worker_main(spec_json: str, result_path: str) -> int:
     print(f"\n== frameworks / {spec['run']} ==", flush=True)
     device = torch.device(spec["device"])
     try:
-        if spec["run"] in ("sft", "fast_sft"):
-            result = run_sft(spec, device, fast=spec["run"] == "fast_sft")
+        if spec["run"] in ("sft", "fast_sft", "sft_packed", "fast_sft_packed"):
+            result = run_sft(spec, device, fast=spec["run"].startswith("fast"), packed=spec["run"].endswith("packed"))
         else:
             result = run_lightning(spec, device, fast=spec["run"] == "lightning_fastkernels")
         print(f"step ms: {result['all_step_ms']}\nlosses: {result['losses']}", flush=True)

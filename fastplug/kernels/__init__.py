@@ -4,8 +4,8 @@ Every op runs its Triton kernels on CUDA tensors (and on CPU tensors under TRITO
 plain-torch `*_reference` everywhere else.
 """
 
-from .attention import attention, attention_reference, cu_seqlens_from_position_ids
 from .activations import geglu, geglu_reference, swiglu, swiglu_reference
+from .attention import attention, attention_reference, cu_seqlens_from_position_ids
 from .cross_entropy import (
     cross_entropy,
     cross_entropy_reference,

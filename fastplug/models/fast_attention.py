@@ -159,8 +159,8 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
         return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
 
     if packable:
-        window = _normalise_window(sliding_window, True, T, S)
-        sdpa_candidate = _sdpa_suits(query, key, True, window, softcap, varlen=False)
+        window = _normalise_window(sliding_window, causal, T, S)
+        sdpa_candidate = _sdpa_suits(query, key, causal, window, softcap, varlen=False)
         start, end, packed = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=sdpa_candidate)
         if sdpa_candidate and not packed:
             start = end = None

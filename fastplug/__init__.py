@@ -12,11 +12,14 @@ from .options import KernelOptions
 
 __version__ = "0.1.0"
 __all__ = ["FastKernels", "KernelOptions", "PatchHandle", "patch_model", "__version__"]
+__all__ += ["FastModel", "fast_generate"]
 
 _LAZY = {
     "FastKernels": ("fastplug.callbacks", "FastKernels"),
     "patch_model": ("fastplug.patching", "patch_model"),
     "PatchHandle": ("fastplug.patching", "PatchHandle"),
+    "FastModel": ("fastplug.fast_model", "FastModel"),
+    "fast_generate": ("fastplug.generation", "fast_generate"),
 }
 
 

@@ -1,0 +1,616 @@
+"""fast_generate: batched decoding with a static KV cache, sampling on the device and the UNMERGED LoRA
+adapters a model is training, for evaluation and RL rollouts.
+
+How it is fast:
+- the KV cache is allocated once per (batch bucket, length bucket) and kept on the model between calls;
+- the decoder runs as a plan built from the model's own weights (no transformers forward, no mask
+  builders, no cache objects): on CUDA one decode step is captured in a CUDA graph and replayed, with the
+  position, cache slot, stop flags and output buffer living on the device;
+- the host syncs only to check for EOS, every `_EOS_CHECK_EVERY` tokens; rows that finished keep decoding
+  pad tokens (as transformers' generate does) until every row is done;
+- LoRA stays unmerged: y = x W^T + s (x A^T) B^T reads the adapter tensors themselves (or compute-dtype
+  copies refreshed at each call), so what generates is what is being trained;
+- sampling (temperature, top-k, top-p) draws its noise from a counter-based hash of (seed, step, index):
+  no RNG state inside the graph, and a seeded call gives the same tokens with or without a graph.
+
+Supports the families fastplug patches (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, Qwen2/3-MoE):
+softcaps, sliding windows (masked over the full cache), q/k norms, scaled embeddings; MoE blocks run
+through the model's own (or fastplug's patched) block.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kernels.norms import rms_norm, rms_norm_reference
+from .kernels.rope import rope, rope_reference
+from .models.families import SUPPORTED_FAMILIES, family_of
+from .models.peft_lora import lora_projection
+from .patching import unwrap
+
+_EOS_CHECK_EVERY = 16  # decode steps between host checks of "has every row finished"
+_BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes a cache (and graph) is built for; larger: multiples of 16
+_LENGTH_BUCKET = 256  # cache lengths are rounded up to a multiple of this, so graphs survive new prompt lengths
+_EAGER_WARMUP_STEPS = 2  # real decode steps run eagerly before capture (compiles Triton kernels, cuBLAS init)
+_MAX_EOS = 8  # EOS ids one call may stop on
+_UNSET = object()
+_ATTRIBUTE = "_fastplug_decoder"
+
+
+# ------------------------------------------------------------------------------------------- the plan
+class _Proj:
+    """One linear layer as it computes now: base weight (+ bias) and the unmerged adapter, or the module
+    itself when fastplug cannot reproduce it (DoRA, several adapters, quantized layers)."""
+
+    def __init__(self, module: nn.Module):
+        view = lora_projection(module)
+        self.module = module if view is None else None
+        self.weight = self.bias = self.lora_A = self.lora_B = None
+        self.scaling = 0.0
+        self._sources = ()
+        if view is None:
+            self.key = ("module", id(module))
+            return
+        self.weight, self.bias, self.scaling = view.weight, view.bias, view.scaling
+        self.key = (id(view.weight), id(view.bias), id(view.lora_A), id(view.lora_B), view.scaling)
+        if view.lora_A is None:
+            return
+        dtype = view.weight.dtype
+        if view.lora_A.dtype == dtype and view.lora_B.dtype == dtype:
+            self.lora_A, self.lora_B = view.lora_A, view.lora_B  # live: the trained values, always
+        else:  # fp32 adapters on a bf16 base: compute-dtype copies, refreshed at each call by refresh()
+            self._sources = (view.lora_A, view.lora_B)
+            self.lora_A = torch.empty_like(view.lora_A, dtype=dtype)
+            self.lora_B = torch.empty_like(view.lora_B, dtype=dtype)
+
+    def refresh(self) -> None:
+        if self._sources:
+            self.lora_A.copy_(self._sources[0])
+            self.lora_B.copy_(self._sources[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module is not None:
+            return self.module(x)
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_A is None:
+            return y
+        x2 = x.reshape(-1, x.shape[-1])
+        y2 = torch.addmm(y.reshape(-1, y.shape[-1]), x2 @ self.lora_A.t(), self.lora_B.t(), alpha=self.scaling)
+        return y2.view(y.shape)
+
+
+def _norm_of(module: nn.Module | None, offset: float):
+    if module is None:
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    if eps is None or getattr(module, "weight", None) is None:
+        raise ValueError(f"fast_generate: {type(module).__name__} is not an RMSNorm with a weight and an eps")
+    return (module.weight, float(eps), offset)
+
+
+def _apply_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    if norm is None:
+        return x
+    weight, eps, offset = norm
+    # on CPU the torch maths (the Triton interpreter would be slow and adds nothing at decode sizes)
+    return rms_norm(x, weight, eps, offset) if x.is_cuda else rms_norm_reference(x, weight, eps, offset)
+
+
+class _MLP:
+    def __init__(self, mlp: nn.Module):
+        dense = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        self.module = None if dense else mlp  # MoE blocks: the model's (or fastplug's patched) block
+        if dense:
+            self.gate, self.up, self.down = _Proj(mlp.gate_proj), _Proj(mlp.up_proj), _Proj(mlp.down_proj)
+            self.act = mlp.act_fn
+        self.projs = (self.gate, self.up, self.down) if dense else ()
+        self.key = tuple(p.key for p in self.projs) if dense else ("module", id(mlp))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.module is not None:
+            out = self.module(x)
+            return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+@dataclass
+class _Layer:
+    input_norm: tuple
+    post_attn_norm: tuple | None  # Gemma2/3: norm of the attention output before the residual add
+    ff_norm: tuple
+    post_ff_norm: tuple | None
+    q: _Proj
+    k: _Proj
+    v: _Proj
+    o: _Proj
+    q_norm: tuple | None
+    k_norm: tuple | None
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    softcap: float | None
+    window: int | None
+    rope_key: str | None  # Gemma3: which rotary embedding (layer type)
+    mlp: _MLP
+
+    @property
+    def projs(self):
+        return (self.q, self.k, self.v, self.o, *self.mlp.projs)
+
+
+class _Plan:
+    """The decoder of one model as fastplug runs it; `key` changes when adapters are added, swapped,
+    disabled or merged, and then the plan (and every graph captured from it) is rebuilt."""
+
+    def __init__(self, model: nn.Module):
+        base = unwrap(model)
+        family = family_of(base)
+        if family is None:
+            model_type = getattr(getattr(base, "config", None), "model_type", type(base).__name__)
+            raise ValueError(
+                f"fast_generate supports the families {SUPPORTED_FAMILIES}; got model type {model_type!r} "
+                "(use model.generate for it)"
+            )
+        config = base.config
+        decoder = base.get_decoder()
+        offset = family.rms_norm_offset
+        self.embed = decoder.embed_tokens
+        # Gemma scales embeddings by sqrt(hidden): in the embedding module (recent transformers) or in the
+        # model's forward (earlier ones)
+        self.embed_scale = None
+        if family.name.startswith("gemma") and not hasattr(self.embed, "embed_scale"):
+            # a tensor made once: a captured graph cannot copy a Python number to the device
+            self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=self.embed.weight.dtype,
+                                            device=self.embed.weight.device)
+        self.rotary = decoder.rotary_emb
+        self.rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rotary_local = getattr(decoder, "rotary_emb_local", None)
+        self.final_norm = _norm_of(decoder.norm, offset)
+        head = base.get_output_embeddings()
+        self.lm_head = _Proj(head)
+        self.vocab = head.weight.shape[0]
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        self.layers = [self._layer(layer, family, offset) for layer in decoder.layers]
+        self.key = (self.lm_head.key, tuple((*(p.key for p in lp.projs), lp.mlp.key) for lp in self.layers))
+        self.weight = self.embed.weight
+
+    def _layer(self, layer: nn.Module, family, offset: float) -> _Layer:
+        attn = layer.self_attn
+        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling") if not hasattr(attn, n)]
+        if missing:
+            raise ValueError(f"fast_generate: {type(attn).__name__} has no {', '.join(missing)}")
+        config = attn.config
+        extra = family.attention_extra_kwargs(attn)
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")
+        layer_type = getattr(attn, "layer_type", None)
+        if self.rotary_takes_layer_type:
+            rope_key = layer_type
+        else:
+            rope_key = "local" if self.rotary_local is not None and getattr(attn, "is_sliding", False) else None
+        return _Layer(
+            input_norm=_norm_of(layer.input_layernorm, offset),
+            post_attn_norm=_norm_of(layer.post_attention_layernorm, offset) if sandwich else None,
+            ff_norm=_norm_of(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, offset),
+            post_ff_norm=_norm_of(layer.post_feedforward_layernorm, offset) if sandwich else None,
+            q=_Proj(attn.q_proj), k=_Proj(attn.k_proj), v=_Proj(attn.v_proj), o=_Proj(attn.o_proj),
+            q_norm=_norm_of(getattr(attn, "q_norm", None), offset),
+            k_norm=_norm_of(getattr(attn, "k_norm", None), offset),
+            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+            scaling=float(attn.scaling), softcap=extra.get("softcap"), window=extra.get("sliding_window"),
+            rope_key=rope_key, mlp=_MLP(layer.mlp),
+        )
+
+    def refresh(self) -> None:
+        for p in (self.lm_head, *(p for lp in self.layers for p in lp.projs)):
+            p.refresh()
+
+    def rotary_embeddings(self, h: torch.Tensor, pos: torch.Tensor) -> dict:
+        out = {}
+        for key in {lp.rope_key for lp in self.layers}:
+            if self.rotary_takes_layer_type:
+                out[key] = self.rotary(h, pos, key)
+            else:
+                out[key] = (self.rotary_local if key == "local" else self.rotary)(h, pos)
+        return out
+
+
+# ------------------------------------------------------------------------------------ per-batch state
+class _Session:
+    """Static buffers for one (batch bucket, cache length): the KV cache and the decode state, all on the
+    device, so a captured decode step reads and advances them by itself."""
+
+    def __init__(self, plan: _Plan, batch: int, length: int, vocab: int):
+        w = plan.weight
+        device, dtype = w.device, w.dtype
+        self.batch, self.length = batch, length
+        self.k = [torch.zeros(batch, lp.kv_heads, length, lp.head_dim, device=device, dtype=dtype) for lp in plan.layers]
+        self.v = [torch.zeros_like(k) for k in self.k]
+        self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)  # which cache columns hold tokens
+        self.columns = torch.arange(length, device=device)
+        longs = dict(device=device, dtype=torch.long)
+        self.tok = torch.zeros(batch, 1, **longs)
+        self.pos = torch.zeros(batch, 1, **longs)
+        self.slot = torch.zeros(1, **longs)  # the cache column the next token is written to
+        self.count = torch.zeros(1, **longs)  # tokens generated so far
+        self.out = torch.zeros(batch, length, **longs)
+        self.finished = torch.zeros(batch, device=device, dtype=torch.bool)
+        self.done_at = torch.zeros(batch, **longs)  # the step at which each row emitted its EOS
+        self.eos = torch.full((_MAX_EOS,), -1, **longs)  # fixed size: a graph keeps reading the same buffer
+        self.pad = torch.zeros((), **longs)
+        self.seed = torch.zeros((), **longs)
+        self.temperature = torch.ones((), device=device, dtype=torch.float32)
+        self.top_p = torch.ones((), device=device, dtype=torch.float32)
+        self.noise_index = torch.arange(batch * vocab, **longs).view(batch, vocab)
+        self.graphs: dict = {}  # (do_sample, top_k, uses top_p) -> CUDAGraph
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+# ---------------------------------------------------------------------------------- the decoder itself
+def _attend(q, k, v, mask, scaling: float, softcap: float | None):
+    """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads), mask [B, 1, T, S] bool: True attends."""
+    if softcap is None and q.shape[2] > 1:  # prefill: SDPA keeps memory linear in the prompt
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+    b, h, t, d = q.shape
+    kv_heads = k.shape[1]
+    group = h // kv_heads
+    qg = q.reshape(b, kv_heads, group * t, d)  # heads of one group share a key/value head
+    scores = (qg @ k.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(b, kv_heads, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs.view(b, kv_heads, group * t, -1) @ v).view(b, h, t, d)
+
+
+def _rope(q, k, cos, sin):
+    return rope(q, k, cos, sin) if q.is_cuda else rope_reference(q, k, cos, sin)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (wrapping multiplies; logical shifts by masking)."""
+    x = (x ^ ((x >> 30) & ((1 << 34) - 1))) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = (x ^ ((x >> 27) & ((1 << 37) - 1))) * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+class _Decoder:
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+        self.sessions: dict[tuple[int, int], _Session] = {}
+        self.graph_failure: str | None = None  # why capture failed once (then this model decodes eagerly)
+
+    # -- the model
+    def forward(self, s: _Session, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] (fp32) of the last position; writes K/V of `ids` into the cache (T > 1: columns
+        0..T-1, the prompt; T == 1: column `s.slot`)."""
+        plan = self.plan
+        t = ids.shape[1]
+        h = plan.embed(ids)
+        if plan.embed_scale is not None:
+            h = h * plan.embed_scale
+        rotary = plan.rotary_embeddings(h, pos)
+        masks = {}
+        for index, lp in enumerate(plan.layers):
+            if lp.window not in masks:
+                masks[lp.window] = self._mask(s, t, lp.window)
+            x = self._attention(lp, _apply_norm(lp.input_norm, h), rotary[lp.rope_key], s, index, masks[lp.window])
+            h = h + _apply_norm(lp.post_attn_norm, x)
+            h = h + _apply_norm(lp.post_ff_norm, lp.mlp(_apply_norm(lp.ff_norm, h)))
+        logits = plan.lm_head(_apply_norm(plan.final_norm, h[:, -1:]))
+        if plan.final_softcap is not None:
+            logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap
+        return logits[:, -1].float()
+
+    @staticmethod
+    def _mask(s: _Session, t: int, window: int | None) -> torch.Tensor:
+        # windows count cache columns, as transformers' sliding-window masks count cache positions
+        if t == 1:
+            mask = s.valid
+            if window is not None:
+                mask = mask & (s.columns > s.slot - window)
+            return mask[:, None, None, :]
+        cols = s.columns[:t]
+        allowed = cols[None, :] <= cols[:, None]
+        if window is not None:
+            allowed = allowed & (cols[None, :] > cols[:, None] - window)
+        mask = s.valid[:, None, None, :t] & allowed
+        # a pad query sees itself: finite outputs (never read: pad keys are masked for every real query)
+        return mask | torch.eye(t, dtype=torch.bool, device=cols.device)
+
+    @staticmethod
+    def _attention(lp: _Layer, x, cos_sin, s: _Session, index: int, mask):
+        b, t, _ = x.shape
+        q = lp.q(x).view(b, t, lp.heads, lp.head_dim)
+        k = lp.k(x).view(b, t, lp.kv_heads, lp.head_dim)
+        v = lp.v(x).view(b, t, lp.kv_heads, lp.head_dim).transpose(1, 2)
+        q, k = _apply_norm(lp.q_norm, q), _apply_norm(lp.k_norm, k)
+        q, k = _rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
+        k_cache, v_cache = s.k[index], s.v[index]
+        if t == 1:
+            k_cache.index_copy_(2, s.slot, k)
+            v_cache.index_copy_(2, s.slot, v)
+            keys, values = k_cache, v_cache
+        else:
+            k_cache[:, :, :t] = k
+            v_cache[:, :, :t] = v
+            keys, values = k, v
+        out = _attend(q, keys, values, mask, lp.scaling, lp.softcap)
+        return lp.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    # -- choosing and recording tokens
+    @staticmethod
+    def _choose(logits: torch.Tensor, s: _Session, sampling: _Sampling) -> torch.Tensor:
+        if not sampling.do_sample:
+            return logits.argmax(-1)
+        logits = logits / s.temperature
+        if sampling.top_k:
+            kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            ordered, order = torch.sort(logits, dim=-1, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            drop = (probs.cumsum(-1) - probs) > s.top_p  # mass before this token already reaches top_p
+            logits = logits.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(logits, dim=-1)
+        # argmax(p / E) with E ~ Exp(1) samples from p; E from a hash of (seed, step, index): 24 random bits
+        bits = _mix(s.noise_index + (s.seed * 1_000_003 + s.count) * s.noise_index.numel())
+        uniform = (((bits >> 40) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+        return (probs / -torch.log(uniform)).argmax(-1)
+
+    def _emit(self, logits: torch.Tensor, s: _Session, sampling: _Sampling) -> None:
+        token = torch.where(s.finished, s.pad, self._choose(logits, s, sampling))
+        newly = ~s.finished & (token[:, None] == s.eos).any(-1)
+        s.done_at.copy_(torch.where(newly, s.count, s.done_at))
+        s.finished.logical_or_(newly)
+        s.out.index_copy_(1, s.count, token[:, None])
+        s.tok.copy_(token[:, None])
+        s.count.add_(1)
+
+    def step(self, s: _Session, sampling: _Sampling) -> None:
+        """One decode step, on device state only (what the CUDA graph captures)."""
+        s.valid.index_fill_(1, s.slot, True)
+        self._emit(self.forward(s, s.tok, s.pos), s, sampling)
+        s.pos.add_(1)
+        s.slot.add_(1)
+
+
+    # -- a whole call
+    def session(self, batch: int, length: int) -> _Session:
+        key = (batch, length)
+        if key not in self.sessions:
+            self.sessions.clear()  # one cache at a time: a new bucket frees the previous one's memory first
+            self.sessions[key] = _Session(self.plan, batch, length, self.plan.vocab)
+        return self.sessions[key]
+
+    def prefill(self, s: _Session, ids, mask, real_rows: int, sampling: _Sampling, eos, pad: int, seed: int):
+        t = ids.shape[1]
+        s.valid.zero_()
+        s.valid[:, :t] = mask
+        s.finished.zero_()
+        s.finished[real_rows:] = True  # rows that only fill the batch bucket
+        s.done_at.fill_(s.length)
+        s.done_at[real_rows:] = 0
+        s.eos.fill_(-1)
+        if eos:
+            s.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+        s.pad.fill_(pad)
+        s.seed.fill_(seed)
+        s.temperature.fill_(sampling.temperature)
+        s.top_p.fill_(sampling.top_p)
+        s.count.zero_()
+        pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # left padding: positions count real tokens
+        self._emit(self.forward(s, ids, pos), s, sampling)
+        s.pos.copy_(mask.sum(-1, keepdim=True))
+        s.slot.fill_(t)
+
+    def _capture(self, s: _Session, sampling: _Sampling, key):
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.step(s, sampling)
+        except Exception as error:  # an op that syncs or allocates on the host: decode eagerly instead
+            self.graph_failure = f"{type(error).__name__}: {error}".splitlines()[0]
+            warnings.warn(f"fast_generate: CUDA graph capture failed, decoding eagerly ({self.graph_failure})",
+                          stacklevel=4)
+            return None
+        s.graphs[key] = graph
+        return graph
+
+    def decode(self, s: _Session, sampling: _Sampling, steps: int, streamer) -> int:
+        """Runs up to `steps` decode steps after the prefill; returns how many tokens each row now has."""
+        key = (sampling.do_sample, sampling.top_k, sampling.top_p < 1.0)
+        graph = s.graphs.get(key)
+        may_capture = s.tok.is_cuda and self.graph_failure is None
+        streamed = 0
+        done = 0
+        while True:
+            produced = 1 + done
+            if done % _EOS_CHECK_EVERY == 0 or done == steps:
+                if streamer is not None:  # batch 1 (transformers' streamers say so); nothing past its EOS
+                    end = min(produced, int(s.done_at[0]) + 1)
+                    if end > streamed:
+                        streamer.put(s.out[0, streamed:end].cpu())
+                    streamed = max(streamed, end)
+                if done == steps or bool(s.finished.all()):
+                    return produced
+            if graph is None and may_capture and done >= _EAGER_WARMUP_STEPS:
+                graph = self._capture(s, sampling, key)
+                may_capture = graph is not None
+            if graph is not None:
+                graph.replay()
+            else:
+                self.step(s, sampling)
+            done += 1
+
+
+def _decoder(model: nn.Module) -> _Decoder:
+    """The model's decoder, rebuilt when its adapters changed (added, swapped, disabled, merged)."""
+    base = unwrap(model)
+    plan = _Plan(model)
+    decoder = vars(base).get(_ATTRIBUTE)
+    if decoder is None or decoder.plan.key != plan.key:
+        decoder = _Decoder(plan)
+        vars(base)[_ATTRIBUTE] = decoder  # a plain attribute: not a submodule, not in the state dict
+    decoder.plan.refresh()
+    return decoder
+
+
+def _bucket(n: int, buckets, step: int) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return -(-n // step) * step
+
+
+def _as_ids(value, name: str) -> list[int]:
+    if value is None:
+        return []
+    ids = [value] if isinstance(value, int) else list(value.tolist() if torch.is_tensor(value) else value)
+    if not all(isinstance(i, int) and i >= 0 for i in ids):
+        raise ValueError(f"{name} must be a token id or a list of them; got {value!r}")
+    return ids
+
+
+def _sampling_of(config, do_sample, temperature, top_k, top_p) -> _Sampling:
+    def pick(value, name, default):
+        if value is not None:
+            return value
+        from_config = getattr(config, name, None) if config is not None else None
+        return default if from_config is None else from_config
+
+    sampling = _Sampling(
+        do_sample=bool(pick(do_sample, "do_sample", False)),
+        temperature=float(pick(temperature, "temperature", 1.0)),
+        top_k=pick(top_k, "top_k", 0),
+        top_p=float(pick(top_p, "top_p", 1.0)),
+    )
+    if sampling.do_sample:
+        if not sampling.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling; got {sampling.temperature}")
+        if not isinstance(sampling.top_k, int) or sampling.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off); got {sampling.top_k!r}")
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {sampling.top_p}")
+    return sampling
+
+
+def _check_inputs(input_ids, attention_mask, device) -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError(f"input_ids must be a 2-D integer tensor [batch, prompt]; got {_describe(input_ids)}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must hold at least one prompt token per row; got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}; got {_describe(attention_mask)}"
+        )
+    mask = attention_mask.to(device=device, dtype=torch.long)
+    if bool(((mask != 0) & (mask != 1)).any()) or bool((mask.diff(dim=1) < 0).any()) or bool((mask[:, -1] == 0).any()):
+        raise ValueError("attention_mask must be 0/1 with LEFT padding (zeros before ones, every row ending in a "
+                         "token); use tokenizer.padding_side = 'left' for generation")
+    return input_ids.to(device=device, dtype=torch.long), mask
+
+
+def _describe(value) -> str:
+    if torch.is_tensor(value):
+        return f"a {value.dim()}-D {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def fast_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    attention_mask: torch.Tensor | None = None,
+    generation_config=None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id=_UNSET,
+    pad_token_id=_UNSET,
+    streamer=None,
+    max_seq_length: int | None = None,
+) -> torch.Tensor:
+    """Generate up to `max_new_tokens` tokens per row; returns [batch, prompt + generated] like
+    transformers' `generate` (rows that stopped early are filled with `pad_token_id`).
+
+    `input_ids` [batch, prompt] with LEFT padding (`attention_mask` zeros first). Sampling settings come from
+    the keyword arguments, else `generation_config`, else the model's generation config; greedy by default.
+    `eos_token_id` / `pad_token_id` likewise (None: no EOS stop). Sampling draws from torch's global RNG
+    once per call (a seed), so `torch.manual_seed` makes a call reproducible. `max_seq_length` (default: the
+    one the model was loaded with by FastModel, if any) bounds prompt + new tokens: ValueError before
+    generating when they do not fit. LoRA adapters are applied unmerged, as they stand at the call.
+    """
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
+    base = unwrap(model)
+    config = generation_config if generation_config is not None else getattr(base, "generation_config", None)
+    sampling = _sampling_of(config, do_sample, temperature, top_k, top_p)
+    eos = _as_ids(getattr(config, "eos_token_id", None) if eos_token_id is _UNSET else eos_token_id, "eos_token_id")
+    if len(eos) > _MAX_EOS:
+        raise ValueError(f"at most {_MAX_EOS} eos_token_id values; got {len(eos)}")
+    pad = getattr(config, "pad_token_id", None) if pad_token_id is _UNSET else pad_token_id
+    pad = _as_ids(pad, "pad_token_id")[:1] or eos[:1] or [0]  # transformers pads with the EOS id when unset
+
+    plan_device = unwrap(model).get_input_embeddings().weight.device
+    ids, mask = _check_inputs(input_ids, attention_mask, plan_device)
+    rows, prompt = ids.shape
+    needed = prompt + max_new_tokens
+    max_seq_length = max_seq_length or vars(base).get("_fastplug_max_seq_length")
+    if max_seq_length is not None and needed > max_seq_length:
+        raise ValueError(
+            f"prompt ({prompt}) + max_new_tokens ({max_new_tokens}) = {needed} tokens exceed max_seq_length "
+            f"{max_seq_length}, the cache size"
+        )
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if sampling.do_sample else 0
+
+    was_training = model.training
+    model.eval()  # no dropout while generating (and peft's dropout-free layers stay on the fused view)
+    try:
+        with torch.no_grad():
+            decoder = _decoder(model)
+            batch = _bucket(rows, _BATCH_BUCKETS, 16)
+            session = decoder.session(batch, _bucket(needed, (), _LENGTH_BUCKET))
+            if batch > rows:  # bucket rows: one real-looking token each, their output dropped
+                ids = torch.cat([ids, ids.new_full((batch - rows, prompt), pad[0])])
+                mask = torch.cat([mask, mask.new_ones(batch - rows, prompt)])
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            decoder.prefill(session, ids, mask, rows, sampling, eos, pad[0], seed)
+            produced = decoder.decode(session, sampling, max_new_tokens - 1, streamer)
+            # every row done: transformers stops at the step where the last row finished
+            produced = min(produced, int(session.done_at[:rows].max()) + 1)
+            generated = session.out[:rows, :produced].clone()
+    finally:
+        model.train(was_training)
+        if streamer is not None:
+            streamer.end()
+    return torch.cat([input_ids.to(generated.device), generated], dim=1)
+
+
+def graph_status(model: nn.Module) -> str:
+    """Words for the bench and logs: whether this model's decode step runs as a CUDA graph."""
+    decoder = vars(unwrap(model)).get(_ATTRIBUTE)
+    if decoder is None:
+        return "not generated yet"
+    if decoder.graph_failure:
+        return f"eager (capture failed: {decoder.graph_failure})"
+    captured = sum(len(s.graphs) for s in decoder.sessions.values())
+    return f"CUDA graph ({captured} captured)" if captured else "eager"

@@ -34,6 +34,14 @@ def _softmax_rows(logits_ptr, rows, cols, T, E, stride_t):
 
 
 @triton.jit
+def _pick(remaining, cols, BLOCK_E: tl.constexpr):
+    """The largest value of each row and its expert (the lower one on ties); that entry is then retired."""
+    best = tl.max(remaining, 1)
+    pick = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), 1)
+    return best, pick, tl.where(cols[None, :] == pick[:, None], -2.0, remaining)
+
+
+@triton.jit
 def _router_fwd(
     logits_ptr, weights_ptr, index_ptr, T, E, stride_t,
     TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -49,15 +57,11 @@ def _router_fwd(
         remaining = valid
         total = tl.zeros((BLOCK_T,), dtype=tl.float32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(remaining, 1)
-            pick = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), 1)
-            remaining = tl.where(cols[None, :] == pick[:, None], -2.0, remaining)
+            best, pick, remaining = _pick(remaining, cols, BLOCK_E)
             total += best
     remaining = valid
     for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, 1)
-        pick = tl.min(tl.where(remaining == best[:, None], cols[None, :], BLOCK_E), 1)
-        remaining = tl.where(cols[None, :] == pick[:, None], -2.0, remaining)
+        best, pick, remaining = _pick(remaining, cols, BLOCK_E)
         tl.store(index_ptr + rows * TOP_K + j, pick.to(index_ptr.dtype.element_ty), mask=row_ok)
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
 

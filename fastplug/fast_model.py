@@ -69,8 +69,11 @@ def _tokenizer(name_or_path, model: nn.Module, shared: dict):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **shared)
     except (OSError, ValueError, TypeError) as error:
-        warnings.warn(f"fastplug: no tokenizer loaded from {name_or_path!r} ({error}); returning None",
-                      stacklevel=3)
+        tokenizer, reason = None, str(error)
+    else:  # recent transformers build an empty tokenizer when the folder has no tokenizer files
+        reason = "its tokenizer has an empty vocabulary" if not tokenizer.vocab_size else None
+    if reason is not None:
+        warnings.warn(f"fastplug: no tokenizer loaded from {name_or_path!r} ({reason}); returning None", stacklevel=3)
         return None
     if tokenizer.pad_token is None:  # batching needs one; the EOS (or UNK) token is the usual stand-in
         stand_in = tokenizer.eos_token or tokenizer.unk_token
@@ -235,5 +238,8 @@ class FastModel:
 
 
 def _disable_checkpointing(model: nn.Module) -> None:
-    if checkpointing.is_enabled(model) and hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
+    if not checkpointing.is_enabled(model):
+        return
+    # transformers 5.23 name first (the older one warns there), then 5.17's
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()

@@ -70,10 +70,11 @@ def test_patched_attention_matches_unpatched(family):
         if family == "gemma2":
             assert "softcap 50, sliding window 6" in summary
         _assert_same_training_step(model, reference, _inputs(2))
-        # packed: the unpatched model masks across documents (use_cache=False lets transformers see the
-        # restarts), the patched one runs the varlen kernel with no 4-D mask
-        packed = torch.cat([torch.arange(n) for n in DOCS])[None]
-        _assert_same_training_step(model, reference, _inputs(1, packed))
+        if family != "qwen2":  # (Llama's attention plus biases: the packed run adds nothing there)
+            # packed: the unpatched model masks across documents (use_cache=False lets transformers see the
+            # restarts), the patched one runs the varlen kernel with no 4-D mask
+            packed = torch.cat([torch.arange(n) for n in DOCS])[None]
+            _assert_same_training_step(model, reference, _inputs(1, packed))
     assert base.config._attn_implementation == original
 
 

@@ -12,8 +12,7 @@ Three kernels:
 - `_grouped_mm`: forward and dX (dX is the same product against w[e] read transposed, through strides).
   Programs map to (expert, row tile, column tile) on the device: each program reads the offsets and finds
   its tile in the per-expert tile counts, so there is no host sync and an expert with no rows costs nothing.
-  Optional epilogues: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM, b = s B) and a
-  per-row dot with another tensor (the routing weights' gradient), accumulated with atomics over tiles.
+  Optional epilogue: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM, b = s B).
 - `_grouped_mm_dw`: dW[e] = sum over the expert's rows of (row_weights * dy)^T x, one program per
   (expert, N tile, K tile) looping over that expert's rows (an empty expert writes zeros).
 Block sizes come from `tuning.config_for` (autotuned per device and shape, cached on disk).
@@ -59,12 +58,12 @@ def _expert_tile(offsets_ptr, tile, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.conste
 @triton.jit
 def _grouped_mm(
     a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
-    t_ptr, b_ptr, dot_ptr, dot_src_ptr, dot_index_ptr,
+    t_ptr, b_ptr,
     M, N, K, E, R,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_tm, stride_tr, stride_be, stride_bn, stride_br, stride_dm, stride_dk,
+    stride_tm, stride_tr, stride_be, stride_bn, stride_br,
     HAS_A_INDEX: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, HAS_RW: tl.constexpr, HAS_LORA: tl.constexpr,
-    ROW_DOT: tl.constexpr, DOT_INDEXED: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -100,15 +99,6 @@ def _grouped_mm(
         b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
                     mask=(rr[:, None] < R) & mask_n[None, :], other=0.0)
         acc = _dot(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
-    if ROW_DOT:
-        # d(row weight) = <this unweighted row, the other tensor's row>, summed over the column tiles.
-        if DOT_INDEXED:
-            drow = tl.load(dot_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
-        else:
-            drow = rm.to(tl.int64)
-        other = tl.load(dot_src_ptr + drow[:, None] * stride_dm + rn[None, :] * stride_dk,
-                        mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        tl.atomic_add(dot_ptr + rm, tl.sum(acc * other, 1), mask=mask_m)
     if HAS_RW:
         acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     if HAS_OUT_INDEX:
@@ -179,14 +169,12 @@ def grouped_mm_rows(
     out_index: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
     lora: tuple[torch.Tensor, torch.Tensor] | None = None,
-    row_dot: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
     """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + t[m] @ b[e]^T); no autograd.
 
     w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r]), the
     LoRA scale already folded into b.
-    row_dot = (acc [M] fp32, src, src_index or None): acc[m] += <unweighted row m, src[src_index[m]]>.
     M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
     `config` (block sizes, warps, stages) overrides the tuned one (tuning sweeps).
     """
@@ -200,33 +188,26 @@ def grouped_mm_rows(
         return out.zero_()  # the product of empty rows; nothing for the kernel to accumulate
     t, b = lora if lora is not None else (None, None)
     R = t.shape[1] if lora is not None else 0
-    dot_acc, dot_src, dot_index = row_dot if row_dot is not None else (None, None, None)
     dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
 
-    def launch(cfg: dict, dot_acc: torch.Tensor | None) -> None:
+    def launch(cfg: dict) -> None:
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(N, cfg["BLOCK_N"]),)
         _grouped_mm[grid](
             a, a_index if a_index is not None else dummy, w, out, out_index if out_index is not None else dummy,
             row_weights if row_weights is not None else dummy, offsets,
             t if t is not None else dummy, b if b is not None else dummy,
-            dot_acc if dot_acc is not None else dummy, dot_src if dot_src is not None else dummy,
-            dot_index if dot_index is not None else dummy,
             M, N, K, E, R,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             *(t.stride() if t is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
-            *(dot_src.stride() if dot_src is not None else (0, 0)),
             HAS_A_INDEX=a_index is not None, HAS_OUT_INDEX=out_index is not None, HAS_RW=row_weights is not None,
-            HAS_LORA=lora is not None, ROW_DOT=row_dot is not None, DOT_INDEXED=dot_index is not None,
+            HAS_LORA=lora is not None,
             PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2), BLOCK_R=max(16, next_power_of_2(R)),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
-    # tuning runs write `out` (overwritten by the real launch) and atomics into a scratch row-dot buffer
-    scratch = None if dot_acc is None else torch.empty_like(dot_acc)
-    if config is None:
-        config = tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=lambda cfg: launch(cfg, scratch))
-    launch(config, dot_acc)
+    # tuning runs write `out`, which the real launch then overwrites
+    launch(config or tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=launch))
     return out
 
 
@@ -309,23 +290,25 @@ class GroupedGemm(torch.autograd.Function):
         x, w, offsets, gather_index, scatter_index, row_weights = ctx.saved_tensors
         need_x, need_w, _, _, _, need_rw = ctx.needs_input_grad
         dx = dw = drw = None
-        row_dot = None
-        if need_rw:
-            drw = torch.zeros(row_weights.shape, dtype=torch.float32, device=x.device)
-            row_dot = (drw, x, gather_index)
         if need_x or need_rw:
+            # unweighted rows when the routing weights need their gradient <d(unweighted row), x row>
             rows = grouped_mm_rows(grad_out, w.transpose(1, 2), offsets, a_index=scatter_index,
-                                   row_weights=row_weights, row_dot=row_dot)
+                                   row_weights=None if need_rw else row_weights)
+            if need_rw:
+                rows = rows.float()
+                x_rows = x[gather_index] if gather_index is not None else x
+                drw = (rows * x_rows.float()).sum(1).to(row_weights.dtype)
+                rows = rows * row_weights.float()[:, None]
             if need_x and gather_index is not None:
                 # several rows read one token: sum their gradients (fp32, then x's dtype)
                 dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
                 dx = dx.index_add_(0, gather_index, rows.float()).to(x.dtype)
             elif need_x:
-                dx = rows
+                dx = rows.to(x.dtype)
         if need_w:
             dw = grouped_mm_dw(grad_out, x, offsets, w.shape[0], dy_index=scatter_index, x_index=gather_index,
                                row_weights=row_weights, dtype=w.dtype)
-        return dx, dw, None, None, None, (drw.to(row_weights.dtype) if drw is not None else None)
+        return dx, dw, None, None, None, drw
 
 
 # ------------------------------------------------------------------------------------------- public API

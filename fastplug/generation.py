@@ -64,15 +64,18 @@ class _Proj:
         dtype = view.weight.dtype
         if view.lora_A.dtype == dtype and view.lora_B.dtype == dtype:
             self.lora_A, self.lora_B = view.lora_A, view.lora_B  # live: the trained values, always
-        else:  # fp32 adapters on a bf16 base: compute-dtype copies, refreshed at each call by refresh()
+        else:  # fp32 adapters on a bf16 base: compute-dtype copies, made and refreshed by refresh()
             self._sources = (view.lora_A, view.lora_B)
-            self.lora_A = torch.empty_like(view.lora_A, dtype=dtype)
-            self.lora_B = torch.empty_like(view.lora_B, dtype=dtype)
 
     def refresh(self) -> None:
-        if self._sources:
-            self.lora_A.copy_(self._sources[0])
-            self.lora_B.copy_(self._sources[1])
+        """Update the adapter copies in place (a captured graph keeps reading the same buffers)."""
+        if not self._sources:
+            return
+        if self.lora_A is None:
+            dtype = self.weight.dtype
+            self.lora_A, self.lora_B = (torch.empty_like(t, dtype=dtype) for t in self._sources)
+        self.lora_A.copy_(self._sources[0])
+        self.lora_B.copy_(self._sources[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is not None:
@@ -430,11 +433,11 @@ class _Decoder:
         s.graphs[key] = graph
         return graph
 
-    def decode(self, s: _Session, sampling: _Sampling, steps: int, streamer) -> int:
+    def decode(self, s: _Session, sampling: _Sampling, steps: int, streamer, cuda_graph: bool) -> int:
         """Runs up to `steps` decode steps after the prefill; returns how many tokens each row now has."""
         key = (sampling.do_sample, sampling.top_k, sampling.top_p < 1.0)
-        graph = s.graphs.get(key)
-        may_capture = s.tok.is_cuda and self.graph_failure is None
+        graph = s.graphs.get(key) if cuda_graph else None
+        may_capture = cuda_graph and s.tok.is_cuda and self.graph_failure is None
         streamed = 0
         done = 0
         while True:
@@ -547,6 +550,7 @@ def fast_generate(
     pad_token_id=_UNSET,
     streamer=None,
     max_seq_length: int | None = None,
+    cuda_graph: bool = True,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` tokens per row; returns [batch, prompt + generated] like
     transformers' `generate` (rows that stopped early are filled with `pad_token_id`).
@@ -557,6 +561,7 @@ def fast_generate(
     once per call (a seed), so `torch.manual_seed` makes a call reproducible. `max_seq_length` (default: the
     one the model was loaded with by FastModel, if any) bounds prompt + new tokens: ValueError before
     generating when they do not fit. LoRA adapters are applied unmerged, as they stand at the call.
+    `cuda_graph=False` decodes eagerly on CUDA too (for comparisons; the graph is the fast path).
     """
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
@@ -594,7 +599,7 @@ def fast_generate(
             if streamer is not None:
                 streamer.put(input_ids.cpu())
             decoder.prefill(session, ids, mask, rows, sampling, eos, pad[0], seed)
-            produced = decoder.decode(session, sampling, max_new_tokens - 1, streamer)
+            produced = decoder.decode(session, sampling, max_new_tokens - 1, streamer, cuda_graph)
             # every row done: transformers stops at the step where the last row finished
             produced = min(produced, int(session.done_at[:rows].max()) + 1)
             generated = session.out[:rows, :produced].clone()

@@ -3,7 +3,8 @@ host memory.
 
 `snapshot(model)` / `restore(snapshot)` put a model's checkpointing state back exactly, so patching stays
 reversible. `enable(model, mode)` turns checkpointing on; with "offload" every decoder layer's
-`_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes `offload_checkpoint`.
+`_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes `offload_checkpoint`;
+with "auto" an `AutoCheckpointing` leaves as many layers unchecked as the GPU's memory holds.
 
 How "offload" works: transformers calls `layer._gradient_checkpointing_func(partial(forward, layer, **kw),
 hidden_states)`. The forward runs without autograd; its input is copied to pinned CPU memory on a side CUDA
@@ -87,13 +88,139 @@ def install_offload(model: nn.Module) -> int:
     return len(layers)
 
 
-def enable(model: nn.Module, mode) -> str:
-    """Turn checkpointing on (mode True or "offload"); returns words for the patch summary."""
+def enable(model: nn.Module, mode):
+    """Turn checkpointing on (mode True, "offload" or "auto"); returns words for the patch summary, or for
+    "auto" the AutoCheckpointing (its str is those words; `remove()` it before restoring a snapshot)."""
     if not is_enabled(model):
         enable_native(model)
+    if mode == "auto":
+        return AutoCheckpointing(model)
     if mode == "offload" and install_offload(model):
         return "offload (layer inputs in pinned CPU memory)"
     return "on (non-reentrant)" if mode != "offload" else "on (non-reentrant; offload needs CUDA)"
+
+
+# ------------------------------------------------------------------------------------------------- auto
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class AutoCheckpointing:
+    """gradient_checkpointing="auto": recompute only as many decoder layers as memory needs.
+
+    A 1B model at 4x2048 leaves most of an 80 GB GPU unused, yet full checkpointing recomputes every layer's
+    forward (about a third more work per step). At the first training forward the first layer runs
+    unchecked and what its saved activations take is measured (allocated bytes after its forward, minus its
+    output, per token). After the first optimizer step (so that its states are allocated) the peak so far is
+    the base: weights, optimizer states, checkpointed inputs, one layer's recompute, the loss, and the one
+    measured layer. From then on as many more layers run unchecked as fit under `fraction` of the device's
+    memory, for the tokens of each batch. On CPU every layer stays checkpointed."""
+
+    def __init__(self, model: nn.Module, fraction: float = 0.85):
+        self.layers = decoder_layers(model)
+        self.fraction = fraction
+        self.bytes_per_token = None  # one unchecked layer's saved activations, per token
+        self.base_peak = None  # bytes: the peak through the first optimizer step, with one layer unchecked
+        self.unchecked = 0
+        self.device = None
+        self._measure = None  # [allocated before layer 0, tokens] while the first layer is being measured
+        self._steps_at_measure = None
+        _count_optimizer_steps()
+        watched = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
+        self._hooks = [watched.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        if self.layers:
+            first = self.layers[0]
+            self._hooks += [first.register_forward_pre_hook(self._layer_start), first.register_forward_hook(self._layer_end)]
+
+    def __str__(self) -> str:
+        n = len(self.layers)
+        if self.base_peak is None:
+            return f"auto: all {n} layers checkpointed until the first training step is measured"
+        return (f"auto: {n - self.unchecked} of {n} layers checkpointed "
+                f"({self.bytes_per_token / 2**10:.1f} KiB per token per unchecked layer)")  # fmt: skip
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _set_unchecked(self, k: int) -> None:
+        self.unchecked = k
+        for i, layer in enumerate(self.layers):
+            layer.gradient_checkpointing = i >= k
+
+    def _before_forward(self, module, args, kwargs) -> None:
+        if not (module.training and torch.is_grad_enabled()) or not self.layers:
+            return
+        tokens = _tokens(args, kwargs)
+        if tokens is None:
+            return
+        if self.bytes_per_token is None:
+            self.device = _first_device(module)
+            if self.device is not None and self.device.type == "cuda":
+                self._set_unchecked(1)  # measured in this forward
+                self._measure = [None, tokens]
+            return
+        if self.base_peak is None:
+            if _optimizer_steps == self._steps_at_measure:
+                return  # states not allocated yet (gradient accumulation): keep the measured set-up
+            self.base_peak = torch.cuda.max_memory_allocated(self.device)
+        self._set_unchecked(self.plan(tokens))
+
+    def plan(self, tokens: int) -> int:
+        """How many layers run unchecked for a batch of `tokens` tokens."""
+        _, total = torch.cuda.mem_get_info(self.device)
+        per_layer = self.bytes_per_token * tokens
+        room = self.fraction * total - self.base_peak
+        extra = int(room // per_layer) if per_layer > 0 and room > 0 else (len(self.layers) if room > 0 else 0)
+        return max(0, min(len(self.layers), 1 + extra))
+
+    def _layer_start(self, module, args) -> None:
+        if self._measure is not None and torch.is_grad_enabled():
+            self._measure[0] = torch.cuda.memory_allocated(self.device)
+
+    def _layer_end(self, module, args, output) -> None:
+        if self._measure is None or self._measure[0] is None or not torch.is_grad_enabled():
+            return
+        before, tokens = self._measure
+        self._measure = None
+        out = output[0] if isinstance(output, tuple) else output
+        grown = torch.cuda.memory_allocated(self.device) - before - out.numel() * out.element_size()
+        self.bytes_per_token = max(grown, 0) / tokens
+        self._steps_at_measure = _optimizer_steps
+
+
+_optimizer_steps = 0
+_optimizer_hook = None
+
+
+def _count_optimizer_steps() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def count(*_):
+            global _optimizer_steps
+            _optimizer_steps += 1
+
+        _optimizer_hook = register_optimizer_step_post_hook(count)
+
+
+def _tokens(args, kwargs) -> int | None:
+    for name in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(name)
+        if isinstance(t, torch.Tensor):
+            return t.shape[:2].numel() if t.dim() >= 2 else t.numel()
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].shape[:2].numel()
+    return None
+
+
+def _first_device(module: nn.Module):
+    p = next(module.parameters(), None)
+    return None if p is None else p.device
 
 
 # ---------------------------------------------------------------------------------------------- offload

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-CheckpointingMode = Union[bool, Literal["offload"]]
+CheckpointingMode = Union[bool, Literal["offload", "auto"]]
 
 
 @dataclass(frozen=True)
@@ -22,13 +22,14 @@ class KernelOptions:
     attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
     moe: bool = True  # MoE experts on the grouped GEMM kernels (LoRA on experts too), the fused router
     # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
+    # "auto": checkpoint only as many layers as the GPU's memory needs (measured at the first step);
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True
 
     def __post_init__(self):
-        if self.gradient_checkpointing not in (True, False, "offload"):
+        if self.gradient_checkpointing not in (True, False, "offload", "auto"):
             raise ValueError(
-                f"gradient_checkpointing must be True, False or 'offload', got {self.gradient_checkpointing!r}"
+                f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"
             )
 
     @classmethod

@@ -116,6 +116,8 @@ class PatchHandle:
         if self._adapter_watch is not None:
             self._adapter_watch.remove()
             self._adapter_watch = None
+        if isinstance(self.checkpointing, checkpointing.AutoCheckpointing):
+            self.checkpointing.remove()
         if self._checkpointing_snapshot is not None:
             checkpointing.restore(self._checkpointing_snapshot)
             self._checkpointing_snapshot = None

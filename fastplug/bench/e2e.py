@@ -23,7 +23,8 @@ import time
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-IMPLS = ("transformers", "compile", "liger", "fastplug")
+IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto")  # _auto: gradient_checkpointing="auto"
+DEFAULT_IMPLS = IMPLS[:4]
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
 
@@ -68,8 +69,8 @@ MODELS = {
 # Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
 MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["experts.gate_up_proj", "experts.down_proj"])
 TINY_BATCH, TINY_SEQ = 2, 32
-COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms",
-           "first step s", "losses (steps 1-3)", "max loss diff", "note")
+COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms", "device ms",
+           "wall/device", "first step s", "losses (steps 1-3)", "max loss diff", "note")
 MAX_SEQ_COLUMNS = ("model", "impl", "longest seq that trains", "peak GiB there", "tok/s there",
                    "first failure", "tried")
 # Relative loss difference from plain transformers above which the row is flagged (bf16 rounding is ~1e-3).
@@ -117,10 +118,11 @@ def apply_impl(model, impl: str, checkpointing):
 
         _apply_liger_kernel_to_instance(model=model.get_base_model())
         return model, ""
-    if impl == "fastplug":
+    if impl in ("fastplug", "fastplug_auto"):
         import fastplug
 
-        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing)
+        mode = "auto" if impl == "fastplug_auto" else checkpointing
+        handle = fastplug.patch_model(model, gradient_checkpointing=mode)
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         return model, note + (f"; {len(handle.skipped)} skipped" if handle.skipped else "")
@@ -186,6 +188,12 @@ def run_throughput(spec: dict) -> dict:
     measured = times[spec["warmup"]:] or times[-1:]
     if spec.get("profile"):
         _print_profile(runner, params, batches, device)
+    if device.type == "cuda":
+        result["device_ms"] = device_ms_per_step(runner, params, batches, device)
+        if spec["impl"] == "fastplug_auto":
+            import fastplug
+
+            print(fastplug.patching.active_handle(model).summary(), flush=True)
     result.update(
         step_ms=statistics.median(measured) * 1e3,
         tokens_per_s=batch * seq / statistics.median(measured),
@@ -196,6 +204,17 @@ def run_throughput(spec: dict) -> dict:
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
     )
     return result
+
+
+def device_ms_per_step(model, params, batches, device, steps: int = 2) -> float:
+    """GPU kernel time per step (torch.profiler's sum of CUDA kernel time over `steps` more steps): the step
+    time if the host kept up. Wall over this ratio says how far the host sets the pace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train_steps(model, params, batches, steps, device, float("inf"))
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return kernel_us / 1e3 / steps
 
 
 def _print_profile(model, params, batches, device, rows: int = 25):
@@ -355,7 +374,9 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
                 row["note"] = res["error"]
                 save(rows)
                 continue
+            device_ms = res.get("device_ms")
             row.update({"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "step ms": res["step_ms"],
+                        "device ms": device_ms, "wall/device": res["step_ms"] / device_ms if device_ms else None,
                         "first step s": res["first_step_s"], "losses": res["losses"],
                         "losses (steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"])})
             notes = [res.get("note") or ""]
@@ -409,7 +430,7 @@ def print_table(rows, columns):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench e2e", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
-    parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
+    parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile happens here)")
     parser.add_argument("--batch", type=int, default=None, help="override the preset batch size")

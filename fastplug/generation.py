@@ -20,6 +20,7 @@ through the model's own (or fastplug's patched) block.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -28,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels.activations import geglu, swiglu
 from .kernels.norms import rms_norm, rms_norm_reference
 from .kernels.rope import rope, rope_reference
 from .models.families import SUPPORTED_FAMILIES, family_of
+from .models.mlp import activation_name
 from .models.peft_lora import lora_projection
 from .patching import unwrap
 
@@ -40,6 +43,8 @@ _LENGTH_BUCKET = 256  # cache lengths are rounded up to a multiple of this, so g
 _EAGER_WARMUP_STEPS = 2  # real decode steps run eagerly before capture (compiles Triton kernels, cuBLAS init)
 _MAX_EOS = 8  # EOS ids one call may stop on
 _UNSET = object()
+_GLU = {"silu": swiglu, "gelu_tanh": functools.partial(geglu, approximate="tanh"),
+        "gelu": functools.partial(geglu, approximate="none")}
 _ATTRIBUTE = "_fastplug_decoder"
 
 
@@ -112,6 +117,7 @@ class _MLP:
         if dense:
             self.gate, self.up, self.down = _Proj(mlp.gate_proj), _Proj(mlp.up_proj), _Proj(mlp.down_proj)
             self.act = mlp.act_fn
+            self.glu = _GLU.get(activation_name(mlp.act_fn))
         self.projs = (self.gate, self.up, self.down) if dense else ()
         self.key = tuple(p.key for p in self.projs) if dense else ("module", id(mlp))
 
@@ -119,7 +125,10 @@ class _MLP:
         if self.module is not None:
             out = self.module(x)
             return out[0] if isinstance(out, tuple) else out  # some versions also return router logits
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        gate, up = self.gate(x), self.up(x)
+        # on CUDA the activation and the product are one kernel
+        hidden = self.glu(gate, up) if self.glu is not None and x.is_cuda else self.act(gate) * up
+        return self.down(hidden)
 
 
 @dataclass
@@ -263,18 +272,19 @@ class _Sampling:
 
 
 # ---------------------------------------------------------------------------------- the decoder itself
-def _attend(q, k, v, mask, scaling: float, softcap: float | None):
-    """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads), mask [B, 1, T, S] bool: True attends."""
+def _attend(q, k, v, bias, scaling: float, softcap: float | None):
+    """q [B, H, T, D] over k, v [B, Hkv, S, D] (grouped heads); bias [B, 1, T, S]: 0 attends, -inf not."""
     if softcap is None and q.shape[2] > 1:  # prefill: SDPA keeps memory linear in the prompt
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling, enable_gqa=True)
     b, h, t, d = q.shape
     kv_heads = k.shape[1]
     group = h // kv_heads
     qg = q.reshape(b, kv_heads, group * t, d)  # heads of one group share a key/value head
-    scores = (qg @ k.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(b, kv_heads, group, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = (qg @ k.transpose(-1, -2)).view(b, kv_heads, group, t, -1)
+    if softcap is None:
+        scores = torch.add(bias[:, :, None], scores, alpha=scaling)  # scale and mask in one kernel
+    else:
+        scores = torch.tanh(scores * scaling / softcap) * softcap + bias[:, :, None]  # transformers' order
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return (probs.view(b, kv_heads, group * t, -1) @ v).view(b, h, t, d)
 
@@ -308,8 +318,10 @@ class _Decoder:
         rotary = plan.rotary_embeddings(h, pos)
         masks = {}
         for index, lp in enumerate(plan.layers):
-            if lp.window not in masks:
-                masks[lp.window] = self._mask(s, t, lp.window)
+            if lp.window not in masks:  # one additive mask per window size, shared by the layers
+                allowed = self._mask(s, t, lp.window)
+                masks[lp.window] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
+                    ~allowed, float("-inf"))
             x = self._attention(lp, _apply_norm(lp.input_norm, h), rotary[lp.rope_key], s, index, masks[lp.window])
             h = h + _apply_norm(lp.post_attn_norm, x)
             h = h + _apply_norm(lp.post_ff_norm, lp.mlp(_apply_norm(lp.ff_norm, h)))
@@ -335,7 +347,7 @@ class _Decoder:
         return mask | torch.eye(t, dtype=torch.bool, device=cols.device)
 
     @staticmethod
-    def _attention(lp: _Layer, x, cos_sin, s: _Session, index: int, mask):
+    def _attention(lp: _Layer, x, cos_sin, s: _Session, index: int, bias):
         b, t, _ = x.shape
         q = lp.q(x).view(b, t, lp.heads, lp.head_dim)
         k = lp.k(x).view(b, t, lp.kv_heads, lp.head_dim)
@@ -351,7 +363,7 @@ class _Decoder:
             k_cache[:, :, :t] = k
             v_cache[:, :, :t] = v
             keys, values = k, v
-        out = _attend(q, keys, values, mask, lp.scaling, lp.softcap)
+        out = _attend(q, keys, values, bias, lp.scaling, lp.softcap)
         return lp.o(out.transpose(1, 2).reshape(b, t, -1))
 
     # -- choosing and recording tokens

@@ -175,3 +175,18 @@ def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
     finally:
         tuning.set_autotune(None)
         tuning.reset_cache_state()
+
+
+def test_moe_tune_needs_cuda_and_names_pandas(monkeypatch):
+    import sys
+
+    from fastplug.bench import moe_tune
+
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            moe_tune.moe_tune_rows(64, 64, 4, 256)
+    monkeypatch.setitem(sys.modules, "pandas", None)  # import pandas now raises ImportError
+    with pytest.raises(ImportError, match="pip install pandas"):
+        moe_tune.moe_tune_dataframe(64, 64, 4, 256)
+    with pytest.raises(ValueError, match="kind"):
+        tuning.sweep("bwd", 64, 64, 4, 256, device="cpu")

@@ -68,6 +68,8 @@ MODELS = {
 }
 # Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
 MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["experts.gate_up_proj", "experts.down_proj"])
+# the longer MoE rows (LoRA on experts, Mixtral widths) run when asked for by name
+DEFAULT_MODELS = ("llama", "qwen3_moe", "gemma2")
 TINY_BATCH, TINY_SEQ = 2, 32
 COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms", "device ms",
            "wall/device", "first step s", "losses (steps 1-3)", "max loss diff", "note")
@@ -429,7 +431,8 @@ def print_table(rows, columns):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {','.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated, from {','.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile happens here)")

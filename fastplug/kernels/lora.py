@@ -14,6 +14,10 @@ hand-derived backward:
 - the MLP saves only x and the gate/up outputs (plus the small [N, r] x A^T): the activation is recomputed
   in backward by `glu_backward`, which writes h, dgate and dup into buffers this function owns.
 
+A base weight may be a frozen bitsandbytes 4-bit weight (QLoRA): it is dequantized by
+`fastplug.kernels.quant` into one buffer shared by all layers just before each matmul that reads it, once
+in forward and once more in backward for dX (never saved; no dW: 4-bit weights are frozen).
+
 Matmuls run in the input dtype with fp32 accumulation (what torch's matmul does). The LoRA maths is plain
 torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activations`. Knows nothing of peft.
 """
@@ -29,12 +33,13 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._utils import check_dtype, check_same_device, keep_for_backward, kept_for_backward, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
+from .quant import dequantize_4bit_scratch, is_4bit, shape_4bit
 
 
 class LoRAProjection(NamedTuple):
     """One linear layer with an optional LoRA adapter: y = x W^T + b + scaling * (x A^T) B^T."""
 
-    weight: torch.Tensor  # [out, in]; frozen (LoRA) or trainable (full fine-tuning)
+    weight: torch.Tensor  # [out, in]; frozen (LoRA) or trainable (full fine-tuning); or a bnb 4-bit weight
     bias: torch.Tensor | None  # [out]
     lora_A: torch.Tensor | None  # [r, in]; None: plain linear
     lora_B: torch.Tensor | None  # [out, r]
@@ -44,17 +49,24 @@ class LoRAProjection(NamedTuple):
 # --------------------------------------------------------------------------------------------- checks
 
 
+def _weight_shape(w: torch.Tensor) -> tuple:
+    return shape_4bit(w) if is_4bit(w) else tuple(w.shape)
+
+
 def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_features=None) -> None:
     """proj must fit an input x [..., in_features] (default: x's last dim); raises ValueError naming it."""
     if not isinstance(proj, LoRAProjection):
         raise ValueError(f"{name} must be a LoRAProjection; got {type(proj).__name__}")
     in_features = x.shape[-1] if in_features is None else in_features
     w = proj.weight
-    if w.dim() != 2 or w.shape[1] != in_features:
-        raise ValueError(f"{name}.weight must have shape [out, {in_features}]; got {tuple(w.shape)}")
-    out = w.shape[0]
+    shape = _weight_shape(w)
+    if len(shape) != 2 or shape[1] != in_features:
+        raise ValueError(f"{name}.weight must have shape [out, {in_features}]; got {shape}")
+    out = shape[0]
     if out_features is not None and out != out_features:
-        raise ValueError(f"{name}.weight must have {out_features} output features; got {tuple(w.shape)}")
+        raise ValueError(f"{name}.weight must have {out_features} output features; got {shape}")
+    if is_4bit(w) and w.requires_grad:
+        raise ValueError(f"{name}.weight is a 4-bit weight that requires grad; 4-bit bases must be frozen")
     if proj.bias is not None and tuple(proj.bias.shape) != (out,):
         raise ValueError(f"{name}.bias must have shape ({out},); got {tuple(proj.bias.shape)}")
     a, b = proj.lora_A, proj.lora_B
@@ -150,7 +162,7 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if t is None or t.dtype == dtype:
+    if t is None or t.dtype == dtype or is_4bit(t):  # 4-bit weights are dequantized where they are read
         return t
     hit = _CAST_CACHE.get(id(t))
     if hit is None or hit.ref() is not t or hit.dtype != dtype or not _is_current(hit, t):
@@ -200,6 +212,12 @@ def _adapters(projs) -> _Adapters | None:
     return _Adapters(a_cat, slices)
 
 
+def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a dense matrix in dtype: a 4-bit weight in the shared buffer (valid until the next
+    dequantization: use it in the very next matmul), any other weight as it is."""
+    return dequantize_4bit_scratch(w, dtype) if is_4bit(w) else w
+
+
 def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * a @ b in one matmul (beta=0: the fresh buffer's contents are never read)."""
     if alpha == 1.0:  # lora_alpha == r, a common set-up: one call less on the host
@@ -219,11 +237,12 @@ def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
     for i, p in enumerate(projs):
         sl = adapters.slices[i] if adapters is not None else None
         if sl is None:
-            ys.append(x2 @ p.weight.t() if p.bias is None else torch.addmm(p.bias, x2, p.weight.t()))
+            w_t = _dense(p.weight, x2.dtype).t()
+            ys.append(x2 @ w_t if p.bias is None else torch.addmm(p.bias, x2, w_t))
             continue
         xa_i, b_t = xa[:, sl[0] : sl[1]], p.lora_B.t()
         y = _mm_scaled(xa_i, b_t, p.scaling) if p.bias is None else torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling)
-        ys.append(y.addmm_(x2, p.weight.t()))
+        ys.append(y.addmm_(x2, _dense(p.weight, x2.dtype).t()))
     return ys, xa
 
 
@@ -244,9 +263,9 @@ def _input_grad(dys, projs, adapters: _Adapters | None, dyb) -> torch.Tensor:
     pairs = list(zip(dys, (p.weight for p in projs)))
     if adapters is not None:
         pairs.insert(0, (dyb, adapters.a_cat))
-    dx = pairs[0][0] @ pairs[0][1]
+    dx = pairs[0][0] @ _dense(pairs[0][1], pairs[0][0].dtype)
     for dy, w in pairs[1:]:
-        dx.addmm_(dy, w)
+        dx.addmm_(dy, _dense(w, dy.dtype))
     return dx
 
 
@@ -393,7 +412,7 @@ def lora_mlp(
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     x = _checked_input(x)
     _check_projection("gate_proj", gate_proj, x)
-    intermediate = gate_proj.weight.shape[0]
+    intermediate = _weight_shape(gate_proj.weight)[0]
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)

@@ -275,3 +275,12 @@ def gemv_4bit_reference(x: torch.Tensor, weight) -> torch.Tensor:
     """Plain torch: x @ dequantized(W)^T with fp32 accumulation, in x's dtype."""
     w = dequantize_4bit_reference(weight, torch.float32)
     return (x.float() @ w.t()).to(x.dtype)
+
+
+def require_bitsandbytes():
+    """bitsandbytes, imported now (never at fastplug's import); ImportError saying how to install it."""
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise ImportError(f"4-bit (QLoRA) loading needs bitsandbytes: {INSTALL_HINT}") from error
+    return bitsandbytes

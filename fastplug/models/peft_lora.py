@@ -4,7 +4,12 @@ Decided at call time, not at patch time: `disable_adapter()`, `merge_adapter()` 
 layer's state after patching (TRL's DPO reference pass runs inside `disable_adapter()`). A patched module
 asks `lora_projection(proj)` on every call and runs `proj(x)` itself when the answer is None.
 
-peft is never imported here: a layer can only be a peft LoRA layer if peft is already loaded.
+A frozen bitsandbytes 4-bit base (`bnb.nn.Linear4bit`, and peft's LoRA on it) is fused when the caller
+asks for it (`quantized=True`: the fused LoRA blocks, which dequantize it); callers that read `weight` as a
+dense matrix (generation, the LM head) get None for it and run the module. Other quantized bases (8-bit,
+GPTQ, AWQ, ...) are never fused: the reason names the format.
+
+peft and bitsandbytes are never imported here: a layer can only be one of theirs if they are already loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +26,26 @@ def _peft_lora_linear_class():
     return getattr(layer_module, "Linear", None)
 
 
+def _peft_lora_4bit_class():
+    return getattr(sys.modules.get("peft.tuners.lora.bnb"), "Linear4bit", None)
+
+
+def _bnb_linear_4bit_class():
+    return getattr(sys.modules.get("bitsandbytes.nn"), "Linear4bit", None)
+
+
+# substrings of a quantized layer's module path or class name -> the format named in the summary
+_QUANT_FORMATS = (("8bit", "8-bit bitsandbytes"), ("int8", "8-bit bitsandbytes"), ("gptq", "GPTQ"),
+                  ("awq", "AWQ"), ("hqq", "HQQ"), ("eetq", "EETQ"), ("aqlm", "AQLM"), ("quanto", "quanto"),
+                  ("torchao", "torchao"), ("bitsandbytes", "bitsandbytes"))
+
+
+def _quant_format(module: nn.Module) -> str | None:
+    """The quantization format of a layer that fastplug does not fuse, by where its class comes from."""
+    where = f"{type(module).__module__}.{type(module).__name__}".lower()
+    return next((name for key, name in _QUANT_FORMATS if key in where), None)
+
+
 def _has_hooks(module: nn.Module) -> bool:
     # The fused path skips module.__call__: hooks (accelerate's offload, user hooks) or a replaced forward
     # would be bypassed.
@@ -30,9 +55,37 @@ def _has_hooks(module: nn.Module) -> bool:
 def _plain_linear_reason(module: nn.Module, what: str) -> str | None:
     if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         # quantized layers (bitsandbytes, ...) subclass nn.Linear with their own forward
+        fmt = _quant_format(module)
+        if fmt is not None:
+            return f"{what} is quantized ({fmt}, {type(module).__name__}); only 4-bit bitsandbytes is fused"
         return f"{what} is not nn.Linear ({type(module).__name__})"
     if _has_hooks(module):
         return f"{what} has forward hooks"
+    return None
+
+
+def _is_bnb_4bit(module: nn.Module) -> bool:
+    cls = _bnb_linear_4bit_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def _base_reason(module: nn.Module, what: str, quantized: bool) -> str | None:
+    """Why `module` cannot serve as the base of a fused projection (None: it can)."""
+    if not _is_bnb_4bit(module):
+        return _plain_linear_reason(module, what)
+    if not quantized:
+        return f"{what} is 4-bit (fused only inside the LoRA blocks)"
+    if type(module).forward is not _bnb_linear_4bit_class().forward:
+        return f"{what} is a subclass of bitsandbytes' Linear4bit with its own forward"
+    if _has_hooks(module):
+        return f"{what} has forward hooks"
+    state = getattr(module.weight, "quant_state", None)
+    if state is None:
+        return f"{what} is 4-bit but not quantized yet (move it to its device)"
+    if getattr(state, "packing_format_for_cpu", False):
+        return f"{what} is in bitsandbytes' CPU inference layout"
+    if state.quant_type not in ("nf4", "fp4"):
+        return f"{what} has 4-bit type {state.quant_type!r}"
     return None
 
 
@@ -47,18 +100,29 @@ def _base_only(base: nn.Linear) -> LoRAProjection:
     return LoRAProjection(base.weight, base.bias, None, None, 0.0)
 
 
-def _fused_view(module: nn.Module) -> tuple[LoRAProjection | None, str | None]:
+def _lora_class(module: nn.Module):
+    """The peft LoRA class `module` is an instance of (lora.Linear, or lora.bnb.Linear4bit), else None."""
+    for cls in (_peft_lora_linear_class(), _peft_lora_4bit_class()):
+        if cls is not None and isinstance(module, cls):
+            return cls
+    return None
+
+
+def _fused_view(module: nn.Module, quantized: bool) -> tuple[LoRAProjection | None, str | None]:
     """(projection, None) when the fused path computes exactly what module(x) would; else (None, reason)."""
-    lora_linear_class = _peft_lora_linear_class()
-    if lora_linear_class is None or not isinstance(module, lora_linear_class):
-        reason = _plain_linear_reason(module, "layer")
+    lora_class = _lora_class(module)
+    if lora_class is None:
+        base = getattr(module, "base_layer", None)
+        if hasattr(module, "lora_A") and isinstance(base, nn.Module) and _quant_format(base) is not None:
+            return None, _base_reason(base, "base layer", quantized)  # peft's LoRA on 8-bit, GPTQ, AWQ...
+        reason = _base_reason(module, "layer", quantized)
         return (None, reason) if reason else (_base_only(module), None)
-    if type(module) is not lora_linear_class:
-        return None, f"{type(module).__name__} is a subclass of peft's lora.Linear"
+    if type(module) is not lora_class:
+        return None, f"{type(module).__name__} is a subclass of peft's {lora_class.__name__}"
     if _has_hooks(module):
         return None, "LoRA layer has forward hooks"
     base = module.base_layer  # not get_base_layer(): a wrapper in between must not be skipped over
-    reason = _plain_linear_reason(base, "base layer")
+    reason = _base_reason(base, "base layer", quantized)
     if reason:
         return None, reason
     if module.fan_in_fan_out:
@@ -91,17 +155,19 @@ def _fused_view(module: nn.Module) -> tuple[LoRAProjection | None, str | None]:
     return LoRAProjection(base.weight, base.bias, lora_A.weight, lora_B.weight, float(module.scaling[name])), None
 
 
-def lora_projection(module: nn.Module) -> LoRAProjection | None:
+def lora_projection(module: nn.Module, quantized: bool = False) -> LoRAProjection | None:
     """The fused view of a plain nn.Linear or a peft lora.Linear, as of now; None: call module(x) instead.
 
+    quantized=True also accepts bitsandbytes 4-bit bases (and peft's LoRA on them): the view's weight is then
+    the packed Params4bit, for `fastplug.kernels.lora`, which dequantizes it.
     Disabled adapters (inside `disable_adapter()`) and merged adapters give the base layer alone, as peft does.
     """
-    return _fused_view(module)[0]
+    return _fused_view(module, quantized)[0]
 
 
-def unfused_reason(module: nn.Module) -> str | None:
-    """Why `lora_projection(module)` is None right now (for the patch summary); None when it can be fused."""
-    return _fused_view(module)[1]
+def unfused_reason(module: nn.Module, quantized: bool = False) -> str | None:
+    """Why `lora_projection(module, quantized)` is None right now (for the patch summary); None when fused."""
+    return _fused_view(module, quantized)[1]
 
 
 def watch_adapter_writes(model: nn.Module):

@@ -1,0 +1,238 @@
+"""4-bit (bitsandbytes) weights: Triton dequantization against bitsandbytes' own, the GEMV against a float64
+product, and the fused LoRA linear / QKV / MLP on 4-bit bases against peft's Linear4bit LoRA layers.
+
+bitsandbytes' CPU backend quantizes here; the Triton kernels run under the interpreter: shapes stay tiny.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+
+from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
+from fastplug.kernels.quant import (  # noqa: E402
+    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, gemv_4bit, require_bitsandbytes,
+)
+from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
+from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
+from tests.helpers import assert_close, rel_err  # noqa: E402
+
+HIDDEN, INTERMEDIATE, KV_OUT, RANK = 48, 40, 16, 4
+
+
+def quantized(out, inn, quant_type="nf4", double_quant=True, blocksize=64, dtype=torch.bfloat16, storage=torch.uint8):
+    w = torch.randn(out, inn, dtype=dtype)
+    p = bnb.nn.Params4bit(w, requires_grad=False, blocksize=blocksize, compress_statistics=double_quant,
+                          quant_type=quant_type, quant_storage=storage)
+    return p._quantize("cpu")
+
+
+def bnb_dequant(p, dtype):
+    return bnb.functional.dequantize_4bit(p.data, p.quant_state).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------ dequantize
+
+CASES = [((37, 51), 64), ((16, 64), 32), ((9, 300), 128), ((5, 7), 4096), ((3, 333), 256)]
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("shape,blocksize", CASES)
+def test_dequantize_equals_bitsandbytes(quant_type, double_quant, shape, blocksize):
+    p = quantized(*shape, quant_type, double_quant, blocksize, dtype=torch.float32)
+    ref = bnb_dequant(p, torch.float32)
+    assert torch.equal(dequantize_4bit(p), ref), "fp32: the same products as bitsandbytes"
+    assert torch.equal(dequantize_4bit_reference(p), ref)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = dequantize_4bit(p, dtype=dtype)
+        # one rounding of the same fp32 value; the interpreter truncates where a GPU rounds to nearest
+        torch.testing.assert_close(out, ref.to(dtype), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=0)
+
+
+def test_dequantize_into_buffer_and_other_storage():
+    p = quantized(24, 40, storage=torch.bfloat16)  # quant_storage for FSDP: the same bytes in bf16 elements
+    buf = torch.empty(24, 40, dtype=torch.bfloat16)
+    assert dequantize_4bit(p, out=buf) is buf
+    torch.testing.assert_close(buf, bnb_dequant(p, torch.bfloat16), rtol=2 ** -7, atol=0)
+    shared = dequantize_4bit_scratch(p, torch.bfloat16)
+    assert torch.equal(shared, buf)
+    small = quantized(8, 40)
+    again = dequantize_4bit_scratch(small, torch.bfloat16)
+    assert again.data_ptr() == shared.data_ptr(), "one buffer serves every layer"
+
+
+def test_dequantize_errors():
+    p = quantized(8, 16)
+    with pytest.raises(ValueError, match="weight must be a bitsandbytes 4-bit weight"):
+        dequantize_4bit(torch.randn(8, 16))
+    with pytest.raises(ValueError, match=r"out must be a contiguous tensor of shape \(8, 16\)"):
+        dequantize_4bit(p, out=torch.empty(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must have dtype"):
+        dequantize_4bit(p, out=torch.empty(8, 16, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 16\]"):
+        gemv_4bit(torch.randn(2, 15), p)
+
+
+def test_require_bitsandbytes_says_how_to_install(monkeypatch):
+    assert require_bitsandbytes() is bnb
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError, match=r'pip install "fastplug\[qlora\]"'):
+        require_bitsandbytes()
+
+
+def test_fastplug_never_imports_bitsandbytes():
+    code = ("import sys, fastplug, fastplug.kernels.quant, fastplug.kernels.lora, fastplug.models.peft_lora;"
+            "assert 'bitsandbytes' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------------------------- gemv
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
+    ("nf4", True, (19, 64), 64), ("fp4", False, (13, 45), 32), ("nf4", False, (7, 130), 128),
+])
+def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize):
+    p = quantized(*shape, quant_type, double_quant, blocksize)
+    w = dequantize_4bit_reference(p, torch.float64)  # the fp32 values, unrounded (the GEMV never rounds them)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, shape[1], dtype=dtype)
+        assert_close(gemv_4bit(x, p), x.double() @ w.t(), dtype, f"gemv rows={rows} {dtype}")
+    x3 = torch.randn(2, 1, shape[1], dtype=torch.bfloat16)  # leading dims, like a decode step's [B, 1, H]
+    assert gemv_4bit(x3, p).shape == (2, 1, shape[0])
+
+
+# ------------------------------------------------------------------- fused LoRA on 4-bit bases vs peft
+
+
+class TinyBlock4bit(nn.Module):
+    def __init__(self, bias=False):
+        super().__init__()
+
+        def linear(i, o, b=False):
+            return bnb.nn.Linear4bit(i, o, bias=b, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                     compress_statistics=True)
+
+        self.q_proj, self.k_proj, self.v_proj = linear(HIDDEN, HIDDEN, bias), linear(HIDDEN, KV_OUT, bias), linear(HIDDEN, KV_OUT, bias)
+        self.o_proj = linear(HIDDEN, HIDDEN)
+        self.gate_proj, self.up_proj = linear(HIDDEN, INTERMEDIATE), linear(HIDDEN, INTERMEDIATE)
+        self.down_proj = linear(INTERMEDIATE, HIDDEN)
+
+
+def peft_4bit_block(bias=False):
+    block = TinyBlock4bit(bias).to("cpu")  # bitsandbytes quantizes on the move to a device
+    config = peft.LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(block, config)
+    model.to(torch.bfloat16)
+    return model.base_model.model
+
+
+def _reference(layer):
+    """Float64 leaves of a peft 4-bit LoRA layer: the dequantized base, bias, A, B and the scaling."""
+    w = bnb_dequant(layer.base_layer.weight, torch.float64)
+    b = layer.base_layer.bias
+    a, bb = (t.detach().double().requires_grad_() for t in (layer.lora_A.default.weight, layer.lora_B.default.weight))
+    return w, None if b is None else b.detach().double(), a, bb, layer.scaling["default"]
+
+
+def _linear64(x, ref):
+    w, b, a, bb, s = ref
+    y = x @ w.t() + s * (x @ a.t()) @ bb.t()
+    return y if b is None else y + b
+
+
+def _grads(outputs, inputs, grads_out):
+    return torch.autograd.grad(outputs, inputs, grads_out)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_4bit_linear_and_qkv_match_peft(bias):
+    block = peft_4bit_block(bias)
+    names = ("q_proj", "k_proj", "v_proj")
+    layers = [getattr(block, n) for n in names]
+    projs = fused_projections(*layers)
+    assert projs is not None and all(p.weight is l.base_layer.weight for p, l in zip(projs, layers))
+    x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
+    x64 = x.double().requires_grad_()
+    refs = [_reference(l) for l in layers]
+    ys64 = [_linear64(x64, r) for r in refs]
+    gouts = [torch.randn_like(y, dtype=torch.bfloat16) for y in ys64]
+    leaves64 = [x64] + [t for r in refs for t in r[2:4]]
+    ref_grads = _grads(ys64, leaves64, [g.double() for g in gouts])
+
+    def run(fn):
+        xb = x.clone().requires_grad_()
+        ys = fn(xb)
+        leaves = [xb] + [t for l in layers for t in (l.lora_A.default.weight, l.lora_B.default.weight)]
+        return ys, _grads(ys, leaves, gouts)
+
+    fused_ys, fused_grads = run(lambda xb: lora_qkv(xb, *projs))
+    peft_ys, peft_grads = run(lambda xb: tuple(l(xb) for l in layers))
+    what = ["dX"] + [f"{n}.{p}" for n in names for p in ("dA", "dB")]
+    for y, py, ry, n in zip(fused_ys, peft_ys, ys64, names):
+        assert_close(y, ry, torch.bfloat16, f"{n} forward")
+        assert rel_err(y, ry) <= 2 * rel_err(py, ry) + 1e-3, f"{n}: fused no worse than peft"
+    for g, pg, rg, n in zip(fused_grads, peft_grads, ref_grads, what):
+        assert_close(g, rg, torch.bfloat16, n)
+        assert rel_err(g, rg) <= 2 * rel_err(pg, rg) + 1e-3, f"{n}: fused no worse than peft"
+
+    (o,) = fused_projections(block.o_proj)
+    xo = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
+    assert_close(lora_linear(xo, o), _linear64(xo.double(), _reference(block.o_proj)), torch.bfloat16, "o_proj")
+
+
+def test_fused_4bit_mlp_matches_peft():
+    block = peft_4bit_block()
+    layers = [block.gate_proj, block.up_proj, block.down_proj]
+    projs = fused_projections(*layers)
+    x = torch.randn(2, 4, HIDDEN, dtype=torch.bfloat16)
+    refs = [_reference(l) for l in layers]
+    x64 = x.double().requires_grad_()
+    y64 = _linear64(F.silu(_linear64(x64, refs[0])) * _linear64(x64, refs[1]), refs[2])
+    g = torch.randn_like(y64, dtype=torch.bfloat16)
+    ref_grads = _grads(y64, [x64] + [t for r in refs for t in r[2:4]], g.double())
+
+    xb = x.clone().requires_grad_()
+    y = lora_mlp(xb, *projs, activation="silu")
+    grads = _grads(y, [xb] + [t for l in layers for t in (l.lora_A.default.weight, l.lora_B.default.weight)], g)
+    assert_close(y, y64, torch.bfloat16, "mlp forward")
+    names = ["dX"] + [f"{n}.{p}" for n in ("gate", "up", "down") for p in ("dA", "dB")]
+    for got, ref, n in zip(grads, ref_grads, names):
+        assert_close(got, ref, torch.bfloat16, n)
+    assert all(l.base_layer.weight.grad is None for l in layers), "the 4-bit base gets no grad"
+
+
+def test_4bit_views_and_reasons():
+    block = peft_4bit_block()
+    q = block.q_proj
+    assert lora_projection(q) is None, "callers reading a dense weight (generation, LM head) run the module"
+    assert "4-bit" in unfused_reason(q)
+    view = lora_projection(q, quantized=True)
+    assert view.weight is q.base_layer.weight and view.lora_A is q.lora_A.default.weight
+    assert unfused_reason(q, quantized=True) is None and unfused_notes(block, ("q_proj",)) == ()
+    q.enable_adapters(False)
+    assert lora_projection(q, quantized=True).lora_A is None, "disabled adapter: the 4-bit base alone"
+    q.enable_adapters(True)
+    # a plain (no LoRA) 4-bit layer is a base-only view
+    assert lora_projection(q.base_layer, quantized=True).lora_A is None
+    with pytest.raises(ValueError, match="proj.weight must have shape"):
+        lora_linear(torch.randn(2, HIDDEN + 1, dtype=torch.bfloat16), LoRAProjection(q.base_layer.weight, None, None, None, 0.0))
+
+
+def test_8bit_base_falls_back_with_reason():
+    layer = nn.Module()
+    layer.q_proj = bnb.nn.Linear8bitLt(HIDDEN, HIDDEN, bias=False, has_fp16_weights=False)
+    model = peft.get_peft_model(layer, peft.LoraConfig(r=RANK, target_modules=["q_proj"]))
+    q = model.base_model.model.q_proj
+    assert fused_projections(q) is None
+    (note,) = unfused_notes(model.base_model.model, ("q_proj",))
+    assert "8-bit bitsandbytes" in note[1] and "only 4-bit bitsandbytes is fused" in note[1], note

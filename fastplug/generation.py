@@ -49,6 +49,11 @@ _ATTRIBUTE = "_fastplug_decoder"
 
 
 # ------------------------------------------------------------------------------------------- the plan
+def _tensor_key(t: torch.Tensor | None):
+    # the storage too: model.to(...) keeps the Parameter objects but moves their data, which a graph reads
+    return None if t is None else (id(t), t.data_ptr(), t.dtype)
+
+
 class _Proj:
     """One linear layer as it computes now: base weight (+ bias) and the unmerged adapter, or the module
     itself when fastplug cannot reproduce it (DoRA, several adapters, quantized layers)."""
@@ -63,7 +68,7 @@ class _Proj:
             self.key = ("module", id(module))
             return
         self.weight, self.bias, self.scaling = view.weight, view.bias, view.scaling
-        self.key = (id(view.weight), id(view.bias), id(view.lora_A), id(view.lora_B), view.scaling)
+        self.key = (*map(_tensor_key, view[:4]), view.scaling)
         if view.lora_A is None:
             return
         dtype = view.weight.dtype
@@ -153,6 +158,11 @@ class _Layer:
     mlp: _MLP
 
     @property
+    def norms(self):
+        return [n for n in (self.input_norm, self.post_attn_norm, self.ff_norm, self.post_ff_norm, self.q_norm,
+                            self.k_norm) if n is not None]
+
+    @property
     def projs(self):
         return (self.q, self.k, self.v, self.o, *self.mlp.projs)
 
@@ -190,7 +200,11 @@ class _Plan:
         self.vocab = head.weight.shape[0]
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.layers = [self._layer(layer, family, offset) for layer in decoder.layers]
-        self.key = (self.lm_head.key, tuple((*(p.key for p in lp.projs), lp.mlp.key) for lp in self.layers))
+        norms = [self.final_norm] + [n for lp in self.layers for n in lp.norms]
+        self.key = (
+            self.lm_head.key, _tensor_key(self.embed.weight), tuple(_tensor_key(n[0]) for n in norms),
+            tuple((*(p.key for p in lp.projs), lp.mlp.key) for lp in self.layers),
+        )
         self.weight = self.embed.weight
 
     def _layer(self, layer: nn.Module, family, offset: float) -> _Layer:
@@ -285,7 +299,8 @@ def _attend(q, k, v, bias, scaling: float, softcap: float | None):
         scores = torch.add(bias[:, :, None], scores, alpha=scaling)  # scale and mask in one kernel
     else:
         scores = torch.tanh(scores * scaling / softcap) * softcap + bias[:, :, None]  # transformers' order
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # accumulates in fp32 and rounds once, as softmax(float32).to(dtype) does, in one kernel
+    probs = torch.softmax(scores, dim=-1)
     return (probs.view(b, kv_heads, group * t, -1) @ v).view(b, h, t, d)
 
 
@@ -513,13 +528,14 @@ def _sampling_of(config, do_sample, temperature, top_k, top_p) -> _Sampling:
         top_k=pick(top_k, "top_k", 0),
         top_p=float(pick(top_p, "top_p", 1.0)),
     )
-    if sampling.do_sample:
-        if not sampling.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling; got {sampling.temperature}")
-        if not isinstance(sampling.top_k, int) or sampling.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0: off); got {sampling.top_k!r}")
-        if not 0.0 < sampling.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1]; got {sampling.top_p}")
+    if not sampling.do_sample:  # greedy: the other settings do not matter (nor split the captured graphs)
+        return _Sampling(False, 1.0, 0, 1.0)
+    if not sampling.temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling; got {sampling.temperature}")
+    if not isinstance(sampling.top_k, int) or sampling.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off); got {sampling.top_k!r}")
+    if not 0.0 < sampling.top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1]; got {sampling.top_p}")
     return sampling
 
 

@@ -10,13 +10,19 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def triton_available() -> bool:
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:  # ImportError, or a broken install on an unsupported platform
         return False
     return True
+
+
+_TRITON = _import_triton()  # a constant, not a cached call: torch.compile traces `use_triton`
+
+
+def triton_available() -> bool:
+    return _TRITON
 
 
 def interpreter_enabled() -> bool:

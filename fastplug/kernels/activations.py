@@ -294,6 +294,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check_gate_up(gate, up)
     if not use_triton(gate, up):
         return swiglu_reference(gate, up)
+    if torch.compiler.is_compiling():
+        return _glu_op(gate, up, "silu")
     return GatedActivation.apply(gate, up, "silu")
 
 
@@ -304,6 +306,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> to
     _check_gate_up(gate, up)
     if not use_triton(gate, up):
         return geglu_reference(gate, up, approximate)
+    if torch.compiler.is_compiling():
+        return _glu_op(gate, up, _GELU_APPROXIMATE[approximate])
     return GatedActivation.apply(gate, up, _GELU_APPROXIMATE[approximate])
 
 
@@ -313,3 +317,43 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def geglu_reference(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
     return F.gelu(gate, approximate=approximate) * up
+
+
+# ------------------------------------------------------------------------------- registered operators
+# What torch.compile traces; eager calls keep the autograd Function (less host time per call).
+@torch.library.custom_op("fastplug::glu", mutates_args=(), schema="(Tensor gate, Tensor up, str activation) -> Tensor")
+def _glu_op(gate, up, activation):
+    return glu_forward(gate, up, activation)
+
+
+@_glu_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(
+    "fastplug::glu_backward", mutates_args=(), schema="(Tensor grad_h, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)"
+)
+def _glu_backward_op(grad_h, gate, up, activation):
+    _, dgate, dup = glu_backward(grad_h, gate, up, activation)
+    return dgate, dup
+
+
+@_glu_backward_op.register_fake
+def _(grad_h, gate, up, activation):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_glu(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _glu_op_backward(ctx, grad_h):
+    gate, up = ctx.saved_tensors
+    dgate, dup = _glu_backward_op(grad_h, gate, up, ctx.activation)
+    return dgate, dup, None
+
+
+_glu_op.register_autograd(_glu_op_backward, setup_context=_setup_glu)

@@ -414,6 +414,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, of
         raise ValueError(f"offset {offset!r} needs a weight (offset scales as offset + weight); got weight None")
     if x.numel() == 0 or not use_triton(x, weight):
         return rms_norm_reference(x, weight, eps, offset)
+    if torch.compiler.is_compiling():
+        return _rms_norm_op(x, weight, float(eps), float(offset))[0]
     return RMSNorm.apply(x, weight, float(eps), float(offset))
 
 
@@ -424,6 +426,8 @@ def layer_norm(
     _check_inputs(x, weight, bias, eps)
     if x.numel() == 0 or not use_triton(x, weight, bias):
         return layer_norm_reference(x, weight, bias, eps)
+    if torch.compiler.is_compiling():
+        return _layer_norm_op(x, weight, bias, float(eps))[0]
     return LayerNorm.apply(x, weight, bias, float(eps))
 
 
@@ -452,3 +456,93 @@ def layer_norm_reference(
     w = weight.to(compute) if weight is not None else None
     b = bias.to(compute) if bias is not None else None
     return F.layer_norm(x.to(compute), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. Registered operators: what torch.compile traces (a call costs more host time than the autograd
+#    Functions above, which eager calls keep). Forward returns the statistics backward needs.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _rms_out_dtype(x, weight, offset):
+    return torch.promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
+
+
+@torch.library.custom_op(
+    "fastplug::rms_norm", mutates_args=(), schema="(Tensor x, Tensor? weight, float eps, float offset) -> (Tensor, Tensor)"
+)
+def _rms_norm_op(x, weight, eps, offset):
+    y, _, rstd = _norm_forward(
+        rows_view(x), weight, None, eps, offset, center=False, cast_before_scale=offset == 0.0,
+        out_dtype=_rms_out_dtype(x, weight, offset),
+    )
+    return y.view(x.shape), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    return x.new_empty(x.shape, dtype=_rms_out_dtype(x, weight, offset)), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastplug::layer_norm", mutates_args=(),
+    schema="(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+)
+def _layer_norm_op(x, weight, bias, eps):
+    y, mean, rstd = _norm_forward(rows_view(x), weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype)
+    return y.view(x.shape), mean, rstd
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastplug::norm_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor? weight, Tensor? mean, Tensor rstd, float offset, bool need_dw, bool need_db) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _norm_backward_op(dy, x, weight, mean, rstd, offset, need_dw, need_db):
+    """(dx, dw, db); a gradient not asked for is an empty tensor (operators cannot return None)."""
+    dx, dw, db = _norm_backward(rows_view(dy), rows_view(x), weight, mean, rstd, offset, compute_dw=need_dw, compute_db=need_db)
+    empty = x.new_empty(0)
+    return dx.view(x.shape), empty if dw is None else dw.to(weight.dtype), empty if db is None else db.to(x.dtype)
+
+
+@_norm_backward_op.register_fake
+def _(dy, x, weight, mean, rstd, offset, need_dw, need_db):
+    empty = x.new_empty(0)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape) if need_dw else empty, x.new_empty(x.shape[-1]) if need_db else empty
+
+
+def _setup_rms(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset = offset
+
+
+def _rms_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    dx, dw, _ = _norm_backward_op(dy, x, weight, None, rstd, ctx.offset, need_dw, False)
+    return dx, dw if need_dw else None, None, None
+
+
+def _setup_layer(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _layer_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[1]
+    need_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dx, dw, db = _norm_backward_op(dy, x, weight, mean, rstd, 0.0, need_dw, need_db)
+    return dx, dw if need_dw else None, db.to(ctx.bias_dtype) if need_db else None, None
+
+
+_rms_norm_op.register_autograd(_rms_backward, setup_context=_setup_rms)
+_layer_norm_op.register_autograd(_layer_backward, setup_context=_setup_layer)

@@ -236,6 +236,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     # The kernel gives no gradient for cos/sin; the rare caller that trains them gets the torch path.
     if not use_triton(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:
         return rope_reference(q, k, cos, sin)
+    if torch.compiler.is_compiling():
+        return _rope_op(q, k, cos, sin)
     return RotaryEmbedding.apply(q, k, cos, sin)
 
 
@@ -258,3 +260,39 @@ def rope_reference(
         return torch.cat((y, x_pass.to(y.dtype)), dim=-1) if x_pass.shape[-1] else y
 
     return apply(q), apply(k)
+
+
+# ------------------------------------------------------------------------------- registered operators
+# What torch.compile traces; eager calls keep the autograd Function (less host time per call).
+@torch.library.custom_op(
+    "fastplug::rope", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward, ScalarType q_dtype, ScalarType k_dtype) "
+    "-> (Tensor, Tensor)",
+)
+def _rope_launch_op(q, k, cos, sin, backward, q_dtype, k_dtype):
+    return _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward)
+
+
+@_rope_launch_op.register_fake
+def _(q, k, cos, sin, backward, q_dtype, k_dtype):
+    return _empty_in_layout(_unit_last_stride(q), q_dtype), _empty_in_layout(_unit_last_stride(k), k_dtype)
+
+
+def _rope_op(q, k, cos, sin):
+    q_dtype, k_dtype = torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype)
+    return _rope_launch_op(q, k, cos, sin, False, q_dtype, k_dtype)
+
+
+def _setup_rope(ctx, inputs, output):
+    q, k, cos, sin, *_ = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.input_dtypes = (q.dtype, k.dtype)
+
+
+def _rope_backward(ctx, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _rope_launch_op(grad_q, grad_k, cos, sin, True, *ctx.input_dtypes)
+    return grad_q, grad_k, None, None, None, None, None
+
+
+_rope_launch_op.register_autograd(_rope_backward, setup_context=_setup_rope)

@@ -31,6 +31,12 @@ def _module(name):
                                              torch.randn(2, 6, 16), torch.randn(2, 6, 16), False, torch.float32, torch.float32)),
         ("activations", "_glu_op", lambda: (torch.randn(3, 7, 20, requires_grad=True), torch.randn(3, 7, 20, requires_grad=True), "silu")),
         ("activations", "_glu_op", lambda: (torch.randn(5, 12, requires_grad=True)[:, :10], torch.randn(5, 10, requires_grad=True), "gelu_tanh")),
+        ("activations", "_glu_backward_op", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(3, 20), "gelu")),
+        ("norms", "_norm_backward_op", lambda: (torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), None, torch.rand(4) + 0.5,
+                                                0.0, True, False)),
+        ("cross_entropy", "_linear_ce_op", lambda: (torch.randn(10, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True),
+                                                    torch.randn(40, requires_grad=True), torch.tensor([1, 5, -100, 39, 0, 7, 8, 2, 3, 4]),
+                                                    torch.full((1,), 1 / 9), -100, 0.1, 20.0, 1.0, 1e-4, True, True, True)),
     ],
 )  # fmt: skip
 def test_registered_operator_passes_opcheck(module, op, make_args):
@@ -67,3 +73,25 @@ def test_patched_decoder_layer_compiles_fullgraph_without_recompiling(family):
                 assert_close(got, want, torch.float32, "gradient")
             model.zero_grad(), ref.zero_grad()
     handle.restore()
+
+
+def test_fused_linear_cross_entropy_compiles_fullgraph():
+    from fastplug.kernels import fused_linear_cross_entropy
+
+    hidden = torch.randn(2, 5, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 5))
+    labels[0, 1] = -100
+
+    def loss_fn(h, w):
+        return fused_linear_cross_entropy(h, w, labels, softcap=30.0)
+
+    loss = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")(hidden, weight)
+    (2 * loss).backward()
+    grads = [hidden.grad.clone(), weight.grad.clone()]
+    hidden.grad = weight.grad = None
+    ref = loss_fn(hidden, weight)
+    (2 * ref).backward()
+    assert_close(loss, ref, torch.float32, "loss")
+    for got, want in zip(grads, (hidden.grad, weight.grad)):
+        assert_close(got, want, torch.float32, "gradient")

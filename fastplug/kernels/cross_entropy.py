@@ -479,8 +479,61 @@ def fused_linear_cross_entropy(
     chunks = _plan_chunks(n_rows, chunk_rows)
     inv_divisor = _inverse_divisor(reduction, labels, ignore_index, num_items_in_batch, hidden.device)
     cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, float(logit_scale), float(z_loss), reduction)
+    if torch.compiler.is_compiling() and reduction != "none":
+        needs = (hidden2.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        return _linear_ce_op(hidden2, weight, bias, labels, inv_divisor, cfg.ignore_index, cfg.label_smoothing,
+                             softcap, cfg.logit_scale, cfg.z_loss, *needs)[0]  # fmt: skip
     loss = _FusedLinearCrossEntropy.apply(hidden2, weight, bias, labels, cfg, inv_divisor, chunks, chunk_rows)
     return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+
+
+# ------------------------------------------------------------------------------- registered operator
+# What torch.compile traces for reductions "mean"/"sum" (the training loss); eager calls keep the autograd
+# Function. Like it, the forward computes the gradients (the logits never exist whole) and the backward
+# scales them by grad_output; gradients not asked for are empty tensors (operators cannot return None).
+@torch.library.custom_op(
+    "fastplug::linear_cross_entropy", mutates_args=(),
+    schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor inv_divisor, int ignore_index, "
+    "float label_smoothing, float? softcap, float logit_scale, float z_loss, bool need_h, bool need_w, bool need_b) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _linear_ce_op(hidden, weight, bias, labels, inv_divisor, ignore_index, label_smoothing, softcap, logit_scale,
+                  z_loss, need_h, need_w, need_b):  # fmt: skip
+    cfg = _LossConfig(ignore_index, label_smoothing, softcap, logit_scale, z_loss, "sum")
+    chunk_rows = logits_chunk_rows(max(hidden.shape[0], 1), weight.shape[0], hidden.dtype)
+    loss_rows = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
+    _linear_ce_chunks(hidden, weight, bias, labels, cfg, _plan_chunks(hidden.shape[0], chunk_rows), chunk_rows,
+                      loss_rows, inv_divisor, grad_hidden, grad_weight, grad_bias)  # fmt: skip
+    grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+    return (loss_rows.sum() * inv_divisor[0], *(hidden.new_empty(0) if g is None else g for g in grads))
+
+
+@_linear_ce_op.register_fake
+def _(hidden, weight, bias, labels, inv_divisor, ignore_index, label_smoothing, softcap, logit_scale, z_loss,
+      need_h, need_w, need_b):  # fmt: skip
+    return (
+        hidden.new_empty((), dtype=torch.float32),
+        torch.empty_like(hidden) if need_h else hidden.new_empty(0),
+        torch.empty_like(weight) if need_w else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if need_b else hidden.new_empty(0),
+    )
+
+
+def _setup_linear_ce(ctx, inputs, output):
+    ctx.grads = output[1:]
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _linear_ce_backward(ctx, grad_output, *_):
+    needs = ctx.needs_input_grad[:3]
+    grads = [g * grad_output.to(g.dtype) if need else None for g, need in zip(ctx.grads, needs)]
+    return (*grads, *[None] * 10)
+
+
+_linear_ce_op.register_autograd(_linear_ce_backward, setup_context=_setup_linear_ce)
 
 
 # ------------------------------------------------------------------------------------------ references

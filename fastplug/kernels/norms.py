@@ -507,14 +507,13 @@ def _(x, weight, bias, eps):
 def _norm_backward_op(dy, x, weight, mean, rstd, offset, need_dw, need_db):
     """(dx, dw, db); a gradient not asked for is an empty tensor (operators cannot return None)."""
     dx, dw, db = _norm_backward(rows_view(dy), rows_view(x), weight, mean, rstd, offset, compute_dw=need_dw, compute_db=need_db)
-    empty = x.new_empty(0)
-    return dx.view(x.shape), empty if dw is None else dw.to(weight.dtype), empty if db is None else db.to(x.dtype)
+    return dx.view(x.shape), x.new_empty(0) if dw is None else dw.to(weight.dtype), x.new_empty(0) if db is None else db.to(x.dtype)
 
 
 @_norm_backward_op.register_fake
 def _(dy, x, weight, mean, rstd, offset, need_dw, need_db):
-    empty = x.new_empty(0)
-    return x.new_empty(x.shape), weight.new_empty(weight.shape) if need_dw else empty, x.new_empty(x.shape[-1]) if need_db else empty
+    dw = weight.new_empty(weight.shape) if need_dw else x.new_empty(0)
+    return x.new_empty(x.shape), dw, x.new_empty(x.shape[-1]) if need_db else x.new_empty(0)
 
 
 def _setup_rms(ctx, inputs, output):

@@ -11,19 +11,11 @@ Text: the Python standard library's own source files (real text nobody here wrot
 Same seed, same batches. LoRA mode: Llama-1B shape, LoRA r16 on all linear layers, 120 steps.
 Full mode: a 1024-wide 8-layer Llama, every weight trained (norm dW, trained LM head), 120 steps.
 """
-import glob, json, os, subprocess, sys, sysconfig, time
+import json, os, subprocess, sys, time
 
 import torch
 
-
-def corpus(n_tokens):
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    data = bytearray()
-    for f in files:
-        data += open(f, "rb").read()
-        if len(data) > n_tokens:
-            break
-    return torch.tensor(list(data[:n_tokens]), dtype=torch.long)
+from fastplug.bench.text import stdlib_bytes
 
 
 def run(mode, impl, steps=120, bs=4, seq=2048):
@@ -59,7 +51,7 @@ def run(mode, impl, steps=120, bs=4, seq=2048):
     fused = os.environ.get("CONVERGENCE_OPTIM", "fused") == "fused"
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0,
                             fused=fused, foreach=not fused)
-    toks = corpus(steps * bs * seq + 1).cuda()
+    toks = stdlib_bytes(steps * bs * seq + 1).cuda()
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):

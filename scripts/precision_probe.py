@@ -12,22 +12,12 @@ CPU runs are not meaningful: the Triton interpreter truncates fp32 -> bf16 casts
 
 import argparse
 import copy
-import glob
-import os
-import sysconfig
 
 import torch
 
+from fastplug.bench.text import stdlib_bytes
+
 OFF = dict(rms_norm=False, rope=False, mlp=False, cross_entropy=False, lora=False, attention=False, moe=False)
-
-
-def stdlib_tokens(n):
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        data += open(path, "rb").read()
-        if len(data) >= n:
-            break
-    return torch.tensor(list(data[:n]), dtype=torch.long)
 
 
 def build(layers):
@@ -70,7 +60,7 @@ def main():
     model = build(args.layers)
     truth_model = copy.deepcopy(model).float()
     model.train(), truth_model.train()
-    tokens = stdlib_tokens(args.batches * args.batch * args.seq).cuda().view(args.batches, args.batch, args.seq)
+    tokens = stdlib_bytes(args.batches * args.batch * args.seq).cuda().view(args.batches, args.batch, args.seq)
     paths = {"transformers bf16": None, "fastplug (all)": {}}
     paths.update({f"fastplug {k} only": {**off, k: True} for k in off})
     rows = {name: [] for name in paths}

@@ -6,15 +6,12 @@ through `.data` change parameters without bumping their version counter; a copy 
 stale after the first step and the model stops learning. Each test here fails on such a cache.
 """
 
-import glob
-import os
-import sysconfig
-
 import peft
 import pytest
 import torch
 
 import fastplug
+from fastplug.bench.text import stdlib_bytes
 from fastplug.kernels import lora as lora_kernels
 from tests.helpers import rel_err
 from tests.models.tiny import tiny_model
@@ -255,22 +252,13 @@ def test_fast_sft_trainer_default_optimizer(tmp_path):
 # --------------------------------------------------------------------- real text, many steps
 
 
-def _stdlib_bytes(n):
-    data = bytearray()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        data += open(path, "rb").read()
-        if len(data) >= n:
-            break
-    return torch.tensor(list(data[:n]), dtype=torch.long)
-
-
 def test_convergence_on_real_text():
     """36 steps of LoRA on the Python standard library's own sources (bytes), bf16 base + fp32 adapters,
     the HF Trainer's default optimizer (fused AdamW): per-step losses within 3% of the unpatched run's (0.3%
     seen) and final lora_B within 15% of each other (9% seen: Adam's normalised steps let bf16 trajectories
     drift apart; stale adapters would leave lora_B at its initial zeros, 100% away)."""
     steps, batch_size, seq = 36, 4, 32
-    text = _stdlib_bytes(steps * batch_size * seq).view(steps, batch_size, seq)
+    text = stdlib_bytes(steps * batch_size * seq).view(steps, batch_size, seq)
 
     def run(patch):
         model = _bf16_lora_model(vocab_size=256, pad_token_id=0)

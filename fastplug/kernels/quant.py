@@ -203,7 +203,7 @@ def dequantize_4bit(weight, out: torch.Tensor | None = None, dtype: torch.dtype 
         return out.copy_(dequantize_4bit_reference(weight, out.dtype))
     absmax2, code2, offset, log2_b2 = _nested_args(p)
     numel = out.numel()
-    block = 1024 if out.is_cuda else 64
+    block = 1024  # bytes a program; also few programs for the interpreter, whose cost is per program
     _dequant_4bit_kernel[(cdiv(cdiv(numel, 2), block),)](
         p.data, p.absmax, p.code, absmax2, code2, offset, out, numel,
         BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,

@@ -420,11 +420,13 @@ class _Decoder:
 
     # -- a whole call
     def session(self, batch: int, length: int) -> _Session:
-        key = (batch, length)
-        if key not in self.sessions:
-            self.sessions.clear()  # one cache at a time: a new bucket frees the previous one's memory first
-            self.sessions[key] = _Session(self.plan, batch, length, self.plan.vocab)
-        return self.sessions[key]
+        """The cache for this batch bucket: the one in hand when it is long enough (its graphs too)."""
+        for (held_batch, held_length), held in self.sessions.items():
+            if held_batch == batch and held_length >= length:
+                return held
+        self.sessions.clear()  # one cache at a time: free the previous one's memory first
+        self.sessions[(batch, length)] = _Session(self.plan, batch, length, self.plan.vocab)
+        return self.sessions[(batch, length)]
 
     def prefill(self, s: _Session, ids, mask, real_rows: int, sampling: _Sampling, eos, pad: int, seed: int):
         t = ids.shape[1]

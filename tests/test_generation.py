@@ -163,3 +163,8 @@ def test_generation_config_and_batch_buckets(llama):
         alone = fast_generate(llama, ids[row:row + 1, mask[row].argmax():], max_new_tokens=NEW,
                               generation_config=config)
         assert torch.equal(alone[0, -NEW:], out[row, -NEW:])
+    decoder = vars(llama)["_fastplug_decoder"]
+    assert list(decoder.sessions) == [(1, 256)]
+    held = decoder.sessions[(1, 256)]
+    fast_generate(llama, ids[:1], max_new_tokens=2, generation_config=config)  # shorter: the same cache
+    assert decoder.sessions[(1, 256)] is held

@@ -15,7 +15,7 @@ CONFIG = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_a
               num_key_value_heads=2, head_dim=32, vocab_size=512, pad_token_id=PAD, eos_token_id=EOS)
 
 
-def model(family="llama", dtype=torch.float32, lora=True, **extra):
+def model(family="Llama", dtype=torch.float32, lora=True, **extra):
     torch.manual_seed(0)
     config = getattr(transformers, f"{family}Config")(**CONFIG, **extra)
     m = getattr(transformers, f"{family}ForCausalLM")(config).to("cuda", dtype).eval()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,10 @@ _MAX_EOS = 8  # EOS ids one call may stop on
 _UNSET = object()
 _GLU = {"silu": swiglu, "gelu_tanh": functools.partial(geglu, approximate="tanh"),
         "gelu": functools.partial(geglu, approximate="none")}
-_ATTRIBUTE = "_fastplug_decoder"
+# model -> its _Decoder. Kept beside the model, not on it: deepcopy (TRL's reference model) and pickling
+# must not copy caches and CUDA graphs; the decoder holds the model's submodules, never the model itself,
+# so the entry goes when the model does.
+_DECODERS: "weakref.WeakKeyDictionary[nn.Module, _Decoder]" = weakref.WeakKeyDictionary()
 
 
 # ------------------------------------------------------------------------------------------- the plan
@@ -493,10 +497,10 @@ def _decoder(model: nn.Module) -> _Decoder:
     """The model's decoder, rebuilt when its adapters changed (added, swapped, disabled, merged)."""
     base = unwrap(model)
     plan = _Plan(model)
-    decoder = vars(base).get(_ATTRIBUTE)
+    decoder = _DECODERS.get(base)
     if decoder is None or decoder.plan.key != plan.key:
         decoder = _Decoder(plan)
-        vars(base)[_ATTRIBUTE] = decoder  # a plain attribute: not a submodule, not in the state dict
+        _DECODERS[base] = decoder
     decoder.plan.refresh()
     return decoder
 
@@ -642,7 +646,7 @@ def fast_generate(
 
 def graph_status(model: nn.Module) -> str:
     """Words for the bench and logs: whether this model's decode step runs as a CUDA graph."""
-    decoder = vars(unwrap(model)).get(_ATTRIBUTE)
+    decoder = _DECODERS.get(unwrap(model))
     if decoder is None:
         return "not generated yet"
     if decoder.graph_failure:

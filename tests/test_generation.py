@@ -2,11 +2,14 @@
 on tiny models saved and reloaded through FastModel, with and without unmerged LoRA adapters; seeded
 sampling; errors. CPU: the decode step runs eagerly (the CUDA graph is tested in tests/gpu)."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 import transformers
 
 from fastplug import FastModel, fast_generate
+from fastplug.generation import _DECODERS
 from tests.model_path_helpers import PAD, save_tiny
 
 peft = pytest.importorskip("peft")
@@ -163,8 +166,12 @@ def test_generation_config_and_batch_buckets(llama):
         alone = fast_generate(llama, ids[row:row + 1, mask[row].argmax():], max_new_tokens=NEW,
                               generation_config=config)
         assert torch.equal(alone[0, -NEW:], out[row, -NEW:])
-    decoder = vars(llama)["_fastplug_decoder"]
+    decoder = _DECODERS[llama]
     assert list(decoder.sessions) == [(1, 256)]
     held = decoder.sessions[(1, 256)]
     fast_generate(llama, ids[:1], max_new_tokens=2, generation_config=config)  # shorter: the same cache
     assert decoder.sessions[(1, 256)] is held
+    copy = deepcopy(llama)  # TRL copies models (reference models): the cache stays with the original
+    assert copy not in _DECODERS
+    assert torch.equal(fast_generate(copy, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=config),
+                       out)

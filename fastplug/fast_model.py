@@ -178,7 +178,8 @@ class FastModel:
         if not any(use_gradient_checkpointing is c or use_gradient_checkpointing == c and isinstance(c, str)
                    for c in _CHECKPOINTING_CHOICES):
             raise ValueError(
-                f"use_gradient_checkpointing must be True, False, 'offload' or 'auto'; got {use_gradient_checkpointing!r}"
+                "use_gradient_checkpointing must be True, False, 'offload' or 'auto'; "
+                f"got {use_gradient_checkpointing!r}"
             )
         off = []
         if lora_dropout > 0:

@@ -260,7 +260,8 @@ class _Session:
         w = plan.weight
         device, dtype = w.device, w.dtype
         self.batch, self.length = batch, length
-        self.k = [torch.zeros(batch, lp.kv_heads, length, lp.head_dim, device=device, dtype=dtype) for lp in plan.layers]
+        self.k = [torch.zeros(batch, lp.kv_heads, length, lp.head_dim, device=device, dtype=dtype)
+                  for lp in plan.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)  # which cache columns hold tokens
         self.columns = torch.arange(length, device=device)
@@ -554,7 +555,8 @@ def _check_inputs(input_ids, attention_mask, device) -> tuple[torch.Tensor, torc
         attention_mask = torch.ones_like(input_ids)
     if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}; got {_describe(attention_mask)}"
+            f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}; "
+            f"got {_describe(attention_mask)}"
         )
     mask = attention_mask.to(device=device, dtype=torch.long)
     if bool(((mask != 0) & (mask != 1)).any()) or bool((mask.diff(dim=1) < 0).any()) or bool((mask[:, -1] == 0).any()):

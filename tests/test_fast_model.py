@@ -64,7 +64,8 @@ def test_from_pretrained_errors_and_unknown_families(tmp_path):
     with pytest.raises(ValueError, match="causal-LM"):
         FastModel.from_pretrained(str(vit))
     gpt2 = tmp_path / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(gpt2)
     with pytest.warns(UserWarning, match="not a supported family"):
         model, tokenizer = FastModel.from_pretrained(str(gpt2))
     assert isinstance(model, transformers.GPT2LMHeadModel) and tokenizer is None  # no tokenizer saved there

@@ -623,7 +623,8 @@ def fast_generate(
     seed = int(torch.randint(0, 2**62, (1,)).item()) if sampling.do_sample else 0
 
     was_training = model.training
-    model.eval()  # no dropout while generating (and peft's dropout-free layers stay on the fused view)
+    if was_training:  # no dropout while generating (and peft's layers stay on the fused view)
+        model.eval()
     try:
         with torch.no_grad():
             decoder = _decoder(model)
@@ -640,7 +641,8 @@ def fast_generate(
             produced = min(produced, int(session.done_at[:rows].max()) + 1)
             generated = session.out[:rows, :produced].clone()
     finally:
-        model.train(was_training)
+        if was_training:
+            model.train()
         if streamer is not None:
             streamer.end()
     return torch.cat([input_ids.to(generated.device), generated], dim=1)

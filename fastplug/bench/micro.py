@@ -706,5 +706,102 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+# --- QLoRA (4-bit bitsandbytes bases) -------------------------------------------------------------
+
+
+def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
+    """4-bit rows against bitsandbytes (its CUDA kernels) and peft + bitsandbytes: NF4 dequantization
+    (double quant, bf16 out), the batch-1 GEMV, and the 4-bit LoRA MLP fwd+bwd at Llama-8B width (r=16).
+    Each row: op, shape, impl, ms (do_bench median), peak MiB of the call over its inputs, rel err vs the
+    reference implementation. `quick`: tiny shapes (a smoke run)."""
+    import bitsandbytes as bnb
+    import peft
+
+    from ..kernels.lora import lora_mlp
+    from ..kernels.quant import dequantize_4bit, dequantize_4bit_scratch, gemv_4bit
+    from ..models.projections import fused_projections
+
+    device = torch.device(device)
+    hidden, inter, tokens = (64, 96, 32) if quick else (4096, 14336, 8192)
+
+    def timed(fn):
+        if device.type != "cuda":
+            return _cpu_median_ms(fn, [])
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    def peak(fn):
+        if device.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    def params4bit(out, inn):
+        w = torch.randn(out, inn, dtype=torch.bfloat16)
+        return bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
+
+    rows = []
+
+    def add(op, shape, impl, fn, ref=None, note=""):
+        out = fn()
+        err = rel_err(out, ref) if ref is not None else None
+        rows.append({"op": op, "shape": shape, "impl": impl, "ms": timed(fn), "peak MiB": peak(fn),
+                     "rel err": err, "note": note})
+        return out
+
+    w = params4bit(hidden, inter)  # the down projection's [4096, 14336]
+    shape = f"{hidden}x{inter} nf4 dq"
+    ref = add("dequant_4bit", shape, "bitsandbytes", lambda: bnb.functional.dequantize_4bit(w.data, w.quant_state))
+    add("dequant_4bit", shape, "fastplug", lambda: dequantize_4bit_scratch(w, torch.bfloat16), ref)
+
+    for out_f, in_f in ((inter, hidden), (hidden, inter)):
+        wg = params4bit(out_f, in_f)
+        x = torch.randn(1, in_f, dtype=torch.bfloat16, device=device)
+        shape = f"1x{in_f} @ [{out_f}x{in_f}]"
+        ref = add("gemv_4bit", shape, "bitsandbytes", lambda: bnb.matmul_4bit(x, wg.t(), quant_state=wg.quant_state))
+        add("gemv_4bit", shape, "fastplug", lambda: gemv_4bit(x, wg), ref)
+        add("gemv_4bit", shape, "dequant+matmul", lambda: x @ dequantize_4bit(wg, dtype=torch.bfloat16).t(), ref)
+        del wg
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+
+            def linear(i, o):
+                return bnb.nn.Linear4bit(i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                         compress_statistics=True)
+
+            self.gate_proj, self.up_proj, self.down_proj = linear(hidden, inter), linear(hidden, inter), linear(inter, hidden)
+
+    config = peft.LoraConfig(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"])
+    mlp = peft.get_peft_model(MLP().to(device), config).base_model.model  # peft's default: fp32 adapters
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    grad = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
+    adapters = [p for p in mlp.parameters() if p.requires_grad]
+
+    def step(forward):
+        def run():
+            x.grad = None
+            for p in adapters:
+                p.grad = None
+            y = forward()
+            y.backward(grad)
+            return y.detach()
+
+        return run
+
+    layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    shape = f"{tokens}x{hidden}, I={inter}, r=16"
+    ref = add("lora_mlp_4bit fwd+bwd", shape, "peft+bnb",
+              step(lambda: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))))
+    add("lora_mlp_4bit fwd+bwd", shape, "fastplug", step(lambda: lora_mlp(x, *fused_projections(*layers))), ref)
+    return rows
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

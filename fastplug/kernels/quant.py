@@ -140,12 +140,13 @@ def _dequant_4bit_kernel(
 def _gemv_4bit_kernel(
     x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     M, N, K, stride_xm, stride_om,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, ROW_SCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] W[n, k] for BLOCK_N outputs of all M (<= BLOCK_M) rows, W decoded from its
     packed bytes in registers. Addresses are element indices n*K + k, so an odd K (rows straddling bytes)
-    needs no special case."""
+    needs no special case. ROW_SCALE: each row of a [BLOCK_N, BLOCK_K] tile lies in one quantization block
+    (K and the blocksize are multiples of BLOCK_K), so the scales are loaded per row, not per element."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -159,8 +160,12 @@ def _gemv_4bit_kernel(
         elem = row_start[:, None] + k[None, :]
         packed = tl.load(data_ptr + (elem >> 1), mask=wmask, other=0).to(tl.int32)
         nibble = (packed >> ((1 - (elem & 1)) * 4).to(tl.int32)) & 15
-        scale = _block_scale(elem >> BLOCKSIZE_LOG2, wmask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                             BLOCKSIZE2_LOG2, NESTED)
+        if ROW_SCALE:
+            scale = _block_scale((row_start + k0) >> BLOCKSIZE_LOG2, rn < N, absmax_ptr, absmax2_ptr, code2_ptr,
+                                 offset_ptr, BLOCKSIZE2_LOG2, NESTED)[:, None]
+        else:
+            scale = _block_scale(elem >> BLOCKSIZE_LOG2, wmask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                                 BLOCKSIZE2_LOG2, NESTED)
         w = tl.load(code_ptr + nibble) * scale  # [BLOCK_N, BLOCK_K] fp32
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
@@ -261,12 +266,13 @@ def gemv_4bit(x: torch.Tensor, weight) -> torch.Tensor:
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     absmax2, code2, offset, log2_b2 = _nested_args(p)
     block_m = next_power_of_2(M)
-    block_n = 8 if x.is_cuda else 4
-    block_k = (256 if block_m <= 2 else 128) if x.is_cuda else 32
+    block_n = (16 if block_m <= 2 else 8) if x.is_cuda else 4
+    block_k = min(p.blocksize, 128) if x.is_cuda else 32
+    row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
     _gemv_4bit_kernel[(cdiv(N, block_n),)](
         x2, p.data, p.absmax, p.code, absmax2, code2, offset, out, M, N, K, x2.stride(0), out.stride(0),
         BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out.view(*x.shape[:-1], N)
 

@@ -1,9 +1,9 @@
-"""python -m fastplug.bench micro|e2e|frameworks [options]   (each takes --help)"""
+"""python -m fastplug.bench micro|e2e|frameworks|moe-tune|generate [options]   (each takes --help)"""
 
 import json
 import sys
 
-USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks,moe-tune} [options]   (--help after the command for its options)"
+USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks,moe-tune,generate} [options]   (--help after the command for its options)"
 
 
 def main(argv=None) -> int:
@@ -24,6 +24,10 @@ def main(argv=None) -> int:
         from .moe_tune import main as moe_tune_main
 
         return moe_tune_main(rest)
+    if command == "generate":
+        from .generate import main as generate_main
+
+        return generate_main(rest)
     if command == "frameworks":
         from .frameworks import main as frameworks_main
 

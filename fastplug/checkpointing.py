@@ -15,6 +15,8 @@ grad enabled and backpropagated. Only the layer output of the last layer and the
 
 from __future__ import annotations
 
+import logging
+import math
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 _FLAG, _FUNC = "gradient_checkpointing", "_gradient_checkpointing_func"
+_AUTO = "_fastplug_auto_checkpointing"  # the model's AutoCheckpointing, an instance attribute
+logger = logging.getLogger("fastplug")
 _MISSING = object()
 
 
@@ -88,13 +92,14 @@ def install_offload(model: nn.Module) -> int:
     return len(layers)
 
 
-def enable(model: nn.Module, mode):
+def enable(model: nn.Module, mode, memory_budget: float = 0.9):
     """Turn checkpointing on (mode True, "offload" or "auto"); returns words for the patch summary, or for
-    "auto" the AutoCheckpointing (its str is those words; `remove()` it before restoring a snapshot)."""
+    "auto" the AutoCheckpointing (its str is those words; `remove()` it before restoring a snapshot), which
+    keeps the step's peak under `memory_budget` of the device's memory."""
     if not is_enabled(model):
         enable_native(model)
-    if mode == "auto":
-        return AutoCheckpointing(model)
+    if mode == "auto":  # one per model: enabling again (FastModel.for_training) keeps the measured plan
+        return vars(model).get(_AUTO) or AutoCheckpointing(model, memory_budget)
     if mode == "offload" and install_offload(model):
         return "offload (layer inputs in pinned CPU memory)"
     return "on (non-reentrant)" if mode != "offload" else "on (non-reentrant; offload needs CUDA)"
@@ -116,9 +121,10 @@ class AutoCheckpointing:
     output, per token). After the first optimizer step (so that its states are allocated) the peak so far is
     the base: weights, optimizer states, checkpointed inputs, one layer's recompute, the loss, and the one
     measured layer. From then on as many more layers run unchecked as fit under `fraction` of the device's
-    memory, for the tokens of each batch. On CPU every layer stays checkpointed."""
+    memory, for the tokens of each batch (all checkpointed when even the measured layer does not fit). On
+    CPU every layer stays checkpointed."""
 
-    def __init__(self, model: nn.Module, fraction: float = 0.85):
+    def __init__(self, model: nn.Module, fraction: float = 0.9):
         self.layers = decoder_layers(model)
         self.fraction = fraction
         self.bytes_per_token = None  # one unchecked layer's saved activations, per token
@@ -128,6 +134,8 @@ class AutoCheckpointing:
         self._measure = None  # [allocated before layer 0, tokens] while the first layer is being measured
         self._steps_at_measure = None
         _count_optimizer_steps()
+        self._model = weakref.ref(model)
+        vars(model)[_AUTO] = self
         watched = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
         self._hooks = [watched.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         if self.layers:
@@ -145,6 +153,9 @@ class AutoCheckpointing:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        model = self._model()
+        if model is not None and vars(model).get(_AUTO) is self:
+            del vars(model)[_AUTO]
 
     def _set_unchecked(self, k: int) -> None:
         self.unchecked = k
@@ -167,15 +178,19 @@ class AutoCheckpointing:
             if _optimizer_steps == self._steps_at_measure:
                 return  # states not allocated yet (gradient accumulation): keep the measured set-up
             self.base_peak = torch.cuda.max_memory_allocated(self.device)
+            self._set_unchecked(self.plan(tokens))
+            logger.info("fastplug gradient checkpointing %s", self)
+            return
         self._set_unchecked(self.plan(tokens))
 
     def plan(self, tokens: int) -> int:
         """How many layers run unchecked for a batch of `tokens` tokens."""
         _, total = torch.cuda.mem_get_info(self.device)
         per_layer = self.bytes_per_token * tokens
-        room = self.fraction * total - self.base_peak
-        extra = int(room // per_layer) if per_layer > 0 and room > 0 else (len(self.layers) if room > 0 else 0)
-        return max(0, min(len(self.layers), 1 + extra))
+        room = self.fraction * total - self.base_peak  # the base has the measured layer unchecked: 1 + ...
+        if per_layer <= 0:
+            return len(self.layers) if room >= 0 else 0
+        return max(0, min(len(self.layers), 1 + math.floor(room / per_layer)))
 
     def _layer_start(self, module, args) -> None:
         if self._measure is not None and torch.is_grad_enabled():

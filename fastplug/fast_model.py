@@ -161,8 +161,8 @@ class FastModel:
     ):
         """peft's get_peft_model with defaults that keep fastplug's fused LoRA paths eligible (no dropout, no
         bias, no DoRA); warns about each choice that turns them off. `use_gradient_checkpointing`: True
-        (non-reentrant), "offload" (layer inputs in pinned host memory), False, or "auto" (what the model
-        was patched with). `random_state` seeds the adapters' initialisation."""
+        (non-reentrant), "offload" (layer inputs in pinned host memory), False, or "auto" (checkpoint only the
+        layers GPU memory needs, as KernelOptions' "auto"). `random_state` seeds the adapters' initialisation."""
         from peft import LoraConfig, get_peft_model
 
         if type(model).__module__.startswith("peft"):
@@ -202,7 +202,7 @@ class FastModel:
             torch.manual_seed(random_state)
         peft_model = get_peft_model(model, config)
         base = unwrap(peft_model)
-        mode = vars(base).get(_MODE, True) if use_gradient_checkpointing == "auto" else use_gradient_checkpointing
+        mode = use_gradient_checkpointing
         vars(base)[_MODE] = mode
         if mode:
             checkpointing.enable(base, mode)

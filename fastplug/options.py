@@ -25,8 +25,13 @@ class KernelOptions:
     # "auto": checkpoint only as many layers as the GPU's memory needs (measured at the first step);
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True
+    memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
 
     def __post_init__(self):
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (
+            0 < self.memory_budget <= 1
+        ):
+            raise ValueError(f"memory_budget must be a fraction in (0, 1]; got {self.memory_budget!r}")
         if self.gradient_checkpointing not in (True, False, "offload", "auto"):
             raise ValueError(
                 f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"

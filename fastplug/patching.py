@@ -101,7 +101,7 @@ class PatchHandle:
             self.skipped.append((type(self.model).__name__, "gradient checkpointing: not supported by this model"))
             return
         self._checkpointing_snapshot = checkpointing.snapshot(self.model)
-        self.checkpointing = checkpointing.enable(self.model, mode)
+        self.checkpointing = checkpointing.enable(self.model, mode, self.options.memory_budget)
 
     # -- undoing
     def restore(self) -> None:

@@ -67,8 +67,8 @@ def test_cpu_keeps_every_layer_checkpointed_and_trains_like_unpatched():
 def test_plan_leaves_unchecked_what_fits(monkeypatch):
     tokens = 10
     per_layer = SAVED_PER_TOKEN * tokens
-    # room for the measured layer plus two more: 0.85 * total - BASE_PEAK = 2.5 layers
-    device = FakeDevice(monkeypatch, total=(BASE_PEAK + 2.5 * per_layer) / 0.85)
+    # room for the measured layer plus two more: 0.9 * total - BASE_PEAK = 2.5 layers
+    device = FakeDevice(monkeypatch, total=(BASE_PEAK + 2.5 * per_layer) / 0.9)
     model = tiny_model("llama", num_hidden_layers=5)
     ref = tiny_model("llama", num_hidden_layers=5)
     with fastplug.patch_model(model, gradient_checkpointing="auto") as handle:
@@ -93,6 +93,23 @@ def test_plan_leaves_unchecked_what_fits(monkeypatch):
     assert [first, second] == pytest.approx([_step(ref, ref_opt, tokens) for _ in range(2)], rel=1e-4)
 
 
+@pytest.mark.parametrize("budget, unchecked", [(0.01, 0), (0.5, 5)])
+def test_memory_budget_bounds_the_plan(monkeypatch, budget, unchecked):
+    # a device of 10 base peaks: a budget under the base checkpoints every layer, a roomy one none
+    device = FakeDevice(monkeypatch, total=10 * BASE_PEAK)
+    model = tiny_model("llama", num_hidden_layers=5)
+    with fastplug.patch_model(model, gradient_checkpointing="auto", memory_budget=budget) as handle:
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        device.tokens = 4
+        _step(model, opt, 4)
+        _step(model, opt, 4)
+        assert handle.checkpointing.unchecked == unchecked
+        assert f"auto: {5 - unchecked} of 5 layers checkpointed" in handle.summary()
+
+
 def test_bad_mode_is_a_value_error():
     with pytest.raises(ValueError, match="'auto'"):
         fastplug.KernelOptions(gradient_checkpointing="sometimes")
+    with pytest.raises(ValueError, match="memory_budget"):
+        fastplug.KernelOptions(memory_budget=1.5)

@@ -776,7 +776,8 @@ def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
                 return bnb.nn.Linear4bit(i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
                                          compress_statistics=True)
 
-            self.gate_proj, self.up_proj, self.down_proj = linear(hidden, inter), linear(hidden, inter), linear(inter, hidden)
+            self.gate_proj, self.up_proj = linear(hidden, inter), linear(hidden, inter)
+            self.down_proj = linear(inter, hidden)
 
     config = peft.LoraConfig(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"])
     mlp = peft.get_peft_model(MLP().to(device), config).base_model.model  # peft's default: fp32 adapters

@@ -251,7 +251,11 @@ def dequantize_4bit_scratch(weight, dtype: torch.dtype) -> torch.Tensor:
 
 def gemv_4bit(x: torch.Tensor, weight) -> torch.Tensor:
     """x [..., in] @ W^T for a 4-bit weight W [out, in], straight from the packed bytes: the decode-time
-    product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul)."""
+    product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul).
+
+    Not yet fast: on an H100, batch 1 at 4096x14336 takes 0.24 ms against bitsandbytes' 0.036 ms; each
+    element still gathers its table value (and each byte is loaded per element, twice).
+    """
     p = unpack(weight)
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != p.shape[1]:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__

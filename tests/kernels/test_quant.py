@@ -121,7 +121,8 @@ class TinyBlock4bit(nn.Module):
             return bnb.nn.Linear4bit(i, o, bias=b, compute_dtype=torch.bfloat16, quant_type="nf4",
                                      compress_statistics=True)
 
-        self.q_proj, self.k_proj, self.v_proj = linear(HIDDEN, HIDDEN, bias), linear(HIDDEN, KV_OUT, bias), linear(HIDDEN, KV_OUT, bias)
+        self.q_proj = linear(HIDDEN, HIDDEN, bias)
+        self.k_proj, self.v_proj = linear(HIDDEN, KV_OUT, bias), linear(HIDDEN, KV_OUT, bias)
         self.o_proj = linear(HIDDEN, HIDDEN)
         self.gate_proj, self.up_proj = linear(HIDDEN, INTERMEDIATE), linear(HIDDEN, INTERMEDIATE)
         self.down_proj = linear(INTERMEDIATE, HIDDEN)
@@ -129,8 +130,8 @@ class TinyBlock4bit(nn.Module):
 
 def peft_4bit_block(bias=False):
     block = TinyBlock4bit(bias).to("cpu")  # bitsandbytes quantizes on the move to a device
-    config = peft.LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
-                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=RANK, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=targets)
     model = peft.get_peft_model(block, config)
     model.to(torch.bfloat16)
     return model.base_model.model
@@ -225,7 +226,8 @@ def test_4bit_views_and_reasons():
     # a plain (no LoRA) 4-bit layer is a base-only view
     assert lora_projection(q.base_layer, quantized=True).lora_A is None
     with pytest.raises(ValueError, match="proj.weight must have shape"):
-        lora_linear(torch.randn(2, HIDDEN + 1, dtype=torch.bfloat16), LoRAProjection(q.base_layer.weight, None, None, None, 0.0))
+        base_only = LoRAProjection(q.base_layer.weight, None, None, None, 0.0)
+        lora_linear(torch.randn(2, HIDDEN + 1, dtype=torch.bfloat16), base_only)
 
 
 def test_8bit_base_falls_back_with_reason():

@@ -238,3 +238,14 @@ def test_8bit_base_falls_back_with_reason():
     assert fused_projections(q) is None
     (note,) = unfused_notes(model.base_model.model, ("q_proj",))
     assert "8-bit bitsandbytes" in note[1] and "only 4-bit bitsandbytes is fused" in note[1], note
+
+
+def test_gptq_like_base_falls_back_with_reason():
+    # GPTQ / AWQ libraries are not installed here: a layer class from such a package stands in for them
+    quant_linear = type("QuantLinear", (nn.Module,), {"__module__": "auto_gptq.nn_modules.qlinear"})
+    wrapper = nn.Module()
+    wrapper.base_layer, wrapper.lora_A = quant_linear(), nn.ModuleDict()
+    owner = nn.Module()
+    owner.q_proj = wrapper
+    (note,) = unfused_notes(owner, ("q_proj",))
+    assert "quantized (GPTQ, QuantLinear)" in note[1], note

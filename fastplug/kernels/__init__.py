@@ -18,6 +18,7 @@ from .moe import (
     moe_router_reference,
 )
 from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from .quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_4bit_reference
 from .rope import rope, rope_reference
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "grouped_gemm", "grouped_gemm_reference", "moe_router", "moe_router_reference",
     "ExpertLoRA", "moe_experts", "moe_experts_reference",
     "attention", "attention_reference", "cu_seqlens_from_position_ids",
+    "dequantize_4bit", "dequantize_4bit_reference", "gemv_4bit", "gemv_4bit_reference",
 ]

@@ -60,7 +60,10 @@ def test_peft_model_is_unwrapped():
     assert not _has_instance_forward(model)
 
 
-def test_unknown_architecture_warns_and_trains():
+def test_unknown_architecture_warns_and_trains(monkeypatch):
+    import fastplug.patching
+
+    monkeypatch.setattr(fastplug.patching, "_warned_model_types", set())  # other tests may have patched a GPT-2
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
     reference = copy.deepcopy(model)

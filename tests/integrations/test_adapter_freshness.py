@@ -278,6 +278,6 @@ def test_convergence_on_real_text():
 
     losses, adapters = run(True)
     ref, ref_adapters = run(False)
-    assert ref[-6:].mean() < ref[:6].mean() - 0.3, "the reference must learn on this text"
+    assert ref[-6:].mean() < ref[:6].mean() - 0.2, "the reference must learn on this text"
     _assert_losses_track(losses, ref)
     assert (adapters - ref_adapters).norm() < 0.15 * ref_adapters.norm()

@@ -108,13 +108,16 @@ class FastModel:
         device_map=None,
         attn_implementation: str | None = None,
         options: KernelOptions | None = None,
+        load_in_4bit: bool = False,
         **hf_kwargs,
     ):
         """(model, tokenizer): a causal LM loaded with transformers' Auto classes, patched with `options`
         (every kernel on by default; gradient checkpointing per options), RoPE scaled linearly when
         `max_seq_length` exceeds the config's `max_position_embeddings`, and its tokenizer with a pad token
         (None, with a warning, when the path has no tokenizer). `model.fast_generate(...)` generates.
-        Unknown families load and are patched by structure, with a warning."""
+        Unknown families load and are patched by structure, with a warning. `load_in_4bit=True`: the QLoRA
+        base (bitsandbytes NF4, double quantization, bf16 compute; needs `fastplug[qlora]`), whose LoRA
+        layers then take the fused 4-bit path."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if options is not None and not isinstance(options, KernelOptions):
@@ -134,6 +137,10 @@ class FastModel:
         if max_seq_length is not None:
             _scale_rope(config, int(max_seq_length))
         load = dict(hf_kwargs, config=config, dtype=torch_dtype)
+        if load_in_4bit:
+            load["quantization_config"] = _nf4_config(hf_kwargs)
+            if torch_dtype == "auto":
+                load["dtype"] = torch.bfloat16  # the compute dtype of the 4-bit layers
         if device_map is not None:
             load["device_map"] = device_map
         if attn_implementation is not None:
@@ -236,6 +243,18 @@ class FastModel:
             checkpointing.enable(base, mode)
         base.config.use_cache = False
         return model
+
+
+def _nf4_config(hf_kwargs):
+    from transformers import BitsAndBytesConfig
+
+    from .kernels.quant import require_bitsandbytes
+
+    if "quantization_config" in hf_kwargs:
+        raise ValueError("pass either load_in_4bit=True or a quantization_config, not both")
+    require_bitsandbytes()
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
 
 
 def _disable_checkpointing(model: nn.Module) -> None:

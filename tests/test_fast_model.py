@@ -135,3 +135,25 @@ def test_inference_and_training_modes_toggle(llama_path):
 def test_fast_model_is_not_instantiated():
     with pytest.raises(TypeError, match="from_pretrained"):
         FastModel()
+
+
+def test_from_pretrained_load_in_4bit_gives_fused_qlora(llama_path):
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb
+
+    from fastplug.models.peft_lora import lora_projection
+
+    model, _ = FastModel.from_pretrained(llama_path, load_in_4bit=True, device_map="cpu")
+    assert model.config.quantization_config.bnb_4bit_quant_type == "nf4"
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    peft_model = FastModel.get_peft_model(model, r=4, random_state=0)
+    lora_layers = [m for m in peft_model.modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
+    assert len(lora_layers) == 2 * 7  # peft's 4-bit LoRA layers, all on the fused 4-bit path
+    assert all(lora_projection(m, quantized=True) is not None for m in lora_layers)
+    ids = torch.randint(3, 60, (2, 9))
+    loss = peft_model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(m.lora_B["default"].weight.grad is not None for m in lora_layers)
+    with pytest.raises(ValueError, match="not both"):
+        FastModel.from_pretrained(llama_path, load_in_4bit=True, quantization_config=object())

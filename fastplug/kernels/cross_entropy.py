@@ -358,10 +358,21 @@ def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, los
         grad_weight.zero_()
 
 
+def _loss_and_grads(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale, needs):
+    """Loss rows of all chunks (into loss_rows) and the gradients of (hidden, weight, bias) that `needs` asks
+    for, None for the others; the bias gradient is summed in fp32 and returned in the bias dtype."""
+    need_h, need_w, need_b = needs
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
+    _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale,
+                      grad_hidden, grad_weight, grad_bias)  # fmt: skip
+    return grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig, inv_divisor, chunks, chunk_rows):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         loss_rows = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         ctx.cfg, ctx.chunks, ctx.chunk_rows = cfg, chunks, chunk_rows
@@ -370,12 +381,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor)
             ctx.save_for_backward(hidden, weight, bias, labels)
             return loss_rows
-        grad_hidden = torch.empty_like(hidden) if need_h else None
-        grad_weight = torch.empty_like(weight) if need_w else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
-        _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor,
-                          grad_hidden, grad_weight, grad_bias)
-        ctx.grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+        ctx.grads = _loss_and_grads(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, inv_divisor,
+                                    ctx.needs_input_grad[:3])  # fmt: skip
         return loss_rows.sum() * inv_divisor[0]
 
     @staticmethod
@@ -383,14 +390,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         cfg = ctx.cfg
         if cfg.reduction == "none":
             hidden, weight, bias, labels = ctx.saved_tensors
-            need_h, need_w, need_b = ctx.needs_input_grad[:3]
-            grad_hidden = torch.empty_like(hidden) if need_h else None
-            grad_weight = torch.empty_like(weight) if need_w else None
-            grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
             scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-            _linear_ce_chunks(hidden, weight, bias, labels, cfg, ctx.chunks, ctx.chunk_rows, scratch,
-                              grad_output.to(torch.float32).contiguous(), grad_hidden, grad_weight, grad_bias)
-            grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+            grads = _loss_and_grads(hidden, weight, bias, labels, cfg, ctx.chunks, ctx.chunk_rows, scratch,
+                                    grad_output.to(torch.float32).contiguous(), ctx.needs_input_grad[:3])  # fmt: skip
         else:
             grads, ctx.grads = ctx.grads, None
             if grads is None:
@@ -502,12 +504,8 @@ def _linear_ce_op(hidden, weight, bias, labels, inv_divisor, ignore_index, label
     cfg = _LossConfig(ignore_index, label_smoothing, softcap, logit_scale, z_loss, "sum")
     chunk_rows = logits_chunk_rows(max(hidden.shape[0], 1), weight.shape[0], hidden.dtype)
     loss_rows = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if need_h else None
-    grad_weight = torch.empty_like(weight) if need_w else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
-    _linear_ce_chunks(hidden, weight, bias, labels, cfg, _plan_chunks(hidden.shape[0], chunk_rows), chunk_rows,
-                      loss_rows, inv_divisor, grad_hidden, grad_weight, grad_bias)  # fmt: skip
-    grads = (grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype))
+    grads = _loss_and_grads(hidden, weight, bias, labels, cfg, _plan_chunks(hidden.shape[0], chunk_rows), chunk_rows,
+                            loss_rows, inv_divisor, (need_h, need_w, need_b))  # fmt: skip
     return (loss_rows.sum() * inv_divisor[0], *(hidden.new_empty(0) if g is None else g for g in grads))
 
 

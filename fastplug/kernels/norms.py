@@ -343,22 +343,39 @@ def _check_inputs(x, weight, bias, eps):
 # ----------------------------------------------------------------------------------------------------
 
 
+def _rms_out_dtype(x, weight, offset):
+    # offset 0 is Llama: scale the row rounded to x's dtype, result dtype promotes with the weight.
+    # Any other offset is Gemma: scale in fp32 by (offset + w), result in x's dtype.
+    return torch.promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
+
+
+def _rms_norm_forward(x, weight, eps, offset):
+    """(y shaped like x, rstd per row, x2 the rows view of x that backward reads): the forward shared by the
+    autograd Function and the operator."""
+    x2 = rows_view(x)
+    y, _, rstd = _norm_forward(
+        x2, weight, None, eps, offset, center=False, cast_before_scale=offset == 0.0,
+        out_dtype=_rms_out_dtype(x, weight, offset),
+    )
+    return y.view(x.shape), rstd, x2
+
+
+def _layer_norm_forward(x, weight, bias, eps):
+    """(y shaped like x, mean and rstd per row, x2), shared like `_rms_norm_forward`."""
+    x2 = rows_view(x)
+    y, mean, rstd = _norm_forward(x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype)
+    return y.view(x.shape), mean, rstd, x2
+
+
 class RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        x2 = rows_view(x)
-        # offset 0 is Llama: scale the row rounded to x's dtype, result dtype promotes with the weight.
-        # Any other offset is Gemma: scale in fp32 by (offset + w), result in x's dtype.
-        llama = offset == 0.0
-        out_dtype = torch.promote_types(x.dtype, weight.dtype) if (llama and weight is not None) else x.dtype
-        y, _, rstd = _norm_forward(
-            x2, weight, None, eps, offset, center=False, cast_before_scale=llama, out_dtype=out_dtype
-        )
+        y, rstd, x2 = _rms_norm_forward(x, weight, eps, offset)
         keep_for_backward(ctx, (weight,))
         ctx.save_for_backward(x2, rstd)
         ctx.offset = offset
         ctx.x_shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -374,15 +391,12 @@ class RMSNorm(torch.autograd.Function):
 class LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        x2 = rows_view(x)
-        y, mean, rstd = _norm_forward(
-            x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype
-        )
+        y, mean, rstd, x2 = _layer_norm_forward(x, weight, bias, eps)
         keep_for_backward(ctx, (weight,))
         ctx.save_for_backward(x2, mean, rstd)
         ctx.x_shape = x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -464,19 +478,11 @@ def layer_norm_reference(
 # ----------------------------------------------------------------------------------------------------
 
 
-def _rms_out_dtype(x, weight, offset):
-    return torch.promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
-
-
 @torch.library.custom_op(
     "fastplug::rms_norm", mutates_args=(), schema="(Tensor x, Tensor? weight, float eps, float offset) -> (Tensor, Tensor)"
 )
 def _rms_norm_op(x, weight, eps, offset):
-    y, _, rstd = _norm_forward(
-        rows_view(x), weight, None, eps, offset, center=False, cast_before_scale=offset == 0.0,
-        out_dtype=_rms_out_dtype(x, weight, offset),
-    )
-    return y.view(x.shape), rstd
+    return _rms_norm_forward(x, weight, eps, offset)[:2]
 
 
 @_rms_norm_op.register_fake
@@ -489,8 +495,7 @@ def _(x, weight, eps, offset):
     schema="(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
 )
 def _layer_norm_op(x, weight, bias, eps):
-    y, mean, rstd = _norm_forward(rows_view(x), weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype)
-    return y.view(x.shape), mean, rstd
+    return _layer_norm_forward(x, weight, bias, eps)[:3]
 
 
 @_layer_norm_op.register_fake

@@ -212,15 +212,17 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
 
 
 # ---------------------------------------------------------------------------------------------- autograd
+def _output_dtypes(q, k, cos) -> tuple[torch.dtype, torch.dtype]:
+    # As in transformers (q * cos promotes): bf16 q with fp32 cos gives fp32.
+    return torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype)
+
+
 class RotaryEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         keep_for_backward(ctx, (cos, sin))
         ctx.input_dtypes = (q.dtype, k.dtype)
-        # Output dtype as in transformers (q * cos promotes): bf16 q with fp32 cos gives fp32.
-        return _rope_launch(
-            q, k, cos, sin, torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype), False
-        )
+        return _rope_launch(q, k, cos, sin, *_output_dtypes(q, k, cos), False)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
@@ -279,8 +281,7 @@ def _(q, k, cos, sin, backward, q_dtype, k_dtype):
 
 
 def _rope_op(q, k, cos, sin):
-    q_dtype, k_dtype = torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype)
-    return _rope_launch_op(q, k, cos, sin, False, q_dtype, k_dtype)
+    return _rope_launch_op(q, k, cos, sin, False, *_output_dtypes(q, k, cos))
 
 
 def _setup_rope(ctx, inputs, output):

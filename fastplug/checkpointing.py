@@ -106,6 +106,14 @@ def enable(model: nn.Module, mode, memory_budget: float = 0.9):
 
 
 # ------------------------------------------------------------------------------------------------- auto
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module that runs the decoder layers (transformers' `get_decoder()`), else the model: every forward
+    calls it through `__call__`, from peft, TRL's fused LM head or a DDP wrapper alike, so its hooks fire."""
+    get_decoder = getattr(model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, nn.Module) else model
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -128,7 +136,8 @@ class AutoCheckpointing:
         self.layers = decoder_layers(model)
         self.fraction = fraction
         self.bytes_per_token = None  # one unchecked layer's saved activations, per token
-        self.base_peak = None  # bytes: the peak through the first optimizer step, with one layer unchecked
+        self.room = None  # bytes under the budget above the peak through the first optimizer step (which
+        # had the measured layer unchecked); None until then
         self.unchecked = 0
         self.device = None
         self._measure = None  # [allocated before layer 0, tokens] while the first layer is being measured
@@ -136,15 +145,14 @@ class AutoCheckpointing:
         _count_optimizer_steps()
         self._model = weakref.ref(model)
         vars(model)[_AUTO] = self
-        watched = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else model
-        self._hooks = [watched.register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        self._hooks = [decoder_stack(model).register_forward_pre_hook(self._before_forward, with_kwargs=True)]
         if self.layers:
             first = self.layers[0]
             self._hooks += [first.register_forward_pre_hook(self._layer_start), first.register_forward_hook(self._layer_end)]
 
     def __str__(self) -> str:
         n = len(self.layers)
-        if self.base_peak is None:
+        if self.room is None:
             return f"auto: all {n} layers checkpointed until the first training step is measured"
         return (f"auto: {n - self.unchecked} of {n} layers checkpointed "
                 f"({self.bytes_per_token / 2**10:.1f} KiB per token per unchecked layer)")  # fmt: skip
@@ -174,23 +182,23 @@ class AutoCheckpointing:
                 self._set_unchecked(1)  # measured in this forward
                 self._measure = [None, tokens]
             return
-        if self.base_peak is None:
+        first_plan = self.room is None
+        if first_plan:
             if _optimizer_steps == self._steps_at_measure:
                 return  # states not allocated yet (gradient accumulation): keep the measured set-up
-            self.base_peak = torch.cuda.max_memory_allocated(self.device)
-            self._set_unchecked(self.plan(tokens))
-            logger.info("fastplug gradient checkpointing %s", self)
-            return
+            _, total = torch.cuda.mem_get_info(self.device)
+            self.room = self.fraction * total - torch.cuda.max_memory_allocated(self.device)
         self._set_unchecked(self.plan(tokens))
+        if first_plan:
+            logger.info("fastplug gradient checkpointing %s", self)
 
     def plan(self, tokens: int) -> int:
-        """How many layers run unchecked for a batch of `tokens` tokens."""
-        _, total = torch.cuda.mem_get_info(self.device)
+        """How many layers run unchecked for a batch of `tokens` tokens: the measured one, plus as many as
+        fit in the room (none when the room is negative)."""
         per_layer = self.bytes_per_token * tokens
-        room = self.fraction * total - self.base_peak  # the base has the measured layer unchecked: 1 + ...
         if per_layer <= 0:
-            return len(self.layers) if room >= 0 else 0
-        return max(0, min(len(self.layers), 1 + math.floor(room / per_layer)))
+            return len(self.layers) if self.room >= 0 else 0
+        return max(0, min(len(self.layers), 1 + math.floor(self.room / per_layer)))
 
     def _layer_start(self, module, args) -> None:
         if self._measure is not None and torch.is_grad_enabled():

@@ -90,7 +90,7 @@ class PatchHandle:
         if self._lora_fused:
             counts["lora_fused"] = self._lora_fused
         if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
-            self._adapter_watch = watch_adapter_writes(self.model)
+            self._adapter_watch = watch_adapter_writes(checkpointing.decoder_stack(self.model))
         self.counts = dict(counts)
 
     def _enable_checkpointing(self) -> None:

@@ -170,14 +170,9 @@ def unfused_reason(module: nn.Module, quantized: bool = False) -> str | None:
     return _fused_view(module, quantized)[1]
 
 
-def watch_adapter_writes(model: nn.Module):
-    """Make the fused path recast its adapter copies at each forward of this model; returns the hook handle.
-
-    The hook sits on the decoder stack (which every forward calls through `__call__`, whether from peft,
-    TRL's fused LM head or a DDP wrapper), so writes that no version counter sees, `.data` assignments
-    among them, are picked up by the next forward. A checkpoint recompute of that forward runs in backward,
-    before any new forward, and so reuses the same copies."""
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    target = decoder if isinstance(decoder, nn.Module) else model
-    return target.register_forward_pre_hook(invalidate_adapter_casts)
+def watch_adapter_writes(decoder: nn.Module):
+    """Make the fused path recast its adapter copies at each forward of `decoder` (the decoder stack, which
+    every forward of the model calls); returns the hook handle. Writes that no version counter sees, `.data`
+    assignments among them, are so picked up by the next forward. A checkpoint recompute of that forward runs
+    in backward, before any new forward, and so reuses the same copies."""
+    return decoder.register_forward_pre_hook(invalidate_adapter_casts)

@@ -11,6 +11,9 @@ hidden_states)`. The forward runs without autograd; its input is copied to pinne
 stream (overlapping the next layer's compute) and the GPU copy is released. In backward the input comes
 back (the previous layer's input is prefetched on the side stream meanwhile), the layer is recomputed with
 grad enabled and backpropagated. Only the layer output of the last layer and the host copies stay alive.
+The layer's trainable parameters are inputs of the offload node, which returns their gradients: DDP with
+find_unused_parameters=True (the HF Trainer's default for a PeftModel) would otherwise mark them unused at the
+end of forward and fail when the recompute's backward accumulated into them.
 """
 
 from __future__ import annotations
@@ -316,8 +319,9 @@ def _fetch(stash: _Stash) -> torch.Tensor:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, spec, _force_grad, hidden, *args):
+    def forward(ctx, run, spec, _force_grad, n_args, hidden, *args_and_params):
         device_type = hidden.device.type
+        args, ctx.params = args_and_params[:n_args], args_and_params[n_args:]
         ctx.run, ctx.args = run, args
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         ctx.cpu_rng = torch.get_rng_state()
@@ -334,11 +338,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden = _fetch(ctx.stash).detach().requires_grad_(ctx.needs_input_grad[3])
+        hidden = _fetch(ctx.stash).detach().requires_grad_(ctx.needs_input_grad[4])
         ctx.stash = None
         args = [
             a.detach().requires_grad_(needs) if isinstance(a, torch.Tensor) else a
-            for a, needs in zip(ctx.args, ctx.needs_input_grad[4:])
+            for a, needs in zip(ctx.args, ctx.needs_input_grad[5:])
         ]
         device_type, autocast_on, autocast_dtype = ctx.autocast
         devices = [hidden.device] if ctx.cuda_rng is not None else []
@@ -353,13 +357,35 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             (o, g) for o, g in zip((o for o in outputs if isinstance(o, torch.Tensor)), grads)
             if g is not None and o.requires_grad
         ]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = [a.grad if isinstance(a, torch.Tensor) else None for a in args]
-        return (None, None, None, hidden.grad, *input_grads)
+        wanted = [t for t in (hidden, *args, *ctx.params) if isinstance(t, torch.Tensor) and t.requires_grad]
+        found = {}
+        if pairs and wanted:
+            outs, outs_grads = zip(*pairs)
+            if ctx.params:  # the parameters' gradients leave through this node (see the module docstring)
+                found = dict(zip(map(id, wanted), torch.autograd.grad(outs, wanted, outs_grads, allow_unused=True)))
+            else:  # the recompute's backward accumulates into the parameters
+                torch.autograd.backward(outs, outs_grads)
+                found = {id(t): t.grad for t in wanted}
+
+        def grad(t):
+            return found.get(id(t)) if isinstance(t, torch.Tensor) else None
+
+        return (None, None, None, None, grad(hidden), *map(grad, args), *map(grad, ctx.params))
 
 
 _force_grad = None  # a leaf that requires grad: outputs need a grad_fn even when no input requires grad
+
+
+def _trainable_parameters(function) -> list:
+    """The trainable parameters of the layer that `function` runs: transformers passes partial(forward, layer)
+    (5.23) or partial(layer.__call__) (5.17, where FSDP2's parameters are still sharded DTensors here)."""
+    layer = getattr(getattr(function, "func", None), "__self__", None)
+    if not isinstance(layer, nn.Module):
+        args = getattr(function, "args", ())
+        layer = args[0] if args and isinstance(args[0], nn.Module) else None
+    params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
+    # the recompute then gathers other tensors than these: its backward accumulates into those itself
+    return params if all(type(p.data) is torch.Tensor for p in params) else []
 
 
 def offload_checkpoint(function, *args, **kwargs):
@@ -371,7 +397,8 @@ def offload_checkpoint(function, *args, **kwargs):
     if _force_grad is None:
         _force_grad = torch.empty(0, requires_grad=True)
     spec: dict = {}
-    tensors = _OffloadedCheckpoint.apply(function, spec, _force_grad, *args)
+    tensors = _OffloadedCheckpoint.apply(function, spec, _force_grad, len(args) - 1, *args,
+                                         *_trainable_parameters(function))
     outputs = [None] * spec["n"]
     for i, t in zip(spec["tensor_at"], tensors):
         outputs[i] = t

@@ -19,6 +19,7 @@ from torch import nn
 from . import checkpointing
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from .models.peft_lora import watch_adapter_writes
+from .models.rules import own_class
 from .options import KernelOptions
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
@@ -26,9 +27,9 @@ _warned_model_types: set[str] = set()
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel (or the model itself)."""
+    """The transformers model inside a peft PeftModel (or the model itself), FSDP2-sharded ones included."""
     get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model) and type(model).__module__.startswith("peft"):
+    if callable(get_base_model) and own_class(model).__module__.startswith("peft"):
         return get_base_model()
     return model
 

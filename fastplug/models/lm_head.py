@@ -1,25 +1,66 @@
 """The causal-LM head: with labels in training, the loss comes from `fused_linear_cross_entropy` on the
 decoder's hidden states, and no [tokens, vocab] logits are ever made (logits=None is returned, as
 transformers' own fused paths do). Evaluation, generation and anything unusual take the original forward.
+
+The loss is computed inside a call of the head module (its patched forward takes `fused_loss=`), so that hooks
+on the head run around the weight read: FSDP2 gathers a sharded head in its pre-forward hook (accelerate puts
+the head in an FSDP unit of its own) and sets up its backward in the post-forward hook.
 """
 
 from __future__ import annotations
 
 import sys
+import types
 
 from torch import nn
 
 from ..kernels.cross_entropy import fused_linear_cross_entropy
-from .peft_lora import lora_projection
-from .rules import MatchContext, Patch, Skip
+from .rules import MatchContext, Patch, Skip, is_fsdp, own_class
 
 
-def _plain_head(model: nn.Module):
-    """(weight, bias) of the LM head when it is a plain linear right now, else None (LoRA on the head...)."""
-    proj = lora_projection(model.lm_head)
-    if proj is None or proj.lora_A is not None:
+def _head_forward(self, hidden_states, fused_loss=None):
+    """nn.Linear's forward, or with `fused_loss` (fused_linear_cross_entropy's other arguments) the loss."""
+    if fused_loss is None:
+        return type(self).forward(self, hidden_states)
+    return fused_linear_cross_entropy(hidden_states, self.weight, bias=self.bias, **fused_loss)
+
+
+def _foreign_hooks(module: nn.Module) -> bool:
+    # A hook of someone else may expect logits out of the head; FSDP2's only gather and reshard its weight.
+    return bool(module._forward_hooks or module._forward_pre_hooks) and not is_fsdp(module)
+
+
+def _head_reason(head) -> str | None:
+    """Why the fused loss cannot run through this LM head at patch time (None: it can)."""
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        return f"LM head is not a plain nn.Linear ({type(head).__name__})"
+    if "forward" in vars(head):
+        return "LM head forward already replaced on this instance by another library"
+    if _foreign_hooks(head):
+        return "LM head has forward hooks"
+    return None
+
+
+def _fused_head(model: nn.Module):
+    """The LM head when the fused loss may run through it now (still ours, no foreign hooks), else None."""
+    head = model.lm_head
+    if getattr(vars(head).get("forward"), "__func__", None) is not _head_forward or _foreign_hooks(head):
         return None
-    return proj.weight, proj.bias
+    return head
+
+
+def _install_head_forward(head: nn.Module):
+    def switch():
+        bound = types.MethodType(_head_forward, head)
+        head.forward = bound
+
+        def undo():
+            if vars(head).get("forward") is bound:
+                del head.forward
+
+        return undo
+
+    return switch
 
 
 def _default_causal_lm_loss(model: nn.Module) -> bool:
@@ -28,7 +69,7 @@ def _default_causal_lm_loss(model: nn.Module) -> bool:
 
 
 def _moe_aux_loss(model, outputs, attention_mask):
-    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    balance = sys.modules[own_class(model).__module__].load_balancing_loss_func
     return balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
@@ -54,7 +95,7 @@ def _causal_lm_forward(moe: bool):
         logits_to_keep=0,
         **kwargs,
     ):
-        head = _plain_head(self) if labels is not None and self.training else None
+        head = _fused_head(self) if labels is not None and self.training else None
         fused = (
             head is not None
             and isinstance(logits_to_keep, int) and logits_to_keep == 0
@@ -82,16 +123,13 @@ def _causal_lm_forward(moe: bool):
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:  # tokens < n predict token n (transformers' ForCausalLMLoss)
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        weight, bias = head
-        loss = fused_linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]),
-            weight,
-            shift_labels.reshape(-1).to(hidden.device),
-            bias=bias,
+        # num_items_in_batch: the Trainer's count over all micro-batches and ranks (the loss is a sum over it)
+        loss = head(hidden.reshape(-1, hidden.shape[-1]), fused_loss=dict(
+            labels=shift_labels.reshape(-1).to(hidden.device),
             ignore_index=ignore_index,
             softcap=getattr(self.config, "final_logit_softcapping", None),
             num_items_in_batch=kwargs.get("num_items_in_batch"),
-        )
+        ))
         aux_loss = None
         if router_logits_wanted:
             aux_loss = _moe_aux_loss(self, outputs, attention_mask)
@@ -119,8 +157,9 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         return Skip("lm_head_loss", "causal-LM forward of an unknown family is not reproduced")
     if not isinstance(getattr(module, "model", None), nn.Module):
         return Skip("lm_head_loss", "no `model` decoder attribute")
-    if _plain_head(module) is None:
-        return Skip("lm_head_loss", f"LM head is not a plain linear ({type(module.lm_head).__name__})")
-    if ctx.family.moe and not hasattr(sys.modules[type(module).__module__], "load_balancing_loss_func"):
+    reason = _head_reason(module.lm_head)
+    if reason:
+        return Skip("lm_head_loss", reason)
+    if ctx.family.moe and not hasattr(sys.modules[own_class(module).__module__], "load_balancing_loss_func"):
         return Skip("lm_head_loss", "MoE family without load_balancing_loss_func")
-    return Patch("lm_head_loss", _causal_lm_forward(ctx.family.moe))
+    return Patch("lm_head_loss", _causal_lm_forward(ctx.family.moe), switch=_install_head_forward(module.lm_head))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,3 +38,19 @@ class MatchContext:
 
 
 Rule = Callable[[nn.Module, MatchContext], "Patch | Skip | None"]
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether FSDP2's `fully_shard` was applied to this module (its hooks gather and reshard the parameters)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # imported by whoever sharded it
+    return fsdp is not None and isinstance(module, getattr(fsdp, "FSDPModule", ()))
+
+
+def own_class(module: nn.Module) -> type:
+    """The module's class as its library made it: `fully_shard` swaps in a subclass FSDP<Name> defined in torch,
+    whose `__module__` no longer says where the model comes from."""
+    cls = type(module)
+    if not is_fsdp(module):
+        return cls
+    fsdp_module = sys.modules["torch.distributed.fsdp"].FSDPModule
+    return next(c for c in cls.__mro__ if not issubclass(c, fsdp_module))

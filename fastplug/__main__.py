@@ -52,13 +52,15 @@ def kernel_lines(torch) -> tuple[list[str], bool]:
     try:
         import fastplug.kernels as kernels
         from fastplug.kernels._utils import kernel_path
+        from fastplug.kernels.fp8 import FP8_OPS, fp8_path
     except Exception as exc:  # a broken install is exactly what doctor is for: say what failed
         return [f"fastplug.kernels failed to import: {type(exc).__name__}: {exc}"], False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = kernel_path(device)
     ops = [name for name in kernels.__all__ if not name.endswith("_reference") and name[0].islower()]
     width = max(len(op) for op in ops)
-    lines = [f"{op:<{width}}  {path}" for op in ops]
+    # FP8 ops have their own condition: FP8 tensor cores (capability 8.9+), else dequantize + matmul
+    lines = [f"{op:<{width}}  {fp8_path(device, op) if op in FP8_OPS else path}" for op in ops]
     if device == "cuda":
         lines.append(f"(CPU tensors: {kernel_path('cpu')})")
     return lines, True

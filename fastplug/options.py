@@ -26,6 +26,11 @@ class KernelOptions:
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True
     memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
+    # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
+    # blocks, the bf16 copies freed) and run on the FP8 GEMM; layers already in FP8 (transformers' fine-grained
+    # FP8 checkpoints) take fastplug's kernel. restore() gives back weights dequantized from FP8 (lossy)...
+    fp8: bool = False
+    fp8_keep_original: bool = False  # ...or the originals, kept in CPU memory until restore()
 
     def __post_init__(self):
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (

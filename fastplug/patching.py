@@ -18,6 +18,7 @@ from torch import nn
 
 from . import checkpointing
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
+from .models.fp8 import convert_to_fp8
 from .models.peft_lora import watch_adapter_writes
 from .models.rules import own_class
 from .options import KernelOptions
@@ -55,6 +56,8 @@ class PatchHandle:
         self._undo: list = []  # what the patches' `switch`es return, run in reverse by restore()
         self.paths: list[tuple[str, str]] = []  # (module path, the implementation it takes)
         self._adapter_watch = None  # the forward pre-hook that keeps fused LoRA's adapter copies current
+        self.fp8: str | None = None  # what the fp8 option did, for the summary
+        self._fp8_layers = 0
         self.is_active = False
 
     # -- applying
@@ -70,6 +73,16 @@ class PatchHandle:
         self._lora_fused += patch.lora_fused
         for child, reason in patch.notes:
             self.skipped.append((f"{path}.{child}" if path else child, reason))
+
+    def _convert_fp8(self) -> None:
+        """fp8=True: the decoder linears on FP8 weights, before the rules run (their fused LoRA views then see
+        the FP8 bases); undone last by restore()."""
+        if not self.options.fp8:
+            return
+        conversion = convert_to_fp8(self.model, keep_original=self.options.fp8_keep_original)
+        self._undo.append(conversion.undo)
+        self.fp8, self._fp8_layers = conversion.describe(), conversion.layers
+        self.skipped += conversion.skipped
 
     def _patch_modules(self, outer: nn.Module) -> None:
         ctx = MatchContext(root=self.model, family=self.family, options=self.options)
@@ -90,6 +103,8 @@ class PatchHandle:
                 break
         if self._lora_fused:
             counts["lora_fused"] = self._lora_fused
+        if self._fp8_layers:
+            counts["fp8_linear"] = self._fp8_layers
         if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
             self._adapter_watch = watch_adapter_writes(checkpointing.decoder_stack(self.model))
         self.counts = dict(counts)
@@ -140,6 +155,8 @@ class PatchHandle:
         lines.append(f"  patched: {counted}")
         if self.checkpointing:
             lines.append(f"  gradient checkpointing: {self.checkpointing}")
+        if self.fp8:
+            lines.append(f"  fp8: {self.fp8}")
         if self.paths:
             lines.append("  paths:")
             lines += [f"    {path}: {taken}" for path, taken in self.paths]
@@ -165,6 +182,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     handle = PatchHandle(base, options)
     if handle.family is None:
         _warn_unknown(base)
+    handle._convert_fp8()
     handle._patch_modules(model)
     handle._enable_checkpointing()
     handle.is_active = True

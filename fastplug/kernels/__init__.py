@@ -12,6 +12,10 @@ from .cross_entropy import (
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
 )
+from .fp8 import (
+    dequantize_blockwise, dequantize_blockwise_reference, fp8_block_matmul, fp8_block_matmul_reference, fp8_linear,
+    quantize_activation, quantize_activation_reference, quantize_weight_blockwise, quantize_weight_blockwise_reference,
+)
 from .lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
 from .moe import (
     ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
@@ -32,4 +36,7 @@ __all__ = [
     "ExpertLoRA", "moe_experts", "moe_experts_reference",
     "attention", "attention_reference", "cu_seqlens_from_position_ids",
     "dequantize_4bit", "dequantize_4bit_reference", "gemv_4bit", "gemv_4bit_reference",
+    "quantize_weight_blockwise", "quantize_weight_blockwise_reference", "quantize_activation",
+    "quantize_activation_reference", "dequantize_blockwise", "dequantize_blockwise_reference",
+    "fp8_block_matmul", "fp8_block_matmul_reference", "fp8_linear",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -93,6 +94,29 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1); plain Python, like `cdiv`."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Under autocast a projection runs in the autocast dtype, as nn.Linear would; otherwise in x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+# One buffer per (device, dtype), grown to the largest request: layers dequantize their frozen base weight into
+# it just before the matmul that reads it, so a model holds one dense weight at a time, not one per layer.
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous `shape` view of the shared buffer of `device` and `dtype`. Valid until the next request for
+    that device and dtype: use it at once (kernels of one stream run in order), never keep it."""
+    numel = math.prod(shape)
+    key = (device, dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:

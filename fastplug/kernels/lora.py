@@ -17,6 +17,9 @@ hand-derived backward:
 A base weight may be a frozen bitsandbytes 4-bit weight (QLoRA): it is dequantized by
 `fastplug.kernels.quant` into one buffer shared by all layers just before each matmul that reads it, once
 in forward and once more in backward for dX (never saved; no dW: 4-bit weights are frozen).
+A base weight may also be a frozen FP8 block-scaled weight (`fastplug.kernels.fp8.fp8_parameter`): its forward
+term runs on the FP8 GEMM (the input quantized once for all projections that read it), its dX term through
+the weight dequantized into that shared buffer.
 
 Matmuls run in the input dtype with fp32 accumulation (what torch's matmul does). The LoRA maths is plain
 torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activations`. Knows nothing of peft.
@@ -31,15 +34,16 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ._utils import check_dtype, check_same_device, keep_for_backward, kept_for_backward, rows_view
+from ._utils import check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, rows_view
 from .activations import ACTIVATIONS, glu_backward, glu_forward
+from .fp8 import fp8_project, fp8_project_grad, is_fp8
 from .quant import dequantize_4bit_scratch, is_4bit, shape_4bit
 
 
 class LoRAProjection(NamedTuple):
     """One linear layer with an optional LoRA adapter: y = x W^T + b + scaling * (x A^T) B^T."""
 
-    weight: torch.Tensor  # [out, in]; frozen (LoRA) or trainable (full fine-tuning); or a bnb 4-bit weight
+    weight: torch.Tensor  # [out, in]; frozen (LoRA) or trainable (full fine-tuning); or a bnb 4-bit / FP8 weight
     bias: torch.Tensor | None  # [out]
     lora_A: torch.Tensor | None  # [r, in]; None: plain linear
     lora_B: torch.Tensor | None  # [out, r]
@@ -65,8 +69,8 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
     out = shape[0]
     if out_features is not None and out != out_features:
         raise ValueError(f"{name}.weight must have {out_features} output features; got {shape}")
-    if is_4bit(w) and w.requires_grad:
-        raise ValueError(f"{name}.weight is a 4-bit weight that requires grad; 4-bit bases must be frozen")
+    if (is_4bit(w) or is_fp8(w)) and w.requires_grad:
+        raise ValueError(f"{name}.weight is a quantized weight that requires grad; quantized bases must be frozen")
     if proj.bias is not None and tuple(proj.bias.shape) != (out,):
         raise ValueError(f"{name}.bias must have shape ({out},); got {tuple(proj.bias.shape)}")
     a, b = proj.lora_A, proj.lora_B
@@ -82,13 +86,6 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
     device = x.device
     if any(t is not None and t.device != device for t in proj[:4]):  # the message is built only on failure
         check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """Under autocast the projections run in the autocast dtype, as nn.Linear would; otherwise in x's dtype."""
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class _Cast:
@@ -162,7 +159,7 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if t is None or t.dtype == dtype or is_4bit(t):  # 4-bit weights are dequantized where they are read
+    if t is None or t.dtype == dtype or is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
         return t
     hit = _CAST_CACHE.get(id(t))
     if hit is None or hit.ref() is not t or hit.dtype != dtype or not _is_current(hit, t):
@@ -218,6 +215,20 @@ def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_4bit_scratch(w, dtype) if is_4bit(w) else w
 
 
+def _base_mm(a: torch.Tensor, w: torch.Tensor, *, grad: bool = False, out=None, bias=None, quantized=None):
+    """a @ W^T + bias (grad: a @ W, the dX term), added into `out` when given (its read then happens in the
+    matmul's epilogue). FP8 weights take their block-scaled GEMM, sharing a's quantization through `quantized`."""
+    if is_fp8(w):
+        if grad:
+            return fp8_project_grad(a, w, out=out)
+        return fp8_project(a, w, bias=bias, out=out, quantized=quantized)
+    dense = _dense(w, a.dtype)
+    dense = dense if grad else dense.t()
+    if out is not None:
+        return out.addmm_(a, dense)
+    return a @ dense if bias is None else torch.addmm(bias, a, dense)
+
+
 def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     """alpha * a @ b in one matmul (beta=0: the fresh buffer's contents are never read)."""
     if alpha == 1.0:  # lora_alpha == r, a common set-up: one call less on the host
@@ -233,16 +244,15 @@ def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
     of in a memory-bound read-modify-write of y by the small one.
     """
     xa = x2 @ adapters.a_cat.t() if adapters is not None else None  # one read of x for all adapters
-    ys = []
+    ys, quantized = [], {}
     for i, p in enumerate(projs):
         sl = adapters.slices[i] if adapters is not None else None
         if sl is None:
-            w_t = _dense(p.weight, x2.dtype).t()
-            ys.append(x2 @ w_t if p.bias is None else torch.addmm(p.bias, x2, w_t))
+            ys.append(_base_mm(x2, p.weight, bias=p.bias, quantized=quantized))
             continue
         xa_i, b_t = xa[:, sl[0] : sl[1]], p.lora_B.t()
         y = _mm_scaled(xa_i, b_t, p.scaling) if p.bias is None else torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling)
-        ys.append(y.addmm_(x2, _dense(p.weight, x2.dtype).t()))
+        ys.append(_base_mm(x2, p.weight, out=y, quantized=quantized))
     return ys, xa
 
 
@@ -263,9 +273,9 @@ def _input_grad(dys, projs, adapters: _Adapters | None, dyb) -> torch.Tensor:
     pairs = list(zip(dys, (p.weight for p in projs)))
     if adapters is not None:
         pairs.insert(0, (dyb, adapters.a_cat))
-    dx = pairs[0][0] @ _dense(pairs[0][1], pairs[0][0].dtype)
+    dx = _base_mm(*pairs[0], grad=True)
     for dy, w in pairs[1:]:
-        dx.addmm_(dy, _dense(w, dy.dtype))
+        _base_mm(dy, w, grad=True, out=dx)
     return dx
 
 
@@ -377,7 +387,7 @@ def _checked_input(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise ValueError("x must be a tensor of shape [..., in]")
     check_dtype("x", x)
-    dtype = _compute_dtype(x)
+    dtype = compute_dtype(x)
     return x if x.dtype == dtype else x.to(dtype)
 
 

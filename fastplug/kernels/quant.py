@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_dtype, next_power_of_2, rows_view, use_triton
+from ._utils import cdiv, check_dtype, next_power_of_2, rows_view, scratch, use_triton
 
 INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
@@ -233,20 +233,10 @@ def dequantize_4bit_reference(weight, dtype: torch.dtype | None = None) -> torch
     return values.to(p.dtype if dtype is None else dtype).view(p.shape)
 
 
-# One buffer per (device, dtype), grown to the largest weight seen: the fused LoRA path dequantizes each
-# layer's base into it just before its matmul, so a model holds one dense weight at a time, not one per layer.
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
 def dequantize_4bit_scratch(weight, dtype: torch.dtype) -> torch.Tensor:
-    """dequantize_4bit into the shared buffer of weight's device and `dtype`. The result is valid until the
-    next call for that device and dtype: use it at once (kernels of one stream run in order), never keep it."""
-    out, inn = shape_4bit(weight)
-    key = (weight.device, dtype)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < out * inn:
-        buf = _SCRATCH[key] = torch.empty(out * inn, dtype=dtype, device=weight.device)
-    return dequantize_4bit(weight, out=buf[: out * inn].view(out, inn))
+    """dequantize_4bit into the buffer that dequantized weights share (`_utils.scratch`): valid until the next
+    dequantization on that device in that dtype; use it at once, never keep it."""
+    return dequantize_4bit(weight, out=scratch(shape_4bit(weight), dtype, weight.device))
 
 
 def gemv_4bit(x: torch.Tensor, weight) -> torch.Tensor:

@@ -6,8 +6,9 @@ asks `lora_projection(proj)` on every call and runs `proj(x)` itself when the an
 
 A frozen bitsandbytes 4-bit base (`bnb.nn.Linear4bit`, and peft's LoRA on it) is fused when the caller
 asks for it (`quantized=True`: the fused LoRA blocks, which dequantize it); callers that read `weight` as a
-dense matrix (generation, the LM head) get None for it and run the module. Other quantized bases (8-bit,
-GPTQ, AWQ, ...) are never fused: the reason names the format.
+dense matrix (generation, the LM head) get None for it and run the module. The same holds for the FP8 layers
+of the fp8 option (`models.fp8`), whose weight carries its block scales. Other quantized bases (8-bit,
+GPTQ, AWQ, transformers' FP8 layers left to transformers, ...) are never fused: the reason names the format.
 
 peft and bitsandbytes are never imported here: a layer can only be one of theirs if they are already loaded.
 """
@@ -19,6 +20,7 @@ import sys
 import torch.nn as nn
 
 from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
+from .fp8 import is_fp8_linear
 
 
 def _peft_lora_linear_class():
@@ -35,9 +37,10 @@ def _bnb_linear_4bit_class():
 
 
 # substrings of a quantized layer's module path or class name -> the format named in the summary
-_QUANT_FORMATS = (("8bit", "8-bit bitsandbytes"), ("int8", "8-bit bitsandbytes"), ("gptq", "GPTQ"),
-                  ("awq", "AWQ"), ("hqq", "HQQ"), ("eetq", "EETQ"), ("aqlm", "AQLM"), ("quanto", "quanto"),
-                  ("torchao", "torchao"), ("bitsandbytes", "bitsandbytes"))
+_FINEGRAINED_FP8 = "fine-grained FP8"
+_QUANT_FORMATS = (("finegrained_fp8", _FINEGRAINED_FP8), ("fp8", "FP8"), ("8bit", "8-bit bitsandbytes"),
+                  ("int8", "8-bit bitsandbytes"), ("gptq", "GPTQ"), ("awq", "AWQ"), ("hqq", "HQQ"), ("eetq", "EETQ"),
+                  ("aqlm", "AQLM"), ("quanto", "quanto"), ("torchao", "torchao"), ("bitsandbytes", "bitsandbytes"))
 
 
 def _quant_format(module: nn.Module) -> str | None:
@@ -57,6 +60,8 @@ def _plain_linear_reason(module: nn.Module, what: str) -> str | None:
         # quantized layers (bitsandbytes, ...) subclass nn.Linear with their own forward
         fmt = _quant_format(module)
         if fmt is not None:
+            if fmt == _FINEGRAINED_FP8:
+                return f"{what} is transformers' {fmt} ({type(module).__name__}); fused with the fp8=True option"
             return f"{what} is quantized ({fmt}, {type(module).__name__}); only 4-bit bitsandbytes is fused"
         return f"{what} is not nn.Linear ({type(module).__name__})"
     if _has_hooks(module):
@@ -71,6 +76,10 @@ def _is_bnb_4bit(module: nn.Module) -> bool:
 
 def _base_reason(module: nn.Module, what: str, quantized: bool) -> str | None:
     """Why `module` cannot serve as the base of a fused projection (None: it can)."""
+    if is_fp8_linear(module):  # its forward is fastplug's own: only real hooks count
+        if not quantized:
+            return f"{what} is FP8 (fused only inside the LoRA blocks)"
+        return f"{what} has forward hooks" if module._forward_hooks or module._forward_pre_hooks else None
     if not _is_bnb_4bit(module):
         return _plain_linear_reason(module, what)
     if not quantized:

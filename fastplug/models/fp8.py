@@ -1,0 +1,239 @@
+"""KernelOptions.fp8: the frozen linear layers of the decoder layers on FP8 block-scaled weights.
+
+At patch time every nn.Linear inside a decoder layer whose weight is frozen (peft LoRA's base layers among
+them) is quantized once into 128x128 FP8 blocks (`fastplug.kernels.fp8`). On the instance, its weight
+Parameter is swapped for an FP8 one that carries its scales, its forward becomes `fp8_linear`, and the
+original Parameter's storage is released (the Parameter object itself is kept for restore). The fused LoRA
+blocks read the FP8 weight directly (`peft_lora` accepts these layers as bases).
+
+restore() puts the original Parameter objects back, their values dequantized from FP8 (lossy: the weights
+come back rounded to the FP8 grid), or bit-exact from a copy kept in CPU memory with fp8_keep_original=True.
+
+Layers that transformers loaded in FP8 (fine-grained FP8 checkpoints: its `FP8Linear`, weight plus
+`weight_scale_inv`) take fastplug's kernel the same way: their forward is replaced on the instance and their
+weight handed out with its scales; restore() puts both back.
+
+Left alone, each with its reason in the summary: trainable weights (FP8 bases are frozen), the LoRA adapters
+themselves, the linear gates of MoE blocks (routing is sensitive to rounding, and they are small), layers
+with hooks or a forward replaced by someone else, weights shared with layers outside the decoder layers,
+and FP8 layers in formats the kernel does not read (per-tensor, UE8M0 or non-square block scales, static
+activation scales).
+"""
+
+from __future__ import annotations
+
+import types
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..kernels.fp8 import (
+    FP8_DTYPE, dequantize_blockwise, fp8_linear, fp8_parameter, fp8_path, is_fp8, quantize_weight_blockwise,
+)
+
+BLOCK = 128
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fp8_linear_forward(self, x):
+    """The forward of a linear layer on fastplug's FP8 kernel (installed on the instance)."""
+    w = self.weight
+    return fp8_linear(x, w, w.fp8_scale, self.bias, block=w.fp8_block)
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    """True for a linear layer that `convert_to_fp8` put on fastplug's FP8 kernel."""
+    forward = vars(module).get("forward")
+    return getattr(forward, "__func__", None) is fp8_linear_forward and is_fp8(module.weight)
+
+
+def _is_transformers_fp8(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and hasattr(module, "weight_scale_inv") and "fp8" in type(module).__module__
+
+
+def _transformers_fp8_reason(module: nn.Module) -> str | None:
+    """Why transformers' FP8Linear `module` cannot run on fastplug's kernel (None: it can)."""
+    if module.weight.dtype != FP8_DTYPE:
+        return f"FP8Linear holding {str(module.weight.dtype).replace('torch.', '')} weights"
+    block = getattr(module, "block_size", None)
+    if block is None:
+        return "FP8Linear with a per-tensor scale (fastplug reads block scales)"
+    if len(block) != 2 or block[0] != block[1] or block[0] not in (32, 64, 128, 256):
+        return f"FP8Linear with {tuple(block)} blocks (fastplug reads square power-of-two blocks)"
+    if module.weight_scale_inv.dtype != torch.float32:
+        return f"FP8Linear with {str(module.weight_scale_inv.dtype).replace('torch.', '')} scales"
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return "FP8Linear with static activation scales"
+    return None
+
+
+def _candidates(model: nn.Module):
+    """(path, module) of the linear layers inside the decoder layers, minus adapters and MoE gates."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    excluded: set[int] = set()
+    for module in model.modules():
+        for name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            adapters = getattr(module, name, None)
+            if isinstance(adapters, nn.Module):
+                excluded.update(id(m) for m in adapters.modules())
+        if hasattr(module, "experts"):  # an MoE block: its linear gates (router, shared-expert gate)
+            for child in module.children():
+                if isinstance(child, nn.Linear) or isinstance(getattr(child, "base_layer", None), nn.Linear):
+                    excluded.update(id(m) for m in child.modules())
+    for layer_path, layer in model.named_modules():
+        if not isinstance(layer, GradientCheckpointingLayer):
+            continue
+        for path, module in layer.named_modules(prefix=layer_path):
+            if isinstance(module, nn.Linear) and id(module) not in excluded:
+                yield path, module
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+@dataclass
+class FP8Conversion:
+    """What `convert_to_fp8` did: counts and bytes for the summary, the skipped layers, and its undo."""
+
+    quantized: int = 0
+    taken_over: int = 0
+    original_bytes: int = 0  # the bf16 (fp16, fp32) weights released
+    fp8_bytes: int = 0  # their FP8 copies with their scales
+    keep_original: bool = False
+    device: torch.device | None = None
+    skipped: list = field(default_factory=list)  # (path, reason)
+    _undo: list = field(default_factory=list)
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    @property
+    def layers(self) -> int:
+        return self.quantized + self.taken_over
+
+    def describe(self) -> str:
+        parts = []
+        if self.quantized:
+            back = ("restore() puts back the originals kept in CPU memory" if self.keep_original
+                    else "restore() puts back weights dequantized from FP8 (lossy)")
+            parts.append(
+                f"{self.quantized} linear layers quantized to FP8 in {BLOCK}x{BLOCK} blocks: weights "
+                f"{_size(self.original_bytes)} -> {_size(self.fp8_bytes)} with scales, "
+                f"{_size(self.original_bytes - self.fp8_bytes)} saved; {back}"
+            )
+        if self.taken_over:
+            parts.append(f"{self.taken_over} FP8Linear layers of the checkpoint on fastplug's kernel")
+        if not parts:
+            return "no linear layer converted"
+        return "; ".join(parts) + f" (kernel: {fp8_path(self.device or 'cpu')})"
+
+
+def _owners(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> how many modules hold it (tied weights are held by several)."""
+    count: dict[int, int] = defaultdict(int)
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                count[id(p)] += 1
+    return count
+
+
+def _skip_reason(module: nn.Module, owners: dict[int, int], converting: dict[int, int]) -> str | None:
+    if module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module):
+        return "forward hooks or a forward replaced on the instance"
+    if _is_transformers_fp8(module):
+        return _transformers_fp8_reason(module)
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__name__} is not a plain nn.Linear"
+    w = module.weight
+    if w.requires_grad:
+        return "trainable weight (FP8 bases are frozen)"
+    if w.dtype not in _FLOAT_DTYPES or w.device.type == "meta":
+        return f"weight is {str(w.dtype).replace('torch.', '')} on {w.device.type}"
+    if owners[id(w)] > converting[id(w)]:
+        return "weight shared with a layer that stays as it is"
+    return None
+
+
+def _quantize(module: nn.Module, conversion: FP8Conversion, done: dict) -> None:
+    """Swap module's weight for its FP8 form and its forward for fastplug's; register the undo. `done` maps
+    id(original weight) -> FP8 Parameter, so a weight held by several layers is quantized once."""
+    weight = module.weight
+    fp8 = done.get(id(weight))
+    if fp8 is None:
+        q, scale = quantize_weight_blockwise(weight.detach(), BLOCK)
+        fp8 = done[id(weight)] = fp8_parameter(q, scale, BLOCK)
+        kept = weight.data.to("cpu") if conversion.keep_original else None
+        conversion.original_bytes += _nbytes(weight)
+        conversion.fp8_bytes += _nbytes(q) + _nbytes(scale)
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # releases the storage
+
+        def put_values_back(weight=weight, fp8=fp8, kept=kept, dtype=weight.dtype, device=weight.device):
+            if kept is not None:
+                weight.data = kept.to(device)
+            else:
+                weight.data = dequantize_blockwise(fp8, fp8.fp8_scale, BLOCK, dtype)
+
+        conversion._undo.append(put_values_back)  # runs after the modules below have their weight back
+    _install(module, fp8, weight, conversion)
+    conversion.quantized += 1
+
+
+def _install(module: nn.Module, fp8: nn.Parameter, original: nn.Parameter, conversion: FP8Conversion) -> None:
+    bound = types.MethodType(fp8_linear_forward, module)
+    module._parameters["weight"] = fp8
+    module.forward = bound
+
+    def undo(module=module, original=original, bound=bound):
+        module._parameters["weight"] = original
+        if vars(module).get("forward") is bound:
+            del module.forward
+
+    conversion._undo.append(undo)
+
+
+def _take_over(module: nn.Module, conversion: FP8Conversion) -> None:
+    """transformers' FP8Linear on fastplug's kernel: the same storage, handed out with its scales."""
+    original = module.weight
+    block = int(module.block_size[0])
+    _install(module, fp8_parameter(original.detach(), module.weight_scale_inv.detach(), block), original, conversion)
+    conversion.taken_over += 1
+
+
+def convert_to_fp8(model: nn.Module, keep_original: bool = False) -> FP8Conversion:
+    """Put the decoder layers' frozen linears of this model instance on FP8 (see the module docstring)."""
+    conversion = FP8Conversion(keep_original=keep_original)
+    candidates = list(_candidates(model))
+    owners = _owners(model)
+    converting: dict[int, int] = defaultdict(int)
+    for _, module in candidates:
+        converting[id(module.weight)] += 1
+    left: dict[str, list[str]] = defaultdict(list)
+    done: dict = {}
+    for path, module in candidates:
+        reason = _skip_reason(module, owners, converting)
+        if reason is not None:
+            left[reason].append(path)
+        elif _is_transformers_fp8(module):
+            _take_over(module, conversion)
+        else:
+            _quantize(module, conversion, done)
+        if reason is None and conversion.device is None:
+            conversion.device = module.weight.device
+    for reason, paths in left.items():
+        more = f" and {len(paths) - 1} more" if len(paths) > 1 else ""
+        conversion.skipped.append((paths[0] + more, f"fp8: left as it is: {reason}"))
+    return conversion

@@ -116,6 +116,28 @@ SWEEP2 = {
 }
 
 
+# A third round with registers and spills per config, and the dK/dV tile orientation (D128: query rows as
+# the MMA's M dim won, 64x64 4 warps 2 stages, 4.28 ms whole backward against 4.63); here the D256 case.
+SWEEP3 = {
+    "dkdv": {256: [(bm, bn, w, st, rows) for bm, bn in ((32, 32), (64, 32), (32, 64), (64, 64)) for w in (4, 8)
+                   for st in (1, 2) for rows in (True, False)]},
+}
+KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+
+
+class _LaunchRecorder:
+    """Stands in for a @triton.jit kernel: launches it and keeps the compiled kernel (registers, spills)."""
+
+    def __init__(self, fn):
+        self.fn, self.last = fn, None
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.last = self.fn[grid](*args, **kwargs)
+            return self.last
+        return launch
+
+
 def sweep(name, c, table=SWEEP):
     q, k, v, kw = make(c)
     D = q.shape[3]
@@ -126,15 +148,22 @@ def sweep(name, c, table=SWEEP):
         for cfg in configs.get(128 if D <= 128 else 256, []):
             A.TUNING = dataclasses.replace(base, **{kernel: ((256, A.KernelConfig(*cfg)),)})
             try:
-                fwd, bwd = triton_step(q, k, v, kw, do)
-                ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
-                results.append((ms, cfg))
+                recorder = _LaunchRecorder(getattr(A, KERNELS[kernel]))
+                setattr(A, KERNELS[kernel], recorder)
+                try:
+                    fwd, bwd = triton_step(q, k, v, kw, do)
+                    ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
+                finally:
+                    setattr(A, KERNELS[kernel], recorder.fn)
+                compiled = recorder.last
+                regs = f"r{getattr(compiled, 'n_regs', '?')}s{getattr(compiled, 'n_spills', '?')}"
+                results.append((ms, cfg, regs))
             except Exception as exc:  # out of shared memory or registers: that config is out
-                results.append((float("inf"), cfg))
+                results.append((float("inf"), cfg, "-"))
                 print(f"  {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
         A.TUNING = base
         results.sort()
-        print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}" for ms, c in results), flush=True)
+        print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}[{r}]" for ms, c, r in results), flush=True)
 
 
 def table():
@@ -215,6 +244,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="first round: six configs per kernel, all cases")
     parser.add_argument("--sweep2", action="store_true", help="second round around the D128 best (Llama case)")
+    parser.add_argument("--sweep3", action="store_true", help="broad round on the Llama case, with registers/spills")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--no-table", action="store_true")
     args = parser.parse_args()
@@ -238,6 +268,10 @@ def main():
     if args.sweep2:
         name, c = next(iter(cases().items()))
         guarded(sweep, name, c, SWEEP2)
+    if args.sweep3:
+        name = "gemma2 B2 8/4 T8192 D256 cap50 w4096"
+        guarded(sweep, name, cases()[name], SWEEP3)
+        print(f"sweep3 done at {time.time() - t0:.0f} s", flush=True)
     if not args.no_table:
         guarded(table)
     print(f"total {time.time() - t0:.0f} s")

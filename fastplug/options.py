@@ -32,6 +32,10 @@ class KernelOptions:
     fp8: bool = False
     fp8_keep_original: bool = False  # ...or the originals, kept in CPU memory until restore()
 
+    # gc.freeze() while patched: Python's full collections skip the half-million objects alive at patch time
+    # (0.3 s each on a lent GPU host); the last restore() unfreezes. See fastplug/host_gc.py.
+    freeze_gc: bool = True
+
     def __post_init__(self):
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (
             0 < self.memory_budget <= 1

@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from . import checkpointing
+from . import checkpointing, host_gc
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from .models.fp8 import convert_to_fp8
 from .models.peft_lora import watch_adapter_writes
@@ -185,6 +185,8 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     handle._convert_fp8()
     handle._patch_modules(model)
     handle._enable_checkpointing()
+    if options.freeze_gc:  # last: the patch's own objects are frozen too
+        handle._undo.append(host_gc.hold())
     handle.is_active = True
     vars(base)[_HANDLE_ATTRIBUTE] = handle  # bypasses nn.Module.__setattr__: a plain instance attribute
     return handle

@@ -229,7 +229,7 @@ def _attn_bwd_delta(
 def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, lo, hi, cols,
                T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
+               VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_valid = rows < T
@@ -238,34 +238,22 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
         do = tl.load(DO + rows[:, None] * stride_dot + d[None, :] * stride_dod, mask=mask, other=0.0)
         lse = tl.load(LSE + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=row_valid, other=0.0)
-        if KEYS_AS_ROWS:  # transposed tiles: keys along dim 0, query rows along dim 1; k, v are MMA A operands
-            qk = _dot(k, tl.trans(q), PRECISION)
-            s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
-            p = tl.exp2(s - lse[None, :])
-            if MASKED:
-                first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
-                seen = (cols[:, None] >= first[None, :]) & (cols[:, None] <= last[None, :]) & row_valid[None, :]
-                p = tl.where(seen, p, 0.0)
-            dv += _dot(p.to(do.dtype), do, PRECISION)
-            dp = _dot(v, tl.trans(do), PRECISION)
-            ds = p * (dp - delta[None, :])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dk += _dot(ds.to(q.dtype), q, PRECISION)
-        else:  # query rows along dim 0 as in the forward; k, v only B operands (shared memory, not registers)
-            qk = _dot(q, tl.trans(k), PRECISION)
-            s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
-            p = tl.exp2(s - lse[:, None])
-            if MASKED:
-                first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
-                seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]) & row_valid[:, None]
-                p = tl.where(seen, p, 0.0)
-            dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
-            dp = _dot(do, tl.trans(v), PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+        # Query rows along dim 0 as in the forward: k and v are only ever B operands, so they stay in shared
+        # memory. Keys along dim 0 (k, v as A operands) held them in registers next to the fp32 dK/dV and
+        # spilled: whole backward D128 4.63 ms against 4.28 here, D256 6.49 against 4.72 (H100).
+        qk = _dot(q, tl.trans(k), PRECISION)
+        s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
+        p = tl.exp2(s - lse[:, None])
+        if MASKED:
+            first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
+            seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]) & row_valid[:, None]
+            p = tl.where(seen, p, 0.0)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
+        dp = _dot(do, tl.trans(v), PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
     return dk, dv
 
 
@@ -281,7 +269,7 @@ def _attn_bwd_dkdv(
     n_heads, n_kv_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -310,13 +298,13 @@ def _attn_bwd_dkdv(
         DELTAh = DELTA + (b * n_heads + h).to(tl.int64) * T
         dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
                             a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, KEYS_AS_ROWS)
+                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
         dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
                             b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, KEYS_AS_ROWS)
+                            False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
         dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
                             c, e, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, KEYS_AS_ROWS)
+                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + cols[:, None] * stride_dks
              + d[None, :] * stride_dkd, (dk * ds_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvs
@@ -402,7 +390,6 @@ class KernelConfig(NamedTuple):
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    keys_as_rows: bool = True  # dK/dV only: tile orientation (keys as the MMA's M dim, or query rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +406,9 @@ class AttentionTuning:
     # vs 8.69 (64x32, 8 warps).
     fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
                   (256, KernelConfig(128, 64, 8, 2)))
-    # --sweep3 (with registers and spills): dK/dV with query rows as the MMA's M dim keeps k and v out of
-    # registers (B operands): D128 64x64 4 warps 2 stages, whole backward 4.28 ms vs 4.63 (keys as rows,
-    # 32x64); D256 Gemma2 T8192 64x32 4 warps 2 stages 4.72 vs 6.49 (keys as rows, 32x32).
-    dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2, False)), (256, KernelConfig(64, 32, 4, 2, False)))
+    # --sweep3 (registers and spills shown), after dK/dV moved to query-row-major tiles: D128 64x64 4 warps
+    # 2 stages, whole backward 4.28 ms; D256 Gemma2 T8192 64x32 4 warps 2 stages 4.72 ms.
+    dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, KernelConfig(64, 32, 4, 2)))
     dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 2)))
 
 
@@ -495,7 +481,7 @@ def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
     _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
         q, k, v, do, lse, delta, dk, dv, start_, end_,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **consts, KEYS_AS_ROWS=cfg.keys_as_rows,
+        p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **consts,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     cfg = _config(TUNING.dq, p.block_d, q.device)

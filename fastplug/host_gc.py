@@ -1,0 +1,47 @@
+"""Python's garbage collector while a model is patched: the objects alive at patch time are frozen.
+
+A full collection walks every object the collector tracks. After importing torch, transformers and peft
+that is about half a million of them: 0.3 s per full collection on a lent H100 host (0.9 s on a 2-core
+box), paid in the middle of a step whenever the collector decides to. Gemma2-2B LoRA averaged 35 ms per
+step of collection, and GC off trained 12% faster (15,260 -> 17,090 tok/s), since its host sets the pace.
+
+`gc.freeze()` moves those objects to a permanent generation that collections skip; nothing is lost:
+collections of what training creates go on as before, and the last `release()` (the last restore) calls
+`gc.unfreeze()`, so frozen objects that became garbage meanwhile are collected from then on. A process
+that froze objects itself before patching keeps its own policy: fastplug then neither freezes nor unfreezes.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Callable
+
+_lock = threading.Lock()
+_holders = 0
+_owns_freeze = False  # whether fastplug froze (and so unfreezes)
+
+
+def hold() -> Callable[[], None]:
+    """Freeze the objects alive now, unless they already are; returns `release`, safe to call twice."""
+    global _holders, _owns_freeze
+    with _lock:
+        if _holders == 0:
+            _owns_freeze = gc.get_freeze_count() == 0
+            if _owns_freeze:
+                gc.freeze()
+        _holders += 1
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        global _holders
+        with _lock:
+            if released:
+                return
+            released = True
+            _holders -= 1
+            if _holders == 0 and _owns_freeze:
+                gc.unfreeze()
+
+    return release

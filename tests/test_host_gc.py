@@ -1,0 +1,54 @@
+"""While a model is patched, the objects alive at patch time are frozen for Python's collector; the last
+restore unfreezes them, and a process that froze objects itself keeps its policy."""
+
+import gc
+
+import pytest
+
+import fastplug
+from fastplug import host_gc
+from tests.models.tiny import tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_frozen_while_any_patch_is_active():
+    first, second = tiny_model("llama"), tiny_model("qwen3")
+    h1 = fastplug.patch_model(first, gradient_checkpointing=False)
+    frozen = gc.get_freeze_count()  # it only falls from here: frozen objects freed by refcount leave it
+    assert frozen > 1000, "the objects alive at patch time (torch, transformers, the model) are frozen"
+    h2 = fastplug.patch_model(second, gradient_checkpointing=False)
+    assert 1000 < gc.get_freeze_count() <= frozen, "a second patch does not freeze again"
+    h1.restore()
+    assert gc.get_freeze_count() > 1000, "another model is still patched"
+    h2.restore()
+    h2.restore()
+    assert gc.get_freeze_count() == 0
+
+
+def test_option_off_leaves_the_collector_alone():
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False, freeze_gc=False)
+    assert gc.get_freeze_count() == 0
+    handle.restore()
+
+
+def test_a_freeze_made_by_the_process_is_kept():
+    gc.freeze()
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False)
+    handle.restore()
+    assert gc.get_freeze_count() > 1000, "fastplug does not unfreeze what it did not freeze"
+
+
+def test_release_is_idempotent():
+    release = host_gc.hold()
+    other = host_gc.hold()
+    release()
+    release()
+    assert gc.get_freeze_count() > 0, "the second holder still holds"
+    other()
+    assert gc.get_freeze_count() == 0

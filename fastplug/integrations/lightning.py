@@ -3,12 +3,20 @@
     import fastplug                                  # registers the names below in Lightning's StrategyRegistry
     L.Trainer(strategy="fastkernels")                # one device (the accelerator's)
     L.Trainer(strategy="fastkernels_ddp")            # DDP
-    L.Trainer(strategy="fastkernels_fsdp")           # FSDP
+    L.Trainer(strategy="fastkernels_fsdp")           # FSDP2 (fully_shard), on Lightning's ModelParallelStrategy
     L.Trainer(strategy=FastKernelsStrategy(options=KernelOptions(lora=False)))
 
 Each strategy subclasses Lightning's own (so every isinstance check in Lightning holds), patches the
 PreTrainedModel / PeftModel submodules of the LightningModule in `setup()` before the model is wrapped and
 the optimizers are built, and restores them in `teardown()`, which Lightning also calls after an exception.
+
+`fastkernels_fsdp` is FSDP2: Lightning 2.6's FSDPStrategy wraps with FSDP1 (FullyShardedDataParallel), its
+ModelParallelStrategy is the one built on `fully_shard`, and it expects the LightningModule's `configure_model`
+to shard. FastKernelsFSDPStrategy runs every device data-parallel (tensor_parallel_size=1) and, right after the
+module's own `configure_model`, patches the transformers models and shards each of them the way accelerate does
+(`fastplug.integrations.fsdp.shard_model`: every decoder layer, an untied LM head, the model) unless
+`configure_model` applied `fully_shard` itself; then fastplug patches already sharded models, which works as well
+(patched modules read their parameters at call time, inside FSDP2's hooks).
 
 lightning.pytorch and pytorch_lightning each have their own strategy classes and registry, so the classes
 are built per strategies package (`strategy_classes(module)`). This module imports neither at import time:
@@ -21,6 +29,7 @@ import importlib
 import importlib.util
 import logging
 import sys
+import types
 
 from ..options import KernelOptions
 
@@ -43,7 +52,7 @@ logger = logging.getLogger(__name__)
 _STRATEGIES = {
     "fastkernels": ("FastKernelsStrategy", "SingleDeviceStrategy"),
     "fastkernels_ddp": ("FastKernelsDDPStrategy", "DDPStrategy"),
-    "fastkernels_fsdp": ("FastKernelsFSDPStrategy", "FSDPStrategy"),
+    "fastkernels_fsdp": ("FastKernelsFSDPStrategy", "ModelParallelStrategy"),
 }
 _PYTORCH_LIGHTNING_SUFFIX = "PL"  # class names of the pytorch_lightning variants, so pickle finds each one
 _classes_by_package: dict[str, dict[str, type]] = {}
@@ -156,6 +165,49 @@ class _DeviceFromAccelerator:
         super().setup_environment()
 
 
+class _ShardsWithFSDP2:
+    """FastKernelsFSDPStrategy's addition to ModelParallelStrategy: data parallel over every device, and a
+    `configure_model` for the run that patches and shards the transformers models (see the module docstring).
+
+    `fsdp_kwargs` go to each `fully_shard` call (mp_policy, offload_policy, reshard_after_forward).
+    """
+
+    def __init__(self, *args, data_parallel_size="auto", tensor_parallel_size=1, fsdp_kwargs=None, **kwargs):
+        super().__init__(*args, data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         **kwargs)  # fmt: skip
+        self.fsdp_kwargs = dict(fsdp_kwargs or {})
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto" and self._tensor_parallel_size == 1:
+            self._data_parallel_size = self.num_nodes * self.num_processes  # Lightning's "auto" is the node count
+        super().setup_environment()
+        # An instance attribute, so that Lightning calls it (it calls configure_model only where overridden) and
+        # ModelParallelStrategy.setup finds it overridden; teardown removes it.
+        self.lightning_module.configure_model = types.MethodType(_configure_patch_and_shard, self.lightning_module)
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        ours = getattr(vars(module).get("configure_model"), "__func__", None) if module is not None else None
+        if ours is _configure_patch_and_shard:
+            del module.configure_model
+        super().teardown()
+
+
+def _configure_patch_and_shard(module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    from .fsdp import shard_model
+
+    type(module).configure_model(module)  # the module's own first: it may build the models, or shard them
+    strategy = module.trainer.strategy
+    strategy._patch_fast_kernels(fitting=module.trainer.state.fn == "fit")
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return
+    mesh = strategy.device_mesh["data_parallel"]
+    for _, model in find_transformers_models(module):
+        shard_model(model, mesh=mesh, **strategy.fsdp_kwargs)
+
+
 def strategy_classes(strategies) -> dict[str, type]:
     """{registry name: strategy class} built on the Lightning strategies package `strategies` (cached)."""
     if strategies.__name__ not in _classes_by_package:
@@ -171,6 +223,8 @@ def _build_classes(strategies) -> dict[str, type]:
         bases = (FastKernelsMixin, getattr(strategies, base_name))
         if base_name == "SingleDeviceStrategy":
             bases = (_DeviceFromAccelerator, *bases)
+        elif base_name == "ModelParallelStrategy":
+            bases = (_ShardsWithFSDP2, *bases)
         namespace = {
             "__module__": __name__,
             "__qualname__": class_name + suffix,

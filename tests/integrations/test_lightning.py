@@ -127,12 +127,12 @@ def test_fit_restores_after_exception_with_constructed_strategy():
 
 
 def test_registered_names_resolve_and_take_the_accelerator_device():
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, StrategyRegistry
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 
     expected = {
         "fastkernels": (FastKernelsStrategy, SingleDeviceStrategy),
         "fastkernels_ddp": (FastKernelsDDPStrategy, DDPStrategy),
-        "fastkernels_fsdp": (FastKernelsFSDPStrategy, FSDPStrategy),
+        "fastkernels_fsdp": (FastKernelsFSDPStrategy, ModelParallelStrategy),  # Lightning's FSDP2 strategy
     }
     for name, (cls, base) in expected.items():
         assert StrategyRegistry[name]["strategy"] is cls and issubclass(cls, base)

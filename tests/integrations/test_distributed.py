@@ -1,0 +1,102 @@
+"""Two processes on CPU (gloo): fastplug under torch's DDP and FSDP2 (`fully_shard`), the HF Trainer with
+FastKernels (DDP), Lightning's fastkernels_ddp / fastkernels_fsdp and FastSFTTrainer give the losses and LoRA
+gradients (or the weights after SGD steps) of one process on the same global batch; every rank is patched before
+its model is wrapped and restored after.
+
+All scenarios run in one torchrun launch (tests/integrations/distributed_worker.py): a launch costs imports and
+process-group set-up, CI time that the scenarios themselves do not need.
+"""
+
+import importlib.util
+
+import pytest
+import torch.distributed as dist
+
+from tests.integrations import distributed_worker as worker
+
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
+
+TOL = 1e-5  # fp32; only the order of the cross-rank sums differs from one process
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
+SCENARIOS = ["ddp", "fsdp2", "ddp_offload", "trainer"]
+SCENARIOS += ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
+SCENARIOS += ["sft"] if HAS_TRL else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return worker.launch(SCENARIOS, tmp_path_factory.mktemp("distributed"), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return worker.reference_loop("cpu")
+
+
+@pytest.fixture(scope="module")
+def one_lightning_process():
+    return worker.reference_lightning("cpu")
+
+
+def _patched_and_restored(ranks, fused_head=True):
+    for rank, got in enumerate(ranks):
+        assert got["restored"], f"rank {rank}: modules not restored"
+        if fused_head:
+            assert all(got["fused_head"]), f"rank {rank}: the fused LM-head loss did not run ({got['fused_head']})"
+
+
+def test_ddp_matches_one_process(runs, one_process):
+    worker.assert_loop_matches(runs["ddp"], one_process, TOL)
+    _patched_and_restored(runs["ddp"])
+
+
+def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_process):
+    """The LM head is an FSDP unit of its own (as accelerate makes it): the fused loss runs inside its call,
+    where FSDP2 has gathered it."""
+    worker.assert_loop_matches(runs["fsdp2"], one_process, TOL)
+    _patched_and_restored(runs["fsdp2"])
+
+
+def test_offload_checkpointing_under_ddp_finding_unused_parameters(runs, one_process):
+    """find_unused_parameters=True is the HF Trainer's choice for a PeftModel; offload's recompute in backward
+    used to make DDP mark the LoRA parameters ready twice."""
+    worker.assert_loop_matches(runs["ddp_offload"], one_process, TOL)
+    _patched_and_restored(runs["ddp_offload"])
+
+
+def test_trainer_ddp_matches_one_process_and_patches_before_wrapping(runs):
+    ranks = runs["trainer"]
+    worker.assert_training_matches(ranks, worker.reference_trainer("cpu"), TOL)
+    for rank, got in enumerate(ranks):
+        assert got["patched_before_wrap"], f"rank {rank}: not patched at the end of Trainer.__init__"
+        assert got["patched_steps"] == [True] * worker.STEPS
+        assert got["restored"], f"rank {rank}: not restored after train()"
+        assert "lm_head_loss: 1" in got["summary"] and "lora_fused: 4" in got["summary"]
+
+
+def test_trainer_fsdp2_runs_on_gpus_only():
+    pytest.skip("accelerate shards with FSDP only on GPUs (with use_cpu=True the Trainer falls back to DDP); "
+                "tests/gpu/test_distributed_gpu.py runs the Trainer with FSDP2 on 2 GPUs")
+
+
+@pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning")
+@pytest.mark.parametrize(("scenario", "base"), [("lightning_ddp", "DDPStrategy"),
+                                                ("lightning_fsdp", "ModelParallelStrategy")])
+def test_lightning_strategies_match_one_process(runs, one_lightning_process, scenario, base):
+    ranks = runs[scenario]
+    worker.assert_training_matches(ranks, one_lightning_process, TOL)
+    for rank, got in enumerate(ranks):
+        assert base in got["strategy_bases"]
+        assert got["sharded"] == (scenario == "lightning_fsdp"), f"rank {rank}: FSDP2 units {got['sharded']}"
+        assert got["patched_steps"] == [True] * worker.STEPS, f"rank {rank}: {got['patched_steps']}"
+        assert got["restored"], f"rank {rank}: not restored at teardown"
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets")
+def test_fast_sft_trainer_ddp_matches_trl(runs):
+    for rank, got in enumerate(runs["sft"]):
+        assert got["fastplug"] == pytest.approx(got["trl"], rel=TOL), f"rank {rank}"
+        assert got["restored"], f"rank {rank}: not restored after train()"
+        assert "lora_fused: 4" in got["summary"]

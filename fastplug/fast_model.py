@@ -117,7 +117,8 @@ class FastModel:
         (None, with a warning, when the path has no tokenizer). `model.fast_generate(...)` generates.
         Unknown families load and are patched by structure, with a warning. `load_in_4bit=True`: the QLoRA
         base (bitsandbytes NF4, double quantization, bf16 compute; needs `fastplug[qlora]`), whose LoRA
-        layers then take the fused 4-bit path."""
+        layers then take the fused 4-bit path. A fine-grained FP8 checkpoint (transformers' FineGrainedFP8Config)
+        is patched with fp8=True unless `options` is given: its FP8 layers run, LoRA fused, on fastplug's kernel."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         if options is not None and not isinstance(options, KernelOptions):
@@ -147,7 +148,7 @@ class FastModel:
             load["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **load)
         tokenizer = _tokenizer(name_or_path, model, shared)
-        handle = patch_model(model, options)
+        handle = patch_model(model, options if options is not None else _default_options(model))
         if max_seq_length is not None:
             vars(model)["_fastplug_max_seq_length"] = int(max_seq_length)
         vars(model)[_MODE] = handle.options.gradient_checkpointing
@@ -209,6 +210,10 @@ class FastModel:
             torch.manual_seed(random_state)
         peft_model = get_peft_model(model, config)
         base = unwrap(peft_model)
+        handle = active_handle(base)
+        if handle is not None and handle.options.fp8:  # the bases are frozen only now: quantize them now
+            handle.restore()
+            patch_model(peft_model, handle.options)
         mode = use_gradient_checkpointing
         vars(base)[_MODE] = mode
         if mode:
@@ -243,6 +248,13 @@ class FastModel:
             checkpointing.enable(base, mode)
         base.config.use_cache = False
         return model
+
+
+def _default_options(model: nn.Module) -> KernelOptions:
+    """fastplug's defaults; fp8 on for a model loaded from a fine-grained FP8 checkpoint."""
+    config = getattr(model.config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(config, "quant_method", None)
+    return KernelOptions(fp8=method == "fp8")
 
 
 def _nf4_config(hf_kwargs):

@@ -34,6 +34,11 @@ import triton
 import triton.language as tl
 from torch import nn
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # triton without host-side tensor descriptors: pointer loads only
+    TensorDescriptor = None
+
 from ._utils import (
     cdiv, check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, kernel_path, rows_view,
     scratch, triton_available, use_triton,
@@ -49,10 +54,11 @@ FP8_OPS = ("quantize_weight_blockwise", "quantize_activation", "dequantize_block
 _MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
-# GEMM launch configurations (BLOCK_K is always the scale block). scripts/fp8_gpu.py sweeps the alternatives.
-GEMM_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4)
-GEMM_CONFIG_SMALL_M = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4)  # M <= 64: decode
-_GEMM_CONFIG_INTERPRETER = dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=8, num_warps=1, num_stages=1)
+# GEMM launch configurations (BLOCK_K is always the scale block; TMA: tensor-descriptor loads where the device
+# and strides allow). scripts/fp8_gpu.py sweeps the alternatives.
+GEMM_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=False)
+GEMM_CONFIG_SMALL_M = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=False)  # M <= 64
+_GEMM_CONFIG_INTERPRETER = dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=8, num_warps=1, num_stages=1, TMA=False)
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -114,13 +120,16 @@ def _fp8_gemm(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr,
     M, N, K,
     stride_am, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk, stride_cm,
-    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, INPUT_GRAD: tl.constexpr,
+    TMA: tl.constexpr, INTERPRETER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """c[m, n] (+)= sum over K blocks j of (a[m, j-block] . b[j-block, n]) * as[m, j] * bs[j, n // BLOCK_K] (+ bias[n]).
 
-    a is [M, K] fp8 with unit stride along K; b[k, n] sits at b_ptr + n * stride_bn + k * stride_bk (W [N, K]
-    for x W^T, or W [K, N] itself for dY W); BLOCK_K is the scale block of both operands."""
+    a is [M, K] fp8 with unit stride along K; b[k, n] sits at b_ptr + n * stride_bn + k * stride_bk: W [N, K]
+    for x W^T, or (INPUT_GRAD) W [K, N] itself for dY W. BLOCK_K is the scale block of both operands.
+    TMA: a_ptr and b_ptr are tensor descriptors (Hopper's bulk copies; zero fill past the edges) over a and
+    the stored W, with blocks [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] (INPUT_GRAD: [BLOCK_K, BLOCK_N])."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -134,13 +143,20 @@ def _fp8_gemm(
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     rk = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
-    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None] * stride_bk
+    if not TMA:
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + rk[None, :]
+        b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * stride_bn + rk[:, None] * stride_bk
     as_ptrs = as_ptr + rm * stride_asm
     bs_ptrs = bs_ptr + (rn // BLOCK_K) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if TMA:
+            a = a_ptr.load([pid_m * BLOCK_M, j * BLOCK_K])
+            if INPUT_GRAD:
+                b = b_ptr.load([j * BLOCK_K, pid_n * BLOCK_N])
+            else:
+                b = tl.trans(b_ptr.load([pid_n * BLOCK_N, j * BLOCK_K]))
+        elif EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
         else:
@@ -154,8 +170,9 @@ def _fp8_gemm(
         else:
             part = tl.dot(a, b)
         acc += part * (a_s[:, None] * b_s[None, :])
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
+        if not TMA:
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
@@ -175,11 +192,15 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _cuda_reason(device: torch.device) -> str | None:
     """Why FP8 kernels cannot run on this CUDA device (None: they can)."""
     if torch.version.hip is not None:
         return "ROCm: the kernels are written for NVIDIA's e4m3fn tensor cores"
-    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    major, minor = _device_capability(device)
     if (major, minor) < MIN_CAPABILITY:
         return f"capability {major}.{minor} < 8.9: no FP8 tensor cores"
     return None
@@ -375,6 +396,15 @@ def _gemm_config(M: int, device: torch.device) -> dict:
     return GEMM_CONFIG_SMALL_M if M <= 64 else GEMM_CONFIG
 
 
+def _tma_ready(device: torch.device, *tensors: torch.Tensor) -> bool:
+    """Tensor descriptors: Hopper's TMA (capability 9.0+; the interpreter emulates them), 16-byte aligned rows."""
+    if TensorDescriptor is None:
+        return False
+    if device.type == "cuda" and _device_capability(device) < (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in tensors)
+
+
 def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Tensor, accumulate: bool,
              bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
     """out (+)= a @ W^T (+ bias), or a @ W when input_grad; a [M, Ka] fp8, out [M, N] unit-stride columns."""
@@ -387,12 +417,17 @@ def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Te
     else:  # b[k, n] = W[n, k]
         strides = (w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1))
     cfg = dict(config or _gemm_config(M, a.device))
+    tma = cfg.pop("TMA", False) and _tma_ready(a.device, a, w)
+    stride_am = a.stride(0)
+    if tma:
+        a = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], block])
+        w = TensorDescriptor.from_tensor(w, [block, cfg["BLOCK_N"]] if input_grad else [cfg["BLOCK_N"], block])
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
     _fp8_gemm[grid](
         a, a_scale, w, w_scale, out, bias if bias is not None else out,
-        M, N, K, a.stride(0), a_scale.stride(0), a_scale.stride(1), *strides, out.stride(0),
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=K % block == 0, INTERPRETER=not a.is_cuda,
-        BLOCK_K=block, **cfg,
+        M, N, K, stride_am, a_scale.stride(0), a_scale.stride(1), *strides, out.stride(0),
+        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=K % block == 0, INPUT_GRAD=input_grad, TMA=tma,
+        INTERPRETER=not out.is_cuda, BLOCK_K=block, **cfg,
     )
     return out
 

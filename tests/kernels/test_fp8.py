@@ -229,3 +229,16 @@ def test_fused_lora_linear_with_bias_and_rejects_trainable_fp8():
                  tol=FP8_TOL)
     with pytest.raises(ValueError, match="must be frozen"):
         lora_linear(x, proj._replace(weight=weight.requires_grad_()))
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_tma_loads_give_the_same_product(input_grad):
+    # the tensor-descriptor path (Hopper's TMA; emulated by the interpreter): zero fill past every edge
+    n, k, block = 80, 96, 32
+    q, s = F8.quantize_weight_blockwise(_weight(n, k), block)
+    a = torch.randn(37, n if input_grad else k, dtype=torch.bfloat16)
+    aq, as_ = F8.quantize_activation(a, block)
+    config = dict(F8._GEMM_CONFIG_INTERPRETER, TMA=True)
+    assert F8._tma_ready(a.device, aq, q)
+    y = F8.fp8_gemm(aq, as_, q, s, block=block, input_grad=input_grad, config=config)
+    assert torch.equal(y, F8.fp8_gemm(aq, as_, q, s, block=block, input_grad=input_grad))

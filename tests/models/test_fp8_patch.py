@@ -181,3 +181,23 @@ def test_transformers_fine_grained_fp8_layers_take_fastplugs_kernel():
     handle.restore()
     for name, m in fp8_layers.items():
         assert "forward" not in vars(m) and m.weight is weights[name] and m.weight.dtype == torch.float8_e4m3fn
+
+
+def test_fast_model_quantizes_the_bases_once_peft_freezes_them(tmp_path):
+    from types import SimpleNamespace
+
+    from fastplug import FastModel, KernelOptions
+    from fastplug.fast_model import _default_options
+    from fastplug.patching import active_handle
+    from tests.model_path_helpers import save_tiny
+
+    model, _ = FastModel.from_pretrained(save_tiny(tmp_path, "llama"), dtype="bfloat16",
+                                         options=KernelOptions(fp8=True, gradient_checkpointing=False))
+    assert "fp8_linear" not in active_handle(model).counts  # trainable when loaded: nothing to quantize yet
+    peft_model = FastModel.get_peft_model(model, r=4)
+    handle = active_handle(peft_model)
+    assert handle.counts["fp8_linear"] == 14 and handle.counts["lora_fused"] == 4
+    peft_model(**batch()).loss.backward()
+    # a fine-grained FP8 checkpoint is patched with fp8 on by default
+    assert _default_options(SimpleNamespace(config=SimpleNamespace(quantization_config={"quant_method": "fp8"}))).fp8
+    assert not _default_options(SimpleNamespace(config=SimpleNamespace())).fp8

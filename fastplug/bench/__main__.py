@@ -1,9 +1,9 @@
-"""python -m fastplug.bench micro|e2e|frameworks|moe-tune|generate [options]   (each takes --help)"""
+"""python -m fastplug.bench micro|e2e|multi|frameworks|moe-tune|generate [options]   (each takes --help)"""
 
 import json
 import sys
 
-USAGE = "usage: python -m fastplug.bench {micro,e2e,frameworks,moe-tune,generate} [options]   (--help after the command for its options)"
+USAGE = "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,moe-tune,generate} [options]   (--help after the command for its options)"
 
 
 def main(argv=None) -> int:
@@ -20,6 +20,10 @@ def main(argv=None) -> int:
         from .e2e import main as e2e_main
 
         return e2e_main(rest)
+    if command == "multi":
+        from .multi import main as multi_main
+
+        return multi_main(rest)
     if command == "moe-tune":
         from .moe_tune import main as moe_tune_main
 
@@ -32,6 +36,10 @@ def main(argv=None) -> int:
         from .frameworks import main as frameworks_main
 
         return frameworks_main(rest)
+    if command == "_multi_worker":  # internal: every rank of one multi launch
+        from .multi import worker_main
+
+        return worker_main(*rest)
     if command == "_worker":  # internal: one run in a fresh process, e2e's or (by its spec) frameworks'
         if json.loads(rest[0]).get("bench") == "frameworks":
             from .frameworks import worker_main

@@ -70,6 +70,14 @@ MODELS = {
 }
 # Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
 MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["experts.gate_up_proj", "experts.down_proj"])
+# Llama-3.1-8B layer widths, 4 layers, untied 128256-token head (the multi-GPU bench's larger model)
+MODELS["llama8b_4l"] = dict(
+    MODELS["llama"],
+    full=dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+              intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
+              rope_theta=500000.0, max_position_embeddings=131072),
+    tiny=dict(MODELS["llama"]["tiny"], tie_word_embeddings=False),
+)
 # the longer MoE rows (LoRA on experts, Mixtral widths) run when asked for by name
 DEFAULT_MODELS = ("llama", "qwen3_moe", "gemma2")
 TINY_BATCH, TINY_SEQ = 2, 32

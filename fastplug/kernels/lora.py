@@ -150,7 +150,8 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
     for other in _CAST_CACHE.values():
         p = other.ref()
         if p is not None and p is not t and other.dtype == dtype and p.device == t.device and not _is_current(other, p):
-            stale.append((p, other))
+            if p.untyped_storage().nbytes():  # FSDP2 frees a gathered parameter's storage between uses
+                stale.append((p, other))
     flat = torch.empty(sum(p.numel() for p, _ in stale), dtype=dtype, device=t.device)
     casts = [part.view(p.shape) for part, (p, _) in zip(flat.split([p.numel() for p, _ in stale]), stale)]
     torch._foreach_copy_(casts, [p.detach() for p, _ in stale])

@@ -21,8 +21,8 @@ FP8Linear: forward through the FP8 GEMM; backward gives dX only (an FP8 base is 
 dequantized into a buffer shared by all layers (exact for the FP8 weight), or with dx_fp8=True through the
 FP8 GEMM on the stored weight (dY quantized per token group too: faster where it measures so, less exact).
 
-A weight that model code hands to the fused LoRA blocks carries its scale: `fp8_parameter` returns a frozen
-Parameter with `fp8_scale` and `fp8_block` attributes, which `is_fp8` recognises.
+Model code holds an FP8 weight as an `fp8_parameter`: frozen integer-typed Parameters over the FP8 bytes and
+the scales' bits (dtype conversions of the model leave them alone), which the fused LoRA blocks also read.
 """
 
 from __future__ import annotations
@@ -594,28 +594,39 @@ def fp8_linear(
 
 
 def fp8_parameter(w_fp8: torch.Tensor, w_scale: torch.Tensor, block: int) -> nn.Parameter:
-    """A frozen Parameter over w_fp8's storage that carries its scale (`fp8_scale`) and block (`fp8_block`):
-    the form in which model code hands an FP8 base weight to the fused LoRA blocks."""
+    """The form in which model code holds an FP8 weight and hands it to the fused LoRA blocks: a frozen
+    Parameter over w_fp8's bytes (uint8) that carries its block (`fp8_block`) and its scales (`fp8_scale`, a
+    frozen Parameter over the fp32 scales' bits, int32), both sharing the storage of the tensors given.
+
+    Integer storage, so that `model.to(dtype)` (Lightning's "bf16-true" precision, say) leaves both alone,
+    while `model.to(device)` moves them in place once the scale is registered on the module next to the
+    weight. `fp8_weight` gives the two back as float8_e4m3fn and float32."""
     _check_weight(w_fp8, w_scale, _check_block("block", block))
-    param = nn.Parameter(w_fp8.detach(), requires_grad=False)
-    param.fp8_scale, param.fp8_block = w_scale, block
+    param = nn.Parameter(w_fp8.detach().view(torch.uint8), requires_grad=False)
+    param.fp8_scale = nn.Parameter(w_scale.detach().view(torch.int32), requires_grad=False)
+    param.fp8_block = block
     return param
 
 
 def is_fp8(weight) -> bool:
-    """True for a weight made by `fp8_parameter` (an FP8 tensor carrying its block scales)."""
-    return isinstance(weight, torch.Tensor) and getattr(weight, "fp8_scale", None) is not None
+    """True for a weight made by `fp8_parameter`."""
+    return isinstance(weight, torch.Tensor) and getattr(weight, "fp8_block", None) is not None
+
+
+def fp8_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w_fp8, w_scale) of an `fp8_parameter`, as float8_e4m3fn and float32 views."""
+    return weight.view(FP8_DTYPE), weight.fp8_scale.view(torch.float32)
 
 
 def fp8_project(x2, weight, *, bias=None, out=None, quantized: dict | None = None) -> torch.Tensor:
     """x2 [M, K] @ W^T (+ bias) for an `fp8_parameter` W, added into `out` when given; `quantized` (a dict per
     input) shares x2's quantization between the projections that read it."""
-    return _project(x2, weight, weight.fp8_scale, weight.fp8_block, bias=bias, out=out, quantized=quantized)
+    return _project(x2, *fp8_weight(weight), weight.fp8_block, bias=bias, out=out, quantized=quantized)
 
 
 def fp8_project_grad(dy2, weight, *, out=None) -> torch.Tensor:
     """dy2 [M, N] @ W for an `fp8_parameter` W (through the dequantized weight), added into `out` when given."""
-    return _project_grad(dy2, weight, weight.fp8_scale, weight.fp8_block, out=out)
+    return _project_grad(dy2, *fp8_weight(weight), weight.fp8_block, out=out)
 
 
 # ------------------------------------------------------------------------------- registered operators

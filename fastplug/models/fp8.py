@@ -2,12 +2,15 @@
 
 At patch time every nn.Linear inside a decoder layer whose weight is frozen (peft LoRA's base layers among
 them) is quantized once into 128x128 FP8 blocks (`fastplug.kernels.fp8`). On the instance, its weight
-Parameter is swapped for an FP8 one that carries its scales, its forward becomes `fp8_linear`, and the
-original Parameter's storage is released (the Parameter object itself is kept for restore). The fused LoRA
-blocks read the FP8 weight directly (`peft_lora` accepts these layers as bases).
+Parameter is swapped for an FP8 one (`fp8_parameter`: integer-typed, so that a later model.to(dtype) leaves
+it alone) with its scales registered beside it as `weight_scale_inv` (so that model.to(device) moves them
+along), its forward becomes `fp8_linear`, and the original Parameter's storage is released (the Parameter
+object itself is kept for restore). The fused LoRA blocks read the FP8 weight directly (`peft_lora` accepts
+these layers as bases).
 
 restore() puts the original Parameter objects back, their values dequantized from FP8 (lossy: the weights
-come back rounded to the FP8 grid), or bit-exact from a copy kept in CPU memory with fp8_keep_original=True.
+come back rounded to the FP8 grid), or bit-exact from a copy kept in CPU memory with fp8_keep_original=True;
+on the device and in the dtype the model has by then.
 
 Layers that transformers loaded in FP8 (fine-grained FP8 checkpoints: its `FP8Linear`, weight plus
 `weight_scale_inv`) take fastplug's kernel the same way: their forward is replaced on the instance and their
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import (
-    FP8_DTYPE, dequantize_blockwise, fp8_linear, fp8_parameter, fp8_path, is_fp8, quantize_weight_blockwise,
+    FP8_DTYPE, dequantize_blockwise, fp8_linear, fp8_parameter, fp8_path, fp8_weight, is_fp8, quantize_weight_blockwise,
 )
 
 BLOCK = 128
@@ -40,8 +43,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def fp8_linear_forward(self, x):
     """The forward of a linear layer on fastplug's FP8 kernel (installed on the instance)."""
-    w = self.weight
-    return fp8_linear(x, w, w.fp8_scale, self.bias, block=w.fp8_block)
+    return fp8_linear(x, *fp8_weight(self.weight), self.bias, block=self.weight.fp8_block)
 
 
 def is_fp8_linear(module: nn.Module) -> bool:
@@ -71,7 +73,8 @@ def _transformers_fp8_reason(module: nn.Module) -> str | None:
 
 
 def _candidates(model: nn.Module):
-    """(path, module) of the linear layers inside the decoder layers, minus adapters and MoE gates."""
+    """(path, module, decoder layer) of the linear layers inside the decoder layers, minus adapters and MoE
+    gates."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     excluded: set[int] = set()
@@ -89,7 +92,7 @@ def _candidates(model: nn.Module):
             continue
         for path, module in layer.named_modules(prefix=layer_path):
             if isinstance(module, nn.Linear) and id(module) not in excluded:
-                yield path, module
+                yield path, module, layer
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -168,7 +171,7 @@ def _skip_reason(module: nn.Module, owners: dict[int, int], converting: dict[int
     return None
 
 
-def _quantize(module: nn.Module, conversion: FP8Conversion, done: dict) -> None:
+def _quantize(module: nn.Module, layer: nn.Module, conversion: FP8Conversion, done: dict) -> None:
     """Swap module's weight for its FP8 form and its forward for fastplug's; register the undo. `done` maps
     id(original weight) -> FP8 Parameter, so a weight held by several layers is quantized once."""
     weight = module.weight
@@ -179,26 +182,37 @@ def _quantize(module: nn.Module, conversion: FP8Conversion, done: dict) -> None:
         kept = weight.data.to("cpu") if conversion.keep_original else None
         conversion.original_bytes += _nbytes(weight)
         conversion.fp8_bytes += _nbytes(q) + _nbytes(scale)
+        # a parameter of the layer that had the weight's dtype: it shows a later model.to(dtype)
+        witness = next((p for p in layer.parameters() if p.dtype == weight.dtype and p is not weight), None)
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # releases the storage
 
-        def put_values_back(weight=weight, fp8=fp8, kept=kept, dtype=weight.dtype, device=weight.device):
+        def put_values_back(weight=weight, fp8=fp8, kept=kept, witness=witness, dtype=weight.dtype):
+            # on the device and in the dtype of the model now: it may have been moved or converted since
+            dtype = witness.dtype if witness is not None else dtype
             if kept is not None:
-                weight.data = kept.to(device)
+                weight.data = kept.to(fp8.device, dtype)
             else:
-                weight.data = dequantize_blockwise(fp8, fp8.fp8_scale, BLOCK, dtype)
+                weight.data = dequantize_blockwise(*fp8_weight(fp8), BLOCK, dtype)
 
         conversion._undo.append(put_values_back)  # runs after the modules below have their weight back
-    _install(module, fp8, weight, conversion)
+    _install(module, fp8, conversion)
     conversion.quantized += 1
 
 
-def _install(module: nn.Module, fp8: nn.Parameter, original: nn.Parameter, conversion: FP8Conversion) -> None:
+def _install(module: nn.Module, fp8: nn.Parameter, conversion: FP8Conversion) -> None:
+    """The FP8 weight and its scales registered on the module (so that they move with it), fastplug's forward
+    on the instance; the undo puts back what was there (transformers' FP8Linear has its own scales)."""
+    originals = {name: module._parameters.get(name) for name in ("weight", "weight_scale_inv")}
     bound = types.MethodType(fp8_linear_forward, module)
-    module._parameters["weight"] = fp8
+    module._parameters["weight"], module._parameters["weight_scale_inv"] = fp8, fp8.fp8_scale
     module.forward = bound
 
-    def undo(module=module, original=original, bound=bound):
-        module._parameters["weight"] = original
+    def undo(module=module, originals=originals, bound=bound):
+        for name, original in originals.items():
+            if original is None:
+                del module._parameters[name]
+            else:
+                module._parameters[name] = original
         if vars(module).get("forward") is bound:
             del module.forward
 
@@ -207,9 +221,14 @@ def _install(module: nn.Module, fp8: nn.Parameter, original: nn.Parameter, conve
 
 def _take_over(module: nn.Module, conversion: FP8Conversion) -> None:
     """transformers' FP8Linear on fastplug's kernel: the same storage, handed out with its scales."""
-    original = module.weight
-    block = int(module.block_size[0])
-    _install(module, fp8_parameter(original.detach(), module.weight_scale_inv.detach(), block), original, conversion)
+    weight, scale = module.weight, module.weight_scale_inv
+    fp8 = fp8_parameter(weight, scale, int(module.block_size[0]))
+
+    def follow(weight=weight, scale=scale, fp8=fp8):  # transformers' tensors take the bytes as they are now
+        weight.data, scale.data = fp8_weight(fp8)
+
+    conversion._undo.append(follow)
+    _install(module, fp8, conversion)
     conversion.taken_over += 1
 
 
@@ -219,18 +238,18 @@ def convert_to_fp8(model: nn.Module, keep_original: bool = False) -> FP8Conversi
     candidates = list(_candidates(model))
     owners = _owners(model)
     converting: dict[int, int] = defaultdict(int)
-    for _, module in candidates:
+    for _, module, _ in candidates:
         converting[id(module.weight)] += 1
     left: dict[str, list[str]] = defaultdict(list)
     done: dict = {}
-    for path, module in candidates:
+    for path, module, layer in candidates:
         reason = _skip_reason(module, owners, converting)
         if reason is not None:
             left[reason].append(path)
         elif _is_transformers_fp8(module):
             _take_over(module, conversion)
         else:
-            _quantize(module, conversion, done)
+            _quantize(module, layer, conversion, done)
         if reason is None and conversion.device is None:
             conversion.device = module.weight.device
     for reason, paths in left.items():

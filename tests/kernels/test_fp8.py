@@ -221,14 +221,15 @@ def test_fused_lora_on_fp8_bases_matches_the_dequantized_bases(block):
         assert rel_err(g8, g) < 0.1
 
 
-def test_fused_lora_linear_with_bias_and_rejects_trainable_fp8():
+def test_fused_lora_linear_with_bias_on_an_fp8_parameter():
     weight, dense = _fp8_and_dense(40, 64)
+    # integer-typed and frozen (a model's .to(dtype) leaves it alone), the same bytes as the FP8 tensors
+    assert weight.dtype == torch.uint8 and weight.fp8_scale.dtype == torch.int32 and not weight.requires_grad
+    assert torch.equal(F8.dequantize_blockwise_reference(*F8.fp8_weight(weight), 32, torch.bfloat16), dense)
     proj = LoRAProjection(weight, torch.randn(40, dtype=torch.bfloat16), None, None, 0.0)
     x = torch.randn(7, 64, dtype=torch.bfloat16)
     assert_close(lora_linear(x, proj), x.double() @ dense.double().t() + proj.bias.double(), torch.bfloat16,
                  tol=FP8_TOL)
-    with pytest.raises(ValueError, match="must be frozen"):
-        lora_linear(x, proj._replace(weight=weight.requires_grad_()))
 
 
 @pytest.mark.parametrize("input_grad", [False, True])

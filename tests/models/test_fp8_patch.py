@@ -201,3 +201,37 @@ def test_fast_model_quantizes_the_bases_once_peft_freezes_them(tmp_path):
     # a fine-grained FP8 checkpoint is patched with fp8 on by default
     assert _default_options(SimpleNamespace(config=SimpleNamespace(quantization_config={"quant_method": "fp8"}))).fp8
     assert not _default_options(SimpleNamespace(config=SimpleNamespace())).fp8
+
+
+def test_fp8_layers_compile_fullgraph():
+    # fp8_linear is a registered operator (fake implementation, registered autograd): no graph break
+    model = tiny_model("llama")
+    model.requires_grad_(False)
+    fastplug.patch_model(model, fp8=True, lora=False, attention=False, gradient_checkpointing=False)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    expected = mlp(x)
+    torch._dynamo.reset()
+    y = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, expected)
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_fp8_layers_follow_dtype_conversions_of_the_model():
+    # Lightning patches before it converts precision ("bf16-true") and moves the model: the FP8 weights and
+    # their scales are integer-typed Parameters, left alone by model.to(dtype), moved by model.to(device)
+    model = tiny_model("llama")
+    model.requires_grad_(False)
+    inputs = batch()
+    handle = fastplug.patch_model(model, **OPTIONS)
+    layer = model.model.layers[0].mlp.up_proj
+    assert dict(layer.named_parameters()).keys() == {"weight", "weight_scale_inv"}
+    with torch.no_grad():
+        before = model(**inputs).loss
+        model.to(torch.bfloat16)
+        after = model(**inputs).loss
+    assert layer.weight.dtype == torch.uint8 and layer.weight_scale_inv.dtype == torch.int32
+    assert abs(after - before) / before < 1e-2
+    handle.restore()
+    assert dict(layer.named_parameters()).keys() == {"weight"} and layer.weight.dtype == torch.bfloat16

@@ -219,7 +219,10 @@ def _transformers_rows(section, case, x, q, s, xq, xs, flops, ref):
         return
     if hasattr(ff, "w8a8_block_fp8_matmul_triton"):  # the in-file Triton kernel of earlier versions
         xs_c = xs.contiguous()
-        fn = lambda: ff.w8a8_block_fp8_matmul_triton(xq, q, xs_c, s, [128, 128], output_dtype=torch.bfloat16)  # noqa: E731
+
+        def fn():
+            return ff.w8a8_block_fp8_matmul_triton(xq, q, xs_c, s, [128, 128], output_dtype=torch.bfloat16)
+
         bench(section, case, "transformers w8a8_block_fp8_matmul_triton (FP8 in)", fn, flops,
               note=f"rel err vs ours {rel(fn(), ref):.1e}" if _runs(fn) else "")
     if hasattr(ff, "load_finegrained_fp8_kernel"):  # the hub kernel of later versions (needs `kernels`, the hub)
@@ -258,8 +261,10 @@ def gemm():
     bench(section, case, "bf16 cuBLAS (torch.matmul)", lambda: x @ w.t(), flops)
     aq, bq, sa, sb = _scaled_mm_rowwise(x, w)
     for fast in (True, False):
-        fn = lambda fast=fast: torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16,  # noqa: E731
-                                                use_fast_accum=fast)
+        def fn(fast=fast):
+            return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16,
+                                    use_fast_accum=fast)
+
         bench(section, case, f"torch._scaled_mm row-wise (FP8 in, fast_accum={fast})", fn, flops,
               note=f"rel err vs bf16 {rel(fn(), x @ w.t()):.1e}" if _runs(fn) else "")
     ref = F8.fp8_gemm(xq, xs, q, s)
@@ -408,10 +413,11 @@ def main() -> int:
     if SMOKE and not args.smoke:
         parser.error("no CUDA device: run with --smoke (and TRITON_INTERPRET=1) for a CPU check of the script")
     start = time.time()
-    print(f"torch {torch.__version__}, triton {triton.__version__}, transformers "
-          f"{__import__('transformers').__version__}; device: "
-          f"{torch.cuda.get_device_name() + ' ' + str(torch.cuda.get_device_capability()) if DEV.type == 'cuda' else 'cpu'}; "
-          f"fp8 path: {F8.fp8_path(DEV)}", flush=True)
+    import transformers
+
+    device = f"{torch.cuda.get_device_name()} {torch.cuda.get_device_capability()}" if DEV.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
+          f"device: {device}; fp8 path: {F8.fp8_path(DEV)}", flush=True)
     torch.manual_seed(0)
     ok = checks(args.quick)
     operands = gemm()

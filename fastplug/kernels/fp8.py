@@ -262,8 +262,10 @@ def _check_weight(w_fp8, w_scale, block: int) -> tuple[int, int]:
 
 
 def _block_pair(block) -> tuple[int, int]:
+    """(rows, cols) of a scale block: b for b x b blocks, or a pair such as (1, 128) for per-token groups."""
     if isinstance(block, (tuple, list)) and len(block) == 2:
-        return _check_block("block[0]", block[0]) if block[0] != 1 else 1, _check_block("block[1]", block[1])
+        rows = 1 if block[0] == 1 else _check_block("block[0]", block[0])
+        return rows, _check_block("block[1]", block[1])
     b = _check_block("block", block)
     return b, b
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import types
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import nn

@@ -94,8 +94,8 @@ def _with_lora(model):
     import peft
 
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=16, lora_alpha=32, init_lora_weights=False,
-                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = peft.LoraConfig(r=16, lora_alpha=32, init_lora_weights=False, target_modules=targets)
     return peft.get_peft_model(model, config)
 
 

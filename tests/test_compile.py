@@ -34,6 +34,12 @@ def _module(name):
         ("activations", "_glu_backward_op", lambda: (torch.randn(3, 20), torch.randn(3, 20), torch.randn(3, 20), "gelu")),
         ("norms", "_norm_backward_op", lambda: (torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), None, torch.rand(4) + 0.5,
                                                 0.0, True, False)),
+        ("attention", "_flash_attention_op", lambda: (torch.randn(1, 4, 19, 16, requires_grad=True), torch.randn(1, 2, 19, 16, requires_grad=True),
+                                                      torch.randn(1, 2, 19, 16, requires_grad=True), True, 5, 20.0, 0.25, None, None)),
+        ("attention", "_flash_attention_op", lambda: (torch.randn(1, 2, 12, 32, requires_grad=True), torch.randn(1, 1, 12, 32, requires_grad=True),
+                                                      torch.randn(1, 1, 12, 32, requires_grad=True), True, None, None, 0.2,
+                                                      torch.tensor([[0] * 5 + [5] * 7], dtype=torch.int32),
+                                                      torch.tensor([[5] * 5 + [12] * 7], dtype=torch.int32))),
         ("cross_entropy", "_linear_ce_op", lambda: (torch.randn(10, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True),
                                                     torch.randn(40, requires_grad=True), torch.tensor([1, 5, -100, 39, 0, 7, 8, 2, 3, 4]),
                                                     torch.full((1,), 1 / 9), -100, 0.1, 20.0, 1.0, 1e-4, True, True, True)),
@@ -72,6 +78,54 @@ def test_patched_decoder_layer_compiles_fullgraph_without_recompiling(family):
             for got, want in zip(*grads):
                 assert_close(got, want, torch.float32, "gradient")
             model.zero_grad(), ref.zero_grad()
+    handle.restore()
+
+
+def _lora_model(family):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(tiny_model(family), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():  # B = 0 at init would hide the adapters' contribution
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_patched_lora_layer_with_fastplug_attention_compiles_fullgraph(family):
+    """Fused LoRA (traced under compile) and fastplug's attention (a registered operator) in one graph."""
+    model, ref = _lora_model(family), _lora_model(family)
+    handle = fastplug.patch_model(model, gradient_checkpointing=False)
+    assert handle.counts.get("lora_fused") and handle.counts.get("attention")
+    layer = model.get_base_model().model.layers[0]
+    ref_layer = ref.get_base_model().model.layers[0]
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            hidden = torch.randn(2, 9, 64)
+            position_ids = torch.arange(9).expand(2, 9)
+            cos_sin = model.get_base_model().model.rotary_emb(hidden, position_ids)
+            # the unpatched layer gets the causal (sliding) mask its model would build; the patched one masks
+            # in the kernel
+            window = getattr(ref_layer.self_attn, "sliding_window", None)
+            seen = _module("attention").visible_keys(9, 9, True, window)
+            ref_mask = torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min)
+            outs, grads = [], []
+            for fn, mod, mask in ((compiled, layer, None), (ref_layer, ref_layer, ref_mask)):
+                x = hidden.clone().requires_grad_()
+                out = fn(x, position_embeddings=cos_sin, attention_mask=mask, position_ids=position_ids)
+                out = out[0] if isinstance(out, tuple) else out
+                out.square().mean().backward()
+                outs.append(out.detach())
+                grads.append([x.grad] + [p.grad.clone() for n, p in mod.named_parameters() if "lora_" in n])
+                mod.zero_grad()
+            assert_close(outs[0], outs[1], torch.float32, "layer output")
+            assert len(grads[0]) > 1
+            for got, want in zip(*grads):
+                assert_close(got, want, torch.float32, "gradient")
     handle.restore()
 
 

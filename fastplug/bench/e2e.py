@@ -25,7 +25,8 @@ import time
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto")  # _auto: gradient_checkpointing="auto"
+# _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what TrainingArguments(torch_compile=True) does)
+IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto", "fastplug_compile")
 DEFAULT_IMPLS = IMPLS[:4]
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
@@ -130,14 +131,15 @@ def apply_impl(model, impl: str, checkpointing):
 
         _apply_liger_kernel_to_instance(model=model.get_base_model())
         return model, ""
-    if impl in ("fastplug", "fastplug_auto"):
+    if impl in ("fastplug", "fastplug_auto", "fastplug_compile"):
         import fastplug
 
         mode = "auto" if impl == "fastplug_auto" else checkpointing
         handle = fastplug.patch_model(model, gradient_checkpointing=mode)
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
-        return model, note + (f"; {len(handle.skipped)} skipped" if handle.skipped else "")
+        note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""
+        return (torch.compile(model) if impl == "fastplug_compile" else model), note
     raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
 
 

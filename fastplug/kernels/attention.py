@@ -440,6 +440,12 @@ class _Problem(NamedTuple):
     scale: float
 
 
+def _problem(q, k, causal, window, softcap, scale) -> _Problem:
+    D = q.shape[3]
+    return _Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, max(16, next_power_of_2(D)),
+                    causal, window, softcap, scale)
+
+
 def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
     if p.softcap is not None:
         qk_scale, cap_scale = p.scale / p.softcap, p.softcap * LOG2E
@@ -653,10 +659,9 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, softcap=None, 
         return _sdpa(q, k, v, causal, scale)
     if T == 0 or S == 0:
         return q.new_zeros(q.shape[0], T, q.shape[1], q.shape[3])
-    D = q.shape[3]
-    problem = _Problem(q.shape[0], q.shape[1], k.shape[1], T, S, D, max(16, next_power_of_2(D)), causal, window,
-                       softcap, scale)
-    return FlashAttention.apply(q, k, v, problem, doc_start, doc_end)
+    if torch.compiler.is_compiling():
+        return _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end)[0]
+    return FlashAttention.apply(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -728,3 +733,53 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
         start, end = bounds_from_cu_seqlens(cu_seqlens, q.shape[2])
     scale = float(q.shape[3] ** -0.5 if scale is None else scale)
     return _reference(q, k, v, causal, sliding_window, softcap, scale, start, end)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. Registered operators: what torch.compile traces (eager calls keep the cheaper autograd Function)
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "fastplug::flash_attention", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, bool causal, int? window, float? softcap, float scale, Tensor? doc_start, "
+    "Tensor? doc_end) -> (Tensor, Tensor)",
+)
+def _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
+    out, lse = _flash_forward(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
+    return out, lse
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
+    B, Hq, T, D = q.shape
+    return q.new_empty((B, T, Hq, D)), q.new_empty((B, Hq, T), dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastplug::flash_attention_backward", mutates_args=(),
+    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, int? window, float? softcap, "
+    "float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)",
+)
+def _flash_attention_backward_op(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end):
+    return _flash_backward(do, q, k, v, out, lse, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
+
+
+@_flash_attention_backward_op.register_fake
+def _(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_flash_attention(ctx, inputs, output):
+    q, k, v, causal, window, softcap, scale, doc_start, doc_end = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start, doc_end)
+    ctx.problem = (causal, window, softcap, scale)
+
+
+def _flash_attention_op_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
+    dq, dk, dv = _flash_attention_backward_op(grad_out, q, k, v, out, lse, *ctx.problem, doc_start, doc_end)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_flash_attention_op.register_autograd(_flash_attention_op_backward, setup_context=_setup_flash_attention)

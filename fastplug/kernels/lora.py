@@ -35,7 +35,7 @@ from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._utils import check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, rows_view
-from .activations import ACTIVATIONS, glu_backward, glu_forward
+from .activations import ACTIVATIONS, _glu_op, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
 from .quant import dequantize_4bit_scratch, is_4bit, shape_4bit
 
@@ -392,11 +392,33 @@ def _checked_input(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
+def _traceable(projs) -> bool:
+    """Under torch.compile the projections run as plain torch ops (`_traced`); quantized bases keep the
+    eager function (a graph break): their dequantization reads Python-side buffers."""
+    return torch.compiler.is_compiling() and not any(is_4bit(p.weight) or is_fp8(p.weight) for p in projs)
+
+
+def _traced(x: torch.Tensor, projs) -> tuple:
+    """x W^T + b + s (x A^T) B^T per projection in plain torch ops, for torch.compile: the cast cache and the
+    hand-written backward keep Python-side state that would break the graph, while traced maths lets
+    AOTAutograd derive the backward and Inductor fuse the adapter casts."""
+    F = torch.nn.functional
+    ys = []
+    for p in projs:
+        y = F.linear(x, p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype))
+        if p.lora_A is not None:
+            y = y + p.scaling * F.linear(F.linear(x, p.lora_A.to(x.dtype)), p.lora_B.to(x.dtype))
+        ys.append(y)
+    return tuple(ys)
+
+
 def _launch_shared(x, named_projs: dict):
     x = _checked_input(x)
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
+    if _traceable(projs):
+        return _traced(x, projs)
     return _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), *_flatten(projs))
 
 
@@ -427,4 +449,7 @@ def lora_mlp(
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)
+    if _traceable(projs):
+        gate, up = _traced(x, projs[:2])
+        return _traced(_glu_op(gate, up, activation), projs[2:])[0]
     return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))

@@ -73,6 +73,15 @@ def fastplug_mask(*args, **kwargs):
 
 
 # ---------------------------------------------------------------------------------- packed rows
+def _document_bounds(source: torch.Tensor, batch: int, tokens: int, device: torch.device):
+    """Per-token document (start, end) from TRL's cu_seq_lens_q (int32, n + 1) or position_ids (B or 1, T)."""
+    from ..kernels.attention import bounds_from_cu_seqlens, packed_bounds
+
+    if source.dim() == 1:
+        return bounds_from_cu_seqlens(source.to(device, torch.int32), tokens)
+    return packed_bounds(source.expand(batch, -1))
+
+
 class _BoundsCache:
     """The document bounds of the last packed batch: every layer of a forward (and the recompute under
     checkpointing) passes the same position_ids / cu_seq_lens tensor, so they are computed once."""
@@ -84,18 +93,13 @@ class _BoundsCache:
     def get(self, source: torch.Tensor, batch: int, tokens: int, device: torch.device, need_packed: bool):
         """(start, end, packed) from TRL's cu_seq_lens_q (int32, n + 1) or position_ids (B or 1, T); `packed`
         is None unless asked for (from position_ids that costs the one host sync, cached with the bounds)."""
-        from ..kernels.attention import bounds_from_cu_seqlens, packed_bounds
-
         key = (source._version, batch)
         if self.key is not None and self.key[0]() is source and self.key[1] == key:
             start, end, packed = self.value
         else:
-            if source.dim() == 1:  # cu_seq_lens: its length says whether the row is packed, no sync
-                start, end = bounds_from_cu_seqlens(source.to(device, torch.int32), tokens)
-                packed = source.numel() > 2
-            else:
-                start, end = packed_bounds(source.expand(batch, -1))
-                packed = None
+            start, end = _document_bounds(source, batch, tokens, device)
+            # cu_seq_lens: its length says whether the row is packed, no sync
+            packed = source.numel() > 2 if source.dim() == 1 else None
             self.key, self.value = (weakref.ref(source), key), (start, end, packed)
         if need_packed and packed is None:
             packed = bool((start != 0).any())
@@ -158,7 +162,11 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
         eager = _family_eager(module)
         return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
 
-    if packable:
+    if packable and torch.compiler.is_compiling():
+        # Traced: no cache (Python-side state) and no host sync to learn whether the rows are packed, so
+        # the kernel always gets the document bounds (unpacked rows give one document: the same result).
+        start, end = _document_bounds(source, query.shape[0], T, query.device)
+    elif packable:
         window = _normalise_window(sliding_window, causal, T, S)
         sdpa_candidate = _sdpa_suits(query, key, causal, window, softcap, varlen=False)
         start, end, packed = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=sdpa_candidate)

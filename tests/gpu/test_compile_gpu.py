@@ -1,5 +1,7 @@
 """torch.compile (Inductor) of a patched decoder layer on CUDA: fastplug's registered operators inside the
-compiled graph, fullgraph, no recompilation, the same numbers as the eager patched layer."""
+compiled graph, fullgraph, no recompilation, the same numbers as the eager patched layer. With peft LoRA
+(fp32 adapters on a bf16 base, as peft makes them) the fused LoRA runs traced and fastplug's attention as
+a registered operator (Gemma2: softcap and sliding window on the Triton kernel)."""
 
 import pytest
 import torch
@@ -9,15 +11,28 @@ import fastplug
 from tests.helpers import assert_close
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_patched_decoder_layer_compiles_with_inductor(family):
-    config_class = transformers.LlamaConfig if family == "llama" else transformers.GemmaConfig
+@pytest.mark.parametrize("family, lora", [("llama", False), ("gemma", False), ("llama", True), ("gemma2", True)])
+def test_patched_decoder_layer_compiles_with_inductor(family, lora):
+    config_class = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig,
+                    "gemma2": transformers.Gemma2Config}[family]
     config = config_class(hidden_size=1024, intermediate_size=2816, num_hidden_layers=1, num_attention_heads=16,
                           num_key_value_heads=4, head_dim=64, vocab_size=1000)  # fmt: skip
-    model_class = transformers.LlamaForCausalLM if family == "llama" else transformers.GemmaForCausalLM
+    if family == "gemma2":
+        config.sliding_window = 256
     torch.manual_seed(0)
-    model = model_class(config).to("cuda", torch.bfloat16)
-    handle = fastplug.patch_model(model, lora=False, attention=False, gradient_checkpointing=False)
+    model = transformers.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+        handle = fastplug.patch_model(model, gradient_checkpointing=False)
+        assert handle.counts.get("lora_fused")
+        model = model.get_base_model()
+    else:
+        handle = fastplug.patch_model(model, lora=False, attention=False, gradient_checkpointing=False)
     layer = model.model.layers[0]
     compiled = torch.compile(layer, fullgraph=True)
     torch._dynamo.reset()
@@ -33,7 +48,8 @@ def test_patched_decoder_layer_compiles_with_inductor(family):
                 out = fn(x, position_embeddings=cos_sin, attention_mask=None, position_ids=position_ids)
                 out = out[0] if isinstance(out, tuple) else out
                 out.float().square().mean().backward()
-                results.append((out.detach(), x.grad, [p.grad.clone() for p in layer.parameters()]))
+                results.append((out.detach(), x.grad,
+                                [p.grad.clone() for p in layer.parameters() if p.grad is not None]))
                 model.zero_grad()
             (out_c, dx_c, dp_c), (out_e, dx_e, dp_e) = results
             assert_close(out_c, out_e, torch.bfloat16, "output")

@@ -32,6 +32,7 @@ def _grads(out, inputs, grad):
     ([40, 0, 1, 70], 150, 70, True),    # several row tiles per expert, K and N past one block
     ([0, 0, 5], 16, 33, True),          # leading empty experts
     ([1, 1], 8, 16, False),             # rows already grouped: no gather/scatter
+    ([70, 3, 0, 161, 33, 9, 1], 24, 150, True),  # > 8 row tiles: a full and a partial group of row tiles
 ])
 def test_grouped_gemm_matches_loop(dtype, counts, K, N, fused):
     E, M = len(counts), sum(counts)

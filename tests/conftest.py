@@ -15,12 +15,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu2" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs 2 CUDA devices, found {gpus}"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
 @pytest.fixture(autouse=True)

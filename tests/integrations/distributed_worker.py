@@ -4,7 +4,8 @@ tests/gpu/test_distributed_gpu.py on 2 GPUs with NCCL):
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m tests.integrations.distributed_worker \
         SCENARIO[,SCENARIO...] OUT_DIR [--device cuda] [--checkpointing offload]
 
-Scenarios: ddp, fsdp2 (patch_model, then torch's DDP / FSDP2 `fully_shard`), ddp_offload (checkpointing "offload"
+Scenarios: ddp, fsdp2 (patch_model, then torch's DDP / FSDP2 `fully_shard`), fsdp2_bf16 (a bf16 base with fp32
+adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached casts), ddp_offload (checkpointing "offload"
 under DDP with find_unused_parameters=True), trainer, trainer_fsdp2 (HF Trainer +
 FastKernels, through accelerate), lightning_ddp, lightning_fsdp (fastplug's strategies), sft, sft_fsdp2
 (FastSFTTrainer and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
@@ -33,7 +34,7 @@ from tests.models.tiny import tiny_model
 
 STEPS = 2
 MICRO = 2  # micro-batches per optimizer step
-ROWS = 2  # rows per rank and micro-batch
+GLOBAL_ROWS = 4  # rows per micro-batch over all ranks (2 per rank with 2 processes, 4 in one)
 LR = 0.5  # SGD: large enough that a wrong gradient shows in the second step's loss
 # CPU runs the Triton interpreter: the tiny model; on GPUs a bigger one with fastplug's attention kernel.
 SHAPES = {
@@ -43,7 +44,7 @@ SHAPES = {
 }
 # transformers 5.17 and 5.23 both read "version" (default 2); fsdp=True, the string form is deprecated
 FSDP2_CONFIG = {"version": 2, "reshard_after_forward": True}
-SCENARIOS = ("ddp", "fsdp2", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
+SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
@@ -51,10 +52,11 @@ def options(kind: str, checkpointing=True) -> KernelOptions:
     return KernelOptions(attention=kind == "cuda", gradient_checkpointing=checkpointing)
 
 
-def lora_llama(kind: str, device="cpu"):
+def lora_llama(kind: str, device="cpu", dtype=torch.float32):
+    """dtype bfloat16: a bf16 base with peft's default fp32 adapters (fused LoRA then casts them per step)."""
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model("llama", **SHAPES[kind]["overrides"])
+    model = tiny_model("llama", **SHAPES[kind]["overrides"]).to(dtype)
     # init_lora_weights=False: a random lora_B, so lora_A gets gradients from the first step
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
     torch.manual_seed(1)
@@ -76,10 +78,10 @@ def rows(kind: str, count: int, uniform: bool = False, seed: int = 5) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def micro_batches(kind: str, world: int = 2) -> list[dict]:
-    """MICRO global micro-batches of ROWS * world rows each; rank r takes rows r::world."""
-    data = rows(kind, MICRO * ROWS * world)
-    return [{k: v[i * ROWS * world : (i + 1) * ROWS * world] for k, v in data.items()} for i in range(MICRO)]
+def micro_batches(kind: str) -> list[dict]:
+    """MICRO global micro-batches of GLOBAL_ROWS rows each; rank r of `world` takes rows r::world."""
+    data = rows(kind, MICRO * GLOBAL_ROWS)
+    return [{k: v[i * GLOBAL_ROWS : (i + 1) * GLOBAL_ROWS] for k, v in data.items()} for i in range(MICRO)]
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -123,9 +125,9 @@ def no_instance_forward(model) -> bool:
     return not any("forward" in vars(m) for m in model.modules())
 
 
-def reference_loop(kind: str, patched: bool = True, checkpointing=True, device="cpu") -> dict:
+def reference_loop(kind: str, patched: bool = True, checkpointing=True, device="cpu", dtype=torch.float32) -> dict:
     """One process, the whole global batch: what every distributed run must reproduce."""
-    model = lora_llama(kind, device)
+    model = lora_llama(kind, device, dtype)
     model.train()
     handle = patch_model(model, options(kind, checkpointing)) if patched else None
     out = train_loop(model, model, micro_batches(kind), 0, 1, torch.device(device))
@@ -174,6 +176,18 @@ def assert_loop_matches(ranks: list[dict], reference: dict, tol: float) -> None:
             assert_close_dicts(grads, ref, f"rank {rank}, step {step + 1}, LoRA gradients", tol)
 
 
+def assert_bf16_loop_matches(ranks: list[dict], reference: dict) -> None:
+    """bf16: the first step's gradients within bf16 rounding, every step's loss within 1e-3. After an SGD step
+    of LR the rounding differences of two row splits grow past bf16's tolerance (DDP and FSDP2 agree with each
+    other, not with one process); a stale adapter cast would move the second loss by about 1e-2."""
+    from tests.helpers import rel_err
+
+    for rank, got in enumerate(ranks):
+        err = rel_err(torch.tensor(got["losses"]), torch.tensor(reference["losses"]))
+        assert err < 1e-3, f"rank {rank}: losses {got['losses']} vs one process {reference['losses']}"
+        assert_close_dicts(got["grads"][0], reference["grads"][0], f"rank {rank}, step 1, LoRA gradients", 2e-2)
+
+
 def assert_training_matches(ranks: list[dict], reference: dict, tol: float) -> None:
     """Every rank: the logged losses and the LoRA weights after training are one process' (trainer results)."""
     from tests.helpers import rel_err
@@ -201,7 +215,7 @@ def _offload_on_cpu(model) -> None:
 
 
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
-    model = lora_llama(kind, device)
+    model = lora_llama(kind, device, torch.bfloat16 if how == "fsdp2_bf16" else torch.float32)
     model.train()
     offload = how == "ddp_offload"
     handle = patch_model(model, options(kind, "offload" if offload else checkpointing))  # before wrapping
@@ -254,8 +268,8 @@ def _is_wrapped(model) -> bool:
     return bool(_fsdp_units(model))
 
 
-def trainer_dataset(kind: str, world: int) -> list[dict]:
-    data = rows(kind, STEPS * MICRO * ROWS * world)
+def trainer_dataset(kind: str) -> list[dict]:
+    data = rows(kind, STEPS * MICRO * GLOBAL_ROWS)
     return [{k: v[i] for k, v in data.items()} for i in range(len(data["input_ids"]))]
 
 
@@ -272,13 +286,15 @@ def trainer_args(kind: str, out_dir: str, per_device: int, fsdp: bool, **extra):
 
 
 def run_trainer(kind, world, fsdp, checkpointing) -> dict:
+    """The HF Trainer with FastKernels; with world=1 (one process, GLOBAL_ROWS per device) the reference: each
+    optimizer step sees the same samples (sequential sampling; accelerate deals batches to ranks in turn)."""
     from transformers import Trainer
 
     model = lora_llama(kind)
     fast, probe = FastKernels(options(kind, checkpointing)), _Probe.make()
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = Trainer(model=model, args=trainer_args(kind, out_dir, ROWS, fsdp),
-                          train_dataset=trainer_dataset(kind, world), callbacks=[fast, probe])
+        trainer = Trainer(model=model, args=trainer_args(kind, out_dir, GLOBAL_ROWS // world, fsdp),
+                          train_dataset=trainer_dataset(kind), callbacks=[fast, probe])
         patched_before_wrap = active_handle(model) is not None and not _is_wrapped(model)
         trainer.train()
     return {
@@ -290,22 +306,6 @@ def run_trainer(kind, world, fsdp, checkpointing) -> dict:
         "patched_steps": probe.patched,
         "summary": fast.summary,
         "restored": fast.handle is not None and not fast.handle.is_active and no_instance_forward(model),
-    }
-
-
-def reference_trainer(kind: str, world: int = 2, patched: bool = True, checkpointing=True) -> dict:
-    """The HF Trainer in one process with world x the per-device batch (the same samples per optimizer step)."""
-    from transformers import Trainer
-
-    model = lora_llama(kind)
-    callbacks = [FastKernels(options(kind, checkpointing))] if patched else []
-    with tempfile.TemporaryDirectory() as out_dir:
-        trainer = Trainer(model=model, args=trainer_args(kind, out_dir, ROWS * world, False),
-                          train_dataset=trainer_dataset(kind, world), callbacks=callbacks)
-        trainer.train()
-    return {
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "weights": {n: full(p) for n, p in lora_params(model).items()},
     }
 
 
@@ -335,7 +335,7 @@ def lightning_fit(kind: str, strategy, devices: int, batch_size: int, checkpoint
     those means the global mean."""
     import lightning.pytorch as L
 
-    data = rows(kind, STEPS * ROWS * 2, uniform=True)
+    data = rows(kind, STEPS * GLOBAL_ROWS, uniform=True)
     samples = [{k: v[i] for k, v in data.items()} for i in range(len(data["input_ids"]))]
     module = lightning_module(kind)
     if isinstance(strategy, str) and strategy.startswith("fastkernels"):
@@ -355,7 +355,7 @@ def lightning_fit(kind: str, strategy, devices: int, batch_size: int, checkpoint
 
 
 def run_lightning(kind, world, strategy_name, checkpointing) -> dict:
-    module, trainer = lightning_fit(kind, strategy_name, world, ROWS, checkpointing)
+    module, trainer = lightning_fit(kind, strategy_name, world, GLOBAL_ROWS // world, checkpointing)
     losses = torch.stack(module.losses)
     dist.all_reduce(losses)
     return {
@@ -369,8 +369,8 @@ def run_lightning(kind, world, strategy_name, checkpointing) -> dict:
     }
 
 
-def reference_lightning(kind: str, world: int = 2) -> dict:
-    module, _ = lightning_fit(kind, "fastkernels", 1, ROWS * world)
+def reference_lightning(kind: str) -> dict:
+    module, _ = lightning_fit(kind, "fastkernels", 1, GLOBAL_ROWS)
     return {"losses": [x.item() for x in module.losses],
             "weights": {n: full(p) for n, p in lora_params(module.lm).items()}}
 
@@ -384,7 +384,7 @@ def run_sft(kind, world, fsdp, checkpointing) -> dict:
     from fastplug.integrations.trl import FastSFTTrainer
     from tests.integrations.test_trl import TOKENIZER  # pad 0 as the model's; the data is tokenized already
 
-    data = rows(kind, STEPS * ROWS * world, uniform=True)
+    data = rows(kind, STEPS * GLOBAL_ROWS, uniform=True)
     dataset = Dataset.from_dict({"input_ids": data["input_ids"].tolist()})
     results = {}
     for name, cls in (("fastplug", FastSFTTrainer), ("trl", SFTTrainer)):
@@ -393,7 +393,7 @@ def run_sft(kind, world, fsdp, checkpointing) -> dict:
         fsdp_args = dict(fsdp=True, fsdp_config=FSDP2_CONFIG) if fsdp else {}
         with tempfile.TemporaryDirectory() as out_dir:
             args = SFTConfig(
-                output_dir=out_dir, per_device_train_batch_size=ROWS, max_steps=STEPS, learning_rate=1e-3,
+                output_dir=out_dir, per_device_train_batch_size=GLOBAL_ROWS // world, max_steps=STEPS, learning_rate=1e-3,
                 logging_steps=1, report_to="none", save_strategy="no", use_cpu=kind == "cpu", seed=0,
                 disable_tqdm=True, bf16=False, gradient_checkpointing=True, train_sampling_strategy="sequential",
                 ddp_timeout=120, **fsdp_args,
@@ -426,7 +426,7 @@ def main(argv=None) -> int:
         if s not in SCENARIOS:
             raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
         torch.manual_seed(0)
-        if s in ("ddp", "fsdp2", "ddp_offload"):
+        if s in ("ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"):
             result = run_torch(kind, device, rank, world, s, checkpointing)
         elif s in ("trainer", "trainer_fsdp2"):
             result = run_trainer(kind, world, s == "trainer_fsdp2", checkpointing)

@@ -10,6 +10,7 @@ process-group set-up, CI time that the scenarios themselves do not need.
 import importlib.util
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.integrations import distributed_worker as worker
@@ -20,7 +21,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 TOL = 1e-5  # fp32; only the order of the cross-rank sums differs from one process
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
-SCENARIOS = ["ddp", "fsdp2", "ddp_offload", "trainer"]
+SCENARIOS = ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", "trainer"]
 SCENARIOS += ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
 SCENARIOS += ["sft"] if HAS_TRL else []
 
@@ -59,6 +60,14 @@ def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_pr
     _patched_and_restored(runs["fsdp2"])
 
 
+def test_fsdp2_bf16_base_with_fp32_adapters_matches_one_process(runs):
+    """Fused LoRA casts the fp32 adapters to bf16 and caches the casts; FSDP2 frees each gathered adapter
+    between uses, so the refresh must leave those alone."""
+    one_process = worker.reference_loop("cpu", dtype=torch.bfloat16)
+    worker.assert_bf16_loop_matches(runs["fsdp2_bf16"], one_process)
+    _patched_and_restored(runs["fsdp2_bf16"])
+
+
 def test_offload_checkpointing_under_ddp_finding_unused_parameters(runs, one_process):
     """find_unused_parameters=True is the HF Trainer's choice for a PeftModel; offload's recompute in backward
     used to make DDP mark the LoRA parameters ready twice."""
@@ -68,7 +77,8 @@ def test_offload_checkpointing_under_ddp_finding_unused_parameters(runs, one_pro
 
 def test_trainer_ddp_matches_one_process_and_patches_before_wrapping(runs):
     ranks = runs["trainer"]
-    worker.assert_training_matches(ranks, worker.reference_trainer("cpu"), TOL)
+    one_process = worker.run_trainer("cpu", world=1, fsdp=False, checkpointing=True)
+    worker.assert_training_matches(ranks, one_process, TOL)
     for rank, got in enumerate(ranks):
         assert got["patched_before_wrap"], f"rank {rank}: not patched at the end of Trainer.__init__"
         assert got["patched_steps"] == [True] * worker.STEPS

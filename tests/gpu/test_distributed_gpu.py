@@ -1,0 +1,107 @@
+"""Two GPUs (NCCL): the CPU checks of tests/integrations/test_distributed.py at GPU shapes with fastplug's
+attention kernel, plus the HF Trainer and FastSFTTrainer under accelerate's FSDP2 and CUDA offload checkpointing.
+
+Each group of scenarios runs in one torchrun launch of tests/integrations/distributed_worker.py; one process on
+cuda:0 (this one) computes the references. scripts/multi_gpu.sh runs this file (marker gpu2).
+"""
+
+import importlib.util
+
+import pytest
+
+from tests.integrations import distributed_worker as worker
+
+pytestmark = pytest.mark.gpu2
+
+# fp32; the two runs differ only in the order of cross-rank and cross-row sums
+TOL = 1e-4
+# fastplug's kernels against TRL's own layers (torch's fp32 matmuls)
+TRL_TOL = 2e-3
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
+
+
+def _launch(tmp_path_factory, scenarios, *extra):
+    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=300,
+                         extra=extra)
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"])
+
+
+@pytest.fixture(scope="module")
+def ddp_trainer_runs(tmp_path_factory):
+    # offload checkpointing (pinned host memory, CUDA streams) in the Trainer's DDP, which finds unused parameters
+    return _launch(tmp_path_factory, ["trainer"] + (["sft"] if HAS_TRL else []), "--checkpointing", "offload")
+
+
+@pytest.fixture(scope="module")
+def fsdp_trainer_runs(tmp_path_factory):
+    # accelerate keeps one FSDP configuration per process: the FSDP2 trainers run in processes of their own
+    return _launch(tmp_path_factory, ["trainer_fsdp2"] + (["sft_fsdp2"] if HAS_TRL else []))
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    if not HAS_LIGHTNING:
+        pytest.skip("needs lightning")
+    return _launch(tmp_path_factory, ["lightning_ddp", "lightning_fsdp"])
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return worker.reference_loop("cuda", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def one_trainer_process(tmp_path_factory):
+    # a process of its own: the HF Trainer in this one would see both GPUs and split batches (DataParallel)
+    return worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1)["trainer"][0]
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"])
+def test_torch_wrappers_match_one_process(torch_runs, one_process, scenario):
+    ranks = torch_runs[scenario]
+    if scenario == "fsdp2_bf16":
+        import torch
+
+        worker.assert_bf16_loop_matches(ranks, worker.reference_loop("cuda", device="cuda", dtype=torch.bfloat16))
+    else:
+        worker.assert_loop_matches(ranks, one_process, TOL)
+    for rank, got in enumerate(ranks):
+        assert all(got["fused_head"]), f"rank {rank}: the fused LM-head loss did not run"
+        assert got["restored"], f"rank {rank}: not restored"
+        assert "attention: 2" in got["summary"] and "lora_fused: 4" in got["summary"], got["summary"]
+
+
+@pytest.mark.parametrize("scenario", ["trainer", "trainer_fsdp2"])
+def test_hf_trainer_matches_one_process(ddp_trainer_runs, fsdp_trainer_runs, one_trainer_process, scenario):
+    ranks = {**ddp_trainer_runs, **fsdp_trainer_runs}[scenario]
+    worker.assert_training_matches(ranks, one_trainer_process, TOL)
+    for rank, got in enumerate(ranks):
+        assert got["patched_before_wrap"], f"rank {rank}: not patched before accelerate wrapped the model"
+        assert got["wrapped_at_begin"] == (scenario == "trainer_fsdp2"), f"rank {rank}: {got['fsdp_units']}"
+        assert got["patched_steps"] == [True] * worker.STEPS, f"rank {rank}: {got['patched_steps']}"
+        assert got["restored"], f"rank {rank}: not restored after train()"
+        if scenario == "trainer":
+            assert "offload" in got["summary"], got["summary"]
+        print(f"rank {rank} {scenario}: FSDP units {got['fsdp_units']}")
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets (scripts/multi_gpu.sh installs them from .whl/)")
+@pytest.mark.parametrize("scenario", ["sft", "sft_fsdp2"])
+def test_fast_sft_trainer_matches_trl(ddp_trainer_runs, fsdp_trainer_runs, scenario):
+    for rank, got in enumerate({**ddp_trainer_runs, **fsdp_trainer_runs}[scenario]):
+        assert got["fastplug"] == pytest.approx(got["trl"], rel=TRL_TOL), f"rank {rank}"
+        assert got["restored"], f"rank {rank}: not restored after train()"
+
+
+@pytest.mark.parametrize("scenario", ["lightning_ddp", "lightning_fsdp"])
+def test_lightning_strategies_match_one_process(lightning_runs, scenario):
+    ranks = lightning_runs[scenario]
+    worker.assert_training_matches(ranks, worker.reference_lightning("cuda"), TOL)
+    for rank, got in enumerate(ranks):
+        assert got["sharded"] == (scenario == "lightning_fsdp")
+        assert got["patched_steps"] == [True] * worker.STEPS and got["restored"], f"rank {rank}"

@@ -122,30 +122,45 @@ def worker_main(spec_json: str, result_path: str) -> int:
 # --- the parent: one launch per parallel mode, then the table -------------------------------------
 
 
+def _stop(proc, stopped: list) -> None:
+    stopped.append(True)
+    proc.terminate()  # torchrun passes it on to its workers; a kill would leave them on the GPUs
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_launch(spec: dict, nproc: int, time_limit: float, log_path: str) -> list[dict]:
-    """One torchrun launch of `nproc` ranks; their output goes to `log_path`, rank 0's "multi:" lines through."""
+    """One torchrun launch of `nproc` ranks; their output goes to `log_path`, rank 0's "multi:" lines through.
+    The ranks stop measuring at 85% of `time_limit` and report; at the limit a stuck launch is stopped."""
+    import threading
+
     spec = dict(spec, deadline=time.time() + 0.85 * time_limit)
     fd, result_path = tempfile.mkstemp(prefix="fastplug_multi_", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "fastplug.bench", "_multi_worker", json.dumps(spec), result_path]
+    stopped: list = []
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            watchdog = threading.Timer(time_limit, _stop, (proc, stopped))
+            watchdog.start()
             try:
-                for line in proc.stdout:  # the worker's own deadline ends measuring; this ends a stuck launch
+                for line in proc.stdout:
                     log.write(line)
                     if line.startswith("multi:"):
                         print(f"  {line.rstrip()}", flush=True)
-                proc.wait(timeout=max(1.0, spec["deadline"] + 0.15 * time_limit - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                return [{"error": f"launch timed out after {time_limit:.0f} s (log: {log_path})"}]
+                proc.wait()
+            finally:
+                watchdog.cancel()
         with open(result_path) as f:
             text = f.read()
         if text:
             return json.loads(text)
-        return [{"error": f"launch exited with code {proc.returncode} and no result (log: {log_path})"}]
+        why = f"timed out after {time_limit:.0f} s" if stopped else f"exited with code {proc.returncode}"
+        return [{"error": f"launch {why} and left no result (log: {log_path})"}]
     finally:
         os.unlink(result_path)
 

@@ -22,13 +22,15 @@ HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets
 
 
 def _launch(tmp_path_factory, scenarios, *extra):
-    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=300,
+    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=150,
                          extra=extra)
 
 
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
-    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"])
+    # torch's wrappers and Lightning's strategies; the accelerate-based trainers run in launches of their own
+    lightning = ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
+    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", *lightning])
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +46,6 @@ def fsdp_trainer_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory):
-    if not HAS_LIGHTNING:
-        pytest.skip("needs lightning")
-    return _launch(tmp_path_factory, ["lightning_ddp", "lightning_fsdp"])
-
-
-@pytest.fixture(scope="module")
 def one_process():
     return worker.reference_loop("cuda", device="cuda")
 
@@ -58,12 +53,13 @@ def one_process():
 @pytest.fixture(scope="module")
 def one_trainer_process(tmp_path_factory):
     # a process of its own: the HF Trainer in this one would see both GPUs and split batches (DataParallel)
-    return worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1)["trainer"][0]
+    runs = worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1, timeout=150)
+    return worker.ranks_of(runs, "trainer")[0]
 
 
 @pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"])
 def test_torch_wrappers_match_one_process(torch_runs, one_process, scenario):
-    ranks = torch_runs[scenario]
+    ranks = worker.ranks_of(torch_runs, scenario)
     if scenario == "fsdp2_bf16":
         import torch
 
@@ -77,8 +73,9 @@ def test_torch_wrappers_match_one_process(torch_runs, one_process, scenario):
 
 
 @pytest.mark.parametrize("scenario", ["trainer", "trainer_fsdp2"])
-def test_hf_trainer_matches_one_process(ddp_trainer_runs, fsdp_trainer_runs, one_trainer_process, scenario):
-    ranks = {**ddp_trainer_runs, **fsdp_trainer_runs}[scenario]
+def test_hf_trainer_matches_one_process(request, one_trainer_process, scenario):
+    runs = request.getfixturevalue("fsdp_trainer_runs" if scenario.endswith("fsdp2") else "ddp_trainer_runs")
+    ranks = worker.ranks_of(runs, scenario)
     worker.assert_training_matches(ranks, one_trainer_process, TOL)
     for rank, got in enumerate(ranks):
         assert got["patched_before_wrap"], f"rank {rank}: not patched before accelerate wrapped the model"
@@ -92,15 +89,17 @@ def test_hf_trainer_matches_one_process(ddp_trainer_runs, fsdp_trainer_runs, one
 
 @pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets (scripts/multi_gpu.sh installs them from .whl/)")
 @pytest.mark.parametrize("scenario", ["sft", "sft_fsdp2"])
-def test_fast_sft_trainer_matches_trl(ddp_trainer_runs, fsdp_trainer_runs, scenario):
-    for rank, got in enumerate({**ddp_trainer_runs, **fsdp_trainer_runs}[scenario]):
+def test_fast_sft_trainer_matches_trl(request, scenario):
+    runs = request.getfixturevalue("fsdp_trainer_runs" if scenario.endswith("fsdp2") else "ddp_trainer_runs")
+    for rank, got in enumerate(worker.ranks_of(runs, scenario)):
         assert got["fastplug"] == pytest.approx(got["trl"], rel=TRL_TOL), f"rank {rank}"
         assert got["restored"], f"rank {rank}: not restored after train()"
 
 
+@pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning")
 @pytest.mark.parametrize("scenario", ["lightning_ddp", "lightning_fsdp"])
-def test_lightning_strategies_match_one_process(lightning_runs, scenario):
-    ranks = lightning_runs[scenario]
+def test_lightning_strategies_match_one_process(torch_runs, scenario):
+    ranks = worker.ranks_of(torch_runs, scenario)
     worker.assert_training_matches(ranks, worker.reference_lightning("cuda"), TOL)
     for rank, got in enumerate(ranks):
         assert got["sharded"] == (scenario == "lightning_fsdp")

@@ -139,7 +139,8 @@ def reference_loop(kind: str, patched: bool = True, checkpointing=True, device="
 def launch(scenarios: list[str], out_dir, device: str = "cpu", nproc: int = 2, timeout: float = 300,
            extra: tuple = ()) -> dict:
     """Runs the scenarios in `nproc` fresh processes (torchrun --standalone picks a free port); returns
-    {scenario: [rank 0's result, rank 1's, ...]}. Raises with the end of the log when the run fails."""
+    {scenario: [rank 0's result, rank 1's, ...]}, or for a scenario without results what went wrong (the end
+    of the log): one failing scenario does not hide the ones that ran before it."""
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -147,13 +148,34 @@ def launch(scenarios: list[str], out_dir, device: str = "cpu", nproc: int = 2, t
            *extra]  # fmt: skip
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout:.0f} s:\n{_tail(exc.stdout, exc.stderr)}")
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{_tail(proc.stdout, proc.stderr)}")
-    return {s: [torch.load(os.path.join(out_dir, f"{s}.rank{r}.pt")) for r in range(nproc)] for s in scenarios}
+        log = proc.communicate(timeout=timeout)
+        problem = f"exited with {proc.returncode}" if proc.returncode else ""
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun passes it on to its workers; a kill would leave them holding the devices
+        try:
+            log = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            log = proc.communicate()
+        problem = f"timed out after {timeout:.0f} s"
+    results = {}
+    for s in scenarios:
+        paths = [os.path.join(out_dir, f"{s}.rank{r}.pt") for r in range(nproc)]
+        if all(os.path.exists(path) for path in paths):
+            results[s] = [torch.load(path) for path in paths]
+        else:
+            results[s] = f"{s}: no results; {' '.join(cmd)} {problem or 'wrote none'}:\n{_tail(*log)}"
+    return results
+
+
+def ranks_of(runs: dict, scenario: str) -> list[dict]:
+    """The per-rank results of a scenario from `launch`, or the test fails with the launch's log."""
+    got = runs[scenario]
+    if isinstance(got, str):
+        raise AssertionError(got)
+    return got
 
 
 def assert_close_dicts(got: dict, want: dict, what: str, tol: float) -> None:

@@ -49,34 +49,34 @@ def _patched_and_restored(ranks, fused_head=True):
 
 
 def test_ddp_matches_one_process(runs, one_process):
-    worker.assert_loop_matches(runs["ddp"], one_process, TOL)
-    _patched_and_restored(runs["ddp"])
+    worker.assert_loop_matches(worker.ranks_of(runs, "ddp"), one_process, TOL)
+    _patched_and_restored(worker.ranks_of(runs, "ddp"))
 
 
 def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_process):
     """The LM head is an FSDP unit of its own (as accelerate makes it): the fused loss runs inside its call,
     where FSDP2 has gathered it."""
-    worker.assert_loop_matches(runs["fsdp2"], one_process, TOL)
-    _patched_and_restored(runs["fsdp2"])
+    worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2"), one_process, TOL)
+    _patched_and_restored(worker.ranks_of(runs, "fsdp2"))
 
 
 def test_fsdp2_bf16_base_with_fp32_adapters_matches_one_process(runs):
     """Fused LoRA casts the fp32 adapters to bf16 and caches the casts; FSDP2 frees each gathered adapter
     between uses, so the refresh must leave those alone."""
     one_process = worker.reference_loop("cpu", dtype=torch.bfloat16)
-    worker.assert_bf16_loop_matches(runs["fsdp2_bf16"], one_process)
-    _patched_and_restored(runs["fsdp2_bf16"])
+    worker.assert_bf16_loop_matches(worker.ranks_of(runs, "fsdp2_bf16"), one_process)
+    _patched_and_restored(worker.ranks_of(runs, "fsdp2_bf16"))
 
 
 def test_offload_checkpointing_under_ddp_finding_unused_parameters(runs, one_process):
     """find_unused_parameters=True is the HF Trainer's choice for a PeftModel; offload's recompute in backward
     used to make DDP mark the LoRA parameters ready twice."""
-    worker.assert_loop_matches(runs["ddp_offload"], one_process, TOL)
-    _patched_and_restored(runs["ddp_offload"])
+    worker.assert_loop_matches(worker.ranks_of(runs, "ddp_offload"), one_process, TOL)
+    _patched_and_restored(worker.ranks_of(runs, "ddp_offload"))
 
 
 def test_trainer_ddp_matches_one_process_and_patches_before_wrapping(runs):
-    ranks = runs["trainer"]
+    ranks = worker.ranks_of(runs, "trainer")
     one_process = worker.run_trainer("cpu", world=1, fsdp=False, checkpointing=True)
     worker.assert_training_matches(ranks, one_process, TOL)
     for rank, got in enumerate(ranks):
@@ -95,7 +95,7 @@ def test_trainer_fsdp2_runs_on_gpus_only():
 @pytest.mark.parametrize(("scenario", "base"), [("lightning_ddp", "DDPStrategy"),
                                                 ("lightning_fsdp", "ModelParallelStrategy")])
 def test_lightning_strategies_match_one_process(runs, one_lightning_process, scenario, base):
-    ranks = runs[scenario]
+    ranks = worker.ranks_of(runs, scenario)
     worker.assert_training_matches(ranks, one_lightning_process, TOL)
     for rank, got in enumerate(ranks):
         assert base in got["strategy_bases"]
@@ -106,7 +106,7 @@ def test_lightning_strategies_match_one_process(runs, one_lightning_process, sce
 
 @pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets")
 def test_fast_sft_trainer_ddp_matches_trl(runs):
-    for rank, got in enumerate(runs["sft"]):
+    for rank, got in enumerate(worker.ranks_of(runs, "sft")):
         assert got["fastplug"] == pytest.approx(got["trl"], rel=TOL), f"rank {rank}"
         assert got["restored"], f"rank {rank}: not restored after train()"
         assert "lora_fused: 4" in got["summary"]

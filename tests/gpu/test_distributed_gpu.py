@@ -30,7 +30,7 @@ def _launch(tmp_path_factory, scenarios, *extra):
 def torch_runs(tmp_path_factory):
     # torch's wrappers and Lightning's strategies; the accelerate-based trainers run in launches of their own
     lightning = ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
-    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", *lightning])
+    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", *lightning])
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def one_trainer_process(tmp_path_factory):
     return worker.ranks_of(runs, "trainer")[0]
 
 
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"])
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload"])
 def test_torch_wrappers_match_one_process(torch_runs, one_process, scenario):
     ranks = worker.ranks_of(torch_runs, scenario)
     if scenario == "fsdp2_bf16":

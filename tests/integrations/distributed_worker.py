@@ -5,7 +5,8 @@ tests/gpu/test_distributed_gpu.py on 2 GPUs with NCCL):
         SCENARIO[,SCENARIO...] OUT_DIR [--device cuda] [--checkpointing offload]
 
 Scenarios: ddp, fsdp2 (patch_model, then torch's DDP / FSDP2 `fully_shard`), fsdp2_bf16 (a bf16 base with fp32
-adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached casts), ddp_offload (checkpointing "offload"
+adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached casts), fsdp2_after (patched after
+sharding), ddp_offload (checkpointing "offload"
 under DDP with find_unused_parameters=True), trainer, trainer_fsdp2 (HF Trainer +
 FastKernels, through accelerate), lightning_ddp, lightning_fsdp (fastplug's strategies), sft, sft_fsdp2
 (FastSFTTrainer and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
@@ -44,7 +45,7 @@ SHAPES = {
 }
 # transformers 5.17 and 5.23 both read "version" (default 2); fsdp=True, the string form is deprecated
 FSDP2_CONFIG = {"version": 2, "reshard_after_forward": True}
-SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
+SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
@@ -239,8 +240,12 @@ def _offload_on_cpu(model) -> None:
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
     model = lora_llama(kind, device, torch.bfloat16 if how == "fsdp2_bf16" else torch.float32)
     model.train()
+    from fastplug.integrations.fsdp import shard_model
+
     offload = how == "ddp_offload"
-    handle = patch_model(model, options(kind, "offload" if offload else checkpointing))  # before wrapping
+    if how == "fsdp2_after":  # a model_init model in the HF Trainer, or one sharded in configure_model
+        shard_model(model)
+    handle = patch_model(model, options(kind, "offload" if offload else checkpointing))  # else before wrapping
     if offload and kind == "cpu":
         _offload_on_cpu(model)
     if how.startswith("ddp"):
@@ -251,9 +256,7 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
                       find_unused_parameters=offload)
         out = train_loop(model, wrapped, micro_batches(kind), rank, world, device, no_sync=wrapped.no_sync)
     else:
-        from fastplug.integrations.fsdp import shard_model
-
-        shard_model(model)
+        shard_model(model)  # a no-op for fsdp2_after
         out = train_loop(model, model, micro_batches(kind), rank, world, device)
     out["summary"] = handle.summary()
     handle.restore()
@@ -448,7 +451,7 @@ def main(argv=None) -> int:
         if s not in SCENARIOS:
             raise SystemExit(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
         torch.manual_seed(0)
-        if s in ("ddp", "fsdp2", "fsdp2_bf16", "ddp_offload"):
+        if s in ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload"):
             result = run_torch(kind, device, rank, world, s, checkpointing)
         elif s in ("trainer", "trainer_fsdp2"):
             result = run_trainer(kind, world, s == "trainer_fsdp2", checkpointing)

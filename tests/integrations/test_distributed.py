@@ -21,7 +21,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 TOL = 1e-5  # fp32; only the order of the cross-rank sums differs from one process
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
-SCENARIOS = ["ddp", "fsdp2", "fsdp2_bf16", "ddp_offload", "trainer"]
+SCENARIOS = ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer"]
 SCENARIOS += ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
 SCENARIOS += ["sft"] if HAS_TRL else []
 
@@ -58,6 +58,12 @@ def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_pr
     where FSDP2 has gathered it."""
     worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2"), one_process, TOL)
     _patched_and_restored(worker.ranks_of(runs, "fsdp2"))
+
+
+def test_patching_after_fsdp2_sharded_the_model(runs, one_process):
+    """What a model_init model in the HF Trainer and a model sharded in Lightning's configure_model go through."""
+    worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2_after"), one_process, TOL)
+    _patched_and_restored(worker.ranks_of(runs, "fsdp2_after"))
 
 
 def test_fsdp2_bf16_base_with_fp32_adapters_matches_one_process(runs):

@@ -94,6 +94,16 @@ def checks(quick: bool):
         xq_ref, xs_ref = F8.quantize_activation_reference(x)
         same = (torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
                 and torch.equal(xs, xs_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8)))
+        if not same:  # say where: scales or values, how many, an example
+            for what, a, b in (("w scale", s, s_ref), ("w values", q, q_ref), ("x scale", xs, xs_ref),
+                               ("x values", xq, xq_ref)):
+                a8 = a.view(torch.uint8) if a.element_size() == 1 else a
+                b8 = b.view(torch.uint8) if b.element_size() == 1 else b
+                diff = (a8 != b8).nonzero()
+                if len(diff):
+                    i = tuple(diff[0].tolist())
+                    print(f"    {what}: {len(diff)} of {a.numel()} differ, e.g. at {i}: {a[i].float().item()!r} "
+                          f"vs torch {b[i].float().item()!r}", flush=True)
         w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
         x64 = F8.dequantize_blockwise_reference(xq, xs, (1, 128), torch.float64)
         dy = torch.randn(m, n, dtype=torch.bfloat16, device=DEV)

@@ -55,8 +55,9 @@ _MAX = tl.constexpr(FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 # GEMM launch configurations (BLOCK_K is always the scale block; TMA: tensor-descriptor loads where the device
-# and strides allow). scripts/fp8_gpu.py sweeps the alternatives.
-GEMM_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4, TMA=False)
+# and strides allow). scripts/fp8_gpu.py sweeps the alternatives: on an H100 at 8192^3 this one measured
+# 1.50 ms (732 TFLOP/s) against 1.84 ms for 128x128, 8 warps, 4 stages without TMA.
+GEMM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, TMA=True)
 GEMM_CONFIG_SMALL_M = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=False)  # M <= 64
 _GEMM_CONFIG_INTERPRETER = dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=8, num_warps=1, num_stages=1, TMA=False)
 

@@ -50,7 +50,7 @@ run_part() {  # run_part NAME ARGS...: runs it under a time limit, tees its log 
     local name="$1"; shift
     local cmd limit
     case "$name" in
-        tests) limit=230; cmd=("$PY" -m pytest -q -m gpu2 tests/gpu/test_distributed_gpu.py -p no:cacheprovider -rA "$@") ;;
+        tests) limit=230; cmd=("$PY" -m pytest -v -m gpu2 tests/gpu/test_distributed_gpu.py -p no:cacheprovider -rfE "$@") ;;
         bench) limit=290; cmd=("$PY" -m fastplug.bench multi --nproc 2 --time-limit 90 --out "$OUT_DIR" "$@") ;;
     esac
     echo "=== multi_gpu: $name: ${cmd[*]}"
@@ -81,7 +81,9 @@ done
 
 echo
 echo "=== multi_gpu summary ($((SECONDS - START)) s in all; logs in $OUT_DIR/multi_*.log)"
-[[ $TESTS_RAN -eq 1 ]] && grep -E "^(PASSED|FAILED|ERROR|SKIPPED)" "$OUT_DIR/multi_tests.log" | sed 's/^/  /' | cut -c1-220
+# one line per test, written as each finishes (so a run cut by the time limit still says what passed)
+[[ $TESTS_RAN -eq 1 ]] && grep -E "::.* (PASSED|FAILED|ERROR|SKIPPED)" "$OUT_DIR/multi_tests.log" \
+    | sed -E 's/^tests\/gpu\/test_distributed_gpu.py::/  /; s/ +\[ *[0-9]+%\]$//' | cut -c1-200
 printf '%s\n' "${SUMMARY[@]}"
 if [[ $BENCH_RAN -eq 1 ]]; then
     echo

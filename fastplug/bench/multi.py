@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from ..patching import active_handle
 from ._report import fmt, markdown_table, short_error, write_csv
 from .e2e import MODELS, TINY_BATCH, TINY_SEQ, apply_impl, build_model, token_batches, train_steps
 
@@ -66,7 +67,10 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
         stats = torch.tensor([step, peak], dtype=torch.float64, device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         step, peak = stats.tolist()
-    del runner, model, params, batches
+    handle = active_handle(model)
+    if handle is not None:  # restored, the patch also lets the garbage collector free the model (freeze_gc)
+        handle.restore()
+    del runner, model, params, batches, handle
     return {"model": name, "impl": impl, "step_s": step, "tokens_per_s": spec["batch"] * spec["seq"] / step,
             "peak_gib": peak if device.type == "cuda" else None, "losses": losses[:3], "note": note,
             "measured_steps": max(len(times) - spec["warmup"], 0)}

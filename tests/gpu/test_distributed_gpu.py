@@ -22,7 +22,7 @@ HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets
 
 
 def _launch(tmp_path_factory, scenarios, *extra):
-    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=150,
+    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=120,
                          extra=extra)
 
 
@@ -53,7 +53,7 @@ def one_process():
 @pytest.fixture(scope="module")
 def one_trainer_process(tmp_path_factory):
     # a process of its own: the HF Trainer in this one would see both GPUs and split batches (DataParallel)
-    runs = worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1, timeout=150)
+    runs = worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1, timeout=120)
     return worker.ranks_of(runs, "trainer")[0]
 
 

@@ -6,10 +6,9 @@ tests/gpu/test_distributed_gpu.py on 2 GPUs with NCCL):
 
 Scenarios: ddp, fsdp2 (patch_model, then torch's DDP / FSDP2 `fully_shard`), fsdp2_bf16 (a bf16 base with fp32
 adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached casts), fsdp2_after (patched after
-sharding), ddp_offload (checkpointing "offload"
-under DDP with find_unused_parameters=True), trainer, trainer_fsdp2 (HF Trainer +
-FastKernels, through accelerate), lightning_ddp, lightning_fsdp (fastplug's strategies), sft, sft_fsdp2
-(FastSFTTrainer and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
+sharding), ddp_offload (checkpointing "offload" under DDP with find_unused_parameters=True), trainer,
+trainer_fsdp2 (HF Trainer + FastKernels, through accelerate), lightning_ddp, lightning_fsdp (fastplug's
+strategies), sft, sft_fsdp2 (FastSFTTrainer and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
 one process on the same global batch (`reference_*` below, run in the test's process).
 
 The model is a small Llama with peft LoRA on every linear layer (fused LoRA path), fp32 so that distributed and
@@ -45,7 +44,8 @@ SHAPES = {
 }
 # transformers 5.17 and 5.23 both read "version" (default 2); fsdp=True, the string form is deprecated
 FSDP2_CONFIG = {"version": 2, "reshard_after_forward": True}
-SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
+SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp",
+             "lightning_fsdp", "sft", "sft_fsdp2")
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
@@ -93,7 +93,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def lora_params(model) -> dict[str, torch.Tensor]:
-    return {n.replace("_fsdp_wrapped_module.", ""): p for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def train_loop(model, call, micro, rank: int, world: int, device, no_sync=None) -> dict:
@@ -126,15 +126,12 @@ def no_instance_forward(model) -> bool:
     return not any("forward" in vars(m) for m in model.modules())
 
 
-def reference_loop(kind: str, patched: bool = True, checkpointing=True, device="cpu", dtype=torch.float32) -> dict:
+def reference_loop(kind: str, device="cpu", dtype=torch.float32) -> dict:
     """One process, the whole global batch: what every distributed run must reproduce."""
     model = lora_llama(kind, device, dtype)
     model.train()
-    handle = patch_model(model, options(kind, checkpointing)) if patched else None
-    out = train_loop(model, model, micro_batches(kind), 0, 1, torch.device(device))
-    if handle is not None:
-        handle.restore()
-    return out
+    with patch_model(model, options(kind)):
+        return train_loop(model, model, micro_batches(kind), 0, 1, torch.device(device))
 
 
 def launch(scenarios: list[str], out_dir, device: str = "cpu", nproc: int = 2, timeout: float = 300,
@@ -238,10 +235,10 @@ def _offload_on_cpu(model) -> None:
 
 
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
-    model = lora_llama(kind, device, torch.bfloat16 if how == "fsdp2_bf16" else torch.float32)
-    model.train()
     from fastplug.integrations.fsdp import shard_model
 
+    model = lora_llama(kind, device, torch.bfloat16 if how == "fsdp2_bf16" else torch.float32)
+    model.train()
     offload = how == "ddp_offload"
     if how == "fsdp2_after":  # a model_init model in the HF Trainer, or one sharded in configure_model
         shard_model(model)
@@ -264,24 +261,21 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
     return out
 
 
-class _Probe:
-    """TrainerCallback (built lazily: transformers is imported by the scenario): patched and wrapped per step."""
+def _probe():
+    """A TrainerCallback that records whether the model is sharded at train begin and patched at each step."""
+    from transformers import TrainerCallback
 
-    @staticmethod
-    def make():
-        from transformers import TrainerCallback
+    class Probe(TrainerCallback):
+        def __init__(self):
+            self.patched, self.wrapped_at_begin = [], None
 
-        class Probe(TrainerCallback):
-            def __init__(self):
-                self.patched, self.wrapped_at_begin = [], None
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.wrapped_at_begin = _is_wrapped(model)
 
-            def on_train_begin(self, args, state, control, model=None, **kwargs):
-                self.wrapped_at_begin = _is_wrapped(model)
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.patched.append(active_handle(model) is not None)
 
-            def on_step_end(self, args, state, control, model=None, **kwargs):
-                self.patched.append(active_handle(model) is not None)
-
-        return Probe()
+    return Probe()
 
 
 def _fsdp_units(model) -> list[str]:
@@ -298,7 +292,7 @@ def trainer_dataset(kind: str) -> list[dict]:
     return [{k: v[i] for k, v in data.items()} for i in range(len(data["input_ids"]))]
 
 
-def trainer_args(kind: str, out_dir: str, per_device: int, fsdp: bool, **extra):
+def trainer_args(kind: str, out_dir: str, per_device: int, fsdp: bool):
     from transformers import TrainingArguments
 
     fsdp_args = dict(fsdp=True, fsdp_config=FSDP2_CONFIG) if fsdp else {}
@@ -306,7 +300,7 @@ def trainer_args(kind: str, out_dir: str, per_device: int, fsdp: bool, **extra):
         output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=MICRO,
         max_steps=STEPS, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=kind == "cpu", seed=0, disable_tqdm=True, train_sampling_strategy="sequential",
-        ddp_timeout=120, **fsdp_args, **extra,
+        ddp_timeout=120, **fsdp_args,
     )  # fmt: skip
 
 
@@ -316,7 +310,7 @@ def run_trainer(kind, world, fsdp, checkpointing) -> dict:
     from transformers import Trainer
 
     model = lora_llama(kind)
-    fast, probe = FastKernels(options(kind, checkpointing)), _Probe.make()
+    fast, probe = FastKernels(options(kind, checkpointing)), _probe()
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, args=trainer_args(kind, out_dir, GLOBAL_ROWS // world, fsdp),
                           train_dataset=trainer_dataset(kind), callbacks=[fast, probe])
@@ -418,10 +412,10 @@ def run_sft(kind, world, fsdp, checkpointing) -> dict:
         fsdp_args = dict(fsdp=True, fsdp_config=FSDP2_CONFIG) if fsdp else {}
         with tempfile.TemporaryDirectory() as out_dir:
             args = SFTConfig(
-                output_dir=out_dir, per_device_train_batch_size=GLOBAL_ROWS // world, max_steps=STEPS, learning_rate=1e-3,
-                logging_steps=1, report_to="none", save_strategy="no", use_cpu=kind == "cpu", seed=0,
-                disable_tqdm=True, bf16=False, gradient_checkpointing=True, train_sampling_strategy="sequential",
-                ddp_timeout=120, **fsdp_args,
+                output_dir=out_dir, per_device_train_batch_size=GLOBAL_ROWS // world, max_steps=STEPS,
+                learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=kind == "cpu",
+                seed=0, disable_tqdm=True, bf16=False, gradient_checkpointing=True,
+                train_sampling_strategy="sequential", ddp_timeout=120, **fsdp_args,
             )  # fmt: skip
             trainer = cls(model=model, args=args, train_dataset=dataset, processing_class=TOKENIZER, **extra)
             trainer.train()

@@ -50,7 +50,7 @@ run_part() {  # run_part NAME ARGS...: runs it under a time limit, tees its log 
     local name="$1"; shift
     local cmd limit
     case "$name" in
-        tests) limit=230; cmd=("$PY" -m pytest -v -m gpu2 tests/gpu/test_distributed_gpu.py -p no:cacheprovider -rfE "$@") ;;
+        tests) limit=230; cmd=("$PY" -m pytest -v -m gpu2 tests/gpu/test_distributed_gpu.py -p no:cacheprovider -rfEP "$@") ;;
         bench) limit=290; cmd=("$PY" -m fastplug.bench multi --nproc 2 --time-limit 90 --out "$OUT_DIR" "$@") ;;
     esac
     echo "=== multi_gpu: $name: ${cmd[*]}"
@@ -61,7 +61,8 @@ run_part() {  # run_part NAME ARGS...: runs it under a time limit, tees its log 
     echo "=== multi_gpu: $name finished with exit code $rc in $took s"
     case "$name" in
         tests) TESTS_RAN=1
-               SUMMARY+=("tests: exit $rc, ${took} s: $(grep -E ' in [0-9.]+s' "$OUT_DIR/multi_tests.log" | tail -1)") ;;
+               SUMMARY+=("tests: exit $rc, ${took} s: $(grep -E ' in [0-9.]+s' "$OUT_DIR/multi_tests.log" | tail -1)")
+               SUMMARY+=("$(grep -E '^rank 0 .*FSDP units' "$OUT_DIR/multi_tests.log" | sort -u)") ;;
         bench) BENCH_RAN=1
                SUMMARY+=("bench: exit $rc, ${took} s")
                SUMMARY+=("$(sed -n '/^targets (issue 17):/,/^$/p' "$OUT_DIR/multi_bench.log")") ;;

@@ -42,7 +42,7 @@ def ddp_trainer_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp_trainer_runs(tmp_path_factory):
     # accelerate keeps one FSDP configuration per process: the FSDP2 trainers run in processes of their own
-    return _launch(tmp_path_factory, ["trainer_fsdp2"] + (["sft_fsdp2"] if HAS_TRL else []))
+    return _launch(tmp_path_factory, ["trainer_fsdp2", "trainer_fsdp2_presharded"] + (["sft_fsdp2"] if HAS_TRL else []))
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,17 @@ def test_hf_trainer_matches_one_process(request, one_trainer_process, scenario):
         if scenario == "trainer":
             assert "offload" in got["summary"], got["summary"]
         print(f"rank {rank} {scenario}: FSDP units {got['fsdp_units']}")
+
+
+def test_hf_trainer_fsdp2_keeps_a_model_sharded_per_layer_before_it(fsdp_trainer_runs, one_trainer_process):
+    """A recipe for per-layer FSDP2 units with a PeftModel in the HF Trainer (see run_trainer): accelerate keeps
+    the sharding, fastplug patches the sharded model, the numbers are one process'."""
+    ranks = worker.ranks_of(fsdp_trainer_runs, "trainer_fsdp2_presharded")
+    worker.assert_training_matches(ranks, one_trainer_process, TOL)
+    for rank, got in enumerate(ranks):
+        assert got["fsdp_units"].count("FSDPLlamaDecoderLayer") == 2, f"rank {rank}: {got['fsdp_units']}"
+        assert got["patched_steps"] == [True] * worker.STEPS and got["restored"], f"rank {rank}"
+        print(f"rank {rank} trainer_fsdp2_presharded: FSDP units {got['fsdp_units']}")
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets (scripts/multi_gpu.sh installs them from .whl/)")

@@ -7,8 +7,9 @@ tests/gpu/test_distributed_gpu.py on 2 GPUs with NCCL):
 Scenarios: ddp, fsdp2 (patch_model, then torch's DDP / FSDP2 `fully_shard`), fsdp2_bf16 (a bf16 base with fp32
 adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached casts), fsdp2_after (patched after
 sharding), ddp_offload (checkpointing "offload" under DDP with find_unused_parameters=True), trainer,
-trainer_fsdp2 (HF Trainer + FastKernels, through accelerate), lightning_ddp, lightning_fsdp (fastplug's
-strategies), sft, sft_fsdp2 (FastSFTTrainer and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
+trainer_fsdp2 (HF Trainer + FastKernels, through accelerate), trainer_fsdp2_presharded (the model sharded per
+layer before the Trainer), lightning_ddp, lightning_fsdp (fastplug's strategies), sft, sft_fsdp2 (FastSFTTrainer
+and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
 one process on the same global batch (`reference_*` below, run in the test's process).
 
 The model is a small Llama with peft LoRA on every linear layer (fused LoRA path), fp32 so that distributed and
@@ -44,8 +45,8 @@ SHAPES = {
 }
 # transformers 5.17 and 5.23 both read "version" (default 2); fsdp=True, the string form is deprecated
 FSDP2_CONFIG = {"version": 2, "reshard_after_forward": True}
-SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2", "lightning_ddp",
-             "lightning_fsdp", "sft", "sft_fsdp2")
+SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2",
+             "trainer_fsdp2_presharded", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
@@ -304,12 +305,20 @@ def trainer_args(kind: str, out_dir: str, per_device: int, fsdp: bool):
     )  # fmt: skip
 
 
-def run_trainer(kind, world, fsdp, checkpointing) -> dict:
+def run_trainer(kind, world, fsdp, checkpointing, preshard_on=None) -> dict:
     """The HF Trainer with FastKernels; with world=1 (one process, GLOBAL_ROWS per device) the reference: each
-    optimizer step sees the same samples (sequential sampling; accelerate deals batches to ranks in turn)."""
+    optimizer step sees the same samples (sequential sampling; accelerate deals batches to ranks in turn).
+
+    preshard_on (a device): the model is sharded per decoder layer before the Trainer sees it. For a PeftModel the
+    Trainer hands accelerate peft's FSDP1 wrap policy, which accelerate's FSDP2 cannot apply (no decoder-layer
+    units: the whole decoder is gathered at once); accelerate keeps a model that is sharded already."""
     from transformers import Trainer
 
     model = lora_llama(kind)
+    if preshard_on is not None:
+        from fastplug.integrations.fsdp import shard_model
+
+        shard_model(model.to(preshard_on))
     fast, probe = FastKernels(options(kind, checkpointing)), _probe()
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, args=trainer_args(kind, out_dir, GLOBAL_ROWS // world, fsdp),
@@ -447,8 +456,9 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         if s in ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload"):
             result = run_torch(kind, device, rank, world, s, checkpointing)
-        elif s in ("trainer", "trainer_fsdp2"):
-            result = run_trainer(kind, world, s == "trainer_fsdp2", checkpointing)
+        elif s.startswith("trainer"):
+            preshard_on = device if s == "trainer_fsdp2_presharded" else None
+            result = run_trainer(kind, world, s != "trainer", checkpointing, preshard_on)
         elif s in ("lightning_ddp", "lightning_fsdp"):
             result = run_lightning(kind, world, "fastkernels_" + s.split("_")[1], checkpointing)
         else:

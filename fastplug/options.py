@@ -33,8 +33,11 @@ class KernelOptions:
     fp8_keep_original: bool = False  # ...or the originals, kept in CPU memory until restore()
 
     # gc.freeze() while patched: Python's full collections skip the half-million objects alive at patch time
-    # (0.3 s each on a lent GPU host); the last restore() unfreezes. See fastplug/host_gc.py.
-    freeze_gc: bool = True
+    # (0.3 s each on a lent GPU host); the last restore() unfreezes (fastplug/host_gc.py). None: on when a
+    # trainer adapter (FastKernels, the TRL trainers, the Lightning strategies) patches for one run and
+    # restores at its end; off for patch_model and FastModel, whose patch may outlive the user's interest in
+    # the model (a model dropped without restore() would stay frozen, GPU memory and all).
+    freeze_gc: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (
@@ -45,6 +48,10 @@ class KernelOptions:
             raise ValueError(
                 f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"
             )
+
+    def scoped_to_run(self) -> "KernelOptions":
+        """These options as a trainer adapter applies them: its patch lasts one run, so freeze_gc None is on."""
+        return self if self.freeze_gc is not None else dataclasses.replace(self, freeze_gc=True)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -1,5 +1,6 @@
-"""While a model is patched, the objects alive at patch time are frozen for Python's collector; the last
-restore unfreezes them, and a process that froze objects itself keeps its policy."""
+"""While a model is patched with freeze_gc (the trainer adapters' default for their run), the objects alive
+at patch time are frozen for Python's collector; the last restore unfreezes them, and a process that froze
+objects itself keeps its policy. patch_model alone does not freeze unless asked."""
 
 import gc
 
@@ -19,10 +20,10 @@ def _unfrozen():
 
 def test_frozen_while_any_patch_is_active():
     first, second = tiny_model("llama"), tiny_model("qwen3")
-    h1 = fastplug.patch_model(first, gradient_checkpointing=False)
+    h1 = fastplug.patch_model(first, gradient_checkpointing=False, freeze_gc=True)
     frozen = gc.get_freeze_count()  # it only falls from here: frozen objects freed by refcount leave it
     assert frozen > 1000, "the objects alive at patch time (torch, transformers, the model) are frozen"
-    h2 = fastplug.patch_model(second, gradient_checkpointing=False)
+    h2 = fastplug.patch_model(second, gradient_checkpointing=False, freeze_gc=True)
     assert 1000 < gc.get_freeze_count() <= frozen, "a second patch does not freeze again"
     h1.restore()
     assert gc.get_freeze_count() > 1000, "another model is still patched"
@@ -31,15 +32,22 @@ def test_frozen_while_any_patch_is_active():
     assert gc.get_freeze_count() == 0
 
 
-def test_option_off_leaves_the_collector_alone():
-    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False, freeze_gc=False)
+@pytest.mark.parametrize("freeze_gc", [None, False])
+def test_patch_model_leaves_the_collector_alone_unless_asked(freeze_gc):
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False, freeze_gc=freeze_gc)
     assert gc.get_freeze_count() == 0
     handle.restore()
 
 
+def test_trainer_adapters_scope_the_freeze_to_their_run():
+    options = fastplug.KernelOptions()
+    assert options.freeze_gc is None and options.scoped_to_run().freeze_gc is True
+    assert fastplug.KernelOptions(freeze_gc=False).scoped_to_run().freeze_gc is False
+
+
 def test_a_freeze_made_by_the_process_is_kept():
     gc.freeze()
-    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False)
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False, freeze_gc=True)
     handle.restore()
     assert gc.get_freeze_count() > 1000, "fastplug does not unfreeze what it did not freeze"
 

@@ -135,7 +135,8 @@ def apply_impl(model, impl: str, checkpointing):
         import fastplug
 
         mode = "auto" if impl == "fastplug_auto" else checkpointing
-        handle = fastplug.patch_model(model, gradient_checkpointing=mode)
+        # freeze_gc as the trainer adapters set it for their run
+        handle = fastplug.patch_model(model, gradient_checkpointing=mode, freeze_gc=True)
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""

@@ -92,7 +92,7 @@ class FastKernels(TrainerCallback):
         if self.handle is not None:  # model_init replaced the model: the old one goes back to how it was
             self.handle.restore()
         # Checkpointing goes through the Trainer's arguments (below), not through patch_model.
-        self.handle = patch_model(model, self.options, gradient_checkpointing=False)
+        self.handle = patch_model(model, self.options.scoped_to_run(), gradient_checkpointing=False)
 
     def _ask_trainer_for_checkpointing(self, args, model) -> None:
         if not self.options.gradient_checkpointing:

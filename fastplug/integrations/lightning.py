@@ -115,7 +115,7 @@ class FastKernelsMixin:
             return
         # Checkpointing only pays off when training; patch_model turns it on and restore() turns it off.
         options = self.fast_kernels if fitting else KernelOptions.build(self.fast_kernels, gradient_checkpointing=False)
-        self.fast_kernel_handles = [patch_model(model, options) for _, model in models]
+        self.fast_kernel_handles = [patch_model(model, options.scoped_to_run()) for _, model in models]
         self._patched_paths = [path for path, _ in models]
 
 

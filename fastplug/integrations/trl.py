@@ -77,7 +77,7 @@ class FastKernelsMixin:
         for role, model in models.items():
             model = self.accelerator.unwrap_model(model)
             # Checkpointing goes through the trainer's arguments (TRL toggles it around DPO's reference pass).
-            handle = patch_model(model, self.fast_kernels, gradient_checkpointing=False)
+            handle = patch_model(model, self.fast_kernels.scoped_to_run(), gradient_checkpointing=False)
             self.fast_kernel_handles.append(handle)
             sections.append(
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"

@@ -1,6 +1,8 @@
 """The real transformers.Trainer with FastKernels(): same losses as without it, patched during training,
 restored after; gradient accumulation, evaluation during training, model_init, LoRA, Liger conflict."""
 
+import gc
+
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -30,10 +32,12 @@ class _WatchPatch(TrainerCallback):
 
     def __init__(self):
         self.patched_steps = []
+        self.frozen_steps = []  # whether Python's collector skipped the objects alive at patch time
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         handle = active_handle(model)
         self.patched_steps.append(handle is not None and handle.counts.get("attention") == 2)
+        self.frozen_steps.append(gc.get_freeze_count() > 0)
 
 
 def _run(tmp_path, callbacks, model=None, args=None, **kwargs):
@@ -63,6 +67,7 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert_close(losses, ref_losses, torch.float32, "training losses")
     assert_close(eval_losses, ref_eval, torch.float32, "eval losses (eval takes the original forward)")
     assert watch.patched_steps == [True, True]
+    assert watch.frozen_steps == [True, True] and gc.get_freeze_count() == 0, "frozen for the run only"
     assert any("tokens_per_second" in h for h in history)
     assert "attention: 2" in fast.summary and "gradient checkpointing: on" in fast.summary
     assert active_handle(model) is None and not _has_instance_forward(model)

@@ -68,7 +68,7 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         step, peak = stats.tolist()
     handle = active_handle(model)
-    if handle is not None:  # restored, the patch also lets the garbage collector free the model (freeze_gc)
+    if handle is not None:  # before the next row: a patch that holds the collector frozen keeps the model alive
         handle.restore()
     del runner, model, params, batches, handle
     return {"model": name, "impl": impl, "step_s": step, "tokens_per_s": spec["batch"] * spec["seq"] / step,

@@ -1,11 +1,13 @@
 """Two GPUs (NCCL): the CPU checks of tests/integrations/test_distributed.py at GPU shapes with fastplug's
-attention kernel, plus the HF Trainer and FastSFTTrainer under accelerate's FSDP2 and CUDA offload checkpointing.
+attention kernel, plus the HF Trainer and FastSFTTrainer under accelerate's FSDP2 and CUDA offload checkpointing;
+the DDP trainers through `accelerate launch`, the rest through torchrun.
 
 Each group of scenarios runs in one torchrun launch of tests/integrations/distributed_worker.py; one process on
 cuda:0 (this one) computes the references. scripts/multi_gpu.sh runs this file (marker gpu2).
 """
 
 import importlib.util
+import tempfile
 
 import pytest
 
@@ -21,28 +23,32 @@ HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
 
 
-def _launch(tmp_path_factory, scenarios, *extra):
-    return worker.launch(scenarios, tmp_path_factory.mktemp("distributed_gpu"), device="cuda", timeout=120,
-                         extra=extra)
+def _launch(scenarios, *extra, launcher="torchrun", nproc=2):
+    # not pytest's tmp_path: a concurrent pytest session of the same user may prune it while the workers write
+    with tempfile.TemporaryDirectory(prefix="fastplug_distributed_gpu_") as out_dir:
+        return worker.launch(scenarios, out_dir, device="cuda", nproc=nproc, timeout=120, extra=extra,
+                             launcher=launcher)
 
 
 @pytest.fixture(scope="module")
-def torch_runs(tmp_path_factory):
+def torch_runs():
     # torch's wrappers and Lightning's strategies; the accelerate-based trainers run in launches of their own
     lightning = ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
-    return _launch(tmp_path_factory, ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", *lightning])
+    return _launch(["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", *lightning])
 
 
 @pytest.fixture(scope="module")
-def ddp_trainer_runs(tmp_path_factory):
-    # offload checkpointing (pinned host memory, CUDA streams) in the Trainer's DDP, which finds unused parameters
-    return _launch(tmp_path_factory, ["trainer"] + (["sft"] if HAS_TRL else []), "--checkpointing", "offload")
+def ddp_trainer_runs():
+    # `accelerate launch` (the others: torchrun); offload checkpointing (pinned host memory, CUDA streams) in the
+    # Trainer's DDP, which finds unused parameters
+    scenarios = ["trainer"] + (["sft"] if HAS_TRL else [])
+    return _launch(scenarios, "--checkpointing", "offload", launcher="accelerate")
 
 
 @pytest.fixture(scope="module")
-def fsdp_trainer_runs(tmp_path_factory):
+def fsdp_trainer_runs():
     # accelerate keeps one FSDP configuration per process: the FSDP2 trainers run in processes of their own
-    return _launch(tmp_path_factory, ["trainer_fsdp2", "trainer_fsdp2_presharded"] + (["sft_fsdp2"] if HAS_TRL else []))
+    return _launch(["trainer_fsdp2", "trainer_fsdp2_presharded"] + (["sft_fsdp2"] if HAS_TRL else []))
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +57,9 @@ def one_process():
 
 
 @pytest.fixture(scope="module")
-def one_trainer_process(tmp_path_factory):
+def one_trainer_process():
     # a process of its own: the HF Trainer in this one would see both GPUs and split batches (DataParallel)
-    runs = worker.launch(["trainer"], tmp_path_factory.mktemp("one_gpu"), device="cuda", nproc=1, timeout=120)
-    return worker.ranks_of(runs, "trainer")[0]
+    return worker.ranks_of(_launch(["trainer"], nproc=1), "trainer")[0]
 
 
 @pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload"])

@@ -135,16 +135,30 @@ def reference_loop(kind: str, device="cpu", dtype=torch.float32) -> dict:
         return train_loop(model, model, micro_batches(kind), 0, 1, torch.device(device))
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launch(scenarios: list[str], out_dir, device: str = "cpu", nproc: int = 2, timeout: float = 300,
-           extra: tuple = ()) -> dict:
-    """Runs the scenarios in `nproc` fresh processes (torchrun --standalone picks a free port); returns
-    {scenario: [rank 0's result, rank 1's, ...]}, or for a scenario without results what went wrong (the end
-    of the log): one failing scenario does not hide the ones that ran before it."""
+           extra: tuple = (), launcher: str = "torchrun") -> dict:
+    """Runs the scenarios in `nproc` fresh processes; returns {scenario: [rank 0's result, rank 1's, ...]}, or
+    for a scenario without results what went wrong (the end of the log): one failing scenario does not hide the
+    ones that ran before it. launcher "torchrun" (--standalone picks a free port) or "accelerate" (`accelerate
+    launch --multi_gpu`, GPUs only: on CPU it starts one process)."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "tests.integrations.distributed_worker", ",".join(scenarios), str(out_dir), "--device", device,
-           *extra]  # fmt: skip
+    worker = ["-m", "tests.integrations.distributed_worker", ",".join(scenarios), str(out_dir), "--device", device,
+              *extra]  # fmt: skip
+    if launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+               f"--main_process_port={_free_port()}", *worker]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *worker]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,6 +8,7 @@ process-group set-up, CI time that the scenarios themselves do not need.
 """
 
 import importlib.util
+import tempfile
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ SCENARIOS += ["sft"] if HAS_TRL else []
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return worker.launch(SCENARIOS, tmp_path_factory.mktemp("distributed"), timeout=400)
+def runs():
+    # not pytest's tmp_path: a concurrent pytest session of the same user may prune it while the workers write
+    with tempfile.TemporaryDirectory(prefix="fastplug_distributed_") as out_dir:
+        yield worker.launch(SCENARIOS, out_dir, timeout=400)
 
 
 @pytest.fixture(scope="module")

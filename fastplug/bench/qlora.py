@@ -19,6 +19,11 @@ from ._report import fmt, markdown_table
 LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 FULL = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                rope_theta=500000.0, max_position_embeddings=131072)
+# --shape: (config, batch, seq, name in the table)
+SHAPES = {"llama8b_4l": (FULL, 2, 4096, "Llama-8B width, 4 layers"), "llama1b": (LLAMA_1B, 4, 2048, "Llama-1B shape")}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
@@ -40,7 +45,15 @@ def _to_4bit(model, device) -> None:
                 setattr(owner, name, q)
 
 
-def e2e_rows(device, quick: bool, steps: int = 4) -> list[dict]:
+def _liger_available() -> bool:
+    try:
+        import liger_kernel.transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> list[dict]:
     import peft
     import transformers
 
@@ -48,8 +61,10 @@ def e2e_rows(device, quick: bool, steps: int = 4) -> list[dict]:
     from fastplug import checkpointing
 
     device = torch.device(device)
-    config = transformers.LlamaConfig(**(TINY if quick else FULL), use_cache=False)
-    batch, seq = (2, 16) if quick else (2, 4096)
+    full, batch, seq, shape_name = SHAPES[shape]
+    config = transformers.LlamaConfig(**(TINY if quick else full), use_cache=False)
+    if quick:
+        batch, seq = 2, 16
     torch.manual_seed(0)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
@@ -59,10 +74,16 @@ def e2e_rows(device, quick: bool, steps: int = 4) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(2)]
-    shape = "tiny" if quick else "Llama-8B width, 4 layers"
+    shape = "tiny" if quick else shape_name
     rows = []
-    for impl in ("transformers+peft+bnb", "fastplug"):
+    # Liger patches the instance for good (no restore): it runs last
+    impls = ("transformers+peft+bnb", "fastplug") + (("liger",) if _liger_available() else ())
+    for impl in impls:
         handle = fastplug.patch_model(model) if impl == "fastplug" else None
+        if impl == "liger":
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -94,10 +115,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench.qlora")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--no-micro", action="store_true")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b_4l", help="the end-to-end model")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for part in (lambda: qlora_rows(device, args.quick), None if args.no_e2e else lambda: e2e_rows(device, args.quick)):
+    parts = (None if args.no_micro else lambda: qlora_rows(device, args.quick),
+             None if args.no_e2e else lambda: e2e_rows(device, args.quick, shape=args.shape))
+    for part in parts:
         if part is None:
             continue
         try:

@@ -52,6 +52,7 @@ _MATMUL_OPS = ("fp8_block_matmul", "fp8_linear")
 FP8_OPS = ("quantize_weight_blockwise", "quantize_activation", "dequantize_blockwise", *_MATMUL_OPS)  # for doctor
 
 _MAX = tl.constexpr(FP8_MAX)
+_INV_MAX = tl.constexpr(1.0 / FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 # GEMM launch configurations (BLOCK_K is always the scale block; TMA: tensor-descriptor loads where the device
@@ -89,7 +90,9 @@ def _quantize_blocks(
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.reshape(tl.abs(x), (GROUPS, BLOCK_R, BLOCK_C)), axis=2), axis=1)
-    scale = tl.div_rn(tl.maximum(amax, _MIN_AMAX), _MAX)  # IEEE divisions: the same values as torch's
+    # amax times the fp32 reciprocal of 448, as torch computes `amax / 448.0` on CUDA (a division by a scalar
+    # is a multiplication by its reciprocal there): IEEE division differed from torch in the scale's last bit.
+    scale = tl.maximum(amax, _MIN_AMAX) * _INV_MAX
     scales = tl.reshape(tl.broadcast_to(scale[:, None, None], (GROUPS, BLOCK_R, BLOCK_C)), (GROUPS * BLOCK_R, BLOCK_C))
     q = tl.minimum(tl.maximum(tl.div_rn(x, scales), -_MAX), _MAX)
     if INTERPRETER:
@@ -295,7 +298,7 @@ def _quantize_reference_2d(x2: torch.Tensor, block_r: int, block_c: int) -> tupl
     gr, gc = cdiv(R, block_r), cdiv(C, block_c)
     padded = torch.nn.functional.pad(x2.float(), (0, gc * block_c - C, 0, gr * block_r - R))
     blocks = padded.view(gr, block_r, gc, block_c)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX) / FP8_MAX
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(MIN_AMAX) * (1.0 / FP8_MAX)  # the kernel's maths, on any device
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(gr * block_r, gc * block_c)[:R, :C].contiguous(), scale
 

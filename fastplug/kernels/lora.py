@@ -23,6 +23,10 @@ the weight dequantized into that shared buffer.
 
 Matmuls run in the input dtype with fp32 accumulation (what torch's matmul does). The LoRA maths is plain
 torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activations`. Knows nothing of peft.
+
+Under torch.compile (while Dynamo traces) the blocks are the same maths as plain torch ops instead (`_traced`),
+with the activation as the registered `fastplug::glu` operator: the cast cache and the hand-written backward
+are Python-side state that would break the graph. Quantized bases keep the eager function (a graph break).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -402,7 +407,6 @@ def _traced(x: torch.Tensor, projs) -> tuple:
     """x W^T + b + s (x A^T) B^T per projection in plain torch ops, for torch.compile: the cast cache and the
     hand-written backward keep Python-side state that would break the graph, while traced maths lets
     AOTAutograd derive the backward and Inductor fuse the adapter casts."""
-    F = torch.nn.functional
     ys = []
     for p in projs:
         y = F.linear(x, p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype))

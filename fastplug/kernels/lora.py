@@ -39,10 +39,13 @@ import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ._utils import check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, rows_view
+from ._utils import (
+    check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, rows_view, use_triton,
+)
 from .activations import ACTIVATIONS, _glu_op, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
 from .quant import dequantize_4bit_scratch, is_4bit, shape_4bit
+from .rope import rope, rope_projections
 
 
 class LoRAProjection(NamedTuple):
@@ -312,17 +315,20 @@ class _SharedInputLoRA(torch.autograd.Function):
     """Projections of one input (a LoRA linear, or q/k/v), one autograd node."""
 
     @staticmethod
-    def forward(ctx, x, scalings, *params):
+    def forward(ctx, x, scalings, rotary, *params):
+        """rotary: None, or (cos, sin, head_dim) to rotate the first two outputs (q, k) in place."""
         params = _cast_params(params, x.dtype)
         projs = _unflatten(params, scalings)
         adapters = _adapters(projs)
         x2 = rows_view(x)
         with _no_autocast(x):
             ys, xa = _forward(x2, projs, adapters)
-        ctx.scalings, ctx.x_shape = scalings, x.shape
+        if rotary is not None:  # q and k are this node's own buffers: no second copy of them
+            ys[0], ys[1] = rope_projections(ys[0], ys[1], *rotary[:2], x.shape[0], rotary[2], inplace=True)
+        ctx.scalings, ctx.x_shape, ctx.head_dim = scalings, x.shape, rotary and rotary[2]
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
         ctx.adapters = adapters
-        keep_for_backward(ctx, params)
+        keep_for_backward(ctx, (*params, *rotary[:2]) if rotary is not None else params)
         ctx.save_for_backward(x2, xa)
         lead = tuple(x.shape[:-1])
         return tuple(y.view(*lead, y.shape[-1]) for y in ys)
@@ -330,14 +336,18 @@ class _SharedInputLoRA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         x2, xa = ctx.saved_tensors
-        projs = _unflatten(kept_for_backward(ctx), ctx.scalings)
+        kept = kept_for_backward(ctx)
+        projs = _unflatten(kept[: 4 * len(ctx.scalings)], ctx.scalings)
         adapters = ctx.adapters
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
+        if ctx.head_dim:  # the gradients of the rotated q, k, rotated back
+            cos, sin = kept[4 * len(ctx.scalings):]
+            dys[0], dys[1] = rope_projections(dys[0], dys[1], cos, sin, ctx.x_shape[0], ctx.head_dim, backward=True)
         with _no_autocast(x2):
             dyb = _dy_b(dys, projs, adapters)
             dx = _input_grad(dys, projs, adapters, dyb) if ctx.needs_input_grad[0] else None
-            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[2:])
-        return (None if dx is None else dx.view(ctx.x_shape), None, *grads)
+            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[3:])
+        return (None if dx is None else dx.view(ctx.x_shape), None, None, *grads)
 
 
 class _LoRAMLP(torch.autograd.Function):
@@ -416,14 +426,34 @@ def _traced(x: torch.Tensor, projs) -> tuple:
     return tuple(ys)
 
 
-def _launch_shared(x, named_projs: dict):
+def _rotary_in_node(x: torch.Tensor, rotary) -> bool:
+    """Whether the QKV node can rotate q and k itself: [B, T, in] input, cos/sin that do not promote q's
+    dtype (RoPE then keeps it: Llama's rotary tables come in the hidden states' dtype) and take no grads."""
+    cos, sin, _ = rotary
+    return (x.dim() == 3 and cos.dtype == sin.dtype and torch.promote_types(x.dtype, cos.dtype) == x.dtype
+            and not (cos.requires_grad or sin.requires_grad) and use_triton(x, cos, sin))
+
+
+def _rope_after(ys: tuple, rotary) -> tuple:
+    """RoPE on projection outputs (..., T, heads * head_dim) by the rope op, outputs in the same layout."""
+    cos, sin, head_dim = rotary
+    q, k = (y.view(*y.shape[:-1], -1, head_dim).transpose(-3, -2) for y in ys[:2])
+    q, k = rope(q, k, cos, sin)
+    return (*(t.transpose(-3, -2).reshape(*t.shape[:-3], t.shape[-2], -1) for t in (q, k)), *ys[2:])
+
+
+def _launch_shared(x, named_projs: dict, rotary=None):
     x = _checked_input(x)
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
     if _traceable(projs):
-        return _traced(x, projs)
-    return _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), *_flatten(projs))
+        ys = _traced(x, projs)
+        return ys if rotary is None else _rope_after(ys, rotary)
+    in_node = rotary is not None and _rotary_in_node(x, rotary)
+    ys = _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), rotary if in_node else None,
+                                *_flatten(projs))
+    return _rope_after(ys, rotary) if rotary is not None and not in_node else ys
 
 
 def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
@@ -432,9 +462,14 @@ def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     return y
 
 
-def lora_qkv(x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection):
-    """(q, k, v) projections of one x [..., in] (GQA: k/v may be narrower, ranks may differ); one node."""
-    return _launch_shared(x, {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj})
+def lora_qkv(x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection,
+             rotary: tuple | None = None):
+    """(q, k, v) projections of one x [..., in] (GQA: k/v may be narrower, ranks may differ); one node.
+
+    rotary (cos, sin, head_dim): q and k come out with RoPE applied (`fastplug.kernels.rope` maths, cos/sin
+    as the model's rotary embedding returns them), in the projections' layout [..., heads * head_dim];
+    for a [B, T, in] x the node rotates its own output buffers in place."""
+    return _launch_shared(x, {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj}, rotary)
 
 
 def lora_mlp(

@@ -174,12 +174,18 @@ def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
     return cos.stride(0), cos.stride(1)
 
 
-def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
+def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, inplace: bool = False):
+    """inplace: rotate q and k in their own memory (the caller owns them; q_dtype/k_dtype are theirs)."""
+    if inplace and (q.stride(-1) != 1 or k.stride(-1) != 1):
+        raise ValueError("in-place RoPE needs q and k with unit last stride")
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
     if cos.stride() != sin.stride():  # the kernel reads both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
-    q_out, k_out = _empty_in_layout(q, q_dtype), _empty_in_layout(k, k_dtype)
+    if inplace:  # each program loads both halves of its rows before it stores them
+        q_out, k_out = q, k
+    else:
+        q_out, k_out = _empty_in_layout(q, q_dtype), _empty_in_layout(k, k_dtype)
     batch, n_heads_q, tokens, head_dim = q.shape
     n_heads_k = k.shape[1]
     if q.numel() + k.numel() == 0:
@@ -209,6 +215,21 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool):
         num_warps=tune.num_warps,
     )
     return q_out, k_out
+
+
+def rope_projections(yq: torch.Tensor, yk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
+                     head_dim: int, *, backward: bool = False, inplace: bool = False):
+    """RoPE on the q/k projection outputs themselves, rows [batch * T, heads * head_dim] (no autograd): for
+    callers that own those buffers, e.g. the fused LoRA QKV node, which rotates its outputs in place in
+    forward (no second copy of q and k) and un-rotates the incoming gradients in backward. Returns the
+    rotated rows in the same layout."""
+    if inplace and not (yq.is_contiguous() and yk.is_contiguous()):
+        raise ValueError("in-place RoPE on projection rows needs contiguous rows")
+    tokens = yq.shape[0] // batch
+    q4 = yq.reshape(batch, tokens, -1, head_dim).transpose(1, 2)  # a view unless a gradient came strided
+    k4 = yk.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+    q4, k4 = _rope_launch(q4, k4, cos, sin, yq.dtype, yk.dtype, backward, inplace=inplace)
+    return q4.transpose(1, 2).reshape(yq.shape), k4.transpose(1, 2).reshape(yk.shape)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

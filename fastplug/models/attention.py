@@ -41,11 +41,12 @@ def attention_function(attn: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
-def _project_qkv(self, hidden_states, use_lora: bool):
+def _project_qkv(self, hidden_states, use_lora: bool, rotary):
+    """(q, k, v, rotated): the fused QKV node applies RoPE itself (rotary = (cos, sin, head_dim)) when given."""
     projs = fused_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
     if projs is not None:
-        return lora_qkv(hidden_states, *projs)
-    return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        return (*lora_qkv(hidden_states, *projs, rotary=rotary), rotary is not None)
+    return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states), False
 
 
 def _project_out(self, attn_output, use_lora: bool):
@@ -64,17 +65,19 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
-        query, key, value = _project_qkv(self, hidden_states, use_lora)
+        cos, sin = position_embeddings
+        has_qk_norm = hasattr(self, "q_norm")  # Qwen3, Gemma3: per-head RMSNorm between projection and RoPE
+        rotary = (cos, sin, self.head_dim) if use_rope and not has_qk_norm else None
+        query, key, value, rotated = _project_qkv(self, hidden_states, use_lora, rotary)
         query, key = query.view(hidden_shape), key.view(hidden_shape)
         value = value.view(hidden_shape).transpose(1, 2)
-        if hasattr(self, "q_norm"):  # Qwen3, Gemma3: per-head RMSNorm before RoPE
+        if has_qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
-        cos, sin = position_embeddings
-        if use_rope:
+        if not rotated and use_rope:
             query, key = rope(query, key, cos, sin)
-        else:
+        elif not rotated:
             query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
 
         if past_key_values is not None:  # training with use_cache: the cache still records the keys

@@ -116,6 +116,56 @@ def test_qkv_matches_peft(dtype, qkv_bias, use_rslora):
     assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], dtype)
 
 
+def _rotary_tables(batch, tokens, head_dim, dtype):
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = (torch.arange(tokens, dtype=torch.float64)[:, None] + torch.rand(batch, 1, 1, dtype=torch.float64) * 50) \
+        * inv_freq  # per-row offsets: the batch dim of cos/sin is read, not broadcast
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate(y, cos, sin, head_dim):
+    """transformers' apply_rotary_pos_emb on [B, T, heads * head_dim] rows."""
+    q = y.view(*y.shape[:-1], -1, head_dim).transpose(1, 2)
+    c, s = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
+    half = head_dim // 2
+    rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return (q * c + rotated * s).transpose(1, 2).reshape(y.shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table_dtype", ["same", "float32"])
+def test_qkv_with_rotary_matches_peft_then_rope(dtype, table_dtype):
+    """RoPE inside the QKV node (q and k rotated in their own buffers, gradients rotated back) equals peft's
+    projections followed by transformers' RoPE; fp32 tables under a bf16 model take the separate rope op
+    (RoPE then promotes q and k to fp32, as transformers does)."""
+    head_dim = 8
+    model, ref = peft_block(dtype, rank_pattern={"k_proj": 2})
+    x = torch.randn(2, 9, HIDDEN)
+    cos, sin = _rotary_tables(2, 9, head_dim, dtype if table_dtype == "same" else torch.float32)
+
+    def fused(m, t):
+        return lora_qkv(t, lora_projection(m.q_proj), lora_projection(m.k_proj), lora_projection(m.v_proj),
+                        rotary=(cos, sin, head_dim))
+
+    def reference(m, t):
+        q, k, v = peft_qkv(m, t)
+        return _rotate(q, cos.double(), sin.double(), head_dim), _rotate(k, cos.double(), sin.double(), head_dim), v
+
+    grads_out = [torch.randn(2, 9, n, dtype=torch.float64) for n in (Q_OUT, KV_OUT, KV_OUT)]
+    outs, dx, grads = fwd_bwd(model, lambda t: fused(layers(model), t), x, grads_out)
+    ref_outs, ref_dx, ref_grads = fwd_bwd(ref, lambda t: reference(layers(ref), t), x, grads_out)
+    promoted = torch.promote_types(dtype, cos.dtype)
+    assert [o.dtype for o in outs] == [promoted, promoted, dtype]
+    for i, (out, ref_out) in enumerate(zip(outs, ref_outs)):
+        assert_close(out, ref_out, dtype, f"output {i}")
+    assert_close(dx, ref_dx, dtype, "dX")
+    checked = [name for name, g in ref_grads.items() if g is not None]  # o_proj and the MLP are not used
+    assert any("lora_A" in n for n in checked) and any("lora_B" in n for n in checked)
+    for name in checked:
+        assert_close(grads[name], ref_grads[name], dtype, name)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_o_proj_matches_peft(dtype):
     model, ref = peft_block(dtype, alpha_pattern={"o_proj": 3})

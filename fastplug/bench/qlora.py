@@ -4,7 +4,8 @@ Micro rows from `micro.qlora_rows` (dequantization, batch-1 GEMV, 4-bit LoRA MLP
 peft + bitsandbytes), then end to end: a random-init Llama of 8B width (4 layers, vocab 128256) whose decoder
 linears are bitsandbytes NF4 (double quant, bf16 compute), LoRA r=16 on all of them (peft's fp32 adapters),
 non-reentrant checkpointing, fused AdamW, 2x4096 tokens: transformers + peft + bnb, then the same model
-patched by fastplug. `--quick`: tiny shapes on CPU (a smoke run). Markdown table last.
+patched by fastplug, then Liger when installed. `--shape llama1b`: the e2e bench's Llama-1B preset at 4x2048
+instead. `--quick`: tiny shapes on CPU (a smoke run). Markdown table last.
 """
 
 from __future__ import annotations
@@ -17,13 +18,8 @@ import torch
 from ._report import fmt, markdown_table
 
 LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FULL = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
-                rope_theta=500000.0, max_position_embeddings=131072)
-# --shape: (config, batch, seq, name in the table)
-SHAPES = {"llama8b_4l": (FULL, 2, 4096, "Llama-8B width, 4 layers"), "llama1b": (LLAMA_1B, 4, 2048, "Llama-1B shape")}
+# --shape: (the e2e bench's preset, batch, seq, name in the table)
+SHAPES = {"llama8b_4l": ("llama8b_4l", 2, 4096, "Llama-8B width, 4 layers"), "llama1b": ("llama", 4, 2048, "Llama-1B shape")}
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
 
@@ -45,14 +41,6 @@ def _to_4bit(model, device) -> None:
                 setattr(owner, name, q)
 
 
-def _liger_available() -> bool:
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> list[dict]:
     import peft
     import transformers
@@ -60,9 +48,12 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> 
     import fastplug
     from fastplug import checkpointing
 
+    from .e2e import MODELS
+    from .micro import _liger
+
     device = torch.device(device)
-    full, batch, seq, shape_name = SHAPES[shape]
-    config = transformers.LlamaConfig(**(TINY if quick else full), use_cache=False)
+    preset, batch, seq, shape_name = SHAPES[shape]
+    config = transformers.LlamaConfig(**(TINY if quick else MODELS[preset]["full"]), use_cache=False)
     if quick:
         batch, seq = 2, 16
     torch.manual_seed(0)
@@ -77,13 +68,12 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> 
     shape = "tiny" if quick else shape_name
     rows = []
     # Liger patches the instance for good (no restore): it runs last
-    impls = ("transformers+peft+bnb", "fastplug") + (("liger",) if _liger_available() else ())
+    apply_liger = _liger("_apply_liger_kernel_to_instance")
+    impls = ("transformers+peft+bnb", "fastplug") + (("liger",) if apply_liger is not None else ())
     for impl in impls:
         handle = fastplug.patch_model(model) if impl == "fastplug" else None
         if impl == "liger":
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-            _apply_liger_kernel_to_instance(model=model.get_base_model())
+            apply_liger(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -325,7 +325,8 @@ class _SharedInputLoRA(torch.autograd.Function):
             ys, xa = _forward(x2, projs, adapters)
         if rotary is not None:  # q and k are this node's own buffers: no second copy of them
             ys[0], ys[1] = rope_projections(ys[0], ys[1], *rotary[:2], x.shape[0], rotary[2], inplace=True)
-        ctx.scalings, ctx.x_shape, ctx.head_dim = scalings, x.shape, rotary and rotary[2]
+        ctx.scalings, ctx.x_shape = scalings, x.shape
+        ctx.head_dim = rotary[2] if rotary is not None else None
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
         ctx.adapters = adapters
         keep_for_backward(ctx, (*params, *rotary[:2]) if rotary is not None else params)

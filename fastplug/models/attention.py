@@ -75,10 +75,9 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
-        if not rotated and use_rope:
-            query, key = rope(query, key, cos, sin)
-        elif not rotated:
-            query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
+        if not rotated:
+            rotate = rope if use_rope else _family_module(self).apply_rotary_pos_emb
+            query, key = rotate(query, key, cos, sin)
 
         if past_key_values is not None:  # training with use_cache: the cache still records the keys
             key, value = past_key_values.update(key, value, self.layer_idx)

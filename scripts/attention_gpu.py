@@ -46,8 +46,7 @@ def check(name, B, Hq, Hkv, T, D, **kw):
     cu = kw.pop("cu_seqlens", None)
     if cu is not None:
         start, end = A.bounds_from_cu_seqlens(cu, T)
-    p = A._Problem(B, Hq, Hkv, T, T, D, max(16, A.next_power_of_2(D)), kw.get("causal", True),
-                   kw.get("sliding_window"), kw.get("softcap"), D ** -0.5)
+    p = A._problem(q, k, kw.get("causal", True), kw.get("sliding_window"), kw.get("softcap"), D ** -0.5)
     out = A.FlashAttention.apply(q, k, v, p, start, end)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -83,8 +82,7 @@ def triton_step(q, k, v, kw, do):
     if kw.get("cu_seqlens") is not None:
         start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], q.shape[2])
     D = q.shape[3]
-    p = A._Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, max(16, A.next_power_of_2(D)),
-                   True, A._normalise_window(kw.get("sliding_window"), True, q.shape[2], k.shape[2]),
+    p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, q.shape[2], k.shape[2]),
                    kw.get("softcap"), D ** -0.5)
 
     def fwd():
@@ -200,8 +198,8 @@ def table():
                 return (torch.softmax(s.float(), -1).to(DT) @ vv).transpose(1, 2)
             impls["eager"] = eager
         impls["triton kernel"] = lambda: A.FlashAttention.apply(
-            q, k, v, A._Problem(B, Hq, k.shape[1], T, T, D, max(16, A.next_power_of_2(D)), True,
-                                A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"), D ** -0.5),
+            q, k, v, A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T),
+                                kw.get("softcap"), D ** -0.5),
             *((A.bounds_from_cu_seqlens(cu, T)) if cu is not None else (None, None)))
         impls["fastplug dispatcher"] = lambda: A.attention(q, k, v, **kw)
         for impl, fn in impls.items():

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from fastplug.kernels import attention, attention_reference
-from fastplug.kernels.attention import _Problem, FlashAttention, packed_bounds
+from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds
 from tests.helpers import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -35,9 +35,9 @@ def _check(fn, ref_fn, inputs, tol=2e-2):
 def _triton(options):
     """The Triton kernel itself, past the dispatcher (which may pick SDPA)."""
     def run(q, k, v):
-        B, Hq, T, D = q.shape
-        p = _Problem(B, Hq, k.shape[1], T, T, D, max(16, 1 << (D - 1).bit_length()), options.get("causal", True),
-                     options.get("sliding_window"), options.get("softcap"), D ** -0.5)
+        D = q.shape[3]
+        p = _problem(q, k, options.get("causal", True), options.get("sliding_window"), options.get("softcap"),
+                     D ** -0.5)
         return FlashAttention.apply(q, k, v, p, None, None)
     return run
 

@@ -122,6 +122,25 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _rows_of(X, n, head_dim, stride_n, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """What `_tile` reads a (n, head_dim) matrix through: a TMA descriptor (rows past n and columns past head_dim
+    come back as zeros) or the pointer itself."""
+    if TMA:
+        return tl.make_tensor_descriptor(X, shape=[n, head_dim], strides=[stride_n, 1], block_shape=[BLOCK, BLOCK_D])
+    return X
+
+
+@triton.jit
+def _tile(X, start, n, stride_n, stride_d, d, d_mask, BLOCK: tl.constexpr, TMA: tl.constexpr):
+    """Rows start..start+BLOCK of a (n, head_dim) matrix, zeros outside it."""
+    if TMA:
+        return X.load([start, 0])
+    idx = start + tl.arange(0, BLOCK)
+    return tl.load(X + idx[:, None] * stride_n + d[None, :] * stride_d, mask=(idx < n)[:, None] & d_mask[None, :],
+                   other=0.0)
+
+
+@triton.jit
 def _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP: tl.constexpr):
     """Scores in base-2 units, and tanh of the softcap (for backward's chain rule; qk itself otherwise)."""
     if HAS_SOFTCAP:
@@ -137,12 +156,11 @@ def _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP: tl.constexpr):
 def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, lo, hi, rows, first, last,
               S, d, d_mask, qk_scale, cap_scale,
               MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < S)[:, None] & d_mask[None, :]
-        k = tl.load(K + cols[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
+        v = _tile(V, start, S, stride_vs, stride_vd, d, d_mask, BLOCK_N, TMA)
         qk = _dot(q, tl.trans(k), PRECISION)
         s, _ = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         if MASKED:
@@ -167,7 +185,7 @@ def _attn_fwd(
     n_heads, group, T, S, head_dim, window, qk_scale, cap_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last query blocks see the most keys: run them first
     bh = tl.program_id(1)
@@ -183,8 +201,10 @@ def _attn_fwd(
     V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     START += b.to(tl.int64) * T
     END += b.to(tl.int64) * T
-    q = tl.load(Q + rows[:, None] * stride_qt + d[None, :] * stride_qd,
-                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    q = _tile(_rows_of(Q, T, head_dim, stride_qt, BLOCK_M, BLOCK_D, TMA), pid_m * BLOCK_M, T, stride_qt, stride_qd,
+              d, d_mask, BLOCK_M, TMA)
+    K = _rows_of(K, S, head_dim, stride_ks, BLOCK_N, BLOCK_D, TMA)
+    V = _rows_of(V, S, head_dim, stride_vs, BLOCK_N, BLOCK_D, TMA)
     first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
     a, b_, c, e = _block_split(first, last, row_valid, S, BLOCK_N)
 
@@ -193,11 +213,11 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, a, b_, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, b_, c, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, c, e, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     l_i = tl.where(row_valid, l_i, 1.0)  # rows past T saw nothing; they are not stored
     acc = acc / l_i[:, None]
     O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -226,16 +246,17 @@ def _attn_bwd_delta(
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, lo, hi, cols,
-               T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
+               stride_dqd, lo, hi, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale, ds_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+               VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+               TMA: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_valid = rows < T
         mask = row_valid[:, None] & d_mask[None, :]
-        q = tl.load(Q + rows[:, None] * stride_qt + d[None, :] * stride_qd, mask=mask, other=0.0)
-        do = tl.load(DO + rows[:, None] * stride_dot + d[None, :] * stride_dod, mask=mask, other=0.0)
+        q = _tile(Q, start, T, stride_qt, stride_qd, d, d_mask, BLOCK_M, TMA)
+        do = _tile(DO, start, T, stride_dot, stride_dod, d, d_mask, BLOCK_M, TMA)
         lse = tl.load(LSE + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=row_valid, other=0.0)
         # Query rows along dim 0 as in the forward: k and v are only ever B operands, so they stay in shared
@@ -253,23 +274,28 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+        ds = ds.to(q.dtype)
+        dk += _dot(tl.trans(ds), q, PRECISION)
+        if ATOMIC_DQ:  # single pass: this key block's share of dQ for these rows, summed in fp32 in memory
+            dq = _dot(ds, k, PRECISION) * ds_scale
+            tl.atomic_add(DQ + rows[:, None] * stride_dqt + d[None, :] * stride_dqd, dq, mask=mask, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, START, END,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_dot, stride_doh, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     n_heads, n_kv_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -292,19 +318,25 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(group):  # the query heads sharing this k/v head: summed here, no atomics
         h = hk * group + g
-        Qh = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        DOh = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+        Qh = _rows_of(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, T, head_dim, stride_qt,
+                      BLOCK_M, BLOCK_D, TMA)
+        DOh = _rows_of(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh, T, head_dim, stride_dot,
+                       BLOCK_M, BLOCK_D, TMA)
         LSEh = LSE + (b * n_heads + h).to(tl.int64) * T
         DELTAh = DELTA + (b * n_heads + h).to(tl.int64) * T
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            c, e, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M)
+        DQh = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            stride_dqt, stride_dqd, a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale,
+                            cap_scale, ds_scale, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
+                            BLOCK_M, TMA)
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            stride_dqt, stride_dqd, b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale,
+                            cap_scale, ds_scale, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
+                            BLOCK_M, TMA)
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            stride_dqt, stride_dqd, c, e, cols, T, S, window, START, END, d, d_mask, qk_scale,
+                            cap_scale, ds_scale, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
+                            BLOCK_M, TMA)
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + cols[:, None] * stride_dks
              + d[None, :] * stride_dkd, (dk * ds_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvs
@@ -314,12 +346,12 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, lo, hi, first, last,
              S, d, d_mask, qk_scale, cap_scale,
-             MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr):
+             MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+             TMA: tl.constexpr):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        kv_mask = (cols < S)[:, None] & d_mask[None, :]
-        k = tl.load(K + cols[:, None] * stride_ks + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vs + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
+        v = _tile(V, start, S, stride_vs, stride_vd, d, d_mask, BLOCK_N, TMA)
         qk = _dot(q, tl.trans(k), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[:, None])
@@ -336,16 +368,17 @@ def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, strid
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, START, END,
+    Q, K, V, O, DO, LSE, DELTA, DQ, START, END,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_ot, stride_oh, stride_od,
     stride_dob, stride_dot, stride_doh, stride_dod,
     stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     n_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first, as in the forward
     bh = tl.program_id(1)
@@ -362,20 +395,26 @@ def _attn_bwd_dq(
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
                  + d[None, :] * stride_dod, mask=mask, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=row_valid, other=float("inf"))
-    delta = tl.load(DELTA + bh.to(tl.int64) * T + rows, mask=row_valid, other=0.0)
-    K += b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh
-    V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
+    # delta = rowsum(dO * O) formed here (no kernel of its own on this path), stored for the dK/dV kernel
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
+                + d[None, :] * stride_od, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
+    K = _rows_of(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, S, head_dim, stride_ks, BLOCK_N,
+                 BLOCK_D, TMA)
+    V = _rows_of(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh, S, head_dim, stride_vs, BLOCK_N,
+                 BLOCK_D, TMA)
     START += b.to(tl.int64) * T
     END += b.to(tl.int64) * T
     first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
     a, b_, c, e = _block_split(first, last, row_valid, S, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, a, b_, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, b_, c, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                  S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, c, e, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N)
+                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
     tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
              + d[None, :] * stride_dqd, (dq * ds_scale).to(DQ.dtype.element_ty), mask=mask)
 
@@ -394,36 +433,74 @@ class KernelConfig(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionTuning:
-    """Launch constants per head-dim bucket (the padded power of two, up to 64 / 128 / 256) for the three
-    kernels. scripts/attention_gpu.py swaps in others with `attention.TUNING = dataclasses.replace(...)`.
+    """Launch constants per head-dim bucket (the padded power of two, up to 64 / 128 / 256) for the kernels.
+    scripts/attention_gpu.py swaps in others with `attention.TUNING = dataclasses.replace(...)`.
     Hopper has 228 KB of shared memory per SM: at D 256 a 64x64 bf16 k and v tile pair is 64 KB per stage."""
 
     # H100, bf16 (scripts/attention_gpu.py --sweep): the best of six configs each, fwd / whole backward ms.
     # D128 Llama causal B4 32/8 T4096: fwd 1.34 (128x128 8 warps) vs 1.40 (128x64), 2.55 (128x64, 4 warps);
-    # dK/dV 32x64 4 warps 3 stages 4.89 vs 5.48 (64x128 8 warps); dQ 128x64 8 warps 3 stages 5.29 vs 5.42;
-    # a finer second round (--sweep2): dK/dV 32x64 with 2 stages 4.62 vs 4.74 (3) and 4.92 (4).
-    # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64); dK/dV 32x32 8.54 vs 8.87 (32x64); dQ 128x32 6.94
-    # vs 8.69 (64x32, 8 warps).
+    # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64).
     fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
                   (256, KernelConfig(128, 64, 8, 2)))
-    # --sweep3 (registers and spills shown), after dK/dV moved to query-row-major tiles: D128 64x64 4 warps
-    # 2 stages, whole backward 4.28 ms; D256 Gemma2 T8192 64x32 4 warps 2 stages 4.72 ms.
+    # Two-kernel backward (deterministic): dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps
+    # 2 stages, D256 64x32), then dQ (128x64 8 warps 3 stages; D256 128x32).
     dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, KernelConfig(64, 32, 4, 2)))
     dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 2)))
+    # Single-pass backward (dK/dV kernel adds dQ with fp32 atomics): its config per bucket, None where the
+    # two-kernel backward measured faster.
+    single: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, None))
+    # Kernels that read their tiles through TMA descriptors (where the layout allows: unit stride along the
+    # head dim, 16-byte aligned rows); the others through pointers.
+    tma: tuple = ("fwd", "dkdv", "dq")
 
 
 TUNING = AttentionTuning()
 # The interpreter (CPU tests): small, unequal tiles so that tiny shapes still cross block and edge cases.
 INTERPRETER_CONFIG = KernelConfig(16, 32, 1, 1)
+# None: the backward is deterministic (two kernels, no atomics) when torch.use_deterministic_algorithms(True)
+# is on, else it takes the single pass where TUNING.single has a config. True / False force either path.
+DETERMINISTIC: bool | None = None
 
 
-def _config(table: tuple, block_d: int, device: torch.device) -> KernelConfig:
+def _config(table: tuple, block_d: int, device: torch.device) -> KernelConfig | None:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     for bucket, cfg in table:
         if block_d <= bucket:
             return cfg
     return table[-1][1]
+
+
+def _single_pass_config(block_d: int, device: torch.device) -> KernelConfig | None:
+    deterministic = torch.are_deterministic_algorithms_enabled() if DETERMINISTIC is None else DETERMINISTIC
+    if deterministic:
+        return None
+    return _config(TUNING.single, block_d, device)
+
+
+def _tma_alloc(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
+    """TMA descriptors for `kernel` when TUNING lists it and every tensor's rows suit the copy engine."""
+    if kernel not in TUNING.tma:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(3) != 1 or t.data_ptr() % 16 or t.shape[3] * size < 16 or any(x * size % 16 for x in t.stride()[:3]):
+            return False
+    if tensors[0].device.type == "cuda":
+        # descriptors built on the device need a scratch allocator (per thread: autograd's backward runs in its own)
+        try:
+            from triton.runtime._allocation import NullAllocator, _allocator
+
+            if not isinstance(_allocator.get(), NullAllocator):
+                return True
+        except ImportError:
+            pass
+        triton.set_allocator(_tma_alloc)
+    return True
 
 
 class _Problem(NamedTuple):
@@ -467,37 +544,64 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
         q, k, v, out, lse, start if varlen else lse, end if varlen else lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("fwd", q, k, v),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
-    varlen = start is not None
-    consts = _consts(p, q.dtype, q.device.type != "cuda")
-    delta = torch.empty_like(lse)
-    block_rows = 16 if q.device.type != "cuda" else 64
+def _launch_delta(out, do, delta, p: _Problem):
+    block_rows = 16 if out.device.type != "cuda" else 64
     _attn_bwd_delta[(cdiv(p.T, block_rows), p.B * p.Hq)](
         out, do, delta, *out.stride(), *do.stride(), p.Hq, p.T, p.D, BLOCK_M=block_rows, BLOCK_D=p.block_d,
     )
-    # empty_like keeps q/k/v's memory layout: the grads flow back through the same transposes as the inputs.
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    start_, end_ = (start, end) if varlen else (lse, lse)
-    cfg = _config(TUNING.dkdv, p.block_d, q.device)
-    _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
-        q, k, v, do, lse, delta, dk, dv, start_, end_,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **consts,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    cfg = _config(TUNING.dq, p.block_d, q.device)
+
+
+def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: KernelConfig):
+    """dQ per query block; forms delta on the way and stores it (for the dK/dV kernel that runs next)."""
+    varlen = start is not None
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
-        q, k, v, do, lse, delta, dq, start_, end_,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **consts,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
+        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", k, v),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return dq, dk, dv
+
+
+def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq_acc, p: _Problem, start, end, cfg: KernelConfig,
+                 atomic_dq: bool):
+    """dK/dV per key block; with atomic_dq it also adds dQ (scaled, fp32) into dq_acc."""
+    varlen = start is not None
+    _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, *((start, end) if varlen else (lse, lse)),
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq_acc.stride(),
+        p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, ATOMIC_DQ=atomic_dq,
+        TMA=_use_tma("dkdv", q, do), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
+    """Single pass where TUNING.single has a config and determinism is not asked for: delta, then one kernel
+    per key block that accumulates dK/dV in registers and adds each query block's share of dQ to an fp32
+    buffer with atomics (5 matrix products per tile pair; the order of the additions varies from run to run).
+    Otherwise two kernels and no atomics: dQ per query block (it also forms delta), then dK/dV per key block
+    (7 products: both recompute the scores and dP)."""
+    delta = torch.empty_like(lse)
+    # empty_like keeps q/k/v's memory layout: the grads flow back through the same transposes as the inputs.
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    single = _single_pass_config(p.block_d, q.device)
+    if single is None:
+        dq = torch.empty_like(q)
+        _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config(TUNING.dq, p.block_d, q.device))
+        _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq, p, start, end, _config(TUNING.dkdv, p.block_d, q.device),
+                     False)
+        return dq, dk, dv
+    _launch_delta(out, do, delta, p)
+    dq_acc = torch.zeros_like(q, dtype=torch.float32)  # keeps q's layout, so does the cast below
+    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq_acc, p, start, end, single, True)
+    return dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype), dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,12 +1,29 @@
 """Flash attention (Triton, interpreter on CPU) against attention_reference: forward and dq/dk/dv, causal and
 not, sliding window, softcap, GQA/MQA, head dims that are not powers of two, packed documents; bad input."""
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 
 from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids
 from fastplug.kernels.attention import flash_attention, packed_bounds
 from tests.helpers import assert_close
+
+A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
+
+# The kernels' variants: the single-pass backward (dQ by fp32 atomics) with TMA descriptors, and the
+# deterministic two-kernel backward with plain pointer loads.
+PATHS = {"single pass, TMA": (False, ("fwd", "dkdv", "dq")), "two kernels, pointers": (True, ())}
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request, monkeypatch):
+    deterministic, tma = PATHS[request.param]
+    monkeypatch.setattr(A, "DETERMINISTIC", deterministic)
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=tma))
+    return request.param
 
 
 def _inputs(B, Hq, Hkv, T, S, D, dtype=torch.float32):
@@ -49,7 +66,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_reference_fp32(case):
+def test_attention_matches_reference_fp32(case, path):
     B, Hq, Hkv, T, S, D, options = CASES[case]
     inputs = _inputs(B, Hq, Hkv, T, S, D)
     _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs,
@@ -57,7 +74,7 @@ def test_attention_matches_reference_fp32(case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_attention_half_precision(dtype):
+def test_attention_half_precision(dtype, path):
     inputs = _inputs(1, 4, 2, 39, 39, 96, dtype)
     options = {"sliding_window": 11, "softcap": 20.0}
     # the reference rounds nothing: bf16/fp16 kernels round p and dS to the input dtype for the dots
@@ -69,7 +86,7 @@ DOCS = (11, 17, 9)
 
 
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 5, "softcap": 5.0}, {"causal": False}])
-def test_varlen_matches_per_document_reference(options):
+def test_varlen_matches_per_document_reference(options, path):
     total = sum(DOCS)
     cu = torch.tensor([0, 11, 28, 37], dtype=torch.int32)
     inputs = _inputs(1, 4, 2, total, total, 64)
@@ -80,6 +97,38 @@ def test_varlen_matches_per_document_reference(options):
         return torch.cat(outs, dim=1)
 
     _compare(lambda *x: attention(*x, cu_seqlens=cu, max_seqlen=17, **options), per_document, inputs,
+             torch.float32)
+
+
+def test_backward_path_choice(monkeypatch):
+    """torch.use_deterministic_algorithms(True) takes the two-kernel backward (no atomics); DETERMINISTIC forces
+    either; both give the reference's gradients; TMA only where strides allow it."""
+    monkeypatch.setattr(A, "DETERMINISTIC", None)
+    block_d, cpu = 64, torch.device("cpu")
+    assert A._single_pass_config(block_d, cpu) is not None
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert A._single_pass_config(block_d, cpu) is None
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    monkeypatch.setattr(A, "DETERMINISTIC", True)
+    assert A._single_pass_config(block_d, cpu) is None
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, single=((256, None),)))
+    monkeypatch.setattr(A, "DETERMINISTIC", False)
+    assert A._config(A.TUNING.single, block_d, torch.device("cuda")) is None  # a bucket without a single pass
+    x = torch.randn(2, 5, 3, 64)
+    assert A._use_tma("fwd", x.transpose(1, 2))
+    assert not A._use_tma("fwd", x.transpose(1, 2)[..., ::2])  # head dim not unit-stride
+    assert not A._use_tma("fwd", torch.randn(2, 3, 5, 7))  # 28-byte rows
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=()))
+    assert not A._use_tma("fwd", x)
+
+
+def test_strides_unfit_for_tma():
+    """Rows of 7 fp32 (28 bytes, not 16-byte aligned) take the pointer loads in every kernel."""
+    inputs = _inputs(1, 4, 2, 23, 23, 7)
+    _compare(lambda *x: attention(*x, sliding_window=6), lambda *x: attention_reference(*x, sliding_window=6), inputs,
              torch.float32)
 
 

@@ -1,0 +1,778 @@
+"""Decode kernels for small batches (1-16 rows, one token each): what `fast_generate` runs per decode step.
+
+At batch 1 a decoder layer is bound by reading its weights once, and a step of ~20 small kernels per layer is
+bound by their launches. These kernels do a layer in ~5 launches (LoRA adds one per input):
+
+- `gemv`: y = x W^T for a few rows of x, reading W once. Optionally, in the same kernel: RMSNorm of x (the
+  norm before the projection: every program recomputes the row statistics of x, a few KiB from L2), up to
+  three weights read as one output (q/k/v: one launch, no concatenated copy of the weights), bias, the
+  unmerged LoRA term s (x A^T) B^T added in the epilogue (x A^T comes from a `gemv` over the A's), the gated
+  activation act(x Wg^T) * (x Wu^T) (gate and up in one program: the hidden is the only output), the
+  residual add y = r + x W^T, and the logits' softcap with fp32 output (the LM head).
+- `decode_attention`: one new token per row over a static KV cache [B, Hkv, L, D], GQA-aware (a program
+  serves the query heads of one key/value head), split over the cache (flash-decoding) with `attention_combine`
+  merging the splits. q/k RMSNorm (Qwen3, Gemma3), RoPE at each row's position (from cos/sin tables), the
+  write of the new key/value into the cache column `slot`, softcap and sliding windows are in the same kernel.
+  The loop stops at the device-side `slot`: a captured graph reads only the filled part of the cache.
+- `add_rms_norm`: h += RMSNorm(y) in place (Gemma2/3's norm of a sub-block's output before the residual add).
+- `greedy_emit`: argmax of the logits and the bookkeeping of a decode step (pad for finished rows, EOS
+  detection, the output column, the next input token, the position) in one launch.
+
+Rounding follows the unfused modules (transformers' RMSNorm rounds before its weight, each projection's output
+is rounded once, LoRA's x A^T is rounded before B, logits are rounded to the model dtype before the argmax),
+so greedy tokens match theirs. Every kernel has a torch reference (`*_reference`), the path for tensors Triton
+cannot run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import SUPPORTED_DTYPES, check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
+from .activations import _gate_factor
+
+ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
+MAX_SEGMENTS = 3
+MAX_ROWS = 16  # the GEMV's dot path pads rows to 16; more rows go through cuBLAS
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if interpreter_enabled():
+        return "upcast"
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    if PRECISION == "upcast":  # the interpreter's 16-bit dot is garbage: fp32 products
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    # from exp (libdevice's tanh does not run under the interpreter); tanh(20) is 1 in fp32
+    return 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(x, -20.0), 20.0)) + 1.0)
+
+
+# ------------------------------------------------------------------------------------------------- GEMV
+@triton.jit
+def _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset,
+            HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of x (normalised and rounded like the unfused RMSNorm), in x's dtype."""
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
+                eviction_policy="evict_last")
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        h = x.to(tl.float32) * rstd[:, None]
+        if GEMMA_NORM:
+            x = (h * (offset + nw[None, :])).to(x.dtype)
+        else:
+            x = (h.to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _gemv_acc(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+              HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N]."""
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        if USE_DOT:
+            acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if USE_DOT:
+        return acc
+    return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mask, scaling,
+               BLOCK_R: tl.constexpr):
+    """round(acc) + s (xa B^T) for this segment's rank r (0: no adapter, round(acc) alone)."""
+    ridx = tl.arange(0, BLOCK_R)
+    r_mask = ridx < r
+    xa = tl.load(xa_ptr + rows[:, None] * stride_xam + xa_off + ridx[None, :],
+                 mask=m_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + n[:, None] * r + ridx[None, :], mask=n_mask[:, None] & r_mask[None, :],
+                other=0.0).to(tl.float32)
+    return acc + scaling * tl.sum(xa[:, None, :] * b[None, :, :], axis=2)
+
+
+@triton.jit
+def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
+                  w_ptr, stride_w, bias_ptr, b_ptr, r, xa_off, scaling, xa_ptr, stride_xam, n, N, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA)."""
+    n_mask = n < N
+    acc = _gemv_acc(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                    HAS_NORM, GEMMA_NORM, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_LORA:
+        acc = _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mask, scaling, BLOCK_R)
+        acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, stride_xm, nw_ptr, eps, offset,
+    w0, w1, w2, sw0, sw1, sw2, bias0, bias1, bias2,
+    lb0, lb1, lb2, r0, r1, r2, xo0, xo1, xo2, s0, s1, s2, xa_ptr, stride_xam,
+    res_ptr, stride_rm, y_ptr, stride_ym,
+    M, K, n0, n1, n2, nb0, nb1, softcap,
+    HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    ACT: tl.constexpr, HAS_RES: tl.constexpr, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    m_mask = rows < M
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:  # the row statistics of x, recomputed by every program (K elements per row, from L2)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                        other=0.0).to(tl.float32)
+            sq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+    if ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, bias0, lb0, r0, xo0, s0,
+                          xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA, USE_DOT,
+                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        u = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, bias1, lb1, r1, xo1, s1,
+                          xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA, USE_DOT,
+                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        p, _ = _gate_factor(g, ACT)
+        out = g * p * u
+        cols = n
+        n_mask = n < n0
+    else:
+        if pid < nb0:
+            n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, bias0, lb0, r0,
+                                xo0, s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            n_mask = n < n0
+            cols = n
+        elif pid < nb0 + nb1:
+            n = (pid - nb0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, bias1, lb1, r1,
+                                xo1, s1, xa_ptr, stride_xam, n, n1, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            n_mask = n < n1
+            cols = n0 + n
+        else:
+            n = (pid - nb0 - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w2, sw2, bias2, lb2, r2,
+                                xo2, s2, xa_ptr, stride_xam, n, n2, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            n_mask = n < n2
+            cols = n0 + n1 + n
+    dt = w0.dtype.element_ty
+    out = out.to(dt).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=m_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        out = (r.to(tl.float32) + out).to(dt).to(tl.float32)
+    if SOFTCAP:  # transformers' order, each op rounded: tanh(logits / cap) * cap
+        out = (out / softcap).to(dt).to(tl.float32)
+        out = _tanh(out).to(dt).to(tl.float32)
+        out = (out * softcap).to(dt).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _gemv_config(m: int, n: int, k: int, glu: bool):
+    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs."""
+    if m <= 2:
+        block_m = next_power_of_2(m)
+        block_k = min(512, max(16, next_power_of_2(k)))
+        block_n = max(1, min(8 // block_m, next_power_of_2(n)))
+        return False, block_m, block_n, block_k, 4
+    return True, 16, 32 if not glu else 16, min(256, max(16, next_power_of_2(k))), 4
+
+
+def gemv(
+    x: torch.Tensor,
+    weights,
+    *,
+    norm: tuple | None = None,
+    biases=None,
+    lora=None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
+    config: tuple | None = None,
+) -> torch.Tensor:
+    """y = [x W0^T | x W1^T | x W2^T] for x [M, K] (M <= 16) and up to three weights [N_i, K], in one launch.
+
+    norm: (weight [K], eps, offset): x is RMSNorm'ed first (offset 0: transformers' Llama RMSNorm, weight times
+    the rounded normalised x; else Gemma's (offset + weight) in fp32). biases: one per weight, or None.
+    lora: (xa [M, sum r], [B_i [N_i, r_i] or None], [scaling_i]): adds s_i xa_i B_i^T, xa_i the columns of xa
+    that belong to weight i, in order (weights without an adapter have None and own no columns).
+    activation ('silu', 'gelu_tanh', 'gelu'): exactly two weights (gate, up) of one shape; y = act(g) * u.
+    residual [M, N]: y = residual + the projection (`out` may be `residual` itself: in place).
+    out_dtype: torch.float32 for logits; softcap: tanh(y / cap) * cap, rounded like transformers.
+    """
+    weights = list(weights)
+    if not 1 <= len(weights) <= MAX_SEGMENTS:
+        raise ValueError(f"weights must hold 1 to {MAX_SEGMENTS} matrices; got {len(weights)}")
+    if not torch.is_tensor(x) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [rows, K]; got {getattr(x, 'shape', type(x).__name__)}")
+    check_dtype("x", x)
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"x must have 1 to {MAX_ROWS} rows; got {m}")
+    if x.stride(1) != 1:
+        raise ValueError("x must be contiguous along its last dimension")
+    dtype = weights[0].dtype
+    for i, w in enumerate(weights):
+        if not torch.is_tensor(w) or w.dim() != 2 or w.shape[1] != k:
+            raise ValueError(f"weights[{i}] must be a 2-D tensor [N, {k}]; got {getattr(w, 'shape', None)}")
+        if w.dtype != dtype:
+            raise ValueError(f"weights[{i}] must have weights[0]'s dtype {dtype}; got {w.dtype}")
+        if w.stride(1) != 1:
+            raise ValueError(f"weights[{i}] must be contiguous along its last dimension")
+    check_dtype("weights", weights[0])
+    if x.dtype != dtype:
+        raise ValueError(f"x must have the weights' dtype {dtype}; got {x.dtype}")
+    act = ACTIVATIONS.get(activation, None) if activation in ACTIVATIONS else None
+    if act is None:
+        raise ValueError(f"activation must be one of {[a for a in ACTIVATIONS if a]} or None; got {activation!r}")
+    ns = [w.shape[0] for w in weights]
+    if act >= 0 and (len(weights) != 2 or ns[0] != ns[1]):
+        raise ValueError(f"activation {activation!r} needs two weights (gate, up) of one shape; got shapes "
+                         f"{[tuple(w.shape) for w in weights]}")
+    n_out = ns[0] if act >= 0 else sum(ns)
+    if norm is not None:
+        nw, eps, offset = norm
+        if not torch.is_tensor(nw) or nw.shape != (k,):
+            raise ValueError(f"norm weight must have shape ({k},); got {getattr(nw, 'shape', None)}")
+    else:
+        nw, eps, offset = weights[0], 0.0, 0.0
+    if biases is not None:
+        biases = list(biases)
+        if len(biases) != len(weights) or any(b is None for b in biases):
+            raise ValueError("biases must hold one bias per weight (or be None)")
+        for i, (b, n) in enumerate(zip(biases, ns)):
+            if b.shape != (n,) or b.dtype != dtype:
+                raise ValueError(f"biases[{i}] must be a {dtype} tensor of shape ({n},); got {b.dtype} {tuple(b.shape)}")
+    seg_b = [weights[0]] * MAX_SEGMENTS
+    ranks, offs, scales = [0] * MAX_SEGMENTS, [0] * MAX_SEGMENTS, [0.0] * MAX_SEGMENTS
+    xa = x
+    if lora is not None:
+        xa, bs, scalings = lora
+        bs, scalings = list(bs), list(scalings)
+        if len(bs) != len(weights) or len(scalings) != len(weights):
+            raise ValueError("lora must give one B (or None) and one scaling per weight")
+        col = 0
+        for i, (b, n) in enumerate(zip(bs, ns)):
+            if b is None:
+                continue
+            if b.dim() != 2 or b.shape[0] != n or b.dtype != dtype or not b.is_contiguous():
+                raise ValueError(f"lora B[{i}] must be a contiguous {dtype} tensor [{n}, r]; got {b.dtype} "
+                                 f"{tuple(b.shape)}")
+            seg_b[i], ranks[i], offs[i], scales[i] = b, b.shape[1], col, float(scalings[i])
+            col += b.shape[1]
+        if xa.dim() != 2 or tuple(xa.shape) != (m, col) or xa.dtype != dtype or xa.stride(1) != 1:
+            raise ValueError(f"lora xa must be a {dtype} tensor [{m}, {col}] (x A^T of every adapter); got "
+                             f"{xa.dtype} {tuple(xa.shape)}")
+    if residual is not None and (tuple(residual.shape) != (m, n_out) or residual.stride(1) != 1):
+        raise ValueError(f"residual must have shape ({m}, {n_out}), contiguous rows; got {tuple(residual.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0; got {softcap}")
+    out_dtype = out_dtype or dtype
+    if out is None:
+        out = torch.empty(m, n_out, device=x.device, dtype=out_dtype)
+    elif tuple(out.shape) != (m, n_out) or out.stride(1) != 1:
+        raise ValueError(f"out must have shape ({m}, {n_out}), contiguous rows; got {tuple(out.shape)}")
+    if not use_triton(x, weights[0]):
+        return _write(out, gemv_reference(x, weights, norm=norm, biases=biases, lora=lora, activation=activation,
+                                          residual=residual, out_dtype=out_dtype, softcap=softcap))
+    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0)
+    if use_dot and block_m < 16:
+        raise ValueError("config: the dot path needs BLOCK_M >= 16")
+    seg_w = weights + [weights[0]] * (MAX_SEGMENTS - len(weights))
+    seg_n = ns + [0] * (MAX_SEGMENTS - len(ns))
+    seg_bias = (biases or [weights[0]]) + [weights[0]] * (MAX_SEGMENTS - len(biases or [weights[0]]))
+    blocks = [cdiv(n, block_n) for n in seg_n]
+    grid = (blocks[0] if act >= 0 else sum(blocks),)
+    res = residual if residual is not None else out
+    _gemv_kernel[grid](
+        x, x.stride(0), nw, float(eps), float(offset),
+        *seg_w, *(w.stride(0) for w in seg_w), *seg_bias,
+        *seg_b, *ranks, *offs, *scales, xa, xa.stride(0),
+        res, res.stride(0), out, out.stride(0),
+        m, k, *seg_n, blocks[0], blocks[1], float(softcap or 1.0),
+        HAS_NORM=norm is not None, GEMMA_NORM=norm is not None and float(offset) != 0.0,
+        HAS_BIAS=biases is not None, HAS_LORA=lora is not None, ACT=act, HAS_RES=residual is not None,
+        SOFTCAP=softcap is not None, USE_DOT=use_dot, PRECISION=_precision(dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, next_power_of_2(max(ranks))),
+        num_warps=warps,
+    )
+    return out
+
+
+def _write(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    out.copy_(value)
+    return out
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).float()
+
+
+def gemv_reference(x, weights, *, norm=None, biases=None, lora=None, activation=None, residual=None,
+                   out_dtype=None, softcap=None) -> torch.Tensor:
+    """gemv in torch, the unfused modules' maths and rounding (fp32 products)."""
+    from .norms import rms_norm_reference
+
+    dtype = weights[0].dtype
+    if norm is not None:
+        x = rms_norm_reference(x, *norm)
+    outs = []
+    xa_col = 0
+    for i, w in enumerate(weights):
+        y = _round(x.float() @ w.float().t() + (biases[i].float() if biases is not None else 0.0), dtype)
+        if lora is not None and lora[1][i] is not None:
+            b = lora[1][i]
+            xa = lora[0][:, xa_col: xa_col + b.shape[1]].float()
+            xa_col += b.shape[1]
+            y = _round(y + lora[2][i] * (xa @ b.float().t()), dtype)
+        outs.append(y)
+    if activation is not None:
+        g, u = outs
+        act = {"silu": torch.nn.functional.silu,
+               "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+               "gelu": torch.nn.functional.gelu}[activation]
+        y = _round(act(g) * u, dtype)
+    else:
+        y = torch.cat(outs, dim=1)
+    if residual is not None:
+        y = _round(residual.float() + y, dtype)
+    if softcap is not None:
+        y = _round(y / softcap, dtype)
+        y = _round(torch.tanh(y), dtype)
+        y = _round(y * softcap, dtype)
+    return y.to(out_dtype or dtype)
+
+
+# -------------------------------------------------------------------------------------------- attention
+@triton.jit
+def _rope_half(x1, x2, c1, c2, s1, s2):
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def _head_norm(x1, x2, w_ptr, half, h_mask, eps, offset, D, dt, GEMMA_NORM: tl.constexpr):
+    """RMSNorm over a head's D values held as two halves (rows: heads), rounded like the module."""
+    w1 = tl.load(w_ptr + half, mask=h_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + half + D // 2, mask=h_mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)
+    y1 = x1 * rstd[:, None]
+    y2 = x2 * rstd[:, None]
+    if GEMMA_NORM:
+        y1 = y1 * (offset + w1[None, :])
+        y2 = y2 * (offset + w2[None, :])
+    else:
+        y1 = y1.to(dt).to(tl.float32) * w1[None, :]
+        y2 = y2.to(dt).to(tl.float32) * w2[None, :]
+    return y1.to(dt).to(tl.float32), y2.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _decode_attention_kernel(
+    qkv_ptr, stride_qkv, cos_ptr, sin_ptr, stride_rope, pos_ptr, qn_ptr, kn_ptr, norm_eps, norm_offset,
+    k_cache, v_cache, stride_cb, stride_ch, stride_cl, valid_ptr, stride_valid, slot_ptr,
+    o_ptr, stride_o, part_o, part_ml,
+    H, HKV, G, D, window, scaling, softcap,
+    CHUNK: tl.constexpr, SPLITS: tl.constexpr, HAS_QK_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // HKV
+    kvh = bh % HKV
+    dt = k_cache.dtype.element_ty
+    slot = tl.load(slot_ptr)
+    pos = tl.load(pos_ptr + b)
+    # a head's D values as two halves: rotate_half pairs i with i + D/2
+    half = tl.arange(0, BLOCK_H)
+    h_mask = half < D // 2
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < G
+    qg_mask = g_mask[:, None] & h_mask[None, :]
+    row = qkv_ptr + b * stride_qkv
+    q_off = (kvh * G + g)[:, None] * D + half[None, :]  # this kv head's query heads
+    q1 = tl.load(row + q_off, mask=qg_mask, other=0.0).to(tl.float32)
+    q2 = tl.load(row + q_off + D // 2, mask=qg_mask, other=0.0).to(tl.float32)
+    k_off = H * D + kvh * D + half[None, :]
+    k1 = tl.load(row + k_off, mask=h_mask[None, :], other=0.0).to(tl.float32)
+    k2 = tl.load(row + k_off + D // 2, mask=h_mask[None, :], other=0.0).to(tl.float32)
+    if HAS_QK_NORM:
+        q1, q2 = _head_norm(q1, q2, qn_ptr, half, h_mask, norm_eps, norm_offset, D, dt, GEMMA_NORM)
+        k1, k2 = _head_norm(k1, k2, kn_ptr, half, h_mask, norm_eps, norm_offset, D, dt, GEMMA_NORM)
+    rope = pos * stride_rope + half
+    c1 = tl.load(cos_ptr + rope, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + rope + D // 2, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + rope, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + rope + D // 2, mask=h_mask, other=0.0).to(tl.float32)[None, :]
+    q1, q2 = _rope_half(q1, q2, c1, c2, s1, s2)
+    q1 = q1.to(dt)
+    q2 = q2.to(dt)
+    cache_b = b.to(tl.int64) * stride_cb + kvh.to(tl.int64) * stride_ch
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, slot + 1)
+    if (slot >= lo) & (slot < lo + CHUNK):  # this split owns the new column: write it, then read it back
+        k1, k2 = _rope_half(k1, k2, c1, c2, s1, s2)
+        v_off = (H + HKV) * D + kvh * D + half[None, :]
+        v1 = tl.load(row + v_off, mask=h_mask[None, :], other=0.0)
+        v2 = tl.load(row + v_off + D // 2, mask=h_mask[None, :], other=0.0)
+        dst = cache_b + slot.to(tl.int64) * stride_cl + half[None, :]
+        tl.store(k_cache + dst, k1.to(dt), mask=h_mask[None, :])
+        tl.store(k_cache + dst + D // 2, k2.to(dt), mask=h_mask[None, :])
+        tl.store(v_cache + dst, v1.to(dt), mask=h_mask[None, :])
+        tl.store(v_cache + dst + D // 2, v2.to(dt), mask=h_mask[None, :])
+        tl.debug_barrier()
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_G, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_G, BLOCK_H], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_S):
+        cols = start + tl.arange(0, BLOCK_S)
+        c_mask = cols < hi
+        kv_mask = c_mask[:, None] & h_mask[None, :]
+        offs = cache_b + cols.to(tl.int64)[:, None] * stride_cl + half[None, :]
+        kt1 = tl.load(k_cache + offs, mask=kv_mask, other=0.0)
+        kt2 = tl.load(k_cache + offs + D // 2, mask=kv_mask, other=0.0)
+        vt1 = tl.load(v_cache + offs, mask=kv_mask, other=0.0)
+        vt2 = tl.load(v_cache + offs + D // 2, mask=kv_mask, other=0.0)
+        s = (_dot(q1, tl.trans(kt1), PRECISION) + _dot(q2, tl.trans(kt2), PRECISION)) * scaling
+        if SOFTCAP:
+            s = _tanh(s / softcap) * softcap
+        ok = tl.load(valid_ptr + b * stride_valid + cols, mask=c_mask, other=0) != 0
+        ok = (ok | (cols == slot)) & c_mask
+        if WINDOW:
+            ok = ok & (cols > slot - window)
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - base[:, None])
+        alpha = tl.exp(m_i - base)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(dt)
+        acc1 = acc1 * alpha[:, None] + _dot(p, vt1, PRECISION)
+        acc2 = acc2 * alpha[:, None] + _dot(p, vt2, PRECISION)
+        m_i = m_new
+    heads = kvh * G + g
+    if SPLITS == 1:
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+        dst = o_ptr + b * stride_o + heads[:, None] * D + half[None, :]
+        tl.store(dst, (acc1 * inv[:, None]).to(dt), mask=qg_mask)
+        tl.store(dst + D // 2, (acc2 * inv[:, None]).to(dt), mask=qg_mask)
+    else:
+        part = (b * H + heads) * SPLITS + split  # [B, H, SPLITS] rows
+        dst = part_o + part.to(tl.int64)[:, None] * D + half[None, :]
+        tl.store(dst, acc1, mask=qg_mask)
+        tl.store(dst + D // 2, acc2, mask=qg_mask)
+        tl.store(part_ml + part * 2, m_i, mask=g_mask)
+        tl.store(part_ml + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _attention_combine_kernel(part_o, part_ml, o_ptr, stride_o, H, D,
+                              SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    sp = tl.arange(0, BLOCK_SPLITS)
+    s_mask = sp < SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    row = bh * SPLITS + sp
+    m = tl.load(part_ml + row * 2, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_ml + row * 2 + 1, mask=s_mask, other=0.0)
+    top = tl.max(m, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.where(s_mask & (m > float("-inf")), tl.exp(m - top), 0.0)
+    acc = tl.load(part_o + row.to(tl.int64)[:, None] * D + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
+                  other=0.0)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _attention_splits(length: int, chunk: int | None) -> tuple[int, int]:
+    chunk = chunk or (length if length <= 256 else 128)
+    chunk = max(16, next_power_of_2(chunk)) if chunk < length else length
+    return chunk, cdiv(length, chunk)
+
+
+def decode_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    valid: torch.Tensor,
+    slot: torch.Tensor,
+    pos: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    heads: int,
+    scaling: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    qk_norm: tuple | None = None,
+    chunk: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of attention for B rows: returns o [B, heads * D] and writes the new key/value.
+
+    qkv [B, (heads + 2 Hkv) D]: this token's projections (q heads, then k, then v; before RoPE). k_cache,
+    v_cache [B, Hkv, L, D]: column `slot` (a 1-element device tensor) receives the rotated key and the value;
+    the token attends to columns 0..slot where `valid` [B, L] (bool) is set (column slot always), and with a
+    window to the last `window` columns. pos [B] (or [B, 1]): each row's position, indexing the RoPE tables
+    cos, sin [positions, D]. qk_norm: (q weight [D], k weight [D], eps, offset) for per-head q/k RMSNorm
+    before RoPE. chunk: cache columns per split program (flash-decoding).
+    """
+    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache), ("valid", valid), ("slot", slot),
+                    ("pos", pos), ("cos", cos), ("sin", sin)):
+        if not torch.is_tensor(t):
+            raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [B, Hkv, L, D] of one shape; got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    check_dtype("k_cache", k_cache)
+    b, hkv, length, d = k_cache.shape
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must have one layout, contiguous along D")
+    if not isinstance(heads, int) or heads < 1 or heads % hkv:
+        raise ValueError(f"heads must be a positive multiple of the cache's {hkv} key/value heads; got {heads}")
+    if d % 2:
+        raise ValueError(f"head dim (the cache's last size) must be even for RoPE; got {d}")
+    if qkv.dim() != 2 or tuple(qkv.shape) != (b, (heads + 2 * hkv) * d) or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [{b}, {(heads + 2 * hkv) * d}] (q, k, v heads of this token); got "
+                         f"{tuple(qkv.shape)}")
+    if qkv.dtype != k_cache.dtype:
+        raise ValueError(f"qkv must have the cache's dtype {k_cache.dtype}; got {qkv.dtype}")
+    if valid.dtype != torch.bool or tuple(valid.shape) != (b, length):
+        raise ValueError(f"valid must be a bool tensor [{b}, {length}]; got {valid.dtype} {tuple(valid.shape)}")
+    if slot.numel() != 1 or slot.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot must be a 1-element integer tensor; got {slot.dtype} {tuple(slot.shape)}")
+    pos = pos.reshape(-1)
+    if pos.numel() != b or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pos must hold {b} integer positions; got {pos.dtype} {tuple(pos.shape)}")
+    if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError(f"cos and sin must be [positions, {d}] tables of one layout; got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0; got {softcap}")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int or None; got {window!r}")
+    if qk_norm is not None:
+        qn, kn, _, _ = qk_norm
+        if qn.shape != (d,) or kn.shape != (d,):
+            raise ValueError(f"qk_norm weights must have shape ({d},); got {tuple(qn.shape)}, {tuple(kn.shape)}")
+    if out is None:
+        out = torch.empty(b, heads * d, device=qkv.device, dtype=qkv.dtype)
+    if not use_triton(qkv, k_cache):
+        return _write(out, decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, heads=heads,
+                                                      scaling=scaling, softcap=softcap, window=window,
+                                                      qk_norm=qk_norm))
+    chunk, splits = _attention_splits(length, chunk)
+    group = heads // hkv
+    block_g = max(16, next_power_of_2(group))
+    block_h = max(16, next_power_of_2(d // 2))
+    block_s = max(16, min(64 if d <= 128 else 32, next_power_of_2(chunk)))
+    if splits > 1:
+        part_o = torch.empty(b * heads * splits, d, device=qkv.device, dtype=torch.float32)
+        part_ml = torch.empty(b * heads * splits, 2, device=qkv.device, dtype=torch.float32)
+    else:
+        part_o = part_ml = out
+    qn, kn, eps, offset = qk_norm if qk_norm is not None else (cos, cos, 0.0, 0.0)
+    _decode_attention_kernel[(b * hkv, splits)](
+        qkv, qkv.stride(0), cos, sin, cos.stride(0), pos, qn, kn, float(eps), float(offset),
+        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.view(torch.uint8),
+        valid.stride(0), slot, out, out.stride(0), part_o, part_ml,
+        heads, hkv, group, d, int(window or 0), float(scaling), float(softcap or 1.0),
+        CHUNK=chunk, SPLITS=splits, HAS_QK_NORM=qk_norm is not None,
+        GEMMA_NORM=qk_norm is not None and float(offset) != 0.0, SOFTCAP=softcap is not None,
+        WINDOW=window is not None, PRECISION=_precision(qkv.dtype),
+        BLOCK_G=block_g, BLOCK_H=block_h, BLOCK_S=block_s, num_warps=4,
+    )
+    if splits > 1:
+        _attention_combine_kernel[(b * heads,)](
+            part_o, part_ml, out, out.stride(0), heads, d,
+            SPLITS=splits, BLOCK_SPLITS=next_power_of_2(splits), BLOCK_D=next_power_of_2(d), num_warps=4,
+        )
+    return out
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, *, heads, scaling, softcap=None,
+                               window=None, qk_norm=None) -> torch.Tensor:
+    """decode_attention in torch (fp32 maths, q/k rounded to the cache dtype as the unfused path rounds)."""
+    from .norms import rms_norm_reference
+
+    b, hkv, length, d = k_cache.shape
+    dtype = k_cache.dtype
+    q, k, v = qkv.view(b, heads + 2 * hkv, d).split([heads, hkv, hkv], dim=1)
+    if qk_norm is not None:
+        qn, kn, eps, offset = qk_norm
+        q, k = rms_norm_reference(q, qn, eps, offset), rms_norm_reference(k, kn, eps, offset)
+    p = pos.reshape(-1).long()
+    c, s = cos[p].float()[:, None], sin[p].float()[:, None]
+    q = _rotate(q.float(), c, s).to(dtype)
+    k = _rotate(k.float(), c, s).to(dtype)
+    col = int(slot.reshape(-1)[0])
+    k_cache[:, :, col] = k
+    v_cache[:, :, col] = v
+    cols = torch.arange(length, device=qkv.device)
+    allowed = (valid | (cols == col)[None]) & (cols <= col)[None]
+    if window is not None:
+        allowed = allowed & (cols > col - window)[None]
+    group = heads // hkv
+    keys = k_cache.float().repeat_interleave(group, dim=1)  # [B, H, L, D]
+    values = v_cache.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhd,bhld->bhl", q.float(), keys) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhl,bhld->bhd", probs, values).reshape(b, heads * d).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------- add + RMSNorm
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, stride_h, y_ptr, stride_y, w_ptr, N, eps, offset,
+                         GEMMA_NORM: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0)
+    dt = y.dtype
+    yf = y.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(yf * yf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA_NORM:
+        normed = (yf * rstd * (offset + w)).to(dt)
+    else:
+        normed = ((yf * rstd).to(dt).to(tl.float32) * w).to(dt)
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    tl.store(h_ptr + row * stride_h + cols, (h.to(tl.float32) + normed.to(tl.float32)).to(dt), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, y: torch.Tensor, norm: tuple) -> torch.Tensor:
+    """h += RMSNorm(y) in place (h, y [M, N]); norm (weight [N], eps, offset) as in `gemv`."""
+    if not torch.is_tensor(h) or not torch.is_tensor(y) or h.dim() != 2 or y.shape != h.shape:
+        raise ValueError(f"h and y must be 2-D tensors of one shape; got {getattr(h, 'shape', None)} and "
+                         f"{getattr(y, 'shape', None)}")
+    if h.dtype != y.dtype:
+        raise ValueError(f"y must have h's dtype {h.dtype}; got {y.dtype}")
+    check_dtype("h", h)
+    weight, eps, offset = norm
+    if weight.shape != (h.shape[1],):
+        raise ValueError(f"norm weight must have shape ({h.shape[1]},); got {tuple(weight.shape)}")
+    if h.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("h and y must be contiguous along their last dimension")
+    if not use_triton(h, y):
+        from .norms import rms_norm_reference
+
+        h.copy_(h + rms_norm_reference(y, weight, eps, offset))
+        return h
+    _add_rms_norm_kernel[(h.shape[0],)](h, h.stride(0), y, y.stride(0), weight, h.shape[1], float(eps),
+                                        float(offset), GEMMA_NORM=float(offset) != 0.0,
+                                        BLOCK=next_power_of_2(h.shape[1]), num_warps=8)
+    return h
+
+
+# ------------------------------------------------------------------------------------ greedy step emit
+@triton.jit
+def _greedy_emit_kernel(logits_ptr, stride_l, V, finished_ptr, done_ptr, count_ptr, eos_ptr, pad_ptr, out_ptr,
+                        stride_out, tok_ptr, pos_ptr, N_EOS, BLOCK_EOS: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + b * stride_l + cols, mask=cols < V, other=float("-inf"))
+        x = tl.where(x != x, float("inf"), x)  # NaN counts as the largest, as torch.argmax's does
+        take = x > best  # strictly: the first index of the maximum stays
+        idx = tl.where(take, cols, idx)
+        best = tl.where(take, x, best)
+    top = tl.max(best, axis=0)
+    arg = tl.min(tl.where(best == top, idx, 2147483647), axis=0)
+    arg = tl.where(arg == 2147483647, 0, arg)
+    fin = tl.load(finished_ptr + b) != 0
+    count = tl.load(count_ptr)
+    token = tl.where(fin, tl.load(pad_ptr), arg.to(tl.int64))
+    e = tl.arange(0, BLOCK_EOS)
+    eos = tl.load(eos_ptr + e, mask=e < N_EOS, other=-1)
+    newly = (fin == 0) & (tl.sum((eos == token).to(tl.int32), axis=0) > 0)
+    done = tl.load(done_ptr + b)
+    tl.store(done_ptr + b, tl.where(newly, count, done))
+    tl.store(finished_ptr + b, (fin | newly).to(tl.int8))
+    tl.store(out_ptr + b * stride_out + count, token)
+    tl.store(tok_ptr + b, token)
+    tl.store(pos_ptr + b, tl.load(pos_ptr + b) + 1)
+
+
+def greedy_emit(logits, finished, done_at, count, eos, pad, out, tok, pos) -> None:
+    """One greedy decode step's bookkeeping for B rows, in place: token = argmax(logits) (pad where the row
+    finished); a row whose token is in `eos` (-1: unused entries) finishes with done_at = count;
+    out[:, count] = tok = token; pos += 1. count (1 element) is left to the caller to advance."""
+    if not torch.is_tensor(logits) or logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be a 2-D float32 tensor with contiguous rows; got {getattr(logits, 'dtype', None)}")
+    b = logits.shape[0]
+    if finished.dtype != torch.bool or finished.shape != (b,):
+        raise ValueError(f"finished must be a bool tensor ({b},); got {finished.dtype} {tuple(finished.shape)}")
+    for name, t, shape in (("done_at", done_at, (b,)), ("tok", tok.reshape(-1), (b,)), ("pos", pos.reshape(-1), (b,)),
+                           ("count", count.reshape(-1), (1,)), ("pad", pad.reshape(-1), (1,))):
+        if t.dtype != torch.long or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be an int64 tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}")
+    if eos.dtype != torch.long or eos.dim() != 1 or out.dtype != torch.long or out.shape[0] != b:
+        raise ValueError("eos must be a 1-D int64 tensor and out an int64 tensor [B, length]")
+    if not (tok.is_contiguous() and pos.is_contiguous() and eos.is_contiguous()):
+        raise ValueError("tok, pos and eos must be contiguous")
+    if not use_triton(logits):
+        token = torch.where(finished, pad.reshape(()), logits.argmax(-1))
+        newly = ~finished & (token[:, None] == eos).any(-1)
+        done_at.copy_(torch.where(newly, count, done_at))
+        finished.logical_or_(newly)
+        out.index_copy_(1, count.reshape(1), token[:, None])
+        tok.copy_(token.view(tok.shape))
+        pos.add_(1)
+        return
+    _greedy_emit_kernel[(b,)](logits, logits.stride(0), logits.shape[1], finished.view(torch.int8), done_at, count,
+                              eos, pad, out, out.stride(0), tok, pos, eos.numel(), BLOCK_EOS=max(2, next_power_of_2(eos.numel())),
+                              BLOCK=2048 if not interpreter_enabled() else 64, num_warps=8)

@@ -65,24 +65,29 @@ def lora_llama(kind: str, device="cpu", dtype=torch.float32):
     return get_peft_model(model, config).to(device)
 
 
-def rows(kind: str, count: int, uniform: bool = False, seed: int = 5) -> dict:
+def rows(kind: str, count: int, uniform: bool = False, seed: int = 5, right_pad: bool = False) -> dict:
     """`count` rows: input_ids, attention_mask, labels. Left padding of different lengths (unless `uniform`), so
-    that ranks holding different rows hold different numbers of label tokens."""
+    that ranks holding different rows hold different numbers of label tokens. right_pad: the same pads at the
+    end (bf16 on CUDA: a left pad's query rows see no key, and SDPA's bf16 backward turns such fully masked
+    rows into NaN gradients, in plain transformers as well)."""
     seq, vocab = SHAPES[kind]["seq"], SHAPES[kind]["overrides"].get("vocab_size", 128)
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab, (count, seq), generator=g)
     attention_mask = torch.ones_like(input_ids)
     if not uniform:
         for i in range(count):  # even rows (rank 0's, rows are dealt rank::world) are padded much more
-            attention_mask[i, : (seq // 2 if i % 2 == 0 else i % 3)] = 0
+            pad = seq // 2 if i % 2 == 0 else i % 3
+            padded = slice(seq - pad, seq) if right_pad else slice(0, pad)
+            attention_mask[i, padded] = 0
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, seq // 3] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def micro_batches(kind: str) -> list[dict]:
-    """MICRO global micro-batches of GLOBAL_ROWS rows each; rank r of `world` takes rows r::world."""
-    data = rows(kind, MICRO * GLOBAL_ROWS)
+def micro_batches(kind: str, dtype=torch.float32) -> list[dict]:
+    """MICRO global micro-batches of GLOBAL_ROWS rows each; rank r of `world` takes rows r::world. Right-padded
+    rows for a bf16 model (see `rows`)."""
+    data = rows(kind, MICRO * GLOBAL_ROWS, right_pad=dtype == torch.bfloat16)
     return [{k: v[i * GLOBAL_ROWS : (i + 1) * GLOBAL_ROWS] for k, v in data.items()} for i in range(MICRO)]
 
 
@@ -132,7 +137,7 @@ def reference_loop(kind: str, device="cpu", dtype=torch.float32) -> dict:
     model = lora_llama(kind, device, dtype)
     model.train()
     with patch_model(model, options(kind)):
-        return train_loop(model, model, micro_batches(kind), 0, 1, torch.device(device))
+        return train_loop(model, model, micro_batches(kind, dtype), 0, 1, torch.device(device))
 
 
 def _free_port() -> int:
@@ -252,7 +257,8 @@ def _offload_on_cpu(model) -> None:
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
     from fastplug.integrations.fsdp import shard_model
 
-    model = lora_llama(kind, device, torch.bfloat16 if how == "fsdp2_bf16" else torch.float32)
+    dtype = torch.bfloat16 if how == "fsdp2_bf16" else torch.float32
+    model = lora_llama(kind, device, dtype)
     model.train()
     offload = how == "ddp_offload"
     if how == "fsdp2_after":  # a model_init model in the HF Trainer, or one sharded in configure_model
@@ -266,10 +272,10 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
         # find_unused_parameters=True: what the HF Trainer passes for a PeftModel
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                       find_unused_parameters=offload)
-        out = train_loop(model, wrapped, micro_batches(kind), rank, world, device, no_sync=wrapped.no_sync)
+        out = train_loop(model, wrapped, micro_batches(kind, dtype), rank, world, device, no_sync=wrapped.no_sync)
     else:
         shard_model(model)  # a no-op for fsdp2_after
-        out = train_loop(model, model, micro_batches(kind), rank, world, device)
+        out = train_loop(model, model, micro_batches(kind, dtype), rank, world, device)
     out["summary"] = handle.summary()
     handle.restore()
     out["restored"] = active_handle(model) is None and no_instance_forward(model)

@@ -30,10 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import decode as decode_kernels
+from .kernels._utils import interpreter_enabled
 from .kernels.activations import geglu, swiglu
 from .kernels.norms import rms_norm, rms_norm_reference
 from .kernels.rope import rope, rope_reference
 from .models.families import SUPPORTED_FAMILIES, family_of
+from .models.lm_head import _head_forward as _patched_head_forward
 from .models.mlp import activation_name
 from .models.peft_lora import lora_projection
 from .patching import unwrap
@@ -43,6 +46,10 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes a cache (and graph) is built fo
 _LENGTH_BUCKET = 256  # cache lengths are rounded up to a multiple of this, so graphs survive new prompt lengths
 _EAGER_WARMUP_STEPS = 2  # real decode steps run eagerly before capture (compiles Triton kernels, cuBLAS init)
 _MAX_EOS = 8  # EOS ids one call may stop on
+# the decode step through fastplug.kernels.decode (~5 launches per layer) where the model allows it; False: the
+# per-op path (projections through cuBLAS, ~21 launches per layer), kept for comparisons and the other cases
+FAST_DECODE = True
+_FAST_DECODE_ON_CPU = False  # tests: run the decode kernels under the Triton interpreter on CPU tensors
 _UNSET = object()
 _GLU = {"silu": swiglu, "gelu_tanh": functools.partial(geglu, approximate="tanh"),
         "gelu": functools.partial(geglu, approximate="none")}
@@ -251,6 +258,124 @@ class _Plan:
         return out
 
 
+class _FastLayer:
+    """One layer's operands for the decode kernels: weights grouped by the input they read."""
+
+    def __init__(self, lp: _Layer):
+        self.qkv = _group((lp.q, lp.k, lp.v))
+        self.o = _group((lp.o,))
+        self.gate_up = _group((lp.mlp.gate, lp.mlp.up))
+        self.down = _group((lp.mlp.down,))
+        self.act = activation_name(lp.mlp.act)
+        self.qk_norm = None
+        if lp.q_norm is not None:
+            self.qk_norm = (lp.q_norm[0], lp.k_norm[0], lp.q_norm[1], lp.q_norm[2])
+
+
+def _group(projs):
+    """(weights, biases or None, lora A's, (B's, scalings) or None) of projections that read one input."""
+    weights = [p.weight for p in projs]
+    biases = [p.bias for p in projs]
+    if all(b is None for b in biases):
+        biases = None
+    elif any(b is None for b in biases):  # some with a bias: zeros for the others (a plan rebuild renews them)
+        biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
+                  for b, w in zip(biases, weights)]
+    if all(p.lora_A is None for p in projs):
+        return weights, biases, None, None
+    a = [p.lora_A for p in projs if p.lora_A is not None]
+    return weights, biases, a, ([p.lora_B for p in projs], [p.scaling for p in projs])
+
+
+def _fast_decode_reason(plan: _Plan) -> str | None:
+    """Why the decode kernels cannot run this plan (None: they can)."""
+    dtype = plan.weight.dtype
+    rope_type = str(getattr(plan.rotary, "rope_type", "default"))
+    if "dynamic" in rope_type or "longrope" in rope_type:
+        return f"RoPE type {rope_type} depends on the sequence length"
+    for i, lp in enumerate(plan.layers):
+        projs = [_head_proj(plan), *lp.projs]
+        if lp.mlp.module is not None:
+            return f"layer {i}: MoE block"
+        if activation_name(lp.mlp.act) not in ("silu", "gelu_tanh", "gelu"):
+            return f"layer {i}: activation {type(lp.mlp.act).__name__}"
+        if (lp.q_norm is None) != (lp.k_norm is None) or lp.head_dim % 2:
+            return f"layer {i}: attention layout"
+        for p in projs:
+            if p.module is not None:
+                return f"layer {i}: {type(p.module).__name__} runs as a module"
+            if p.weight.dtype != dtype or p.weight.stride(-1) != 1:
+                return f"layer {i}: a weight of another dtype or layout"
+            if p.lora_A is not None and (p.lora_A.dtype != dtype or not p.lora_A.is_contiguous()
+                                         or not p.lora_B.is_contiguous()):
+                return f"layer {i}: adapters of another dtype or layout"
+    return None
+
+
+def _head_proj(plan: _Plan) -> _Proj:
+    """The LM head as a projection the decode kernels can read: fastplug's patched head (nn.Linear's forward
+    without a fused loss) counts as the plain Linear it wraps."""
+    p = plan.lm_head
+    module = p.module
+    bound = module.__dict__.get("forward") if module is not None else None
+    if (isinstance(module, nn.Linear) and getattr(bound, "__func__", None) is _patched_head_forward
+            and not module._forward_hooks and not module._forward_pre_hooks):
+        p = _Proj.__new__(_Proj)
+        p.module, p.weight, p.bias, p.lora_A, p.lora_B, p.scaling, p._sources = (
+            None, module.weight, module.bias, None, None, 0.0, ())
+        p.key = ("head", _tensor_key(module.weight), _tensor_key(module.bias))
+    return p
+
+
+class _FastDecode:
+    """The decode step (one token per row, at most `decode_kernels.MAX_ROWS` rows) through the decode kernels."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+        self.layers = [_FastLayer(lp) for lp in plan.layers]
+        self.head = _group((_head_proj(plan),))
+
+    @staticmethod
+    def _project(x, group, **kw):
+        weights, biases, a, lora = group
+        xa = decode_kernels.gemv(x, a, norm=kw.get("norm")) if a is not None else None
+        return decode_kernels.gemv(x, weights, biases=biases, lora=None if a is None else (xa, *lora), **kw)
+
+    def logits(self, s: "_Session") -> torch.Tensor:
+        plan = self.plan
+        b = s.tok.shape[0]
+        h = plan.embed(s.tok).view(b, -1)
+        if plan.embed_scale is not None:
+            h = h * plan.embed_scale
+        for index, (lp, fl) in enumerate(zip(plan.layers, self.layers)):
+            qkv = self._project(h, fl.qkv, norm=lp.input_norm)
+            cos, sin = s.rope[lp.rope_key]
+            attn = decode_kernels.decode_attention(
+                qkv, s.k[index], s.v[index], s.valid, s.slot, s.pos, cos, sin, heads=lp.heads, scaling=lp.scaling,
+                softcap=lp.softcap, window=lp.window, qk_norm=fl.qk_norm)
+            if lp.post_attn_norm is None:
+                self._project(attn, fl.o, residual=h, out=h)
+            else:
+                decode_kernels.add_rms_norm(h, self._project(attn, fl.o), lp.post_attn_norm)
+            hidden = self._project(h, fl.gate_up, norm=lp.ff_norm, activation=fl.act)
+            if lp.post_ff_norm is None:
+                self._project(hidden, fl.down, residual=h, out=h)
+            else:
+                decode_kernels.add_rms_norm(h, self._project(hidden, fl.down), lp.post_ff_norm)
+        return self._project(h, self.head, norm=plan.final_norm, out_dtype=torch.float32, softcap=plan.final_softcap)
+
+    def rope_tables(self, s: "_Session") -> dict:
+        """cos, sin [cache length, head_dim] per rotary embedding, from the model's own rotary modules."""
+        plan = self.plan
+        w = plan.weight
+        positions = torch.arange(s.length, device=w.device)[None]
+        probe = torch.zeros(1, s.length, 1, device=w.device, dtype=w.dtype)
+        tables = {}
+        for key, (cos, sin) in plan.rotary_embeddings(probe, positions).items():
+            tables[key] = (cos.reshape(s.length, -1).contiguous(), sin.reshape(s.length, -1).contiguous())
+        return tables
+
+
 # ------------------------------------------------------------------------------------ per-batch state
 class _Session:
     """Static buffers for one (batch bucket, cache length): the KV cache and the decode state, all on the
@@ -268,8 +393,10 @@ class _Session:
         longs = dict(device=device, dtype=torch.long)
         self.tok = torch.zeros(batch, 1, **longs)
         self.pos = torch.zeros(batch, 1, **longs)
-        self.slot = torch.zeros(1, **longs)  # the cache column the next token is written to
-        self.count = torch.zeros(1, **longs)  # tokens generated so far
+        # one tensor, so that a step advances both in one launch
+        self.counters = torch.zeros(2, **longs)
+        self.slot = self.counters[0:1]  # the cache column the next token is written to
+        self.count = self.counters[1:2]  # tokens generated so far
         self.out = torch.zeros(batch, length, **longs)
         self.finished = torch.zeros(batch, device=device, dtype=torch.bool)
         self.done_at = torch.zeros(batch, **longs)  # the step at which each row emitted its EOS
@@ -280,6 +407,7 @@ class _Session:
         self.top_p = torch.ones((), device=device, dtype=torch.float32)
         self.noise_index = torch.arange(batch * vocab, **longs).view(batch, vocab)
         self.graphs: dict = {}  # (do_sample, top_k, uses top_p) -> CUDAGraph
+        self.rope: dict | None = None  # the decode kernels' RoPE tables, made at the first prefill
 
 
 @dataclass(frozen=True)
@@ -325,6 +453,14 @@ class _Decoder:
         self.plan = plan
         self.sessions: dict[tuple[int, int], _Session] = {}
         self.graph_failure: str | None = None  # why capture failed once (then this model decodes eagerly)
+        self.fast_reason = _fast_decode_reason(plan)  # why the decode kernels cannot run it (None: they can)
+        self.fast = _FastDecode(plan) if self.fast_reason is None else None
+
+    def uses_fast(self, s: _Session) -> bool:
+        """Whether this session's decode steps run through the decode kernels."""
+        if self.fast is None or not FAST_DECODE or s.batch > decode_kernels.MAX_ROWS:
+            return False
+        return s.tok.is_cuda or (_FAST_DECODE_ON_CPU and interpreter_enabled())
 
     # -- the model
     def forward(self, s: _Session, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -418,9 +554,19 @@ class _Decoder:
     def step(self, s: _Session, sampling: _Sampling) -> None:
         """One decode step, on device state only (what the CUDA graph captures)."""
         s.valid.index_fill_(1, s.slot, True)
-        self._emit(self.forward(s, s.tok, s.pos), s, sampling)
-        s.pos.add_(1)
-        s.slot.add_(1)
+        if not self.uses_fast(s):
+            self._emit(self.forward(s, s.tok, s.pos), s, sampling)
+            s.pos.add_(1)
+            s.slot.add_(1)
+            return
+        logits = self.fast.logits(s)
+        if sampling.do_sample:
+            self._emit(logits, s, sampling)
+            s.pos.add_(1)
+            s.slot.add_(1)
+        else:  # argmax, EOS and the output column in one launch (it advances pos), then slot and count in one
+            decode_kernels.greedy_emit(logits, s.finished, s.done_at, s.count, s.eos, s.pad, s.out, s.tok, s.pos)
+            s.counters.add_(1)
 
 
     # -- a whole call
@@ -449,6 +595,8 @@ class _Decoder:
         s.temperature.fill_(sampling.temperature)
         s.top_p.fill_(sampling.top_p)
         s.count.zero_()
+        if s.rope is None and self.uses_fast(s):
+            s.rope = self.fast.rope_tables(s)
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # left padding: positions count real tokens
         self._emit(self.forward(s, ids, pos), s, sampling)
         s.pos.copy_(mask.sum(-1, keepdim=True))
@@ -500,6 +648,7 @@ def _decoder(model: nn.Module) -> _Decoder:
     plan = _Plan(model)
     decoder = _DECODERS.get(base)
     if decoder is None or decoder.plan.key != plan.key:
+        plan.refresh()  # the adapters' compute-dtype copies exist before the decode kernels' plan takes them
         decoder = _Decoder(plan)
         _DECODERS[base] = decoder
     decoder.plan.refresh()
@@ -656,4 +805,6 @@ def graph_status(model: nn.Module) -> str:
     if decoder.graph_failure:
         return f"eager (capture failed: {decoder.graph_failure})"
     captured = sum(len(s.graphs) for s in decoder.sessions.values())
-    return f"CUDA graph ({captured} captured)" if captured else "eager"
+    fast = any(decoder.uses_fast(s) for s in decoder.sessions.values())
+    kernels = ", decode kernels" if fast else (f", per-op ({decoder.fast_reason})" if decoder.fast_reason else "")
+    return (f"CUDA graph ({captured} captured)" if captured else "eager") + kernels

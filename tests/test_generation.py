@@ -89,6 +89,35 @@ def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
                                          eos_token_id=eos, pad_token_id=PAD), reference(ref, ids, mask, eos))
 
 
+@pytest.mark.parametrize("family, lora", [("llama", False), ("gemma2", False), ("gemma3_text", False),
+                                          ("llama", True), ("qwen3", True)])
+def test_decode_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, lora):
+    """The decode step through fastplug.kernels.decode (the CUDA path), run on CPU under the Triton interpreter:
+    fused norm + GEMVs, LoRA in the epilogue, attention over the cache, the one-kernel greedy emit."""
+    import fastplug.generation as generation
+    from fastplug.kernels._utils import interpreter_enabled
+
+    if not interpreter_enabled():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
+    monkeypatch.setattr(generation, "_FAST_DECODE_ON_CPU", True)
+    path = save_tiny(tmp_path, family)
+    if lora:
+        model, ref = lora_pair(path)
+    else:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        model, _ = FastModel.from_pretrained(path)
+    ids, mask = prompts()
+    eos = an_early_eos(ref, ids, mask)
+    expected = reference(ref, ids, mask, eos)
+    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+                        pad_token_id=PAD)
+    assert "decode kernels" in generation.graph_status(model), generation.graph_status(model)
+    assert torch.equal(got, expected)
+    alone = fast_generate(model, ids[1:2, 0:], attention_mask=mask[1:2], max_new_tokens=4, do_sample=False,
+                          eos_token_id=None, pad_token_id=PAD)  # batch 1: the GEMV's FMA path
+    assert torch.equal(alone[0, PROMPT:], reference(ref, ids[1:2], mask[1:2], None)[0, PROMPT:PROMPT + 4])
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = save_tiny(tmp_path_factory.mktemp("gen_llama"), "llama")

@@ -6,11 +6,17 @@ linears are bitsandbytes NF4 (double quant, bf16 compute), LoRA r=16 on all of t
 non-reentrant checkpointing, fused AdamW, 2x4096 tokens: transformers + peft + bnb, then the same model
 patched by fastplug, then Liger when installed. `--shape llama1b`: the e2e bench's Llama-1B preset at 4x2048
 instead. `--quick`: tiny shapes on CPU (a smoke run). Markdown table last.
+
+`--impls` picks the end-to-end rows; `fastplug-bf16` is the same model unquantized (bf16 bases) patched by
+fastplug: what the 4-bit path loses against its own bf16 path, in the same run. `--profile`: for each fastplug
+row, one more step under torch.profiler (kernel table, device ms against host ms). `--gemv`: the 4-bit GEMV
+against bitsandbytes and dequantize+matmul at batch 1-8 (and `--gemv-sweep`: its tile configurations).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -41,12 +47,60 @@ def _to_4bit(model, device) -> None:
                 setattr(owner, name, q)
 
 
-def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> list[dict]:
+IMPLS = ("transformers+peft+bnb", "fastplug", "liger", "fastplug-bf16")
+
+
+def _build(config, device, quantize: bool):
     import peft
     import transformers
 
-    import fastplug
     from fastplug import checkpointing
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    if quantize:
+        _to_4bit(model, device)
+    checkpointing.enable_native(model)
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA))
+
+
+def _step(model, optimizer, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _profile(model, optimizer, ids, device, label: str, rows: int = 30) -> str:
+    """One step under torch.profiler: the kernel table (by total CUDA time), kernels per step, device ms
+    (the sum of kernel time: the step if the host kept up) and host ms (the step's Python, before the sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        loss = _step(model, optimizer, ids)
+        host = time.perf_counter() - start
+        loss.item()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    kernel_ms = sum(e.self_device_time_total for e in events) / 1e3
+    launches = sum(e.count for e in events)
+    print(f"\n== profile: {label} ==", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
+    summary = (f"{label}: device {kernel_ms:.1f} ms of kernels ({launches} launches), host {1e3 * host:.1f} ms "
+               f"before the sync, wall {1e3 * wall:.1f} ms (profiled)")
+    print(summary, flush=True)
+    return summary
+
+
+def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", impls=IMPLS[:3],
+             profile: bool = False) -> list[dict]:
+    import transformers
+
+    import fastplug
 
     from .e2e import MODELS
     from .micro import _liger
@@ -56,47 +110,129 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l") -> 
     config = transformers.LlamaConfig(**(TINY if quick else MODELS[preset]["full"]), use_cache=False)
     if quick:
         batch, seq = 2, 16
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    _to_4bit(model, device)
-    checkpointing.enable_native(model)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA))
-    params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(2)]
     shape = "tiny" if quick else shape_name
-    rows = []
-    # Liger patches the instance for good (no restore): it runs last
+    rows, summaries = [], []
+    # Liger patches the instance for good (no restore): it runs after the other 4-bit rows
     apply_liger = _liger("_apply_liger_kernel_to_instance")
-    impls = ("transformers+peft+bnb", "fastplug") + (("liger",) if apply_liger is not None else ())
-    for impl in impls:
-        handle = fastplug.patch_model(model) if impl == "fastplug" else None
+    order = [i for i in IMPLS if i in impls and (i != "liger" or apply_liger is not None)]
+    model = None
+    for impl in order:
+        bf16 = impl == "fastplug-bf16"
+        if model is None or bf16:
+            model = None
+            model = _build(config, device, quantize=not bf16)
+        params = [p for p in model.parameters() if p.requires_grad]
+        # freeze_gc as the trainer adapters (and the e2e bench) set it for their run
+        handle = fastplug.patch_model(model, freeze_gc=True) if impl.startswith("fastplug") else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
+        times, losses, host = [], [], []
         for step in range(steps + 2):  # two warm-up steps (Triton compiles, cuBLAS picks)
             start = time.perf_counter()
-            loss = model(input_ids=ids[step % 2], labels=ids[step % 2]).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            loss = _step(model, optimizer, ids[step % 2])
+            host.append(time.perf_counter() - start)
             losses.append(loss.item())  # syncs
             if step >= 2:
                 times.append(time.perf_counter() - start)
-        ms = 1e3 * sorted(times)[len(times) // 2]
+        ms = 1e3 * statistics.median(times)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
         note = "" if handle is None else "lora_fused " + str(handle.counts.get("lora_fused", 0))
-        rows.append({"op": "e2e step", "shape": f"{shape}, {batch}x{seq} NF4", "impl": impl, "ms": ms,
+        note += f"; host {1e3 * statistics.median(host[2:]):.0f} ms before the sync"
+        quant = "bf16" if bf16 else "NF4"
+        rows.append({"op": "e2e step", "shape": f"{shape}, {batch}x{seq} {quant}", "impl": impl, "ms": ms,
                      "tok/s": batch * seq / ms * 1e3, "peak GiB": peak, "note": f"losses {losses[0]:.4f}.. {note}"})
+        if profile and device.type == "cuda" and handle is not None:
+            summaries.append(_profile(model, optimizer, ids[0], device, f"{impl} {shape} {quant}"))
         if handle is not None:
             handle.restore()
         del optimizer
+    for s in summaries:
+        print(s)
     return rows
+
+
+def _median_ms(fn, device) -> float:
+    if device.type != "cuda":
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    """Host microseconds a call (launch cost), on a warm path: the GPU queue absorbs the calls."""
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return host
+
+
+def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
+    """The 4-bit GEMV (NF4, double quant, bf16) at batch 1-8 against bitsandbytes' 4-bit inference matmul
+    (`bnb.matmul_4bit`, its GEMV kernel at one row, dequantize + matmul above) and against fastplug's
+    dequantize + matmul; rel err against x @ W^T in fp32. `sweep`: every tile of `_SWEEP` at batch 1, 2 and 8."""
+    import bitsandbytes as bnb
+
+    from ..kernels.quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config
+
+    device = torch.device(device)
+    shapes = [(96, 64), (64, 96)] if quick else [(14336, 4096), (4096, 14336), (2048, 2048), (512, 2048),
+                                                  (8192, 2048), (2048, 8192)]
+    batches = (1, 2) if quick else (1, 2, 4, 8)
+    rows = []
+    for out_f, in_f in shapes:
+        torch.manual_seed(0)
+        w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+        p = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
+        w32 = dequantize_4bit_reference(p, torch.float32)
+        for m in batches:
+            x = torch.randn(m, in_f, dtype=torch.bfloat16, device=device)
+            ref = x.float() @ w32.t()
+            shape = f"{m}x{in_f} @ [{out_f}x{in_f}]"
+
+            def add(impl, fn, note=""):
+                out = fn()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                rows.append({"op": "gemv_4bit", "shape": shape, "impl": impl, "ms": _median_ms(fn, device),
+                             "rel err": err, "note": note})
+                return rows[-1]
+
+            bnb_row = add("bitsandbytes", lambda: bnb.matmul_4bit(x, p.t(), quant_state=p.quant_state),
+                          f"host {_host_us(lambda: bnb.matmul_4bit(x, p.t(), quant_state=p.quant_state)):.0f} us")
+            add("dequant+matmul", lambda: x @ dequantize_4bit(p, dtype=torch.bfloat16).t())
+            cfg = gemv_config(m, out_f, in_f, p.quant_state.blocksize, device)
+            fast = add("fastplug", lambda: gemv_4bit(x, p), f"{cfg}; host {_host_us(lambda: gemv_4bit(x, p)):.0f} us")
+            fast["note"] = f"{bnb_row['ms'] / fast['ms']:.2f}x bnb; " + fast["note"]
+            if sweep and (m in (1, 2, 8) and out_f * in_f >= 2**25 or m == 1 and out_f * in_f >= 2**20):
+                for over in _SWEEP:
+                    try:
+                        c = gemv_config(m, out_f, in_f, p.quant_state.blocksize, device, **over)
+                        add("sweep", lambda: gemv_4bit(x, p, c), str(over))
+                    except Exception as error:  # a tile that does not compile: note it, keep going
+                        rows.append({"op": "gemv_4bit", "shape": shape, "impl": "sweep",
+                                     "note": f"{over}: {type(error).__name__} {str(error)[:100]}"})
+        del p, w32
+    return rows
+
+
+_SWEEP = [dict(block_n=bn, chunk=ch, num_warps=nw, x_split=xs)
+          for bn in (1, 2, 4, 8) for ch in (256, 512, 1024) for nw in (4, 8) for xs in (False, True)
+          if 16 <= bn * ch // (32 * nw) <= 64]
 
 
 def main(argv=None) -> int:
@@ -106,12 +242,26 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--no-micro", action="store_true")
+    parser.add_argument("--gemv", action="store_true", help="the GEMV rows at batch 1-8 (replaces the micro rows)")
+    parser.add_argument("--gemv-sweep", action="store_true", help="--gemv, plus the GEMV's tile configurations")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b_4l", help="the end-to-end model")
+    parser.add_argument("--impls", default=",".join(IMPLS[:3]), help=f"end-to-end rows, from {','.join(IMPLS)}")
+    parser.add_argument("--steps", type=int, default=4, help="measured end-to-end steps (after 2 warm-up steps)")
+    parser.add_argument("--profile", action="store_true", help="kernel table of one more step of each fastplug row")
     args = parser.parse_args(argv)
+    impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    if any(i not in IMPLS for i in impls):
+        parser.error(f"--impls: from {','.join(IMPLS)}; got {args.impls!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    parts = (None if args.no_micro else lambda: qlora_rows(device, args.quick),
-             None if args.no_e2e else lambda: e2e_rows(device, args.quick, shape=args.shape))
+    gemv = args.gemv or args.gemv_sweep
+    micro = None
+    if gemv:
+        micro = lambda: gemv_rows(device, args.quick, sweep=args.gemv_sweep)  # noqa: E731
+    elif not args.no_micro:
+        micro = lambda: qlora_rows(device, args.quick)  # noqa: E731
+    parts = (micro, None if args.no_e2e else lambda: e2e_rows(device, args.quick, args.steps, args.shape, impls,
+                                                               args.profile))
     for part in parts:
         if part is None:
             continue

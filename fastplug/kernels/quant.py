@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_dtype, next_power_of_2, rows_view, scratch, use_triton
+from ._utils import cdiv, check_dtype, next_power_of_2, num_sms, rows_view, scratch, use_triton
 
 INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
@@ -173,6 +173,70 @@ def _gemv_4bit_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _gemv_4bit_rows_kernel(
+    x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+    N, KB, stride_xm, stride_om, stride_os, split_bytes,
+    M: tl.constexpr, M_POW2: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, X_SPLIT: tl.constexpr,
+):
+    """out[s, m, n] = sum over the bytes [s * split_bytes, (s + 1) * split_bytes) of row n (KB bytes a row, K even)
+    of x[m, k] W[n, k], for BLOCK_N rows and all M rows of x. A tile is [BLOCK_N, NB, SUB] packed bytes, SUB
+    contiguous bytes per sub-chunk (a wide vector load per thread); a sub-chunk never straddles a quantization
+    block (SUB divides blocksize / 2 and KB), so its scale is applied once, to its partial dot product. Both
+    nibbles are decoded (high: element 2i, low: 2i + 1) and multiplied by the even and odd elements of x."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_byte = rn.to(tl.int64) * KB  # [BLOCK_N]
+    jb = tl.arange(0, NB)
+    sub = jb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB] byte offsets in a chunk
+    start = pid_s * split_bytes
+    stop = tl.minimum(start + split_bytes, KB)
+    rm = tl.arange(0, M_POW2)
+    acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
+    for c0 in range(start, stop, NB * SUB):
+        cb = c0 + sub
+        cmask = cb < stop
+        packed = tl.load(data_ptr + (row_byte[:, None, None] + cb[None, :, :]),
+                         mask=nmask[:, None, None] & cmask[None, :, :], other=0).to(tl.int32)
+        w_hi = tl.load(code_ptr + (packed >> 4))
+        w_lo = tl.load(code_ptr + (packed & 15))
+        first = c0 + jb * SUB  # each sub-chunk's first byte
+        blk = ((row_byte[:, None] + first[None, :]) * 2) >> BLOCKSIZE_LOG2
+        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)  # [BLOCK_N, NB]
+        for m in tl.static_range(M):
+            xrow = x_ptr + m * stride_xm
+            if X_SPLIT:  # one contiguous (vectorized) load of 2 * SUB elements a sub-chunk, split in registers
+                e = c0 * 2 + jb[:, None] * (2 * SUB) + tl.arange(0, 2 * SUB)[None, :]
+                xv = tl.load(xrow + e, mask=e < stop * 2, other=0.0).to(tl.float32)
+                x_even, x_odd = tl.split(tl.reshape(xv, (NB, SUB, 2)))
+            else:
+                x_even = tl.load(xrow + cb * 2, mask=cmask, other=0.0).to(tl.float32)
+                x_odd = tl.load(xrow + cb * 2 + 1, mask=cmask, other=0.0).to(tl.float32)
+            part = tl.sum(w_hi * x_even[None, :, :] + w_lo * x_odd[None, :, :], axis=2) * scale  # [BLOCK_N, NB]
+            if M == 1:
+                acc += part[None, :, :]
+            else:
+                acc = tl.where((rm == m)[:, None, None], acc + part[None, :, :], acc)
+    total = tl.sum(acc, axis=2)  # [M_POW2, BLOCK_N]
+    out = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum_s part[s, i] in fp32, rounded once to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------- launchers
 
 
@@ -239,13 +303,90 @@ def dequantize_4bit_scratch(weight, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_4bit(weight, out=scratch(shape_4bit(weight), dtype, weight.device))
 
 
-def gemv_4bit(x: torch.Tensor, weight) -> torch.Tensor:
-    """x [..., in] @ W^T for a 4-bit weight W [out, in], straight from the packed bytes: the decode-time
-    product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul).
+class GemvConfig(NamedTuple):
+    """Tile of the 4-bit GEMV: BLOCK_N rows x NB sub-chunks x SUB packed bytes, `split` programs along K."""
 
-    Not yet fast: on an H100, batch 1 at 4096x14336 takes 0.24 ms against bitsandbytes' 0.036 ms; each
-    element still gathers its table value (and each byte is loaded per element, twice).
-    """
+    block_n: int
+    nb: int
+    sub: int
+    split: int
+    num_warps: int
+    x_split: bool
+
+
+def _lowbit(n: int) -> int:
+    return n & -n
+
+
+def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:
+    """The tile for x [m, k] @ W[n, k]^T, or None when K is odd (rows straddle bytes: the general kernel).
+    A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
+    quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle."""
+    if k % 2:
+        return None
+    kb = k // 2
+    sub = min(32, max(1, blocksize // 2), _lowbit(kb))
+    if device.type == "cuda":
+        block_n, chunk, warps = (4 if m <= 2 else 2), 512, 4
+        target = 4 * num_sms(device)
+    else:  # the interpreter: few, wide programs (its cost is per program and per op)
+        block_n, chunk, warps, target = 8, 128, 4, 1
+    block_n = override.pop("block_n", block_n)
+    chunk = override.pop("chunk", chunk)
+    nb = max(1, chunk // sub)
+    programs = cdiv(n, block_n)
+    chunks = cdiv(kb, nb * sub)
+    split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
+    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", False))
+    if override:
+        raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
+    return cfg
+
+
+def _gemv_rows(x2: torch.Tensor, p: Packed4bit, cfg: GemvConfig) -> torch.Tensor:
+    """x2 [M, K] (unit stride in K, M <= GEMV_MAX_ROWS, K even) @ W^T by `_gemv_4bit_rows_kernel`."""
+    M, (N, K) = x2.shape[0], p.shape
+    kb = K // 2
+    chunk = cfg.nb * cfg.sub
+    split_bytes = cdiv(cdiv(kb, chunk), cfg.split) * chunk  # whole chunks a split
+    split = cdiv(kb, split_bytes)
+    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
+    absmax2, code2, offset, log2_b2 = _nested_args(p)
+    _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
+        x2, p.data, p.absmax, p.code, absmax2, code2, offset, part,
+        N, kb, x2.stride(0), N, M * N, split_bytes,
+        M=M, M_POW2=next_power_of_2(M), BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2,
+        NESTED=p.nested is not None, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split,
+        num_warps=cfg.num_warps,
+    )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(cdiv(M * N, block),)](part, out, M * N, SPLIT=split, BLOCK=block, num_warps=4)
+    return out
+
+
+def _gemv_general(x2: torch.Tensor, p: Packed4bit) -> torch.Tensor:
+    """Any shape (odd K: rows straddle bytes), one element at a time: slower, used only where K is odd."""
+    M, (N, K) = x2.shape[0], p.shape
+    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    absmax2, code2, offset, log2_b2 = _nested_args(p)
+    block_m = next_power_of_2(M)
+    block_n = (16 if block_m <= 2 else 8) if x2.is_cuda else 4
+    block_k = min(p.blocksize, 128) if x2.is_cuda else 32
+    row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
+    _gemv_4bit_kernel[(cdiv(N, block_n),)](
+        x2, p.data, p.absmax, p.code, absmax2, code2, offset, out, M, N, K, x2.stride(0), out.stride(0),
+        BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,
+        ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+    return out
+
+
+def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T for a 4-bit weight W [out, in], straight from the packed bytes: the decode-time
+    product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul). Products
+    and sums in fp32, W never rounded; the result in x's dtype. `config`: a tile from `gemv_config` (tuning)."""
     p = unpack(weight)
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != p.shape[1]:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -257,17 +398,10 @@ def gemv_4bit(x: torch.Tensor, weight) -> torch.Tensor:
     M, (N, K) = x2.shape[0], p.shape
     if M > GEMV_MAX_ROWS or not use_triton(x2):
         return (x2 @ dequantize_4bit(weight, dtype=x.dtype).t()).view(*x.shape[:-1], N)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    absmax2, code2, offset, log2_b2 = _nested_args(p)
-    block_m = next_power_of_2(M)
-    block_n = (16 if block_m <= 2 else 8) if x.is_cuda else 4
-    block_k = min(p.blocksize, 128) if x.is_cuda else 32
-    row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
-    _gemv_4bit_kernel[(cdiv(N, block_n),)](
-        x2, p.data, p.absmax, p.code, absmax2, code2, offset, out, M, N, K, x2.stride(0), out.stride(0),
-        BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,
-        ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
+    if M == 0:
+        return x2.new_empty((0, N)).view(*x.shape[:-1], N)
+    cfg = config if config is not None else gemv_config(M, N, K, p.blocksize, x2.device)
+    out = _gemv_general(x2, p) if cfg is None else _gemv_rows(x2, p, cfg)
     return out.view(*x.shape[:-1], N)
 
 

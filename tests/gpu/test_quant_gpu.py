@@ -38,7 +38,8 @@ def test_dequantize_equals_bitsandbytes_cuda(quant_type, double_quant, shape, bl
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("shape,blocksize", [((14336, 4096), 64), ((4096, 14336), 64), ((777, 1030), 128)])
+@pytest.mark.parametrize("shape,blocksize", [((14336, 4096), 64), ((4096, 14336), 64), ((777, 1030), 128),
+                                              ((512, 2048), 64), ((300, 333), 64)])
 def test_gemv_cuda(rows, shape, blocksize):
     p = quantized(*shape, blocksize=blocksize)
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device="cuda")

@@ -17,7 +17,8 @@ peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, gemv_4bit, require_bitsandbytes,
+    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, gemv_4bit, gemv_config,
+    require_bitsandbytes,
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
@@ -99,6 +100,7 @@ def test_fastplug_never_imports_bitsandbytes():
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
 @pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
     ("nf4", True, (19, 64), 64), ("fp4", False, (13, 45), 32), ("nf4", False, (7, 130), 128),
+    ("nf4", True, (5, 1030), 64),  # K even, blocks straddle rows, a row is 515 bytes: 1-byte sub-chunks
 ])
 def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize):
     p = quantized(*shape, quant_type, double_quant, blocksize)
@@ -108,6 +110,27 @@ def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize
         assert_close(gemv_4bit(x, p), x.double() @ w.t(), dtype, f"gemv rows={rows} {dtype}")
     x3 = torch.randn(2, 1, shape[1], dtype=torch.bfloat16)  # leading dims, like a decode step's [B, 1, H]
     assert gemv_4bit(x3, p).shape == (2, 1, shape[0])
+
+
+@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
+    ("nf4", True, (11, 256), 64), ("fp4", True, (6, 300), 128), ("nf4", False, (9, 512), 256),
+    ("fp4", False, (4, 96), 32),
+])
+@pytest.mark.parametrize("override", [
+    dict(x_split=True), dict(split=3), dict(split=2, x_split=True, block_n=2, chunk=32), dict(block_n=1, chunk=64),
+])
+def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
+    """Every tile of the packed-row kernel (split-K with its second pass, x loaded whole and split in
+    registers, narrow tiles) gives the same product; the packing: element 2i in the high nibble."""
+    p = quantized(*shape, quant_type, double_quant, blocksize)
+    w = dequantize_4bit_reference(p, torch.float64)
+    for rows in (1, 5):
+        x = torch.randn(rows, shape[1])
+        cfg = gemv_config(rows, shape[0], shape[1], blocksize, x.device, **override)
+        assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv {override} rows={rows}")
+    assert gemv_config(1, shape[0], shape[1] + 1, blocksize, x.device) is None  # odd K: the general kernel
+    with pytest.raises(ValueError, match="unknown gemv_config override"):
+        gemv_config(1, *shape, blocksize, x.device, block_m=2)
 
 
 # ------------------------------------------------------------------- fused LoRA on 4-bit bases vs peft

@@ -83,3 +83,64 @@ def test_bf16_sampling_graph_equals_eager_with_fp32_adapters():
                              eos_token_id=None, cuda_graph=cuda_graph))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     assert graph_status(m).startswith("CUDA graph")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_decode_kernels_on_cuda_at_llama_1b_widths(rows):
+    """The decode kernels compiled for the GPU against their torch references (bf16, Llama-3.2-1B widths)."""
+    from fastplug.kernels.decode import (decode_attention, decode_attention_reference, gemv, gemv_reference,
+                                         greedy_emit)
+
+    def rel(a, b):
+        assert not torch.isnan(a).any()
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    torch.manual_seed(rows)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    hidden, inter, heads, kv, hd = 2048, 8192, 32, 8, 64
+    x = torch.randn(rows, hidden, **bf)
+    norm = (torch.randn(hidden, **bf) * 0.1 + 1, 1e-5, 0.0)
+    ws = [torch.randn(n, hidden, **bf) * hidden ** -0.5 for n in (heads * hd, kv * hd, kv * hd)]
+    bs = [torch.randn(n, 16, **bf) * 0.1 for n in (heads * hd, kv * hd, kv * hd)]
+    xa = torch.randn(rows, 48, **bf)
+    kw = dict(norm=norm, lora=(xa, bs, [2.0, 2.0, 2.0]))
+    assert rel(gemv(x, ws, **kw), gemv_reference(x, ws, **kw)) < 1e-2
+    gu = [torch.randn(inter, hidden, **bf) * hidden ** -0.5 for _ in range(2)]
+    assert rel(gemv(x, gu, norm=norm, activation="silu"), gemv_reference(x, gu, norm=norm, activation="silu")) < 1e-2
+    down = torch.randn(hidden, inter, **bf) * inter ** -0.5
+    hid = torch.randn(rows, inter, **bf)
+    res = torch.randn(rows, hidden, **bf)
+    expected = gemv_reference(hid, [down], residual=res)
+    assert rel(gemv(hid, [down], residual=res, out=res), expected) < 1e-2
+    head = torch.randn(50000, hidden, **bf) * 0.05
+    logits = gemv(x, [head], norm=norm, out_dtype=torch.float32, softcap=30.0)
+    assert rel(logits, gemv_reference(x, [head], norm=norm, out_dtype=torch.float32, softcap=30.0)) < 1e-2
+
+    length, slot = 512, 300
+    qkv = torch.randn(rows, (heads + 2 * kv) * hd, **bf)
+    kc, vc = torch.randn(rows, kv, length, hd, **bf), torch.randn(rows, kv, length, hd, **bf)
+    valid = torch.zeros(rows, length, dtype=torch.bool, device="cuda")
+    valid[:, 7:slot] = True
+    pos = torch.full((rows,), slot - 7, device="cuda")
+    t = torch.arange(length, device="cuda")[:, None] * torch.logspace(0, -4, hd // 2, device="cuda")[None]
+    cos, sin = torch.cat([t.cos()] * 2, 1).bfloat16(), torch.cat([t.sin()] * 2, 1).bfloat16()
+    slot_t = torch.tensor([slot], device="cuda")
+    for chunk, window in ((None, None), (64, 100), (512, None)):
+        k2, v2 = kc.clone(), vc.clone()
+        out = decode_attention(qkv, kc, vc, valid, slot_t, pos, cos, sin, heads=heads, scaling=hd ** -0.5,
+                               window=window, chunk=chunk)
+        ref = decode_attention_reference(qkv, k2, v2, valid, slot_t, pos, cos, sin, heads=heads, scaling=hd ** -0.5,
+                                         window=window)
+        assert rel(out, ref) < 1e-2 and torch.equal(vc, v2) and rel(kc, k2) < 1e-2
+
+    finished = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    done_at = torch.full((rows,), 99, device="cuda")
+    out_ids = torch.zeros(rows, 8, dtype=torch.long, device="cuda")
+    tok = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+    step_pos = torch.zeros(rows, 1, dtype=torch.long, device="cuda")
+    eos = torch.full((8,), -1, device="cuda")
+    greedy_emit(logits, finished, done_at, torch.tensor([2], device="cuda"), eos, torch.tensor(0, device="cuda"),
+                out_ids, tok, step_pos)
+    assert torch.equal(out_ids[:, 2], logits.argmax(-1)) and torch.equal(tok[:, 0], logits.argmax(-1))
+    assert (step_pos == 1).all()

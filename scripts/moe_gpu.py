@@ -1,7 +1,8 @@
-"""MoE kernels on one GPU: correctness at real sizes, then fwd+bwd timings against torch._grouped_mm, a
-per-expert loop and transformers' grouped_mm experts; a table last.
+"""MoE kernels on one GPU: correctness at real sizes (every launch path: pointer loads, tensor descriptors,
+torch._grouped_mm), then fwd+bwd timings against torch._grouped_mm, a per-expert loop and transformers'
+grouped_mm experts (Qwen3-MoE and Mixtral widths); what the autotuner timed for each launch; a table last.
 
-    FASTPLUG_MOE_TUNE_CACHE=$OUT/moe_tuning.json python scripts/moe_gpu.py [--quick]
+    FASTPLUG_MOE_TUNE_CACHE=$OUT/moe_tuning.json python scripts/moe_gpu.py [--skip-checks] [--only gemm,mixtral]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastplug.kernels.moe import (
     moe_router_reference, routing_metadata,
 )
 from fastplug.kernels.moe import tuning
+from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_rows
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke under TRITON_INTERPRET=1
 ROWS: list[tuple[str, str, float, float | None, str]] = []
@@ -108,7 +110,73 @@ def check_kernels(smoke=False):
         print(f"grouped_gemm {dtype}: out {rel(y, yr):.1e} dx {rel(g1[0], g2[0]):.1e} dw {rel(g1[1], g2[1]):.1e}")
 
 
-def bench_grouped_gemm(M=65536, E=64, K=2048, N=1536):
+def check_impls(smoke=False):
+    """Each launch path forced, on fused (gather + scatter + weights), plain, transposed-weight and dW
+    launches, against float64 loops; one shape whose widths divide the blocks and one whose do not."""
+    shapes = [(300, 64, 96, 4)] if smoke else [(6000, 1024, 768, 8), (3000, 200, 136, 5)]
+    for M, K, N, E in shapes:
+        counts = torch.randint(1, 2 * M // E, (E,), device=DEV)
+        counts[1] = 0
+        counts[-1] = 1
+        offs = counts.cumsum(0).int()
+        M = int(offs[-1])
+        T = M // 2 + 1
+        x = torch.randn(T, K, device=DEV).bfloat16()
+        xm = torch.randn(M, K, device=DEV).bfloat16()
+        w = (torch.randn(E, N, K, device=DEV) / K**0.5).bfloat16()
+        wt = (torch.randn(E, K, N, device=DEV) / K**0.5).bfloat16()  # wt.transpose(1, 2): dX's weight view
+        gi = torch.randint(0, T, (M,), device=DEV)
+        si = torch.randperm(M, device=DEV)
+        rw = torch.rand(M, device=DEV)
+        dy = torch.randn(M, N, device=DEV).bfloat16()
+        d = lambda t: t.double()  # noqa: E731
+        refs = {
+            "fused": grouped_gemm_reference(d(x), d(w), offs, gather_index=gi, scatter_index=si, row_weights=d(rw)),
+            "plain": grouped_gemm_reference(d(xm), d(w), offs),
+            "wT": grouped_gemm_reference(d(xm), d(wt).transpose(1, 2), offs),
+        }
+        ends = offs.tolist()
+
+        def dw_ref(dyr, xr):
+            out, s0 = [], 0
+            for end in ends:
+                out.append(dyr[s0:end].T @ xr[s0:end])
+                s0 = end
+            return torch.stack(out)
+
+        refs["dw_fused"] = dw_ref(d(dy)[si] * d(rw)[:, None], d(x)[gi])
+        refs["dw_plain"] = dw_ref(d(dy), d(xm))
+        for impl, cfg in (("ptr", (128, 128, 64, 8, 3)), ("tma", (128, 128, 64, 8, 3)), ("torch", (0, 0, 0, 0, 0))):
+            c = tuning.as_config((*cfg, impl))
+            cd = tuning.as_config(((64, 128, 128, 8, 3) if impl != "torch" else cfg) + (impl,))
+            if smoke:
+                c = cd = tuning.as_config((32, 32, 32, 1, 1, impl))
+            got = {
+                "fused": grouped_mm_rows(x, w, offs, a_index=gi, out_index=si, row_weights=rw, config=c),
+                "plain": grouped_mm_rows(xm, w, offs, config=c),
+                "wT": grouped_mm_rows(xm, wt.transpose(1, 2), offs, config=c),
+                "dw_fused": grouped_mm_dw(dy, x, offs, E, dy_index=si, x_index=gi, row_weights=rw, config=cd),
+                "dw_plain": grouped_mm_dw(dy, xm, offs, E, config=cd),
+            }
+            print(f"impl {impl:5s} M{M} K{K} N{N} E{E}: " + " ".join(f"{k} {rel(got[k], refs[k]):.1e}" for k in refs))
+
+
+def print_tuning(prefix=""):
+    """What the autotuner timed, per launch key: the best config of each impl and the winner."""
+    for key, timed in tuning.TIMINGS.items():
+        if prefix and prefix not in key:
+            continue
+        best = {}
+        for ms, cfg in timed:
+            if ms is not None and (cfg["impl"] not in best or ms < best[cfg["impl"]][0]):
+                best[cfg["impl"]] = (ms, cfg)
+        failed = sum(ms is None for ms, _ in timed)
+        parts = [f"{impl} {ms:.3f} ({cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} "
+                 f"s{cfg['num_stages']})" for impl, (ms, cfg) in sorted(best.items(), key=lambda t: t[1][0])]
+        print(f"  tune {key}: " + " | ".join(parts) + (f" | {failed} failed" if failed else ""), flush=True)
+
+
+def bench_grouped_gemm(M=65536, E=64, K=2048, N=1536, fused=True):
     print(f"\n# grouped GEMM {M} rows, {E} experts, {K} -> {N}, bf16")
     k = min(8, E)
     T = M // k
@@ -139,7 +207,7 @@ def bench_grouped_gemm(M=65536, E=64, K=2048, N=1536):
         grouped_gemm(xt, w, offsets, gather_index=gather, scatter_index=scatter, row_weights=rw).backward(gy)
 
     start = time.time()
-    ours(), ours_fused()
+    ours(), fused and ours_fused()
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     print(f"  (first calls incl. autotuning: {time.time() - start:.1f} s)")
@@ -147,7 +215,8 @@ def bench_grouped_gemm(M=65536, E=64, K=2048, N=1536):
     bench(name, "torch._grouped_mm", tmm, [x, w], flops)
     bench(name, "per-expert loop", loop, [x, w], flops)
     bench(name, "fastplug grouped_gemm", ours, [x, w], flops)
-    bench(name, "fastplug, gather+scatter+rw fused", ours_fused, [xt, w, rw], flops)
+    if fused:
+        bench(name, "fastplug, gather+scatter+rw fused", ours_fused, [xt, w, rw], flops)
     fname = f"grouped GEMM {M}x{K}->{N}, E{E}, fwd"
     with torch.no_grad():
         bench(fname, "torch._grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets), None, flops / 3)
@@ -168,7 +237,7 @@ def qwen3_block(H, I, E, k):
     return block.to(DEV, torch.bfloat16)
 
 
-def patch_block(block):
+def patch_block(block, family="qwen3_moe"):
     """What the patch does to one MoE block: the model's experts implementation and the router forward."""
     import types
 
@@ -177,8 +246,49 @@ def patch_block(block):
     moe_rules._register()
     experts = block.experts.get_base_layer() if hasattr(block.experts, "get_base_layer") else block.experts
     experts.config._experts_implementation = moe_rules.IMPLEMENTATION
-    block.gate.forward = types.MethodType(moe_rules._router_forward("norm_topk_prob", False), block.gate)
+    block.gate.forward = types.MethodType(moe_rules._router_forward(*moe_rules._ROUTERS[family]), block.gate)
     return block
+
+
+def bench_mixtral(T=8192, H=4096, I=14336, E=8, k=2):
+    """One Mixtral MoE block (router + experts + combine) as the e2e LoRA-on-attention run uses it: expert
+    and router weights frozen, the input's gradient only; forward (no grad, checkpointing's first pass)
+    and fwd+bwd."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    print(f"\n# Mixtral MoE block, {T} tokens, hidden {H}, {E} x {I}, top-{k}, bf16, frozen experts")
+    config = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=k)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        base = MixtralSparseMoeBlock(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.normal_(0, 0.02)
+    base.requires_grad_(False)
+    fast = patch_block(copy.deepcopy(base), "mixtral")
+    x = (torch.randn(1, T, H, device=DEV) * 0.5).bfloat16().requires_grad_()
+    gy = torch.randn(1, T, H, device=DEV, dtype=torch.bfloat16)
+    start = time.time()
+    outs = []
+    for blk in (base, fast):
+        y = blk(x)
+        y = y[0] if isinstance(y, tuple) else y
+        (dx,) = torch.autograd.grad(y, x, gy)
+        outs.append((y, dx))
+    torch.cuda.synchronize() if DEV.type == "cuda" else None
+    print(f"  (first calls incl. autotuning: {time.time() - start:.1f} s)")
+    print("  fastplug vs transformers, rel err out/dx:", " ".join(f"{rel(a, b):.1e}" for a, b in zip(outs[1], outs[0])))
+    flops = 2 * T * k * H * 3 * I
+    for impl, blk in (("transformers grouped_mm", base), ("fastplug", fast)):
+        def step(blk=blk):
+            y = blk(x)
+            (y[0] if isinstance(y, tuple) else y).backward(gy)
+
+        bench(f"Mixtral block {T} tok, frozen experts, fwd+bwd(dx)", impl, step, [x], 3 * flops)
+        with torch.no_grad():
+            bench(f"Mixtral block {T} tok, forward (no grad)", impl, lambda blk=blk: blk(x), None, flops)
+    print_tuning("|E8|")
 
 
 def bench_layer(T=8192, H=2048, I=768, E=64, k=8):
@@ -237,17 +347,29 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
+    parser.add_argument("--only", default="gemm,fused,layer,mixtral",
+                        help="benchmarks to run: gemm, fused (gemm with gather/scatter/weights), layer, mixtral")
     args = parser.parse_args()
+    only = set(args.only.split(","))
     print("tuning cache:", tuning.cache_path(), "| autotune:", tuning.autotune_enabled())
     check_interface()
     if not args.skip_checks:
+        tuning.set_autotune(False)  # correctness only: the default configs, nothing compiled twice
         check_kernels(args.smoke)
+        check_impls(args.smoke)
+        tuning.set_autotune(None)
     if args.smoke:
         bench_grouped_gemm(M=256, E=4, K=32, N=48)
         bench_layer(T=32, H=64, I=32, E=4, k=2)
+        bench_mixtral(T=32, H=64, I=48, E=4, k=2)
     else:
-        bench_grouped_gemm()
-        bench_layer()
+        if "gemm" in only:
+            bench_grouped_gemm(fused="fused" in only)
+            print_tuning("|E64|")
+        if "mixtral" in only:
+            bench_mixtral()
+        if "layer" in only:
+            bench_layer()
     print("\n| row | impl | ms | peak MiB | note |\n|---|---|---|---|---|")
     for name, impl, ms, peak, note in ROWS:
         print(f"| {name} | {impl} | {ms:.3f} | {peak:.0f} | {note} |")

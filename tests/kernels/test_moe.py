@@ -12,6 +12,7 @@ from fastplug.kernels.moe import (
     moe_router_reference, routing_metadata, routing_metadata_reference,
 )
 from fastplug.kernels.moe import tuning
+from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_rows
 from tests.helpers import assert_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,13 +127,110 @@ def test_moe_experts_matches_loop(dtype, lora):
         assert_close(g, g64, dtype, name, tol=tol)
 
 
+@pytest.mark.parametrize("impl", ["ptr", "tma", "torch"])
+@pytest.mark.parametrize("K, N", [(64, 96), (40, 72)])  # block-aligned widths, and ones that are not
+def test_launch_paths_match_loop(impl, K, N):
+    """Each launch path the tuner may pick (pointer loads, tensor descriptors, torch._grouped_mm + the scale/
+    scatter pass), forced: fused rows, plain rows, the transposed weight view of dX, and dW."""
+    dtype = torch.bfloat16
+    counts = [40, 0, 1, 70, 9]
+    E, M, T = len(counts), sum(counts), 30
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    x, xm = torch.randn(T, K, device=DEVICE).to(dtype), torch.randn(M, K, device=DEVICE).to(dtype)
+    w = (torch.randn(E, N, K, device=DEVICE) / K**0.5).to(dtype)
+    wt = (torch.randn(E, K, N, device=DEVICE) / K**0.5).to(dtype)  # wt.transpose(1, 2): dX's view, unit stride on N
+    gather, scatter = torch.randint(0, T, (M,), device=DEVICE), torch.randperm(M, device=DEVICE)
+    rw, dy = torch.rand(M, device=DEVICE), torch.randn(M, N, device=DEVICE).to(dtype)
+    cfg = tuning.as_config((0, 0, 0, 0, 0, "torch") if impl == "torch" else (32, 32, 32, 1, 1, impl))
+    d = lambda t: t.double()  # noqa: E731
+
+    def dw_loop(dy_rows, x_rows, scale=1.0):
+        out, start = [], 0
+        for end in offsets.tolist():
+            out.append(scale * dy_rows[start:end].T @ x_rows[start:end])
+            start = end
+        return torch.stack(out)
+
+    got = grouped_mm_rows(x, w, offsets, a_index=gather, out_index=scatter, row_weights=rw, config=cfg)
+    ref = grouped_gemm_reference(d(x), d(w), offsets, gather_index=gather, scatter_index=scatter, row_weights=d(rw))
+    assert_close(got, ref, dtype, "fused rows")
+    assert_close(grouped_mm_rows(xm, w, offsets, config=cfg), grouped_gemm_reference(d(xm), d(w), offsets), dtype, "rows")
+    assert_close(grouped_mm_rows(xm, wt.transpose(1, 2), offsets, config=cfg),
+                 grouped_gemm_reference(d(xm), d(wt).transpose(1, 2), offsets), dtype, "rows, transposed weights")
+    assert_close(grouped_mm_dw(dy, x, offsets, E, dy_index=scatter, x_index=gather, row_weights=rw, config=cfg),
+                 dw_loop(d(dy)[scatter] * d(rw)[:, None], d(x)[gather]), dtype, "dw, gathered")
+    assert_close(grouped_mm_dw(dy, xm, offsets, E, scale=0.5, config=cfg), dw_loop(d(dy), d(xm), 0.5), dtype, "dw")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_moe_experts_frozen_down_split_path(lora):
+    """A frozen down projection without LoRA takes ExpertsUp + ExpertsDown: same values and gradients as
+    the loop (x, gate_up, the routing weights, LoRA on gate_up)."""
+    dtype = torch.float32
+    T, H, I, E, k, r = 11, 40, 24, 5, 2, 4
+    x = torch.randn(T, H, device=DEVICE).requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5).requires_grad_()
+    down = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    logits = torch.randn(T, E, device=DEVICE)
+    logits[:, 1] = -1e4  # an expert without tokens
+    logits = logits.requires_grad_()
+    adapters = [torch.randn(E, r, H, device=DEVICE, requires_grad=True), torch.randn(E, 2 * I, r, device=DEVICE,
+                                                                                       requires_grad=True)]
+
+    def run(fn, x, gate_up, logits, adapters):
+        weights, index = moe_router_reference(logits, k)
+        kw = dict(gate_up_lora=ExpertLoRA(*adapters, 0.5)) if lora else {}
+        return fn(x, gate_up, down.to(x.dtype), index, weights.to(x.dtype), **kw)
+
+    inputs = [x, gate_up, logits] + (adapters if lora else [])
+    out = run(moe_experts, x, gate_up, logits, adapters)
+    assert out.grad_fn is not None and "ExpertsDown" in type(out.grad_fn).__name__
+    inputs64 = _f64(*inputs)
+    ref = run(moe_experts_reference, *inputs64[:3], inputs64[3:])
+    assert_close(out, ref, dtype, "out")
+    grad = torch.randn(out.shape, device=DEVICE)
+    for name, g, g64 in zip(["dx", "dgate_up", "dlogits", "dA1", "dB1"], _grads(out, inputs, grad),
+                            _grads(ref, inputs64, grad.double())):
+        assert_close(g, g64, dtype, name)
+
+
+def test_split_path_skips_the_down_gemm_in_checkpoint_recompute(monkeypatch):
+    """Under non-reentrant checkpointing (early stop on) the down GEMM runs once: ExpertsDown saves nothing
+    that the recompute must rebuild. Gradients equal the unchecked run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from fastplug.kernels.moe import experts
+
+    T, H, I, E, k = 9, 32, 16, 4, 2
+    x = torch.randn(T, H, device=DEVICE, requires_grad=True)
+    gate_up = (torch.randn(E, 2 * I, H, device=DEVICE) / H**0.5).requires_grad_()
+    down = torch.randn(E, H, I, device=DEVICE) / I**0.5
+    router = torch.randn(H, E, device=DEVICE)
+    calls = []
+    forward = experts.ExpertsDown.forward
+    monkeypatch.setattr(experts.ExpertsDown, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
+
+    def layer(x):
+        weights, index = moe_router(x @ router, k)
+        return x + moe_experts(x, gate_up, down, index, weights)
+
+    grad = torch.randn(T, H, device=DEVICE)
+    plain = _grads(layer(x), [x, gate_up], grad)
+    calls.clear()
+    checked = _grads(checkpoint(layer, x, use_reentrant=False), [x, gate_up], grad)
+    assert len(calls) == 1
+    for name, a, b in zip(("dx", "dgate_up"), checked, plain):
+        assert torch.allclose(a, b), name
+
+
 def test_tuning_candidates_fit_shared_memory():
     small = tuning.candidates("fwd", torch.bfloat16, 1536, 2048, 64, 65536, smem_limit=64 * 1024)
     assert small and all(tuning.shared_memory_bytes("fwd", c, torch.bfloat16) <= 64 * 1024 for c in small)
     big = tuning.candidates("fwd", torch.bfloat16, 1536, 2048, 64, 65536, smem_limit=228 * 1024)
     assert len(big) > len(small)
     tiny = tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, smem_limit=228 * 1024)
-    assert len(tiny) == 1  # nothing fits the shape: the smallest config
+    assert [c["impl"] for c in tiny] == ["torch", "ptr"]  # no Triton block fits the shape: the smallest one
+    assert [c["impl"] for c in tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, 228 * 1024, ("ptr", "tma"))] == ["ptr"]
 
 
 def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
@@ -144,7 +242,8 @@ def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
     timings = {}
 
     def fake_time(run, cfg):
-        timings[str(cfg)] = 1.0 / (cfg["BLOCK_N"] * cfg["num_stages"])  # prefers big BLOCK_N, many stages
+        # prefers big BLOCK_N, many stages; torch._grouped_mm slower than all
+        timings[str(cfg)] = 1.0 if cfg["impl"] == "torch" else 1.0 / (cfg["BLOCK_N"] * cfg["num_stages"])
         return timings[str(cfg)]
 
     monkeypatch.setattr(tuning, "time_config", fake_time)
@@ -153,15 +252,28 @@ def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
     tuning.set_autotune(True)
     try:
         tuning.reset_cache_state()
-        best = tuning.config_for(*args, run=lambda cfg: None)
+        best = tuning.config_for(*args, run=lambda cfg: None, variant="t")
         assert timings and best == min(tuning.candidates(*args[:6], 228 * 1024), key=lambda c: timings[str(c)])
+        assert any(c["impl"] == "torch" for c in tuning.candidates(*args[:6], 228 * 1024))
         data = json.loads(path.read_text())
-        assert data["Fake GPU|triton 0"][tuning.shape_key(*args[:6])] == best
+        assert data["Fake GPU|triton 0"][tuning.shape_key(*args[:6], "t")] == best
+
+        # without "t" in the variant (LoRA, fp32) torch._grouped_mm is never timed; another key
+        timings.clear()
+        other = tuning.config_for(*args, run=lambda cfg: None, variant="l")
+        assert timings and not any("torch" in c for c in timings) and other["impl"] != "torch"
 
         # a new process reads it back without timing anything
         tuning.reset_cache_state()
         monkeypatch.setattr(tuning, "time_config", lambda run, cfg: pytest.fail("timed a cached shape"))
-        assert tuning.config_for(*args, run=lambda cfg: None) == best
+        assert tuning.config_for(*args, run=lambda cfg: None, variant="t") == best
+
+        # a cache entry from before the impl field is ignored (retuned), never misread
+        data["Fake GPU|triton 0"][tuning.shape_key(*args[:6], "old")] = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
+                                                                          "num_warps": 4, "num_stages": 3}
+        path.write_text(json.dumps(data))
+        tuning.reset_cache_state()
+        assert tuning.config_for(*args, variant="old") == tuning.as_config(tuning.DEFAULTS["fwd"])
 
         # another device or Triton version ignores the entry (no run given: the default)
         tuning.reset_cache_state()

@@ -43,10 +43,10 @@ class ExpertLoRA(NamedTuple):
 def _glu_rows_bwd(
     dh_ptr, gu_ptr, rw_ptr, dgu_ptr, drw_ptr, M, I,
     stride_dh, stride_gu, stride_dgu,
-    ACT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
+    ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    """dh: d(unweighted h) [M, I]; gu: [gate | up] [M, 2I]. Writes dgu = rw * d[gate | up], h into dh's
-    buffer (each element is read before this program overwrites it) and drw = <dh, h>."""
+    """dh: d(unweighted h) [M, I]; gu: [gate | up] [M, 2I]. Writes dgu = rw * d[gate | up], drw = <dh, h>
+    and (STORE_H) h into dh's buffer (each element is read before this program overwrites it)."""
     rows = (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_ok = rows < M
     rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -61,7 +61,8 @@ def _glu_rows_bwd(
         act = x * p
         h = act * u
         dot += tl.sum(g * h, 1)
-        tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], h.to(dh_ptr.dtype.element_ty), mask=mask)
+        if STORE_H:
+            tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], h.to(dh_ptr.dtype.element_ty), mask=mask)
         gw = g * rw[:, None]
         tl.store(dgu_ptr + rows[:, None] * stride_dgu + cols[None, :],
                  (gw * u * (p + x * dp)).to(dgu_ptr.dtype.element_ty), mask=mask)
@@ -70,17 +71,44 @@ def _glu_rows_bwd(
     tl.store(drw_ptr + rows, dot, mask=row_ok)
 
 
-def _glu_rows_backward(dh: torch.Tensor, gu: torch.Tensor, rw: torch.Tensor, activation: str):
-    """(dgu, h, drw); h is written into dh's buffer (owned by the caller)."""
+def _glu_rows_backward(dh: torch.Tensor, gu: torch.Tensor, rw: torch.Tensor, activation: str, store_h: bool = True):
+    """(dgu, h, drw); h is written into dh's buffer (owned by the caller) when store_h, else h is None."""
     M, I = dh.shape
     dgu = torch.empty_like(gu)
     drw = torch.empty(M, dtype=torch.float32, device=dh.device)
     if M:
         _glu_rows_bwd[(cdiv(M, _BLOCK_ROWS),)](
             dh, gu, rw, dgu, drw, M, I, dh.stride(0), gu.stride(0), dgu.stride(0),
-            ACT=ACTIVATIONS.index(activation), BLOCK_ROWS=_BLOCK_ROWS, BLOCK_I=min(_MAX_BLOCK_I, next_power_of_2(I)),
+            ACT=ACTIVATIONS.index(activation), STORE_H=store_h, BLOCK_ROWS=_BLOCK_ROWS,
+            BLOCK_I=min(_MAX_BLOCK_I, next_power_of_2(I)),
         )
-    return dgu, dh, drw
+    return dgu, (dh if store_h else None), drw
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, H, stride_y, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over j < TOP_K of y[t * TOP_K + j], in fp32 (the combine over a token's experts)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_slots(y: torch.Tensor, T: int, k: int) -> torch.Tensor:
+    """[T * k, H] rows in (token, slot) order -> [T, H]: one pass (torch's strided sum over the middle dim
+    of a [T, k, H] view ran at a third of the memory bandwidth)."""
+    if k == 1:
+        return y
+    H = y.shape[1]
+    out = torch.empty((T, H), dtype=y.dtype, device=y.device)
+    if T and H:
+        block = min(1024, next_power_of_2(H))
+        _sum_slots_kernel[(T, cdiv(H, block))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block,
+                                               num_warps=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- autograd
@@ -112,7 +140,7 @@ class MoEExperts(torch.autograd.Function):
         keep_for_backward(ctx, (gate_up, down, a1, b1, a2, b2))
         ctx.scales, ctx.activation, ctx.k = (s1, s2), activation, k
         ctx.weights_dtype = top_k_weights.dtype
-        return y.view(T, k, H).sum(1)
+        return _sum_slots(y, T, k)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -147,7 +175,7 @@ class MoEExperts(torch.autograd.Function):
         if needs[0]:
             slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
                                     lora=(u1, _t(a1)) if a1 is not None else None)
-            grads[0] = slots.view(T, ctx.k, H).sum(1)
+            grads[0] = _sum_slots(slots, T, ctx.k)
         if needs[3]:
             grads[3] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
         if a1 is not None:
@@ -156,6 +184,71 @@ class MoEExperts(torch.autograd.Function):
             if needs[5]:
                 grads[5] = grouped_mm_dw(u1, x, offsets, E, x_index=gather, dtype=a1.dtype)
         return tuple(grads)
+
+
+class ExpertsUp(torch.autograd.Function):
+    """The first half of the split path: x -> h = act(gate) * up per grouped row (gate_up GEMM gathering
+    token rows, LoRA term in its epilogue, the gated activation). Its gradient input is d(unweighted h)
+    from `ExpertsDown`, an internal convention of the pair: h reaches no one else."""
+
+    @staticmethod
+    def forward(ctx, x, rw, gate_up, a1, b1, s1, offsets, gather, scatter, activation, k):
+        a1 = None if a1 is None else a1.contiguous()
+        b1 = None if b1 is None else (b1 * s1 if s1 != 1.0 else b1).contiguous()
+        t1 = grouped_mm_rows(x, a1, offsets, a_index=gather) if a1 is not None else None
+        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1) if a1 is not None else None)
+        inter = gu.shape[1] // 2
+        h = glu_forward(gu[:, :inter], gu[:, inter:], activation)
+        ctx.save_for_backward(x, gu, t1, rw)
+        keep_for_backward(ctx, (gate_up, a1, b1, offsets, gather, scatter))  # weights and routing metadata
+        ctx.s1, ctx.activation, ctx.k = s1, activation, k
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, gu, t1, rw = ctx.saved_tensors
+        gate_up, a1, b1, offsets, gather, scatter = kept_for_backward(ctx)
+        needs = ctx.needs_input_grad
+        E = gate_up.shape[0]
+        grads = [None] * 11
+        dgu, _, drw = _glu_rows_backward(dh, gu, rw, ctx.activation, store_h=False)
+        if needs[1]:
+            grads[1] = drw.to(rw.dtype)
+        u1 = grouped_mm_rows(dgu, _t(b1), offsets) if a1 is not None else None
+        if needs[0]:
+            slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
+                                    lora=(u1, _t(a1)) if a1 is not None else None)
+            grads[0] = _sum_slots(slots, x.shape[0], ctx.k)
+        if needs[2]:
+            grads[2] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
+        if a1 is not None:
+            if needs[4]:
+                grads[4] = grouped_mm_dw(dgu, t1, offsets, E, scale=ctx.s1, dtype=b1.dtype)
+            if needs[3]:
+                grads[3] = grouped_mm_dw(u1, x, offsets, E, x_index=gather, dtype=a1.dtype)
+        return tuple(grads)
+
+
+class ExpertsDown(torch.autograd.Function):
+    """The second half of the split path, for a frozen down projection without LoRA: h -> sum over each
+    token's slots of rw * (h @ down_e^T). It saves nothing through save_for_backward (the weight and the
+    routing metadata, a few KiB, are kept on ctx), so under non-reentrant checkpointing, whose recompute
+    stops once the last saved tensor is back (early stop, torch's default), the recompute ends after
+    ExpertsUp: the down GEMM and the combine run once per step instead of twice."""
+
+    @staticmethod
+    def forward(ctx, h, rw, down, offsets, gather, scatter, k):
+        T = gather.shape[0] // k
+        y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw)
+        keep_for_backward(ctx, (down, offsets, gather))
+        return _sum_slots(y, T, k)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        down, offsets, gather = kept_for_backward(ctx)
+        # d(unweighted h): ExpertsUp applies the routing weights and takes their gradient <dh, h>
+        dh = grouped_mm_rows(grad_out.to(down.dtype), _t(down), offsets, a_index=gather)
+        return dh, None, None, None, None, None, None
 
 
 def _check_experts(x, gate_up, down, top_k_index, top_k_weights, activation, lora):
@@ -210,6 +303,13 @@ def moe_experts(
         return x.new_zeros(x.shape)
     a1, b1, s1 = _adapter(gate_up_lora, gate_up_proj.dtype)
     a2, b2, s2 = _adapter(down_lora, down_proj.dtype)
+    if down_lora is None and not (torch.is_grad_enabled() and down_proj.requires_grad):
+        # frozen down projection: the split path (ExpertsDown is not recomputed under checkpointing)
+        k = top_k_index.shape[1]
+        offsets, gather, scatter = routing_metadata(top_k_index, gate_up_proj.shape[0])
+        rw = top_k_weights.reshape(-1)[scatter.long()]
+        h = ExpertsUp.apply(x, rw, gate_up_proj, a1, b1, s1, offsets, gather, scatter, activation, k)
+        return ExpertsDown.apply(h, rw.detach(), down_proj, offsets, gather, scatter, k)
     return MoEExperts.apply(x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2, activation)
 
 

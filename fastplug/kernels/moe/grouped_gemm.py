@@ -27,6 +27,11 @@ import triton.language as tl
 from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
 from . import tuning
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # triton without host-side tensor descriptors: pointer loads only
+    TensorDescriptor = None
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _GROUP_M = 8  # row tiles that share each weight tile while it is in L2 (see _expert_tile)
 
@@ -76,10 +81,15 @@ def _grouped_mm(
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_tm, stride_tr, stride_be, stride_bn, stride_br,
     HAS_A_INDEX: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, HAS_RW: tl.constexpr, HAS_LORA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    A_TMA: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """A_TMA: a_ptr is a tensor descriptor over a [rows, K] (block [BLOCK_M, BLOCK_K]); a tile may run into
+    the next expert's rows, whose products are not stored. W_TMA: w_ptr is a descriptor over the weights
+    flattened to 2-D: [E * N, K] (W_KMAJOR, block [BLOCK_N, BLOCK_K]; a tile past N reads the next
+    expert's rows, whose columns are not stored) or [E * K, N] (block [BLOCK_K, BLOCK_N]; the launcher
+    takes this only when BLOCK_K divides K, so no tile reads another expert's rows into the sum)."""
     expert, row_start, row_end, col_tile = _expert_tile(offsets_ptr, tl.program_id(0), tl.cdiv(N, BLOCK_N), E,
                                                          BLOCK_E, BLOCK_M, GROUP_M)
     if expert >= E:
@@ -87,23 +97,36 @@ def _grouped_mm(
     row_end = tl.minimum(row_end, M)  # offsets past the rows given must not write out of bounds
     rm = row_start + tl.arange(0, BLOCK_M)
     mask_m = rm < row_end
-    rn = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = col_tile * BLOCK_N
+    rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     if HAS_A_INDEX:
         src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
     else:
         src = rm.to(tl.int64)
-    a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+    if not A_TMA:
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+    if not W_TMA:
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = rk < K - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+        if A_TMA:
+            a = a_ptr.load([row_start, k0])
+        else:
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+        if W_TMA:
+            if W_KMAJOR:
+                w = tl.trans(w_ptr.load([expert * N + col0, k0]))
+            else:
+                w = w_ptr.load([expert * K + k0, col0])
+        else:
+            k_ok = rk < K - k0
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+            w_ptrs += BLOCK_K * stride_wk
         acc = _dot(a, w, acc, PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
     if HAS_LORA:
         rr = tl.arange(0, BLOCK_R)
         t = tl.load(t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
@@ -122,45 +145,95 @@ def _grouped_mm(
 
 
 @triton.jit
-def _grouped_mm_dw(
-    dy_ptr, dy_index_ptr, x_ptr, x_index_ptr, rw_ptr, offsets_ptr, dw_ptr, scale,
-    M, N, K,
-    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    expert = tl.program_id(1)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    rn = (pid // k_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = (pid % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask_n = rn < N
-    mask_k = rk < K
-    row_end = tl.minimum(tl.load(offsets_ptr + expert).to(tl.int32), M)
-    row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int32)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
-        rm = m0 + tl.arange(0, BLOCK_M)
+def _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, m0, row_end, n0, k0, rn, rk,
+             mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
+             HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr,
+             DY_TMA: tl.constexpr, X_TMA: tl.constexpr, FULL: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_M: tl.constexpr):
+    """acc += (rw * dy)[m0:m0+BLOCK_M, rn]^T x[m0:m0+BLOCK_M, rk]. FULL: every row of the block is the
+    expert's (no row mask). The last, partial block has FULL and the TMA flags off: rows past the expert's
+    end must be masked, which bulk copies cannot do."""
+    rm = m0 + tl.arange(0, BLOCK_M)
+    if FULL:
+        mask_m = tl.full((BLOCK_M,), 1, tl.int1)
+    else:
         mask_m = rm < row_end
+    if DY_TMA:
+        dy = tl.trans(dy_desc.load([m0, n0]))
+    else:
         if HAS_DY_INDEX:
             dy_rows = tl.load(dy_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             dy_rows = rm.to(tl.int64)
+        dy = tl.load(dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
+                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+    if HAS_RW:
+        rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
+        dy = (dy.to(tl.float32) * rw[None, :]).to(dy_ptr.dtype.element_ty)
+    if X_TMA:
+        x = x_desc.load([m0, k0])
+    else:
         if HAS_X_INDEX:
             x_rows = tl.load(x_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             x_rows = rm.to(tl.int64)
-        dy = tl.load(dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
-                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)
-        if HAS_RW:
-            rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
-            dy = (dy.to(tl.float32) * rw[None, :]).to(dy_ptr.dtype.element_ty)
         x = tl.load(x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        acc = _dot(dy, x, acc, PRECISION)
+    return _dot(dy, x, acc, PRECISION)
+
+
+@triton.jit
+def _grouped_mm_dw(
+    dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, offsets_ptr, dw_ptr, scale,
+    M, N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
+    HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr,
+    DY_TMA: tl.constexpr, X_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """DY_TMA / X_TMA: dy_desc / x_desc are tensor descriptors over dy [rows, N] (block [BLOCK_M, BLOCK_N])
+    and x [rows, K] (block [BLOCK_M, BLOCK_K]), used for the expert's whole BLOCK_M blocks of rows."""
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    n0 = (pid // k_tiles) * BLOCK_N
+    k0 = (pid % k_tiles) * BLOCK_K
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = k0 + tl.arange(0, BLOCK_K)
+    mask_n = rn < N
+    mask_k = rk < K
+    row_end = tl.minimum(tl.load(offsets_ptr + expert).to(tl.int32), M)
+    row_start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0).to(tl.int32)
+    row_start = tl.minimum(row_start, row_end)
+    full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m0 in range(row_start, full_end, BLOCK_M):
+        acc = _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, m0, row_end, n0, k0, rn,
+                       rk, mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
+                       HAS_DY_INDEX, HAS_X_INDEX, HAS_RW, DY_TMA, X_TMA, True, PRECISION, BLOCK_M)
+    if full_end < row_end:
+        acc = _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, full_end, row_end, n0, k0,
+                       rn, rk, mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
+                       HAS_DY_INDEX, HAS_X_INDEX, HAS_RW, False, False, False, PRECISION, BLOCK_M)
     acc *= scale
     tl.store(dw_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
              acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _scale_scatter_rows(y_ptr, rw_ptr, index_ptr, out_ptr, M, N, stride_y, stride_o,
+                        HAS_RW: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[index[m]] = rw[m] * y[m] (the epilogue of the torch._grouped_mm path), fp32 product, one rounding."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = rm < M
+    dst = tl.load(index_ptr + rm, mask=mask_m, other=0).to(tl.int64) if HAS_INDEX else rm.to(tl.int64)
+    rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32) if HAS_RW else tl.full((BLOCK_M,), 1.0, tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        mask = mask_m[:, None] & (rn[None, :] < N)
+        y = tl.load(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + dst[:, None] * stride_o + rn[None, :], (y * rw[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -169,6 +242,61 @@ def _precision(dtype: torch.dtype, device: torch.device) -> str:
     if device.type != "cuda":
         return "upcast"
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _descriptor_ok(t: torch.Tensor, rows_stride: int) -> bool:
+    """A 2-D descriptor [*, unit-stride columns] over t's storage: 16-byte aligned base and row stride."""
+    size = t.element_size()
+    return TensorDescriptor is not None and t.data_ptr() % 16 == 0 and (rows_stride * size) % 16 == 0
+
+
+def _tma_capable(device: torch.device) -> bool:
+    """Tensor descriptors: Hopper's bulk copies (capability 9.0+), or the interpreter's emulation."""
+    if TensorDescriptor is None:
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    """(descriptor, k-major) over w [E, N, K] flattened to 2-D, or None when its strides do not allow it."""
+    E, N, K = w.shape
+    if w.stride(2) == 1 and w.stride(0) == N * w.stride(1) and _descriptor_ok(w, w.stride(1)):
+        return TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [block_n, block_k]), True
+    if (w.stride(1) == 1 and w.stride(0) == K * w.stride(2) and K % block_k == 0  # no tile reads two experts' rows
+            and _descriptor_ok(w, w.stride(2))):
+        return TensorDescriptor(w, [E * K, N], [w.stride(2), 1], [block_k, block_n]), False
+    return None
+
+
+def _torch_grouped_ok(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm (CUTLASS on Hopper): bf16, 16-byte aligned rows."""
+    return hasattr(torch, "_grouped_mm") and all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def _scale_scatter(y: torch.Tensor, out: torch.Tensor, row_weights, out_index) -> None:
+    M, N = y.shape
+    block_n = min(256, max(16, next_power_of_2(N)))
+    _scale_scatter_rows[(cdiv(M, 16),)](
+        y, row_weights if row_weights is not None else y, out_index if out_index is not None else y, out, M, N,
+        y.stride(0), out.stride(0), HAS_RW=row_weights is not None, HAS_INDEX=out_index is not None,
+        BLOCK_M=16, BLOCK_N=block_n, num_warps=4,
+    )
+
+
+def _rows_torch(a, w, offsets, a_index, out, out_index, row_weights, out_given: bool) -> torch.Tensor:
+    """The same product through torch._grouped_mm on a gathered copy of the rows, then one pass that
+    scales and scatters them (tuning picks it where cuBLAS/CUTLASS beats the Triton kernel)."""
+    rows = a.index_select(0, a_index) if a_index is not None else a
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch._grouped_mm(rows, w.transpose(1, 2), offs=offsets if offsets.dtype == torch.int32 else offsets.int())
+    if out_index is None and row_weights is None and not out_given:
+        return y
+    if out.stride(1) != 1:
+        out.copy_(y if row_weights is None else y * row_weights[:, None])
+        return out
+    _scale_scatter(y, out, row_weights, out_index)
+    return out
 
 
 def grouped_mm_rows(
@@ -188,10 +316,11 @@ def grouped_mm_rows(
     w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r]), the
     LoRA scale already folded into b.
     M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
-    `config` (block sizes, warps, stages) overrides the tuned one (tuning sweeps).
+    `config` (block sizes, warps, stages, impl) overrides the tuned one (tuning sweeps, tests).
     """
     M = a_index.shape[0] if a_index is not None else a.shape[0]
     E, N, K = w.shape
+    out_given = out is not None
     if out is None:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device)
     if M == 0 or N == 0:
@@ -201,26 +330,53 @@ def grouped_mm_rows(
     t, b = lora if lora is not None else (None, None)
     R = t.shape[1] if lora is not None else 0
     dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
+    tma_device = _tma_capable(a.device)
+    torch_ok = lora is None and _torch_grouped_ok(a, w)
 
-    def launch(cfg: dict) -> None:
+    def launch(cfg: dict):
+        impl = cfg.get("impl", "ptr")
+        if impl == "torch":
+            if not torch_ok:
+                raise RuntimeError("torch._grouped_mm path: bf16 tensors without LoRA only")
+            return _rows_torch(a, w, offsets, a_index, out, out_index, row_weights, out_given)
+        a_arg, w_arg, a_tma, w_tma, w_kmajor = a, w, False, False, True
+        if impl == "tma" and tma_device:
+            wd = _weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
+            if wd is not None:
+                w_arg, w_kmajor = wd
+                w_tma = True
+            if a_index is None and a.stride(1) == 1 and _descriptor_ok(a, a.stride(0)):
+                a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+                a_tma = True
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(N, cfg["BLOCK_N"]),)
         _grouped_mm[grid](
-            a, a_index if a_index is not None else dummy, w, out, out_index if out_index is not None else dummy,
+            a_arg, a_index if a_index is not None else dummy, w_arg, out,
+            out_index if out_index is not None else dummy,
             row_weights if row_weights is not None else dummy, offsets,
             t if t is not None else dummy, b if b is not None else dummy,
             M, N, K, E, R,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
             *(t.stride() if t is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
             HAS_A_INDEX=a_index is not None, HAS_OUT_INDEX=out_index is not None, HAS_RW=row_weights is not None,
-            HAS_LORA=lora is not None,
+            HAS_LORA=lora is not None, A_TMA=a_tma, W_TMA=w_tma, W_KMAJOR=w_kmajor,
             PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2), BLOCK_R=max(16, next_power_of_2(R)),
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=_GROUP_M,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+        return out
 
     # tuning runs write `out`, which the real launch then overwrites
-    launch(config or tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=launch))
-    return out
+    cfg = config or tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=launch,
+                                      variant=_variant(a_index, out_index, row_weights, lora, torch_ok))
+    return launch(cfg)
+
+
+def _variant(*flags) -> str:
+    """The part of the tuning key beyond the shape: gathered rows, scattered rows, weights, LoRA, and
+    whether torch._grouped_mm may run (each changes what is fastest)."""
+    gather, scatter, rw, lora, torch_ok = flags
+    return "".join(c for c, on in zip("gswlt", (gather is not None, scatter is not None, rw is not None,
+                                                lora is not None, bool(torch_ok))) if on)
 
 
 def grouped_mm_dw(
@@ -245,20 +401,55 @@ def grouped_mm_dw(
     if M == 0:
         return dw.zero_()
     dummy = offsets
+    tma_device = _tma_capable(x.device)
+    torch_ok = _torch_grouped_ok(dy, x)
 
-    def launch(cfg: dict) -> None:
+    def launch(cfg: dict):
+        impl = cfg.get("impl", "ptr")
+        if impl == "torch":
+            if not torch_ok:
+                raise RuntimeError("torch._grouped_mm path: bf16 tensors only")
+            return _dw_torch(dy, x, offsets, dy_index, x_index, row_weights, scale, dw)
+        dy_desc, x_desc = dummy, dummy
+        dy_tma = impl == "tma" and tma_device and dy_index is None and dy.stride(1) == 1 and _descriptor_ok(dy, dy.stride(0))
+        x_tma = impl == "tma" and tma_device and x_index is None and x.stride(1) == 1 and _descriptor_ok(x, x.stride(0))
+        if dy_tma:
+            dy_desc = TensorDescriptor(dy, [dy.shape[0], N], [dy.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_N"]])
+        if x_tma:
+            x_desc = TensorDescriptor(x, [x.shape[0], K], [x.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         grid = (cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"]), num_experts)
         _grouped_mm_dw[grid](
-            dy, dy_index if dy_index is not None else dummy, x, x_index if x_index is not None else dummy,
+            dy, dy_desc, dy_index if dy_index is not None else dummy, x, x_desc,
+            x_index if x_index is not None else dummy,
             row_weights if row_weights is not None else dummy, offsets, dw, float(scale), M, N, K,
             dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
             HAS_DY_INDEX=dy_index is not None, HAS_X_INDEX=x_index is not None, HAS_RW=row_weights is not None,
+            DY_TMA=dy_tma, X_TMA=x_tma,
             PRECISION=_precision(x.dtype, x.device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+        return dw
 
-    launch(config or tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch))
-    return dw
+    cfg = config or tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch,
+                                      variant=_variant(dy_index, x_index, row_weights, None, torch_ok))
+    return launch(cfg)
+
+
+def _dw_torch(dy, x, offsets, dy_index, x_index, row_weights, scale, dw) -> torch.Tensor:
+    """dW through torch._grouped_mm over the contraction (2-D x 2-D, groups along the rows) on gathered,
+    weighted copies of the rows."""
+    rows_dy = dy.index_select(0, dy_index) if dy_index is not None else dy
+    if row_weights is not None or scale != 1.0:
+        rw = row_weights.float() * scale if row_weights is not None else None
+        scaled = torch.empty((rows_dy.shape[0], rows_dy.shape[1]), dtype=dy.dtype, device=dy.device)
+        if rw is None:
+            scaled.copy_(rows_dy * scale)
+        else:
+            _scale_scatter(rows_dy if rows_dy.stride(1) == 1 else rows_dy.contiguous(), scaled, rw, None)
+        rows_dy = scaled
+    rows_x = x.index_select(0, x_index) if x_index is not None else x
+    res = torch._grouped_mm(rows_dy.t(), rows_x, offs=offsets if offsets.dtype == torch.int32 else offsets.int())
+    return res if res.dtype == dw.dtype else dw.copy_(res)
 
 
 def _check_args(x, w, offsets, gather_index, scatter_index, row_weights) -> int:

@@ -25,31 +25,43 @@ import triton
 from .._utils import interpreter_enabled, next_power_of_2
 
 KINDS = ("fwd", "dw")
+IMPLS = ("ptr", "tma", "torch")
 
-# kind -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). For dw, BLOCK_M is the reduction step over
-# an expert's rows and BLOCK_N x BLOCK_K the tile of dW it owns.
+# kind -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, impl). For dw, BLOCK_M is the reduction step
+# over an expert's rows and BLOCK_N x BLOCK_K the tile of dW it owns. impl: "ptr" loads every tile through
+# pointers; "tma" loads the weight tiles (and the rows, where they are not gathered) with tensor
+# descriptors, Hopper's bulk copies (falls back to pointers where strides do not allow it); "torch" runs
+# torch._grouped_mm (CUTLASS on Hopper) on gathered rows, then scales and scatters them in one pass.
+_TORCH = (0, 0, 0, 0, 0, "torch")
 CANDIDATES = {
     "fwd": [
-        (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 32, 4, 5), (64, 64, 64, 4, 3),
-        (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
+        (128, 128, 64, 8, 3, "ptr"), (128, 256, 64, 8, 3, "ptr"), (128, 128, 64, 4, 4, "ptr"),
+        (64, 128, 64, 4, 4, "ptr"),
+        (128, 256, 64, 8, 3, "tma"), (128, 256, 64, 8, 4, "tma"), (128, 128, 64, 8, 4, "tma"),
+        (128, 128, 64, 4, 4, "tma"), (64, 256, 64, 4, 3, "tma"),
+        _TORCH,
         # narrow outputs: the rank-r LoRA products
-        (128, 16, 128, 4, 3), (64, 32, 128, 4, 4),
+        (128, 16, 128, 4, 3, "ptr"), (64, 32, 128, 4, 4, "ptr"),
     ],
     "dw": [
-        (64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
-        (64, 256, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 256, 8, 3), (64, 256, 128, 8, 4),
+        (64, 128, 128, 8, 3, "ptr"), (32, 128, 128, 8, 4, "ptr"), (64, 256, 128, 8, 3, "ptr"),
+        (64, 128, 64, 4, 4, "ptr"),
+        (64, 128, 128, 8, 3, "tma"), (64, 128, 128, 8, 4, "tma"), (64, 256, 128, 8, 3, "tma"),
+        (128, 128, 128, 8, 3, "tma"), (64, 128, 64, 4, 4, "tma"),
+        _TORCH,
         # one narrow side: dA [r, in] and dB [out, r] of LoRA
-        (64, 16, 128, 4, 4), (64, 128, 16, 4, 4), (128, 32, 128, 4, 3), (128, 128, 32, 8, 3),
+        (64, 16, 128, 4, 4, "ptr"), (64, 128, 16, 4, 4, "ptr"), (128, 32, 128, 4, 3, "ptr"),
+        (128, 128, 32, 8, 3, "ptr"),
     ],
 }
-DEFAULTS = {"fwd": (128, 128, 64, 8, 3), "dw": (64, 128, 128, 8, 3)}
+DEFAULTS = {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr")}
 # Small tiles: the interpreter walks every program in Python, and the CPU tests' experts have a few rows.
-_INTERPRETER = (32, 64, 64, 1, 1)
+_INTERPRETER = (32, 64, 64, 1, 1, "ptr")
 
-_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "impl")
 _lock = threading.Lock()
 _memory: dict[str, dict] = {}  # key -> config, this process
+TIMINGS: dict[str, list[tuple[float | None, dict]]] = {}  # key -> (ms or None, config) of each candidate timed
 _disk: dict | None = None  # the file's section for this device and Triton, loaded once
 _enabled_override: bool | None = None
 
@@ -82,9 +94,11 @@ def device_key(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)}|triton {triton.__version__}"
 
 
-def shape_key(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int) -> str:
-    """Rows are bucketed by the next power of two: one tuning serves every batch of a similar size."""
-    return f"{kind}|{str(dtype).replace('torch.', '')}|N{N}|K{K}|E{E}|M{next_power_of_2(M)}"
+def shape_key(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, variant: str = "") -> str:
+    """Rows are bucketed by the next power of two: one tuning serves every batch of a similar size.
+    `variant` names the launch's fused extras (gather, scatter, weights, LoRA; whether torch may run)."""
+    key = f"{kind}|{str(dtype).replace('torch.', '')}|N{N}|K{K}|E{E}|M{next_power_of_2(M)}"
+    return f"{key}|{variant}" if variant else key
 
 
 def shared_memory_limit(device: torch.device) -> int:
@@ -94,17 +108,26 @@ def shared_memory_limit(device: torch.device) -> int:
 
 def shared_memory_bytes(kind: str, cfg: dict, dtype: torch.dtype) -> int:
     """Pipelined operand tiles of one program: num_stages copies of both tiles of a K (or M) step."""
+    if cfg["impl"] == "torch":
+        return 0  # not ours to count (CUTLASS picks its own tiles)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     per_stage = (bm * bk + bk * bn) if kind == "fwd" else (bn * bm + bm * bk)
     return cfg["num_stages"] * per_stage * torch.empty((), dtype=dtype).element_size()
 
 
-def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, smem_limit: int) -> list[dict]:
-    """The configs worth timing for this shape: they fit shared memory and their blocks fit the shape."""
+def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, smem_limit: int,
+               impls=IMPLS) -> list[dict]:
+    """The configs worth timing for this shape: they fit shared memory and their blocks fit the shape;
+    `impls` leaves out the paths the launch cannot take (torch._grouped_mm: bf16 without LoRA)."""
     rows_per_expert = max(1, M // max(E, 1))
     fits = []
     for values in CANDIDATES[kind]:
         cfg = as_config(values)
+        if cfg["impl"] not in impls:
+            continue
+        if cfg["impl"] == "torch":
+            fits.append(cfg)
+            continue
         if shared_memory_bytes(kind, cfg, dtype) > smem_limit:
             continue
         too_big = cfg["BLOCK_N"] > max(16, next_power_of_2(N)) or cfg["BLOCK_K"] > max(16, next_power_of_2(K))
@@ -114,9 +137,10 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         too_small = (cfg["BLOCK_N"] < 64 and N >= 128) or (kind == "dw" and cfg["BLOCK_K"] < 64 and K >= 128)
         if not (too_big or too_small):
             fits.append(cfg)
-    if not fits:  # tiny shapes: the smallest candidate that fits the device
-        fits = sorted((as_config(v) for v in CANDIDATES[kind] if shared_memory_bytes(kind, as_config(v), dtype)
-                       <= smem_limit), key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])[:1]
+    if not any(c["impl"] != "torch" for c in fits):  # tiny shapes: the smallest Triton config that fits the device
+        fits += sorted((as_config(v) for v in CANDIDATES[kind] if v[5] == "ptr"
+                        and shared_memory_bytes(kind, as_config(v), dtype) <= smem_limit),
+                       key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])[:1]
     return fits
 
 
@@ -166,30 +190,36 @@ def _may_time(device: torch.device) -> bool:
 
 
 def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
-    """Median ms of run(cfg), or None when the config does not compile or launch on this device."""
+    """Median ms of run(cfg), or None when the config does not compile or launch on this device (a
+    descriptor the strides do not allow, a backend that refuses the shape)."""
     try:
         run(cfg)
-        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25)
-    except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError):
+        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25, return_mode="median")
+    except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError, AssertionError,
+            ValueError, NotImplementedError):
         return None
 
 
 def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, device: torch.device,
-               run: Callable[[dict], None] | None = None) -> dict:
+               run: Callable[[dict], None] | None = None, variant: str = "") -> dict:
     """The launch config for this shape: memory, then the disk cache, then (if allowed) timing every
-    candidate with `run(config)`, which must launch the kernel without side effects the caller keeps."""
+    candidate with `run(config)`, which must launch the kernel without side effects the caller keeps.
+    A "t" in `variant` says torch._grouped_mm may run this launch (it is a candidate only then)."""
     if device.type != "cuda":
         return as_config(_INTERPRETER) if interpreter_enabled() else as_config(DEFAULTS[kind])
     if not autotune_enabled():
         return as_config(DEFAULTS[kind])
-    key = shape_key(kind, dtype, N, K, E, M)
+    key = shape_key(kind, dtype, N, K, E, M, variant)
+    impls = IMPLS if "t" in variant else tuple(i for i in IMPLS if i != "torch")
     cfg = _memory.get(key)
     if cfg is not None:
         return cfg
     with _lock:
         cfg = _memory.get(key) or _load_disk(device).get(key)
         if cfg is None and run is not None and _may_time(device):
-            timed = [(time_config(run, c), c) for c in candidates(kind, dtype, N, K, E, M, shared_memory_limit(device))]
+            timed = [(time_config(run, c), c)
+                     for c in candidates(kind, dtype, N, K, E, M, shared_memory_limit(device), impls)]
+            TIMINGS[key] = timed
             timed = [(ms, c) for ms, c in timed if ms is not None]
             if timed:
                 cfg = min(timed, key=lambda t: t[0])[1]

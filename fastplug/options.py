@@ -21,6 +21,9 @@ class KernelOptions:
     lora: bool = True
     attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
     moe: bool = True  # MoE experts on the grouped GEMM kernels (LoRA on experts too), the fused router
+    # Frozen q/k/v and gate/up base weights moved into one matrix per layer while patched (no extra memory; each
+    # parameter's data a block of it, own storage again after restore()): one GEMM per group (models/stacking.py)
+    stack_projections: bool = True
     # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
     # "auto": checkpoint only as many layers as the GPU's memory needs (measured at the first step);
     # False: leave the model's setting alone.

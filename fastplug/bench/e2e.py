@@ -118,8 +118,8 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     return get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
 
 
-def apply_impl(model, impl: str, checkpointing):
-    """Returns (callable model, note)."""
+def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
+    """Returns (callable model, note); options: KernelOptions overrides for the fastplug impls."""
     import torch
 
     if impl == "transformers":
@@ -136,7 +136,7 @@ def apply_impl(model, impl: str, checkpointing):
 
         mode = "auto" if impl == "fastplug_auto" else checkpointing
         # freeze_gc as the trainer adapters set it for their run
-        handle = fastplug.patch_model(model, gradient_checkpointing=mode, freeze_gc=True)
+        handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True, **(options or {})})
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""
@@ -224,7 +224,7 @@ def run_throughput(spec: dict) -> dict:
     batch, seq = spec["batch"], spec["seq"]
     result = {}
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"], spec["adapter_dtype"])
-    runner, result["note"] = apply_impl(model, spec["impl"], True)
+    runner, result["note"] = apply_impl(model, spec["impl"], True, spec.get("options"))
     if getattr(model.config, "_experts_implementation", None):  # MoE models: after patching, which one runs
         result["experts"] = model.config._experts_implementation
     params = [p for p in model.parameters() if p.requires_grad]
@@ -395,6 +395,26 @@ def run_worker(spec: dict, time_limit: float) -> dict:
         os.unlink(result_path)
 
 
+def parse_options(text: str, parser) -> dict:
+    """'a=true,b=0.8' -> {'a': True, 'b': 0.8}; names checked against KernelOptions."""
+    from fastplug.options import KernelOptions
+
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in KernelOptions.field_names():
+            parser.error(f"--options: unknown option {name!r}; valid: {', '.join(KernelOptions.field_names())}")
+        lowered = value.strip().lower()
+        if lowered in ("true", "false", "none"):
+            options[name] = {"true": True, "false": False, "none": None}[lowered]
+        else:
+            try:
+                options[name] = float(value)
+            except ValueError:
+                options[name] = value.strip()
+    return options
+
+
 def parse_list(text: str, valid, what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in items if t not in valid]
@@ -413,9 +433,11 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
         for impl in impls:
             spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
                         batch=batch, seq=seq, steps=args.steps, warmup=args.warmup,
-                        adapter_dtype=args.adapter_dtype, profile=args.profile)
+                        adapter_dtype=args.adapter_dtype, profile=args.profile,
+                        options=args.options if impl.startswith("fastplug") else None)
             res = run_worker(spec, args.time_limit)
-            row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": impl, "batch x seq": f"{batch}x{seq}"}
+            label = impl + (f" ({args.options_text})" if spec["options"] else "")
+            row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": label, "batch x seq": f"{batch}x{seq}"}
             rows.append(row)
             if "error" in res:
                 row["note"] = res["error"]
@@ -489,6 +511,8 @@ def main(argv=None) -> int:
     parser.add_argument("--adapter-dtype", choices=("fp32", "bf16"), default="fp32",
                         help="LoRA weights' dtype: fp32 is peft's default for a bf16 model")
     parser.add_argument("--profile", action="store_true", help="print a kernel-time table of one more step")
+    parser.add_argument("--options", default="", metavar="NAME=VALUE,...",
+                        help="KernelOptions for the fastplug impls, e.g. stack_projections=false,attention=false")
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and PNG")
     parser.add_argument("--offload-max-seq", action="store_true",
                         help="longest sequence at batch 1: transformers vs fastplug with and without offload")
@@ -498,6 +522,7 @@ def main(argv=None) -> int:
 
     models = parse_list(args.models, MODELS, "--models")
     impls = parse_list(args.impls, IMPLS, "--impls")
+    args.options_text, args.options = args.options, parse_options(args.options, parser)
     device = default_device()
     if device == "cpu" and not args.tiny:
         parser.error("without a GPU only --tiny runs")

@@ -58,6 +58,15 @@ class LoRAProjection(NamedTuple):
     scaling: float
 
 
+class StackedBase(NamedTuple):
+    """The frozen base weights (and biases) of projections that read one input, as row blocks of one matrix:
+    projection i's weight IS rows [o_i, o_i + out_i) of `weight`, in the same storage (`fastplug.models.stacking`
+    arranges that). The blocks then run one GEMM for every base and one for every adapter's B."""
+
+    weight: torch.Tensor  # [sum out_i, in]
+    bias: torch.Tensor | None  # [sum out_i], each projection's bias a block of it; None: no projection has one
+
+
 # --------------------------------------------------------------------------------------------- checks
 
 
@@ -96,6 +105,33 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
         check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
 
 
+def _block_ptr(t: torch.Tensor, row: int) -> int:
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
+def is_stacked(stacked: StackedBase, weights, biases) -> bool:
+    """Whether `weights` (and `biases`) are, in order, the row blocks of `stacked` (same storage)."""
+    w, b, row = stacked.weight, stacked.bias, 0
+    for weight, bias in zip(weights, biases):
+        if (weight.dim() != 2 or weight.stride() != w.stride() or weight.shape[1] != w.shape[1]
+                or weight.data_ptr() != _block_ptr(w, row) or (bias is None) != (b is None)
+                or (b is not None and bias.data_ptr() != _block_ptr(b, row))):
+            return False
+        row += weight.shape[0]
+    return row == w.shape[0]
+
+
+def _check_stacked(stacked, projs, x: torch.Tensor) -> None:
+    if not isinstance(stacked, StackedBase):
+        raise ValueError(f"stacked must be a StackedBase or None; got {type(stacked).__name__}")
+    if any(is_4bit(p.weight) or is_fp8(p.weight) or p.weight.requires_grad for p in projs):
+        raise ValueError("stacked bases must be frozen dense weights (not quantized, no grad)")
+    if not is_stacked(stacked, [p.weight for p in projs], [p.bias for p in projs]):
+        raise ValueError("stacked.weight (and .bias) must hold the projections' weights (biases) as consecutive "
+                         "row blocks, in the same storage")
+    check_same_device(x=x, **{"stacked.weight": stacked.weight})
+
+
 class _Cast:
     """The compute-dtype copy of one parameter; updated in place when the parameter moves, so that a step
     allocates no new Python objects for it (fewer objects to promote means fewer full GC passes)."""
@@ -131,6 +167,7 @@ def invalidate_adapter_casts(*_) -> None:
     """
     global _generation
     _generation += 1
+    _STACKED_ADAPTERS.clear()
 
 
 def _watch_optimizers() -> None:
@@ -216,6 +253,83 @@ def _adapters(projs) -> _Adapters | None:
             start += p.lora_A.shape[0]
     a_cat = present[0] if len(present) == 1 else torch.cat(present)
     return _Adapters(a_cat, slices)
+
+
+class _StackedAdapters(NamedTuple):
+    """The adapters of stacked projections as two matrices (compute dtype), rebuilt once per generation."""
+
+    a_cat: torch.Tensor  # [R, in]: the present lora_A side by side along the rank
+    b_blk: torch.Tensor  # [sum out_i, R]: scaling_i * B_i on the diagonal blocks, zeros elsewhere
+    slices: list  # per projection: its (start, stop) in R, or None without adapter
+
+
+# (ids of the adapters' parameters, dtype) -> (their versions, _StackedAdapters); emptied with each new
+# generation (`invalidate_adapter_casts`), so it holds the current step's matrices and nothing older.
+_STACKED_ADAPTERS: dict[tuple, tuple] = {}
+
+
+def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
+    """originals: the projections as the caller passed them (versions and ids of their adapters key the
+    cache); casts: the same in the compute dtype. A zero block stands in for a projection without adapter."""
+    adapter_params = [t for p in originals for t in (p.lora_A, p.lora_B) if t is not None]
+    key = (*(id(t) for t in adapter_params), dtype)
+    versions = tuple(t._version for t in adapter_params)
+    hit = _STACKED_ADAPTERS.get(key)
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    adapters = _adapters(casts)
+    rank = adapters.a_cat.shape[0]
+    b_blk = adapters.a_cat.new_zeros((sum(p.weight.shape[0] for p in casts), rank))
+    row = 0
+    for p, sl in zip(casts, adapters.slices):
+        out = p.weight.shape[0]
+        if sl is not None:
+            torch.mul(p.lora_B, p.scaling, out=b_blk[row : row + out, sl[0] : sl[1]])
+        row += out
+    built = _StackedAdapters(adapters.a_cat, b_blk, adapters.slices)
+    _STACKED_ADAPTERS[key] = (versions, built)
+    return built
+
+
+def _forward_stacked(x2: torch.Tensor, stacked: StackedBase, adapters: _StackedAdapters):
+    """([N, sum out_i] outputs side by side, xa [N, R]): three matmuls for any number of projections."""
+    xa = x2 @ adapters.a_cat.t()
+    b_t = adapters.b_blk.t()
+    y = torch.mm(xa, b_t) if stacked.bias is None else torch.addmm(stacked.bias, xa, b_t)
+    return y.addmm_(x2, stacked.weight.t()), xa  # the base GEMM adds into y in its epilogue (see `_forward`)
+
+
+def _grads_stacked(dy, x2, xa, stacked: StackedBase, adapters: _StackedAdapters, originals, needs, need_x: bool):
+    """(dX or None, grads in _flatten's order) from dy [N, sum out_i], the outputs' grads side by side.
+
+    Bases are frozen (no weight or bias grads). The adapter grads are cast to their parameters' dtype once
+    for all projections (autograd would cast each one), then sliced."""
+    dyb = dy @ adapters.b_blk  # [N, R]: each slice only sees its own projection (the blocks are diagonal)
+    dx = None
+    if need_x:
+        dx = dyb @ adapters.a_cat
+        dx.addmm_(dy, stacked.weight)
+    need_a = any(needs[4 * i + 2] for i in range(len(originals)))
+    need_b = any(needs[4 * i + 3] for i in range(len(originals)))
+    da = (dyb.t() @ x2).to(next(p.lora_A.dtype for p in originals if p.lora_A is not None)) if need_a else None
+    scalings = {p.scaling for p, sl in zip(originals, adapters.slices) if sl is not None}
+    same_scaling = len(scalings) == 1
+    db = None
+    if need_b:  # [sum out_i, R]; only the diagonal blocks are used
+        db = _mm_scaled(dy.t(), xa, scalings.pop()) if same_scaling else dy.t() @ xa
+        db = db.to(next(p.lora_B.dtype for p in originals if p.lora_B is not None))
+    grads, row = [], 0
+    for i, (p, sl) in enumerate(zip(originals, adapters.slices)):
+        out = p.weight.shape[0]
+        grads += [None, None]
+        grads.append(da[sl[0] : sl[1]] if sl is not None and needs[4 * i + 2] else None)
+        if sl is not None and needs[4 * i + 3]:
+            block = db[row : row + out, sl[0] : sl[1]]
+            grads.append(block if same_scaling else block * p.scaling)
+        else:
+            grads.append(None)
+        row += out
+    return dx, grads
 
 
 def _dense(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -311,24 +425,45 @@ def _no_autocast(x: torch.Tensor):
 # -------------------------------------------------------------------------------- autograd functions
 
 
+def _side_by_side(dys, outs: list, rotary=None) -> torch.Tensor:
+    """[N, sum out_i]: the grads of the stacked outputs in one buffer (rotary (cos, sin, batch, head_dim): the
+    first two rotated back on the way, as the forward rotated q and k in place)."""
+    dy = dys[0].new_empty((dys[0].shape[0], sum(outs)))
+    if rotary is None:
+        return torch.cat(dys, dim=1, out=dy)
+    cols = dy.split(outs, dim=1)
+    rope_projections(dys[0], dys[1], *rotary, backward=True, out=cols[:2])
+    for col, g in zip(cols[2:], dys[2:]):
+        col.copy_(g)
+    return dy
+
+
 class _SharedInputLoRA(torch.autograd.Function):
     """Projections of one input (a LoRA linear, or q/k/v), one autograd node."""
 
     @staticmethod
-    def forward(ctx, x, scalings, rotary, *params):
-        """rotary: None, or (cos, sin, head_dim) to rotate the first two outputs (q, k) in place."""
+    def forward(ctx, x, scalings, rotary, stacked, *params):
+        """rotary: None, or (cos, sin, head_dim) to rotate the first two outputs (q, k) in place.
+        stacked: None, or the projections' StackedBase (one GEMM for all bases)."""
+        originals = _unflatten(params, scalings)
         params = _cast_params(params, x.dtype)
         projs = _unflatten(params, scalings)
-        adapters = _adapters(projs)
         x2 = rows_view(x)
         with _no_autocast(x):
-            ys, xa = _forward(x2, projs, adapters)
+            if stacked is not None:
+                adapters = _stacked_adapters(originals, projs, x.dtype)
+                y, xa = _forward_stacked(x2, stacked, adapters)
+                ys = list(y.split([p.weight.shape[0] for p in projs], dim=1))
+            else:
+                adapters = _adapters(projs)
+                ys, xa = _forward(x2, projs, adapters)
         if rotary is not None:  # q and k are this node's own buffers: no second copy of them
             ys[0], ys[1] = rope_projections(ys[0], ys[1], *rotary[:2], x.shape[0], rotary[2], inplace=True)
         ctx.scalings, ctx.x_shape = scalings, x.shape
         ctx.head_dim = rotary[2] if rotary is not None else None
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
-        ctx.adapters = adapters
+        ctx.adapters, ctx.stacked = adapters, stacked
+        ctx.originals = originals if stacked is not None else None
         keep_for_backward(ctx, (*params, *rotary[:2]) if rotary is not None else params)
         ctx.save_for_backward(x2, xa)
         lead = tuple(x.shape[:-1])
@@ -338,45 +473,67 @@ class _SharedInputLoRA(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         x2, xa = ctx.saved_tensors
         kept = kept_for_backward(ctx)
-        projs = _unflatten(kept[: 4 * len(ctx.scalings)], ctx.scalings)
+        n = len(ctx.scalings)
+        projs = _unflatten(kept[: 4 * n], ctx.scalings)
         adapters = ctx.adapters
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
-        if ctx.head_dim:  # the gradients of the rotated q, k, rotated back
-            cos, sin = kept[4 * len(ctx.scalings):]
-            dys[0], dys[1] = rope_projections(dys[0], dys[1], cos, sin, ctx.x_shape[0], ctx.head_dim, backward=True)
+        rotary = (*kept[4 * n:], ctx.x_shape[0], ctx.head_dim) if ctx.head_dim else None
+        if ctx.stacked is not None:
+            with _no_autocast(x2):
+                dy = _side_by_side(dys, [p.weight.shape[0] for p in projs], rotary)
+                dx, grads = _grads_stacked(dy, x2, xa, ctx.stacked, adapters, ctx.originals,
+                                           ctx.needs_input_grad[4:], ctx.needs_input_grad[0])
+            return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
+        if rotary is not None:  # the gradients of the rotated q, k, rotated back
+            dys[0], dys[1] = rope_projections(dys[0], dys[1], *rotary, backward=True)
         with _no_autocast(x2):
             dyb = _dy_b(dys, projs, adapters)
             dx = _input_grad(dys, projs, adapters, dyb) if ctx.needs_input_grad[0] else None
-            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[3:])
-        return (None if dx is None else dx.view(ctx.x_shape), None, None, *grads)
+            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[4:])
+        return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
 
 
 class _LoRAMLP(torch.autograd.Function):
     """down(act(gate(x)) * up(x)), one autograd node; saves x, gate and up, recomputes the activation."""
 
     @staticmethod
-    def forward(ctx, x, activation, scalings, *params):
+    def forward(ctx, x, activation, scalings, stacked, *params):
+        """stacked: None, or gate and up's StackedBase (one GEMM for both)."""
+        originals = _unflatten(params, scalings)
         params = _cast_params(params, x.dtype)
         gate_p, up_p, down_p = _unflatten(params, scalings)
-        gu_adapters, down_adapters = _adapters([gate_p, up_p]), _adapters([down_p])
+        down_adapters = _adapters([down_p])
         x2 = rows_view(x)
         with _no_autocast(x):
-            (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters)
+            if stacked is not None:
+                gu_adapters = _stacked_adapters(originals[:2], [gate_p, up_p], x.dtype)
+                gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters)
+                gate, up = gate_up.split(gate_p.weight.shape[0], dim=1)
+            else:
+                gu_adapters = _adapters([gate_p, up_p])
+                (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters)
+                gate_up = None
             h = glu_forward(gate, up, activation)
             (y,), xa_down = _forward(h, [down_p], down_adapters)
         ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
-        ctx.adapters = gu_adapters, down_adapters
+        ctx.adapters, ctx.stacked = (gu_adapters, down_adapters), stacked
+        ctx.originals = originals[:2] if stacked is not None else None
         keep_for_backward(ctx, params)
-        # gate and up are this function's own buffers: backward overwrites them with dgate and dup.
-        ctx.save_for_backward(x2, gate, up, xa_gu, xa_down)
+        # gate and up are this function's own buffers (side by side when stacked): backward overwrites them
+        # with dgate and dup.
+        ctx.save_for_backward(x2, *((gate_up, None) if stacked is not None else (gate, up)), xa_gu, xa_down)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
         x2, gate, up, xa_gu, xa_down = ctx.saved_tensors
+        gate_up = None
+        if ctx.stacked is not None:
+            gate_up = gate
+            gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
         projs = _unflatten(kept_for_backward(ctx), ctx.scalings)
         down_p = projs[2]
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         gu_adapters, down_adapters = ctx.adapters
         dy = grad_y.reshape(-1, grad_y.shape[-1])
         with _no_autocast(x2):
@@ -386,14 +543,18 @@ class _LoRAMLP(torch.autograd.Function):
             # ...which glu_backward overwrites with h; gate and up become dgate and dup.
             h, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation, recompute_h=True, inplace=True)
             # Kernel writes bypass autograd: a second backward (retain_graph) must fail, not read dgate as gate.
-            increment_version((gate, up))
+            increment_version((gate, up) if gate_up is None else (gate_up,))
             down_grads = _param_grads(h, xa_down, [dy], dyb_down, [down_p], down_adapters, needs[8:])
             del h, grad_h
-            dgu = [dgate, dup]
-            dyb_gu = _dy_b(dgu, projs[:2], gu_adapters)
-            dx = _input_grad(dgu, projs[:2], gu_adapters, dyb_gu) if ctx.needs_input_grad[0] else None
-            gu_grads = _param_grads(x2, xa_gu, dgu, dyb_gu, projs[:2], gu_adapters, needs[:8])
-        return (None if dx is None else dx.view(ctx.x_shape), None, None, *gu_grads, *down_grads)
+            if gate_up is not None:  # dgate and dup now lie side by side in gate_up
+                dx, gu_grads = _grads_stacked(gate_up, x2, xa_gu, ctx.stacked, gu_adapters, ctx.originals,
+                                              needs[:8], ctx.needs_input_grad[0])
+            else:
+                dgu = [dgate, dup]
+                dyb_gu = _dy_b(dgu, projs[:2], gu_adapters)
+                dx = _input_grad(dgu, projs[:2], gu_adapters, dyb_gu) if ctx.needs_input_grad[0] else None
+                gu_grads = _param_grads(x2, xa_gu, dgu, dyb_gu, projs[:2], gu_adapters, needs[:8])
+        return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *gu_grads, *down_grads)
 
 
 # --------------------------------------------------------------------------------------- public API
@@ -443,16 +604,28 @@ def _rope_after(ys: tuple, rotary) -> tuple:
     return (*(t.transpose(-3, -2).reshape(*t.shape[:-3], t.shape[-2], -1) for t in (q, k)), *ys[2:])
 
 
-def _launch_shared(x, named_projs: dict, rotary=None):
+def _usable_stacked(stacked, projs, x: torch.Tensor):
+    """The StackedBase to run on, after checking it: None when there is none, when the weights are not in x's
+    compute dtype (they would need a cast per projection anyway) or when no projection has an adapter."""
+    if stacked is None:
+        return None
+    _check_stacked(stacked, projs, x)
+    if stacked.weight.dtype != x.dtype or all(p.lora_A is None for p in projs):
+        return None
+    return stacked
+
+
+def _launch_shared(x, named_projs: dict, rotary=None, stacked=None):
     x = _checked_input(x)
     for name, proj in named_projs.items():
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
+    stacked = _usable_stacked(stacked, projs, x)
     if _traceable(projs):
         ys = _traced(x, projs)
         return ys if rotary is None else _rope_after(ys, rotary)
     in_node = rotary is not None and _rotary_in_node(x, rotary)
-    ys = _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), rotary if in_node else None,
+    ys = _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), rotary if in_node else None, stacked,
                                 *_flatten(projs))
     return _rope_after(ys, rotary) if rotary is not None and not in_node else ys
 
@@ -464,13 +637,15 @@ def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
 
 
 def lora_qkv(x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection,
-             rotary: tuple | None = None):
+             rotary: tuple | None = None, stacked: StackedBase | None = None):
     """(q, k, v) projections of one x [..., in] (GQA: k/v may be narrower, ranks may differ); one node.
 
     rotary (cos, sin, head_dim): q and k come out with RoPE applied (`fastplug.kernels.rope` maths, cos/sin
     as the model's rotary embedding returns them), in the projections' layout [..., heads * head_dim];
-    for a [B, T, in] x the node rotates its own output buffers in place."""
-    return _launch_shared(x, {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj}, rotary)
+    for a [B, T, in] x the node rotates its own output buffers in place.
+    stacked: the frozen q/k/v weights (biases) as one matrix (`StackedBase`): one GEMM for the three bases and
+    one for the three adapters' B; q, k, v are then column blocks of one output buffer."""
+    return _launch_shared(x, {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj}, rotary, stacked)
 
 
 def lora_mlp(
@@ -479,8 +654,10 @@ def lora_mlp(
     up_proj: LoRAProjection,
     down_proj: LoRAProjection,
     activation: str = "silu",
+    stacked: StackedBase | None = None,
 ) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)) for x [..., hidden]; activation one of ACTIVATIONS; one autograd node."""
+    """down(act(gate(x)) * up(x)) for x [..., hidden]; activation one of ACTIVATIONS; one autograd node.
+    stacked: the frozen gate and up weights (biases) as one matrix (`StackedBase`): one GEMM for both."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     x = _checked_input(x)
@@ -489,7 +666,8 @@ def lora_mlp(
     _check_projection("up_proj", up_proj, x, out_features=intermediate)
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)
+    stacked = _usable_stacked(stacked, projs[:2], x)
     if _traceable(projs):
         gate, up = _traced(x, projs[:2])
         return _traced(_glu_op(gate, up, activation), projs[2:])[0]
-    return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), *_flatten(projs))
+    return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), stacked, *_flatten(projs))

@@ -174,16 +174,17 @@ def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
     return cos.stride(0), cos.stride(1)
 
 
-def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, inplace: bool = False):
-    """inplace: rotate q and k in their own memory (the caller owns them; q_dtype/k_dtype are theirs)."""
-    if inplace and (q.stride(-1) != 1 or k.stride(-1) != 1):
-        raise ValueError("in-place RoPE needs q and k with unit last stride")
+def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | None = None):
+    """out: (q_out, k_out) to write, in q and k's shapes with unit last stride (q and k themselves: in place, for
+    a caller that owns them); q_dtype/k_dtype are then theirs."""
+    if out is not None and any(t.stride(-1) != 1 for t in out):
+        raise ValueError("RoPE into given buffers needs buffers with unit last stride")
     q, k = _unit_last_stride(q), _unit_last_stride(k)
     cos, sin = _unit_last_stride(cos), _unit_last_stride(sin)
     if cos.stride() != sin.stride():  # the kernel reads both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
-    if inplace:  # each program loads both halves of its rows before it stores them
-        q_out, k_out = q, k
+    if out is not None:  # in place too: each program loads both halves of its rows before it stores them
+        q_out, k_out = out
     else:
         q_out, k_out = _empty_in_layout(q, q_dtype), _empty_in_layout(k, k_dtype)
     batch, n_heads_q, tokens, head_dim = q.shape
@@ -218,17 +219,27 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, inplace: bool
 
 
 def rope_projections(yq: torch.Tensor, yk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
-                     head_dim: int, *, backward: bool = False, inplace: bool = False):
+                     head_dim: int, *, backward: bool = False, inplace: bool = False, out: tuple | None = None):
     """RoPE on the q/k projection outputs themselves, rows [batch * T, heads * head_dim] (no autograd): for
     callers that own those buffers, e.g. the fused LoRA QKV node, which rotates its outputs in place in
     forward (no second copy of q and k) and un-rotates the incoming gradients in backward. Returns the
-    rotated rows in the same layout."""
-    if inplace and not (yq.is_contiguous() and yk.is_contiguous()):
-        raise ValueError("in-place RoPE on projection rows needs contiguous rows")
+    rotated rows in the same layout: in yq/yk's own memory (inplace), in `out` = (rows for q, rows for k),
+    e.g. column blocks of one [batch * T, width] buffer (any row stride, unit last stride), or new buffers."""
+    if inplace:
+        out = (yq, yk)
     tokens = yq.shape[0] // batch
-    q4 = yq.reshape(batch, tokens, -1, head_dim).transpose(1, 2)  # a view unless a gradient came strided
-    k4 = yk.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
-    q4, k4 = _rope_launch(q4, k4, cos, sin, yq.dtype, yk.dtype, backward, inplace=inplace)
+
+    def heads(rows, written: bool):  # [B, H, T, D]; rows written to must be views (unit last stride: they are)
+        if written and rows.stride(-1) != 1:
+            raise ValueError("RoPE into given buffers needs rows with unit last stride")
+        shaped = rows.view(batch, tokens, -1, head_dim) if written else rows.reshape(batch, tokens, -1, head_dim)
+        return shaped.transpose(1, 2)
+
+    q4, k4 = heads(yq, inplace), heads(yk, inplace)
+    out4 = None if out is None else (heads(out[0], True), heads(out[1], True))
+    q4, k4 = _rope_launch(q4, k4, cos, sin, yq.dtype, yk.dtype, backward, out=out4)
+    if out is not None:
+        return out
     return q4.transpose(1, 2).reshape(yq.shape), k4.transpose(1, 2).reshape(yk.shape)
 
 

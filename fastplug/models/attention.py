@@ -16,9 +16,9 @@ from torch import nn
 
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
-from . import fast_attention
+from . import fast_attention, stacking
 from .projections import fused_projections, unfused_notes
-from .rules import MatchContext, Patch, Skip
+from .rules import MatchContext, Patch, Skip, combine_switches
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "attention_dropout", "config")
@@ -45,7 +45,8 @@ def _project_qkv(self, hidden_states, use_lora: bool, rotary):
     """(q, k, v, rotated): the fused QKV node applies RoPE itself (rotary = (cos, sin, head_dim)) when given."""
     projs = fused_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
     if projs is not None:
-        return (*lora_qkv(hidden_states, *projs, rotary=rotary), rotary is not None)
+        stacked = stacking.stacked_base(self, projs)
+        return (*lora_qkv(hidden_states, *projs, rotary=rotary, stacked=stacked), rotary is not None)
     return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states), False
 
 
@@ -121,6 +122,8 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     notes = unfused_notes(module, PROJECTIONS) if options.lora else ()
     forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora)
     switch, path = _attention_route(module, ctx)
+    if options.lora and options.stack_projections:
+        switch = combine_switches(switch, stacking.switch(module))
     return Patch("attention", forward, lora_fused=lora_now, notes=notes, switch=switch, path_taken=path)
 
 

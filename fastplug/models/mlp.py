@@ -11,6 +11,7 @@ from torch import nn
 
 from ..kernels.activations import geglu, swiglu
 from ..kernels.lora import lora_mlp
+from . import stacking
 from .projections import fused_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip
 
@@ -43,7 +44,7 @@ def _mlp_forward(activation: str, use_lora: bool):
     def forward(self, x):
         projs = fused_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
         if projs is not None:
-            return lora_mlp(x, *projs, activation=activation)
+            return lora_mlp(x, *projs, activation=activation, stacked=stacking.stacked_base(self, projs[:2]))
         return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation))
 
     return forward
@@ -61,4 +62,5 @@ def match_mlp(module: nn.Module, ctx: MatchContext):
     use_lora = ctx.options.lora
     lora_now = use_lora and fused_projections(*(getattr(module, p) for p in PROJECTIONS)) is not None
     notes = unfused_notes(module, PROJECTIONS) if use_lora else ()
-    return Patch("mlp", _mlp_forward(activation, use_lora), lora_fused=lora_now, notes=notes)
+    switch = stacking.switch(module) if use_lora and ctx.options.stack_projections else None
+    return Patch("mlp", _mlp_forward(activation, use_lora), lora_fused=lora_now, notes=notes, switch=switch)

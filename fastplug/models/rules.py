@@ -24,6 +24,24 @@ class Patch:
     path_taken: str = ""  # which implementation this module runs and why, listed by summary()
 
 
+def combine_switches(*switches):
+    """One Patch switch applying each given one (None ones skipped); its undo runs theirs in reverse."""
+    switches = [s for s in switches if s is not None]
+    if len(switches) < 2:
+        return switches[0] if switches else None
+
+    def apply():
+        undos = [s() for s in switches]
+
+        def undo_all():
+            for undo in reversed(undos):
+                undo()
+
+        return undo_all
+
+    return apply
+
+
 @dataclass(frozen=True)
 class Skip:
     kind: str

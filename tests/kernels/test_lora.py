@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv
+from fastplug.kernels.lora import LoRAProjection, StackedBase, lora_linear, lora_mlp, lora_qkv
+from fastplug.models import stacking
 from fastplug.models.peft_lora import lora_projection, unfused_reason
 from tests.helpers import assert_close, rel_err
 
@@ -189,6 +190,141 @@ def test_some_projections_without_adapter():
     x = torch.randn(19, HIDDEN)
     assert_matches_peft(model, ref, fused_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], torch.float32)
     assert_matches_peft(model, ref, fused_mlp("silu"), peft_mlp("silu"), x, [HIDDEN], torch.float32)
+
+
+# ------------------------------------------------------------------- stacked bases (one GEMM per group)
+
+
+def stacked_qkv(m, x, rotary=None):
+    projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    return lora_qkv(x, *projs, rotary=rotary, stacked=stacking.stacked_base(m, projs))
+
+
+def stacked_mlp(activation):
+    def fn(m, x):
+        projs = [lora_projection(getattr(m, n)) for n in MLP]
+        return lora_mlp(x, *projs, activation=activation, stacked=stacking.stacked_base(m, projs[:2]))
+
+    return fn
+
+
+def enable_stacking(model):
+    stacking.switch(layers(model))()
+
+
+def assert_stacked(m, names):
+    storages = {getattr(m, n).base_layer.weight.untyped_storage().data_ptr() for n in names}
+    assert len(storages) == 1, "the group's weights do not share one buffer"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_stacked_qkv_matches_peft(dtype, qkv_bias):
+    """q/k/v bases as one matrix (and the adapters' B block-diagonal): different ranks and scalings per
+    projection, biases stacked too."""
+    model, ref = peft_block(dtype, qkv_bias, rank_pattern={"k_proj": 2, "v_proj": 6}, alpha_pattern={"v_proj": 3})
+    enable_stacking(model)
+    x = torch.randn(3, 7, HIDDEN)
+    assert_matches_peft(model, ref, stacked_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], dtype)
+    assert_stacked(layers(model), ("q_proj", "k_proj", "v_proj"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_stacked_mlp_matches_peft(dtype, activation):
+    model, ref = peft_block(dtype, rank_pattern={"down_proj": 8, "up_proj": 2})
+    enable_stacking(model)
+    x = torch.randn(37, HIDDEN)
+    assert_matches_peft(model, ref, stacked_mlp(activation), peft_mlp(activation), x, [HIDDEN], dtype)
+    assert_stacked(layers(model), ("gate_proj", "up_proj"))
+
+
+def test_stacked_with_projections_without_adapter():
+    # LoRA on q and v only: k's block of B is zero; on up only: gate's is.
+    model, ref = peft_block(targets=["q_proj", "v_proj", "up_proj", "down_proj"])
+    enable_stacking(model)
+    x = torch.randn(19, HIDDEN)
+    assert_matches_peft(model, ref, stacked_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], torch.float32)
+    assert_matches_peft(model, ref, stacked_mlp("silu"), peft_mlp("silu"), x, [HIDDEN], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stacked_qkv_with_rotary_matches_peft_then_rope(dtype):
+    """RoPE in place on q and k, which are column blocks of one output buffer; gradients rotated back into
+    the blocks of one gradient buffer."""
+    head_dim = 8
+    model, ref = peft_block(dtype, rank_pattern={"k_proj": 2})
+    enable_stacking(model)
+    x = torch.randn(2, 9, HIDDEN)
+    cos, sin = _rotary_tables(2, 9, head_dim, dtype)
+
+    def reference(m, t):
+        q, k, v = peft_qkv(m, t)
+        return _rotate(q, cos.double(), sin.double(), head_dim), _rotate(k, cos.double(), sin.double(), head_dim), v
+
+    fused = lambda m, t: stacked_qkv(m, t, rotary=(cos, sin, head_dim))  # noqa: E731
+    assert_matches_peft(model, ref, fused, reference, x, [Q_OUT, KV_OUT, KV_OUT], dtype)
+
+
+def test_stacked_bf16_base_with_fp32_adapters_follows_optimizer_steps():
+    """The cached block-diagonal B and cat(A) are rebuilt after each fused AdamW step (which writes the
+    adapters without bumping their versions): two steps give what unstacked fused LoRA gives."""
+    runs = []
+    for stack in (False, True):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(TinyBlock().to(torch.bfloat16), peft.LoraConfig(
+            r=RANK, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION + MLP))
+        if stack:
+            enable_stacking(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)  # the Trainer's default
+        x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
+        losses = []
+        for _ in range(3):
+            m = layers(model)
+            q, k, v = (stacked_qkv if stack else fused_qkv)(m, x)
+            y = (stacked_mlp if stack else fused_mlp)("silu")(m, x)
+            loss = q.float().square().mean() + k.float().mean() + v.float().square().mean() + y.float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append(losses)
+    assert len(set(runs[0])) == 3  # the adapters moved
+    # the same products in the same order per element (scaling 2 folds into B exactly): equal bit for bit
+    torch.testing.assert_close(runs[1], runs[0], rtol=0, atol=0)
+
+
+def test_stacked_bad_input_raises():
+    model, _ = peft_block()
+    m = layers(model)
+    projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    x = torch.randn(4, HIDDEN)
+    copy_not_view = StackedBase(torch.cat([p.weight for p in projs]), None)
+    with pytest.raises(ValueError, match="row blocks"):
+        lora_qkv(x, *projs, stacked=copy_not_view)
+    with pytest.raises(ValueError, match="stacked must be a StackedBase"):
+        lora_qkv(x, *projs, stacked=copy_not_view.weight)
+
+
+def test_stacking_skips_trainable_bases_and_stops_when_a_weight_is_re_pointed():
+    model, ref = peft_block()
+    m = layers(model)
+    m.q_proj.base_layer.weight.requires_grad_(True)  # full fine-tuning of q: keeps its own storage
+    enable_stacking(model)
+    projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    assert stacking.stacked_base(m, projs) is None
+    model, ref = peft_block()
+    m = layers(model)
+    enable_stacking(model)
+    projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    assert stacking.stacked_base(m, projs) is not None
+    m.k_proj.base_layer.weight.data = m.k_proj.base_layer.weight.data.clone() * 2  # e.g. model.to(...)
+    ref.base_model.model.k_proj.base_layer.weight.data *= 2
+    projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
+    assert stacking.stacked_base(m, projs) is None
+    assert_matches_peft(model, ref, stacked_qkv, peft_qkv, torch.randn(5, HIDDEN), [Q_OUT, KV_OUT, KV_OUT],
+                        torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

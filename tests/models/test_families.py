@@ -86,10 +86,26 @@ def test_patched_lora_matches_peft(family):
         fused = handle.counts.get("mlp", 0) + handle.counts["attention"] + handle.counts.get("experts_lora", 0)
         assert handle.counts["lora_fused"] == fused
         _assert_same_training_step(model, reference, inputs)
+        # the frozen q/k/v (and gate/up) bases ran as one matrix per layer: one storage per group
+        assert all(len(_storages(model, names)) == 1 for names in _stacked_groups(family))
         # disable_adapter() after patching: the fused path computes the base model
         with model.disable_adapter(), reference.disable_adapter():
             assert_close(_eval_logits(model, inputs), _eval_logits(reference, inputs), torch.float32, "base")
     assert torch.equal(_eval_logits(model, inputs), _eval_logits(reference, inputs))
+    # restore gives every weight its own storage again (what safetensors needs to save the model)
+    assert all(len(_storages(model, names)) == len(names) for names in _stacked_groups(family))
+
+
+def _stacked_groups(family):
+    groups = [("q_proj", "k_proj", "v_proj")]
+    return groups + ([("gate_proj", "up_proj")] if DENSE_MLPS.get(family, 2) else [])
+
+
+def _storages(model, names) -> set:
+    """The storages of the first layer's base weights `names` (attention or MLP projections)."""
+    layer = model.base_model.model.model.layers[0]
+    owner = layer.self_attn if names[0] == "q_proj" else layer.mlp
+    return {getattr(owner, n).base_layer.weight.untyped_storage().data_ptr() for n in names}
 
 
 def test_unfusable_lora_is_reported_and_still_matches():

@@ -1,0 +1,116 @@
+"""Frozen base weights of projections that read one input (q/k/v, gate/up), stacked into one matrix.
+
+The fused LoRA blocks then run one GEMM for all the bases of a group and one for all its adapters' B
+(`fastplug.kernels.lora.StackedBase`): about twenty fewer launches per decoder layer, which is what a model of
+many thin layers is short of when the host sets the pace.
+
+No memory is added: the parameters stay the same objects, and each one's data becomes a row block of the
+stacked matrix (the old storage is freed). Only frozen, dense, plain, contiguous 2-D weights that own their
+storage, of one dtype and device, are stacked, with their biases when every projection has one. So
+quantized bases, trainable ones (full fine-tuning: checkpoints save each weight), and sharded or flattened
+parameters (FSDP, DeepSpeed) keep their own storage. A group is stacked at its first call after patching
+(the model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
+seen at the next call by the weights' data pointers: the group then runs unstacked for good. restore() gives
+each parameter its own storage back (a copy of its block: safetensors refuses tensors that share storage).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from ..kernels.fp8 import is_fp8
+from ..kernels.lora import LoRAProjection, StackedBase, is_stacked
+from ..kernels.quant import is_4bit
+
+
+class _Group:
+    __slots__ = ("stacked", "params", "off")
+
+    def __init__(self):
+        self.stacked: StackedBase | None = None
+        self.params: list = []  # weakrefs to the stacked weights and biases, for restore
+        self.off = False  # not eligible, or re-pointed since stacking: run unstacked
+
+
+# owner module (an attention or MLP block) -> its group; one group per owner
+_GROUPS: "weakref.WeakKeyDictionary[nn.Module, _Group]" = weakref.WeakKeyDictionary()
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _ineligible(weights: list, biases: list) -> str | None:
+    """Why these weights cannot be stacked (None: they can)."""
+    first = weights[0]
+    for t in [*weights, *(b for b in biases if b is not None)]:
+        if is_4bit(t) or is_fp8(t):
+            return "quantized"
+        if t.requires_grad:
+            return "trainable"
+        if type(t.data) is not torch.Tensor or t.device.type == "meta":
+            return f"a {type(t.data).__name__} on {t.device.type}"
+        if t.dtype != first.dtype or t.device != first.device:
+            return "mixed dtypes or devices"
+        if not t.is_contiguous() or not _owns_storage(t):
+            return "shares its storage"
+    if any(w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights):
+        return "different input widths"
+    if len({b is None for b in biases}) > 1:
+        return "biases on some projections only"
+    return None
+
+
+def _stack(tensors: list) -> torch.Tensor:
+    """One buffer holding `tensors` along dim 0; each tensor's data becomes its block (the old storage is freed)."""
+    stacked = torch.cat([t.detach() for t in tensors])
+    for t, block in zip(tensors, stacked.split([t.shape[0] for t in tensors])):
+        t.data = block
+    return stacked
+
+
+def switch(owner: nn.Module):
+    """A Patch switch: lets `stacked_base` stack `owner`'s group at its next call; returns the undo."""
+
+    def apply():
+        _GROUPS[owner] = _Group()
+
+        def undo():
+            group = _GROUPS.pop(owner, None)
+            if group is None or group.stacked is None:
+                return
+            params = [ref() for ref in group.params]
+            half = len(params) // 2 if group.stacked.bias is not None else len(params)
+            weights, biases = params[:half], params[half:] or [None] * half
+            if all(p is not None for p in params) and is_stacked(group.stacked, weights, biases):
+                for p in params:  # each its own storage again (one group's worth of memory at a time)
+                    p.data = p.data.clone()
+
+        return undo
+
+    return apply
+
+
+def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase | None:
+    """The StackedBase of `owner`'s projections as they stand now (stacking them at the first call), or None:
+    not enabled for this owner, not eligible, re-pointed since, or traced by torch.compile."""
+    group = _GROUPS.get(owner)
+    if group is None or group.off or torch.compiler.is_compiling():
+        return None
+    weights, biases = [p.weight for p in projs], [p.bias for p in projs]
+    if group.stacked is not None:
+        if is_stacked(group.stacked, weights, biases):
+            return group.stacked
+        group.off, group.stacked, group.params = True, None, []
+        return None
+    if _ineligible(weights, biases) is not None:
+        group.off = True
+        return None
+    with torch.no_grad():
+        bias = _stack(biases) if biases[0] is not None else None
+        group.stacked = StackedBase(_stack(weights), bias)
+    group.params = [weakref.ref(t) for t in [*weights, *(b for b in biases if b is not None)]]
+    return group.stacked

@@ -419,8 +419,8 @@ def _decode_attention_kernel(
     b = bh // HKV
     kvh = bh % HKV
     dt = k_cache.dtype.element_ty
-    slot = tl.load(slot_ptr)
-    pos = tl.load(pos_ptr + b)
+    slot = tl.load(slot_ptr).to(tl.int32)
+    pos = tl.load(pos_ptr + b).to(tl.int32)
     # a head's D values as two halves: rotate_half pairs i with i + D/2
     half = tl.arange(0, BLOCK_H)
     h_mask = half < D // 2

@@ -1,7 +1,8 @@
 """The model path: load, add LoRA, generate with the unmerged adapters: `python examples/generate.py`.
 
 A tiny Llama and a character-level tokenizer are saved to a temporary folder first (nothing is downloaded),
-then loaded back the way a real checkpoint would be. On a GPU the decode step runs as a CUDA graph.
+then loaded back the way a real checkpoint would be. On a GPU the decode step runs as a CUDA graph of
+fastplug's decode kernels (fastplug.kernels.decode).
 """
 
 import string
@@ -12,6 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fastplug import FastModel
+from fastplug.generation import graph_status
 from fastplug.patching import active_handle
 
 
@@ -49,6 +51,7 @@ def main() -> None:
                               do_sample=True, temperature=0.8, top_k=20)
     for row in tokenizer.batch_decode(out, skip_special_tokens=True):
         print(repr(row))
+    print("decode step:", graph_status(model))  # on a GPU: CUDA graph + fastplug's decode kernels
     FastModel.for_training(model)
 
 

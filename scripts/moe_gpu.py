@@ -21,7 +21,7 @@ from fastplug.kernels.moe import (
     moe_router_reference, routing_metadata,
 )
 from fastplug.kernels.moe import tuning
-from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_rows
+from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke under TRITON_INTERPRET=1
 ROWS: list[tuple[str, str, float, float | None, str]] = []
@@ -158,7 +158,12 @@ def check_impls(smoke=False):
                 "dw_fused": grouped_mm_dw(dy, x, offs, E, dy_index=si, x_index=gi, row_weights=rw, config=cd),
                 "dw_plain": grouped_mm_dw(dy, xm, offs, E, config=cd),
             }
-            print(f"impl {impl:5s} M{M} K{K} N{N} E{E}: " + " ".join(f"{k} {rel(got[k], refs[k]):.1e}" for k in refs))
+            if impl != "torch":  # the gate_up GEMM with the activation in its epilogue
+                gu, h = grouped_mm_glu(x, w, offs, "silu", a_index=gi, config=c)
+                gate, up = gu.double()[:, :N // 2], gu.double()[:, N // 2:]
+                got["glu_gu"], refs["glu_gu"] = gu, grouped_gemm_reference(d(x), d(w), offs, gather_index=gi)
+                got["glu_h"], refs["glu_h"] = h, gate * torch.sigmoid(gate) * up
+            print(f"impl {impl:5s} M{M} K{K} N{N} E{E}: " + " ".join(f"{k} {rel(got[k], refs[k]):.1e}" for k in got))
 
 
 def print_tuning(prefix=""):

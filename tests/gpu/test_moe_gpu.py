@@ -55,6 +55,27 @@ def test_moe_experts_qwen3_shape(lora):
         assert_close(got, want, torch.bfloat16, f"output {i}", tol=2e-2)
 
 
+def test_moe_experts_frozen_down_mixtral_like():
+    """The split path (frozen down projection: ExpertsUp with the activation in the gate_up GEMM's epilogue,
+    ExpertsDown) at Mixtral-like widths: 8 experts top-2, wide experts; x, gate_up and router grads."""
+    T, H, I, E, k = 2048, 1024, 3584, 8, 2
+    x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    down = (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16()
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    inputs = [x, gate_up, logits]
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    outs = []
+    for fn, (xx, gu, lg) in ((moe_experts, inputs), (moe_experts_reference, inputs64)):
+        weights, index = moe_router(lg, k) if fn is moe_experts else moe_router_reference(lg, k)
+        y = fn(xx, gu, down.to(xx.dtype), index, weights.to(xx.dtype))
+        grad = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(y.dtype)
+        outs.append([y, *torch.autograd.grad(y, [xx, gu, lg], grad)])
+    assert "ExpertsDown" in type(outs[0][0].grad_fn).__name__
+    for name, got, want in zip(("out", "dx", "dgate_up", "dlogits"), *outs):
+        assert_close(got, want, torch.bfloat16, name, tol=2e-2)
+
+
 @pytest.mark.parametrize("family", test_moe_models.MOE_FAMILIES)
 def test_tiny_moe_families_on_gpu(family):
     test_moe_models.test_moe_full_finetuning_matches_and_restores(family)

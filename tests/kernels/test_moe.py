@@ -12,7 +12,8 @@ from fastplug.kernels.moe import (
     moe_router_reference, routing_metadata, routing_metadata_reference,
 )
 from fastplug.kernels.moe import tuning
-from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_rows
+from fastplug.kernels.activations import _gate_factor_torch
+from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 from tests.helpers import assert_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -160,6 +161,18 @@ def test_launch_paths_match_loop(impl, K, N):
     assert_close(grouped_mm_dw(dy, x, offsets, E, dy_index=scatter, x_index=gather, row_weights=rw, config=cfg),
                  dw_loop(d(dy)[scatter] * d(rw)[:, None], d(x)[gather]), dtype, "dw, gathered")
     assert_close(grouped_mm_dw(dy, xm, offsets, E, scale=0.5, config=cfg), dw_loop(d(dy), d(xm), 0.5), dtype, "dw")
+    if impl != "torch":  # the gate_up GEMM with the activation in its epilogue (Triton only)
+        I = N // 2
+        for activation in ("silu", "gelu_tanh"):
+            gu, h = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather, config=cfg)
+            ref_gu = grouped_gemm_reference(d(x), d(w[:, :2 * I]), offsets, gather_index=gather)
+            assert_close(gu, ref_gu, dtype, "glu: gu")
+            gate, up = gu.double()[:, :I], gu.double()[:, I:]  # h from the rounded gu, as a separate pass reads it
+            ref_h = gate * _gate_factor_torch(gate, activation)[0] * up
+            assert_close(h, ref_h, dtype, f"glu: h ({activation})")
+            none, h2 = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
+                                      store_gu=False, config=cfg)
+            assert none is None and torch.equal(h2, h)
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -23,7 +23,7 @@ import triton.language as tl
 from .._utils import cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, \
     next_power_of_2, use_triton
 from ..activations import ACTIVATIONS, _gate_factor, _gate_factor_torch, glu_forward
-from .grouped_gemm import grouped_mm_dw, grouped_mm_rows
+from .grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 from .routing import routing_metadata
 
 _BLOCK_ROWS = 16
@@ -116,6 +116,19 @@ def _t(w: torch.Tensor | None) -> torch.Tensor | None:
     return None if w is None else w.transpose(1, 2)
 
 
+def _gate_up_forward(x, gate_up, a1, b1, offsets, gather, activation, store_gu: bool):
+    """(t1, gu, h): the gate_up GEMM over gathered token rows and h = act(gate) * up. Without LoRA the
+    activation runs in the GEMM's epilogue (gu is only written when the backward needs it); with LoRA the
+    rank-r term goes into the GEMM's epilogue and the activation is a separate pass."""
+    if a1 is None:
+        gu, h = grouped_mm_glu(x, gate_up, offsets, activation, a_index=gather, store_gu=store_gu)
+        return None, gu, h
+    t1 = grouped_mm_rows(x, a1, offsets, a_index=gather)
+    gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1))
+    inter = gu.shape[1] // 2
+    return t1, gu, glu_forward(gu[:, :inter], gu[:, inter:], activation)
+
+
 class MoEExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation):
@@ -129,10 +142,7 @@ class MoEExperts(torch.autograd.Function):
         k = top_k_index.shape[1]
         offsets, gather, scatter = routing_metadata(top_k_index, E)
         rw = top_k_weights.reshape(-1)[scatter.long()]
-        t1 = grouped_mm_rows(x, a1, offsets, a_index=gather) if a1 is not None else None
-        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1) if a1 is not None else None)
-        inter = two_i // 2
-        h = glu_forward(gu[:, :inter], gu[:, inter:], activation)
+        t1, gu, h = _gate_up_forward(x, gate_up, a1, b1, offsets, gather, activation, True)
         t2 = grouped_mm_rows(h, a2, offsets) if a2 is not None else None
         y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw,
                             lora=(t2, b2) if a2 is not None else None)
@@ -192,13 +202,10 @@ class ExpertsUp(torch.autograd.Function):
     from `ExpertsDown`, an internal convention of the pair: h reaches no one else."""
 
     @staticmethod
-    def forward(ctx, x, rw, gate_up, a1, b1, s1, offsets, gather, scatter, activation, k):
+    def forward(ctx, x, rw, gate_up, a1, b1, s1, offsets, gather, scatter, activation, k, need_grad):
         a1 = None if a1 is None else a1.contiguous()
         b1 = None if b1 is None else (b1 * s1 if s1 != 1.0 else b1).contiguous()
-        t1 = grouped_mm_rows(x, a1, offsets, a_index=gather) if a1 is not None else None
-        gu = grouped_mm_rows(x, gate_up, offsets, a_index=gather, lora=(t1, b1) if a1 is not None else None)
-        inter = gu.shape[1] // 2
-        h = glu_forward(gu[:, :inter], gu[:, inter:], activation)
+        t1, gu, h = _gate_up_forward(x, gate_up, a1, b1, offsets, gather, activation, need_grad)
         ctx.save_for_backward(x, gu, t1, rw)
         keep_for_backward(ctx, (gate_up, a1, b1, offsets, gather, scatter))  # weights and routing metadata
         ctx.s1, ctx.activation, ctx.k = s1, activation, k
@@ -210,7 +217,7 @@ class ExpertsUp(torch.autograd.Function):
         gate_up, a1, b1, offsets, gather, scatter = kept_for_backward(ctx)
         needs = ctx.needs_input_grad
         E = gate_up.shape[0]
-        grads = [None] * 11
+        grads = [None] * 12
         dgu, _, drw = _glu_rows_backward(dh, gu, rw, ctx.activation, store_h=False)
         if needs[1]:
             grads[1] = drw.to(rw.dtype)
@@ -308,7 +315,9 @@ def moe_experts(
         k = top_k_index.shape[1]
         offsets, gather, scatter = routing_metadata(top_k_index, gate_up_proj.shape[0])
         rw = top_k_weights.reshape(-1)[scatter.long()]
-        h = ExpertsUp.apply(x, rw, gate_up_proj, a1, b1, s1, offsets, gather, scatter, activation, k)
+        need_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, top_k_weights, gate_up_proj, a1, b1))
+        h = ExpertsUp.apply(x, rw, gate_up_proj, a1, b1, s1, offsets, gather, scatter, activation, k, need_grad)
         return ExpertsDown.apply(h, rw.detach(), down_proj, offsets, gather, scatter, k)
     return MoEExperts.apply(x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2, activation)
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
+from ..activations import ACTIVATIONS, _gate_factor
 from . import tuning
 
 try:
@@ -142,6 +143,74 @@ def _grouped_mm(
         dst = rm.to(tl.int64)
     tl.store(out_ptr + dst[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _grouped_mm_glu(
+    a_ptr, a_index_ptr, w_ptr, gu_ptr, h_ptr, offsets_ptr,
+    M, I, K, E,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_gm, stride_hm,
+    HAS_A_INDEX: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, STORE_GU: tl.constexpr,
+    ACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The gate_up GEMM with the gated activation in its epilogue: w [E, 2I, K] ([gate; up] halves); a
+    program owns BLOCK_N columns of gate and the same columns of up (two accumulators), rounds both to the
+    output dtype (as a separate activation pass would read them), and stores h = act(gate) * up [M, I]
+    and, with STORE_GU, [gate | up] [M, 2I] for the backward. W_TMA: w_ptr is a descriptor over w as
+    [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA as in _grouped_mm."""
+    expert, row_start, row_end, col_tile = _expert_tile(offsets_ptr, tl.program_id(0), tl.cdiv(I, BLOCK_N), E,
+                                                         BLOCK_E, BLOCK_M, GROUP_M)
+    if expert >= E:
+        return
+    row_end = tl.minimum(row_end, M)
+    rm = row_start + tl.arange(0, BLOCK_M)
+    mask_m = rm < row_end
+    col0 = col_tile * BLOCK_N
+    rn = col0 + tl.arange(0, BLOCK_N)
+    mask_n = rn < I
+    rk = tl.arange(0, BLOCK_K)
+    if HAS_A_INDEX:
+        src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = rm.to(tl.int64)
+    if not A_TMA:
+        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+    if not W_TMA:
+        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+        u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if A_TMA:
+            a = a_ptr.load([row_start, k0])
+        else:
+            k_ok = rk < K - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+            a_ptrs += BLOCK_K * stride_ak
+        if W_TMA:
+            wg = tl.trans(w_ptr.load([expert * 2 * I + col0, k0]))
+            wu = tl.trans(w_ptr.load([expert * 2 * I + I + col0, k0]))
+        else:
+            k_ok = rk < K - k0
+            wg = tl.load(g_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
+            g_ptrs += BLOCK_K * stride_wk
+            u_ptrs += BLOCK_K * stride_wk
+        acc_g = _dot(a, wg, acc_g, PRECISION)
+        acc_u = _dot(a, wu, acc_u, PRECISION)
+    mask = mask_m[:, None] & mask_n[None, :]
+    rows = rm.to(tl.int64)[:, None]
+    gate = acc_g.to(h_ptr.dtype.element_ty)
+    up = acc_u.to(h_ptr.dtype.element_ty)
+    if STORE_GU:
+        tl.store(gu_ptr + rows * stride_gm + rn[None, :], gate, mask=mask)
+        tl.store(gu_ptr + rows * stride_gm + I + rn[None, :], up, mask=mask)
+    g32 = gate.to(tl.float32)
+    p, _ = _gate_factor(g32, ACT)
+    tl.store(h_ptr + rows * stride_hm + rn[None, :], (g32 * p * up.to(tl.float32)).to(h_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -368,6 +437,58 @@ def grouped_mm_rows(
     # tuning runs write `out`, which the real launch then overwrites
     cfg = config or tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=launch,
                                       variant=_variant(a_index, out_index, row_weights, lora, torch_ok))
+    return launch(cfg)
+
+
+def grouped_mm_glu(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: str,
+    *,
+    a_index: torch.Tensor | None = None,
+    store_gu: bool = True,
+    config: dict | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(gu [M, 2I] or None, h [M, I]): gu = a[a_index] @ w[e]^T for w [E, 2I, K] ([gate; up]) and
+    h = act(gate) * up from gu rounded to a's dtype, in one kernel (no activation pass over gu); no autograd."""
+    M = a_index.shape[0] if a_index is not None else a.shape[0]
+    E, two_i, K = w.shape
+    I = two_i // 2
+    gu = torch.empty((M, two_i), dtype=a.dtype, device=a.device) if store_gu else None
+    h = torch.empty((M, I), dtype=a.dtype, device=a.device)
+    if M == 0 or I == 0:
+        return gu, h
+    if K == 0:
+        return (gu.zero_() if gu is not None else None), h.zero_()
+    dummy = offsets
+    tma_device = _tma_capable(a.device)
+    act = ACTIVATIONS.index(activation)
+
+    def launch(cfg: dict):
+        a_arg, w_arg, a_tma, w_tma = a, w, False, False
+        if cfg.get("impl") == "tma" and tma_device:
+            if w.stride(2) == 1 and w.stride(0) == two_i * w.stride(1) and _descriptor_ok(w, w.stride(1)):
+                w_arg = TensorDescriptor(w, [E * two_i, K], [w.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+                w_tma = True
+            if a_index is None and a.stride(1) == 1 and _descriptor_ok(a, a.stride(0)):
+                a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+                a_tma = True
+        grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(I, cfg["BLOCK_N"]),)
+        _grouped_mm_glu[grid](
+            a_arg, a_index if a_index is not None else dummy, w_arg, gu if gu is not None else h, h, offsets,
+            M, I, K, E,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            gu.stride(0) if gu is not None else 0, h.stride(0),
+            HAS_A_INDEX=a_index is not None, A_TMA=a_tma, W_TMA=w_tma, STORE_GU=gu is not None, ACT=act,
+            PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=_GROUP_M,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        return gu, h
+
+    cfg = config or tuning.config_for("glu", a.dtype, two_i, K, E, M, a.device, run=launch,
+                                      variant=_variant(a_index, None, None, None, False) + ("u" if store_gu else ""))
     return launch(cfg)
 
 

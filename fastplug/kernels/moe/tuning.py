@@ -24,7 +24,7 @@ import triton
 
 from .._utils import interpreter_enabled, next_power_of_2
 
-KINDS = ("fwd", "dw")
+KINDS = ("fwd", "dw", "glu")
 IMPLS = ("ptr", "tma", "torch")
 
 # kind -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, impl). For dw, BLOCK_M is the reduction step
@@ -53,8 +53,13 @@ CANDIDATES = {
         (64, 16, 128, 4, 4, "ptr"), (64, 128, 16, 4, 4, "ptr"), (128, 32, 128, 4, 3, "ptr"),
         (128, 128, 32, 8, 3, "ptr"),
     ],
+    # the gate_up GEMM with the activation in its epilogue: two [BLOCK_M, BLOCK_N] accumulators (gate, up)
+    "glu": [
+        (128, 128, 64, 8, 3, "ptr"), (128, 64, 64, 4, 4, "ptr"), (128, 128, 64, 8, 3, "tma"),
+        (128, 128, 64, 8, 4, "tma"), (64, 128, 64, 4, 4, "tma"), (128, 64, 64, 4, 4, "tma"),
+    ],
 }
-DEFAULTS = {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr")}
+DEFAULTS = {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr"), "glu": (128, 64, 64, 4, 4, "ptr")}
 # Small tiles: the interpreter walks every program in Python, and the CPU tests' experts have a few rows.
 _INTERPRETER = (32, 64, 64, 1, 1, "ptr")
 
@@ -111,7 +116,7 @@ def shared_memory_bytes(kind: str, cfg: dict, dtype: torch.dtype) -> int:
     if cfg["impl"] == "torch":
         return 0  # not ours to count (CUTLASS picks its own tiles)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    per_stage = (bm * bk + bk * bn) if kind == "fwd" else (bn * bm + bm * bk)
+    per_stage = {"fwd": bm * bk + bk * bn, "glu": bm * bk + 2 * bk * bn, "dw": bn * bm + bm * bk}[kind]
     return cfg["num_stages"] * per_stage * torch.empty((), dtype=dtype).element_size()
 
 
@@ -131,7 +136,7 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         if shared_memory_bytes(kind, cfg, dtype) > smem_limit:
             continue
         too_big = cfg["BLOCK_N"] > max(16, next_power_of_2(N)) or cfg["BLOCK_K"] > max(16, next_power_of_2(K))
-        if kind == "fwd":
+        if kind != "dw":
             too_big |= cfg["BLOCK_M"] > max(16, next_power_of_2(rows_per_expert))
         # narrow tiles only where a side is narrow (they lose elsewhere; no point compiling them)
         too_small = (cfg["BLOCK_N"] < 64 and N >= 128) or (kind == "dw" and cfg["BLOCK_K"] < 64 and K >= 128)
@@ -235,7 +240,7 @@ def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.
     """Times every candidate config of one kernel on random data of this shape (rows spread over the
     experts at random); one dict per config: the config, ms, TFLOP/s, shared memory, and why it was
     skipped (pruned, or it failed to launch). What `python -m fastplug.bench moe-tune` reports."""
-    from .grouped_gemm import grouped_mm_dw, grouped_mm_rows
+    from .grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
@@ -250,6 +255,11 @@ def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.
 
         def run(cfg):
             grouped_mm_rows(x, w, offsets, out=out, config=cfg)
+    elif kind == "glu":  # N: the gate_up width 2I
+        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
+
+        def run(cfg):
+            grouped_mm_glu(x, w, offsets, "silu", config=cfg)
     else:
         dy = torch.randn(M, N, device=device, generator=g).to(dtype)
 

@@ -1,6 +1,7 @@
-"""Attention on one GPU in one go: correctness of the Triton kernel at full shapes against the fp32 reference,
-a sweep of launch configs per kernel and head dim, and the issue-11 comparison table (SDPA, the Triton kernel,
-the dispatcher). Run from the repo root:  python scripts/attention_gpu.py [--sweep] [--quick]
+"""Attention on one GPU in one go: correctness of the Triton kernel at full shapes against the fp32 reference
+(both backward paths), where the time goes (each kernel alone, TMA descriptors on and off), sweeps of launch
+configs per kernel and head dim, and the issue-11 comparison table (SDPA, the Triton kernel, the dispatcher).
+Run from the repo root:  python scripts/attention_gpu.py [--breakdown] [--sweep4] [--no-table] ...
 
 The last lines printed are the table; the chosen configs go into attention.TUNING by hand.
 """
@@ -8,6 +9,7 @@ The last lines printed are the table; the chosen configs go into attention.TUNIN
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -120,7 +122,28 @@ SWEEP3 = {
     "dkdv": {256: [(bm, bn, w, st) for bm, bn in ((32, 32), (64, 32), (32, 64), (64, 64)) for w in (4, 8)
                    for st in (1, 2)]},
 }
+# After TMA (--breakdown): the neighbours of the chosen tiles, each head dim with its TUNING.tma choice.
+SWEEP4 = {
+    "fwd": {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+            256: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
+    "dkdv": {128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+             256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 2)]},
+    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 3)],
+           256: [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)]},
+}
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+ALL_TMA = ("fwd", "dkdv", "dq")
+
+
+@contextlib.contextmanager
+def tuned(**changes):
+    """attention.TUNING changed for the block, restored after."""
+    base = A.TUNING
+    A.TUNING = dataclasses.replace(base, **changes)
+    try:
+        yield
+    finally:
+        A.TUNING = base
 
 
 class _LaunchRecorder:
@@ -162,6 +185,34 @@ def sweep(name, c, table=SWEEP):
         A.TUNING = base
         results.sort()
         print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}[{r}]" for ms, c, r in results), flush=True)
+
+
+def breakdown(name, c):
+    """Each kernel of one problem alone, TMA descriptors on and off, and the whole backward as tuned."""
+    q, k, v, kw = make(c)
+    B, Hq, T, D = q.shape
+    start = end = None
+    if kw.get("cu_seqlens") is not None:
+        start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], T)
+    p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"),
+                   D ** -0.5)
+    do = torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+    out, lse = A._flash_forward(q, k, v, p, start, end)
+    delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    cfg = lambda table: tuple(A._config(table, p.block_d, q.device))  # noqa: E731
+    rows = []
+    for tma in (ALL_TMA, ()):
+        with tuned(tma=((256, tma),)):
+            tag = "tma" if tma else "ptr"
+            rows.append((f"fwd {cfg(A.TUNING.fwd)}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
+            rows.append((f"dq+delta {cfg(A.TUNING.dq)}", tag, bench_ms(lambda: A._launch_dq(
+                do, q, k, v, out, lse, delta, dq, p, start, end, A._config(A.TUNING.dq, p.block_d, q.device)))))
+            rows.append((f"dkdv {cfg(A.TUNING.dkdv)}", tag, bench_ms(lambda: A._launch_dkdv(
+                do, q, k, v, lse, delta, dk, dv, p, start, end, A._config(A.TUNING.dkdv, p.block_d, q.device)))))
+    rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.TUNING.tma, p.block_d))}", bench_ms(
+        lambda: A._flash_backward(do, q, k, v, out, lse, p, start, end))))
+    for what, tag, ms in rows:
+        print(f"breakdown {name:<38} {what:<30} {tag:<12} {ms:.3f} ms", flush=True)
 
 
 def table():
@@ -228,13 +279,23 @@ def guarded(fn, *args):
         return False
 
 
-def checks():
+def checks(quick=False):
     cu = torch.tensor([0, 1000, 1777, 3001], dtype=torch.int32, device=DEV)
-    ok = check("causal D128 GQA4", 1, 8, 2, 1531, 128)
-    ok &= check("full D64 MQA", 1, 4, 1, 1000, 64, causal=False)
-    ok &= check("causal D80 window 300", 1, 4, 2, 1200, 80, sliding_window=300)
-    ok &= check("D256 softcap 50 window 512", 1, 4, 2, 1500, 256, softcap=50.0, sliding_window=512)
-    ok &= check("D96 varlen 3 docs", 1, 4, 2, 3001, 96, cu_seqlens=cu)
+    all_cases = {
+        "causal D128 GQA4": ((1, 8, 2, 1531, 128), {}),
+        "full D64 MQA": ((1, 4, 1, 1000, 64), dict(causal=False)),
+        "causal D80 window 300": ((1, 4, 2, 1200, 80), dict(sliding_window=300)),
+        "D256 cap 50 window 512": ((1, 4, 2, 1500, 256), dict(softcap=50.0, sliding_window=512)),
+        "D96 varlen 3 docs": ((1, 4, 2, 3001, 96), dict(cu_seqlens=cu)),
+    }
+    ok = True
+    # every kernel both ways: tiles through TMA descriptors, and through pointers (quick: a few cases each)
+    for tag, tma, names in (("tma", ALL_TMA, [0, 3, 4] if quick else range(5)), ("ptr", (), [2] if quick else range(5))):
+        with tuned(tma=((256, tma),)):
+            for i in names:
+                name = list(all_cases)[i]
+                shape, kw = all_cases[name]
+                ok &= check(f"{tag} {name}", *shape, **kw)
     return ok
 
 
@@ -243,7 +304,11 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="first round: six configs per kernel, all cases")
     parser.add_argument("--sweep2", action="store_true", help="second round around the D128 best (Llama case)")
     parser.add_argument("--sweep3", action="store_true", help="broad round on the Llama case, with registers/spills")
+    parser.add_argument("--breakdown", action="store_true", help="each kernel alone, TMA on/off")
+    parser.add_argument("--sweep4", action="store_true", help="after TMA: neighbours of the chosen tiles, D128 and D256")
     parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--quick-check", action="store_true", help="a few check cases per backward")
+    parser.add_argument("--breakdown-cases", default="0,1,2,3", help="indices into the cases, for --breakdown")
     parser.add_argument("--no-table", action="store_true")
     args = parser.parse_args()
     import transformers
@@ -257,7 +322,7 @@ def main():
           .strip().splitlines()[-1].strip())
     t0 = time.time()
     if not args.no_check:
-        ok = guarded(checks)
+        ok = guarded(checks, args.quick_check)
         print(f"checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s", flush=True)
     if args.sweep:
         for name, c in cases().items():
@@ -270,6 +335,17 @@ def main():
         name = "gemma2 B2 8/4 T8192 D256 cap50 w4096"
         guarded(sweep, name, cases()[name], SWEEP3)
         print(f"sweep3 done at {time.time() - t0:.0f} s", flush=True)
+    if args.breakdown:
+        for i, (name, c) in enumerate(cases().items()):
+            if str(i) in args.breakdown_cases.split(","):
+                guarded(breakdown, name, c)
+        print(f"breakdown done at {time.time() - t0:.0f} s", flush=True)
+    if args.sweep4:
+        names = list(cases())
+        guarded(sweep, names[0], cases()[names[0]], SWEEP4)
+        print(f"sweep4 at {time.time() - t0:.0f} s", flush=True)
+        guarded(sweep, names[2], cases()[names[2]], SWEEP4)
+        print(f"sweep4 done at {time.time() - t0:.0f} s", flush=True)
     if not args.no_table:
         guarded(table)
     print(f"total {time.time() - t0:.0f} s")

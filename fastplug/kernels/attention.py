@@ -22,10 +22,18 @@ Varlen: packed documents lie in one row, q (1, Hq, total, D), k/v (1, Hkv, total
 over the packed row as if it were one sequence and needs no max_seqlen and no host sync; the model
 integration builds those bounds straight from position_ids (`packed_bounds`).
 
-Forward keeps the output and the log-sum-exp (base 2, fp32); backward recomputes the probabilities: a small
-kernel forms delta = rowsum(dO * O), one kernel per key block accumulates dK/dV over the query blocks that see
-it, another per query block accumulates dQ. No T x S matrix is ever in memory. fp32 accumulation; fp32
-inputs use IEEE fp32 dots (no TF32).
+Forward keeps the output and the log-sum-exp (base 2, fp32); backward recomputes the probabilities in two
+kernels and no T x S matrix is ever in memory. The dQ kernel runs first, one program per query block: it forms
+delta = rowsum(dO * O) for its rows (stored for the next kernel; no launch of its own) and accumulates dQ over
+the key blocks its rows see (3 matrix products per tile: S, dP, dQ). The dK/dV kernel, one program per key
+block, loops over the query heads of its GQA group and the query blocks that see the key block (4 products:
+S, dV, dP, dK), with query rows on the MMA's M dimension so that k and v stay B operands in shared memory.
+7 products where a single pass needs 5, but deterministic (no atomics): a single pass that added each tile's
+dQ share with fp32 atomics (commit 782a4de) measured 2.7x slower on an H100 with triton 3.6 (10.5 ms whole
+backward against 3.8 on the Llama shape; 6.3 with its best tiles): the PTX has one scalar atom.add.f32 per
+element. Tiles are read through TMA descriptors where TUNING.tma says they measured faster and the strides
+allow (unit stride along the head dim, 16-byte aligned rows; rows past the end and the padded head dim come
+back as zeros), else through masked pointer loads. fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32).
 
 `attention` dispatches: torch SDPA (cuDNN / flash) where it covers the case and measured faster (plain
 causal or full attention on CUDA in bf16/fp16, no softcap, no window, not packed), the Triton kernel
@@ -125,19 +133,23 @@ def _dot(a, b, PRECISION: tl.constexpr):
 def _rows_of(X, n, head_dim, stride_n, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """What `_tile` reads a (n, head_dim) matrix through: a TMA descriptor (rows past n and columns past head_dim
     come back as zeros) or the pointer itself."""
-    if TMA:
-        return tl.make_tensor_descriptor(X, shape=[n, head_dim], strides=[stride_n, 1], block_shape=[BLOCK, BLOCK_D])
-    return X
+    if TMA:  # one return: the compiler wants one type out of a function, whichever branch the constexpr takes
+        rows = tl.make_tensor_descriptor(X, shape=[n, head_dim], strides=[stride_n, 1], block_shape=[BLOCK, BLOCK_D])
+    else:
+        rows = X
+    return rows
 
 
 @triton.jit
 def _tile(X, start, n, stride_n, stride_d, d, d_mask, BLOCK: tl.constexpr, TMA: tl.constexpr):
     """Rows start..start+BLOCK of a (n, head_dim) matrix, zeros outside it."""
     if TMA:
-        return X.load([start, 0])
-    idx = start + tl.arange(0, BLOCK)
-    return tl.load(X + idx[:, None] * stride_n + d[None, :] * stride_d, mask=(idx < n)[:, None] & d_mask[None, :],
-                   other=0.0)
+        tile = X.load([start, 0])
+    else:
+        idx = start + tl.arange(0, BLOCK)
+        tile = tl.load(X + idx[:, None] * stride_n + d[None, :] * stride_d,
+                       mask=(idx < n)[:, None] & d_mask[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -213,11 +225,14 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, a, b_, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N,
+                              TMA)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, b_, c, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N,
+                              TMA)
     acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, c, e, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
+                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N,
+                              TMA)
     l_i = tl.where(row_valid, l_i, 1.0)  # rows past T saw nothing; they are not stored
     acc = acc / l_i[:, None]
     O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -227,30 +242,10 @@ def _attn_fwd(
 
 
 @triton.jit
-def _attn_bwd_delta(
-    O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_od, stride_dob, stride_dot, stride_doh, stride_dod,
-    n_heads, T, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    mask = (rows < T)[:, None] & (d < head_dim)[None, :]
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot
-                 + d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
-
-
-@triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, stride_qt, stride_qd, stride_dot, stride_dod, stride_dqt,
-               stride_dqd, lo, hi, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale, ds_scale,
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, lo, hi, cols,
+               T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-               TMA: tl.constexpr):
+               VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_valid = rows < T
@@ -274,28 +269,23 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, stride_qt, stride_qd, stride
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        ds = ds.to(q.dtype)
-        dk += _dot(tl.trans(ds), q, PRECISION)
-        if ATOMIC_DQ:  # single pass: this key block's share of dQ for these rows, summed in fp32 in memory
-            dq = _dot(ds, k, PRECISION) * ds_scale
-            tl.atomic_add(DQ + rows[:, None] * stride_dqt + d[None, :] * stride_dqd, dq, mask=mask, sem="relaxed")
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, START, END,
+    Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
     stride_qb, stride_qh, stride_qt, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_dob, stride_dot, stride_doh, stride_dod,
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
     n_heads, n_kv_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -324,19 +314,15 @@ def _attn_bwd_dkdv(
                        BLOCK_M, BLOCK_D, TMA)
         LSEh = LSE + (b * n_heads + h).to(tl.int64) * T
         DELTAh = DELTA + (b * n_heads + h).to(tl.int64) * T
-        DQh = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            stride_dqt, stride_dqd, a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale,
-                            cap_scale, ds_scale, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
-                            BLOCK_M, TMA)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            stride_dqt, stride_dqd, b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale,
-                            cap_scale, ds_scale, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
-                            BLOCK_M, TMA)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, DQh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            stride_dqt, stride_dqd, c, e, cols, T, S, window, START, END, d, d_mask, qk_scale,
-                            cap_scale, ds_scale, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, ATOMIC_DQ, PRECISION,
-                            BLOCK_M, TMA)
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
+                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
+                            False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
+        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
+                            c, e, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
+                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
     tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + cols[:, None] * stride_dks
              + d[None, :] * stride_dkd, (dk * ds_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvs
@@ -439,56 +425,52 @@ class AttentionTuning:
 
     # H100, bf16 (scripts/attention_gpu.py --sweep): the best of six configs each, fwd / whole backward ms.
     # D128 Llama causal B4 32/8 T4096: fwd 1.34 (128x128 8 warps) vs 1.40 (128x64), 2.55 (128x64, 4 warps);
-    # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64).
+    # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64). With TMA (--sweep4): 128x128 1.23 vs 1.30 (128x64).
     fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
                   (256, KernelConfig(128, 64, 8, 2)))
-    # Two-kernel backward (deterministic): dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps
-    # 2 stages, D256 64x32), then dQ (128x64 8 warps 3 stages; D256 128x32).
+    # dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps 2 stages, D256 64x32), and dQ
+    # (128x64 8 warps 3 stages; D256 128x32). --sweep4 (TMA): D128 dK/dV 64x64 4 warps 3.87 ms whole backward
+    # vs 6.35 (8 warps); dQ 128x64 3 stages 3.73 vs 3.79 (128x128) and 3.92 (2 stages).
     dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, KernelConfig(64, 32, 4, 2)))
     dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 2)))
-    # Single-pass backward (dK/dV kernel adds dQ with fp32 atomics): its config per bucket, None where the
-    # two-kernel backward measured faster.
-    single: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, None))
-    # Kernels that read their tiles through TMA descriptors (where the layout allows: unit stride along the
-    # head dim, 16-byte aligned rows); the others through pointers.
-    tma: tuple = ("fwd", "dkdv", "dq")
+    # The kernels that read their tiles through TMA descriptors, per bucket (where the layout allows: unit
+    # stride along the head dim, 16-byte aligned rows; else pointers). --breakdown, each kernel alone, TMA vs
+    # pointers: D128 Llama fwd 1.24 vs 1.33, dK/dV 2.23 vs 2.69, dQ 1.54 vs 1.47; D256 Gemma2 T8192 fwd 1.02
+    # vs 1.22, dK/dV 3.40 vs 2.97, dQ 1.72 vs 1.75.
+    tma: tuple = ((128, ("fwd", "dkdv")), (256, ("fwd", "dq")))
 
 
 TUNING = AttentionTuning()
 # The interpreter (CPU tests): small, unequal tiles so that tiny shapes still cross block and edge cases.
 INTERPRETER_CONFIG = KernelConfig(16, 32, 1, 1)
-# None: the backward is deterministic (two kernels, no atomics) when torch.use_deterministic_algorithms(True)
-# is on, else it takes the single pass where TUNING.single has a config. True / False force either path.
-DETERMINISTIC: bool | None = None
 
 
-def _config(table: tuple, block_d: int, device: torch.device) -> KernelConfig | None:
+def _config(table: tuple, block_d: int, device: torch.device) -> KernelConfig:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    for bucket, cfg in table:
+    return _bucket(table, block_d)
+
+
+def _bucket(table: tuple, block_d: int):
+    for bucket, entry in table:
         if block_d <= bucket:
-            return cfg
+            return entry
     return table[-1][1]
-
-
-def _single_pass_config(block_d: int, device: torch.device) -> KernelConfig | None:
-    deterministic = torch.are_deterministic_algorithms_enabled() if DETERMINISTIC is None else DETERMINISTIC
-    if deterministic:
-        return None
-    return _config(TUNING.single, block_d, device)
 
 
 def _tma_alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(kernel: str, *tensors: torch.Tensor) -> bool:
-    """TMA descriptors for `kernel` when TUNING lists it and every tensor's rows suit the copy engine."""
-    if kernel not in TUNING.tma:
+def _use_tma(kernel: str, block_d: int, *tensors: torch.Tensor) -> bool:
+    """TMA descriptors for `kernel` when TUNING.tma lists it for this head dim and every tensor's rows suit the
+    copy engine (the interpreter follows the same table, so the CPU tests run both ways)."""
+    if kernel not in _bucket(TUNING.tma, block_d):
         return False
     for t in tensors:
         size = t.element_size()
-        if t.stride(3) != 1 or t.data_ptr() % 16 or t.shape[3] * size < 16 or any(x * size % 16 for x in t.stride()[:3]):
+        aligned = t.data_ptr() % 16 == 0 and all(x * size % 16 == 0 for x in t.stride()[:3])
+        if t.stride(3) != 1 or not aligned or t.shape[3] * size < 16:
             return False
     if tensors[0].device.type == "cuda":
         # descriptors built on the device need a scratch allocator (per thread: autograd's backward runs in its own)
@@ -544,64 +526,44 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
         q, k, v, out, lse, start if varlen else lse, end if varlen else lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("fwd", q, k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("fwd", p.block_d, q, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-def _launch_delta(out, do, delta, p: _Problem):
-    block_rows = 16 if out.device.type != "cuda" else 64
-    _attn_bwd_delta[(cdiv(p.T, block_rows), p.B * p.Hq)](
-        out, do, delta, *out.stride(), *do.stride(), p.Hq, p.T, p.D, BLOCK_M=block_rows, BLOCK_D=p.block_d,
-    )
-
-
 def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: KernelConfig):
-    """dQ per query block; forms delta on the way and stores it (for the dK/dV kernel that runs next)."""
+    """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
     varlen = start is not None
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", p.block_d, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq_acc, p: _Problem, start, end, cfg: KernelConfig,
-                 atomic_dq: bool):
-    """dK/dV per key block; with atomic_dq it also adds dQ (scaled, fp32) into dq_acc."""
+def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: KernelConfig):
+    """dK/dV per key block, summed over the query heads of its group."""
     varlen = start is not None
     _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, *((start, end) if varlen else (lse, lse)),
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), *dq_acc.stride(),
+        q, k, v, do, lse, delta, dk, dv, *((start, end) if varlen else (lse, lse)),
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, ATOMIC_DQ=atomic_dq,
-        TMA=_use_tma("dkdv", q, do), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dkdv", p.block_d, q, do),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
-    """Single pass where TUNING.single has a config and determinism is not asked for: delta, then one kernel
-    per key block that accumulates dK/dV in registers and adds each query block's share of dQ to an fp32
-    buffer with atomics (5 matrix products per tile pair; the order of the additions varies from run to run).
-    Otherwise two kernels and no atomics: dQ per query block (it also forms delta), then dK/dV per key block
-    (7 products: both recompute the scores and dP)."""
+    """dQ per query block (it forms delta too), then dK/dV per key block. Deterministic: no atomics."""
     delta = torch.empty_like(lse)
     # empty_like keeps q/k/v's memory layout: the grads flow back through the same transposes as the inputs.
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    single = _single_pass_config(p.block_d, q.device)
-    if single is None:
-        dq = torch.empty_like(q)
-        _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config(TUNING.dq, p.block_d, q.device))
-        _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq, p, start, end, _config(TUNING.dkdv, p.block_d, q.device),
-                     False)
-        return dq, dk, dv
-    _launch_delta(out, do, delta, p)
-    dq_acc = torch.zeros_like(q, dtype=torch.float32)  # keeps q's layout, so does the cast below
-    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, dq_acc, p, start, end, single, True)
-    return dq_acc if q.dtype == torch.float32 else dq_acc.to(q.dtype), dk, dv
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config(TUNING.dq, p.block_d, q.device))
+    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p, start, end, _config(TUNING.dkdv, p.block_d, q.device))
+    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """Flash attention on a GPU at the bench's sequence lengths (fewer heads, so that the fp32 reference fits):
 forward and dq/dk/dv against attention_reference, bf16 and fp16; the dispatcher's SDPA path."""
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +11,8 @@ import torch.nn.functional as F
 from fastplug.kernels import attention, attention_reference
 from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds
 from tests.helpers import rel_err
+
+A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -52,6 +57,18 @@ def _triton(options):
 ])
 def test_triton_kernel_matches_reference(shape, options, dtype):
     inputs = _inputs(*shape, dtype)
+    _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
+
+
+@pytest.mark.parametrize("tma", [("fwd", "dkdv", "dq"), ()], ids=["tma", "pointers"])
+@pytest.mark.parametrize("shape, options", [
+    ((1, 8, 2, 2049, 128), {}),
+    ((1, 2, 1, 3001, 256), {"softcap": 50.0, "sliding_window": 1000}),
+])
+def test_every_kernel_with_and_without_tma(shape, options, tma, monkeypatch):
+    """TUNING.tma picks TMA descriptors per kernel and head dim; each kernel is right both ways."""
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((256, tma),)))
+    inputs = _inputs(*shape, torch.bfloat16)
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
 
 

@@ -13,16 +13,13 @@ from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
 
-# The kernels' variants: the single-pass backward (dQ by fp32 atomics) with TMA descriptors, and the
-# deterministic two-kernel backward with plain pointer loads.
-PATHS = {"single pass, TMA": (False, ("fwd", "dkdv", "dq")), "two kernels, pointers": (True, ())}
+# Every kernel both ways: tiles read through TMA descriptors, and through masked pointer loads.
+PATHS = {"TMA": ((256, ("fwd", "dkdv", "dq")),), "pointers": ((256, ()),)}
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
-    deterministic, tma = PATHS[request.param]
-    monkeypatch.setattr(A, "DETERMINISTIC", deterministic)
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=tma))
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param]))
     return request.param
 
 
@@ -100,33 +97,19 @@ def test_varlen_matches_per_document_reference(options, path):
              torch.float32)
 
 
-def test_backward_path_choice(monkeypatch):
-    """torch.use_deterministic_algorithms(True) takes the two-kernel backward (no atomics); DETERMINISTIC forces
-    either; both give the reference's gradients; TMA only where strides allow it."""
-    monkeypatch.setattr(A, "DETERMINISTIC", None)
-    block_d, cpu = 64, torch.device("cpu")
-    assert A._single_pass_config(block_d, cpu) is not None
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert A._single_pass_config(block_d, cpu) is None
-    finally:
-        torch.use_deterministic_algorithms(previous)
-    monkeypatch.setattr(A, "DETERMINISTIC", True)
-    assert A._single_pass_config(block_d, cpu) is None
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, single=((256, None),)))
-    monkeypatch.setattr(A, "DETERMINISTIC", False)
-    assert A._config(A.TUNING.single, block_d, torch.device("cuda")) is None  # a bucket without a single pass
+def test_tma_only_where_the_layout_allows(monkeypatch):
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS["TMA"]))
     x = torch.randn(2, 5, 3, 64)
-    assert A._use_tma("fwd", x.transpose(1, 2))
-    assert not A._use_tma("fwd", x.transpose(1, 2)[..., ::2])  # head dim not unit-stride
-    assert not A._use_tma("fwd", torch.randn(2, 3, 5, 7))  # 28-byte rows
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=()))
-    assert not A._use_tma("fwd", x)
+    assert A._use_tma("fwd", 64, x.transpose(1, 2))
+    assert not A._use_tma("fwd", 64, x.transpose(1, 2)[..., ::2])  # head dim not unit-stride
+    assert not A._use_tma("fwd", 16, torch.randn(2, 3, 5, 7))  # 28-byte rows
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((128, ("dq",)), (256, ("fwd",)))))
+    assert not A._use_tma("fwd", 64, x) and A._use_tma("dq", 64, x) and A._use_tma("fwd", 256, x)
 
 
-def test_strides_unfit_for_tma():
+def test_strides_unfit_for_tma(monkeypatch):
     """Rows of 7 fp32 (28 bytes, not 16-byte aligned) take the pointer loads in every kernel."""
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS["TMA"]))
     inputs = _inputs(1, 4, 2, 23, 23, 7)
     _compare(lambda *x: attention(*x, sliding_window=6), lambda *x: attention_reference(*x, sliding_window=6), inputs,
              torch.float32)

@@ -162,40 +162,75 @@ def _profile(model, ids, mask, steps: int = 32) -> None:
     generation.FAST_DECODE = True
 
 
+def _graph_time(fn, calls: int) -> float:
+    """Median milliseconds of one of `calls` back-to-back fn(i) calls, replayed from a CUDA graph (no launch
+    overhead, as in the decode step's graph)."""
+    import torch
+    from triton.testing import do_bench
+
+    for i in range(calls):  # compile and warm up outside the capture
+        fn(i)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return do_bench(graph.replay, return_mode="median") / calls
+
+
 def _kernels(model_name: str) -> None:
-    """The decode GEMV's configurations against cuBLAS (F.linear) on one model's projection shapes."""
+    """The decode GEMV's configurations against cuBLAS (F.linear) on one model's projection shapes, timed in
+    CUDA graphs over enough weight copies that L2 holds none of them (as in a decode step)."""
     import torch
     import torch.nn.functional as F
-    from triton.testing import do_bench
 
     from fastplug.kernels.decode import _gemv_config, gemv
 
     shape = MODELS[model_name][3]
     hidden, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     qkv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * hd
-    cases = {"qkv": ([qkv], hidden, None), "o": ([hidden], shape["num_attention_heads"] * hd, None),
-             "gate_up": ([inter, inter], hidden, "silu"), "down": ([hidden], inter, None),
-             "head": ([shape["vocab_size"]], hidden, None)}
+    cases = {"qkv+norm": ([qkv], hidden, None, True), "o+res": ([hidden], shape["num_attention_heads"] * hd, None, False),
+             "gate_up+norm": ([inter, inter], hidden, "silu", True), "down+res": ([hidden], inter, None, False),
+             "head+norm": ([shape["vocab_size"]], hidden, None, True)}
     configs = {1: [(False, 1, 4, 1024, 4), (False, 1, 8, 512, 4), (False, 1, 8, 1024, 8), (False, 1, 16, 256, 4),
-                   (False, 1, 16, 512, 8), (False, 1, 32, 256, 8)],
+                   (False, 1, 16, 512, 8), (False, 1, 2, 2048, 4)],
                8: [(True, 16, 16, 128, 4), (True, 16, 32, 128, 4), (True, 16, 32, 256, 4), (True, 16, 64, 128, 4),
-                   (True, 16, 16, 256, 4)]}
-    print(f"\n## decode GEMV configs, {MODELS[model_name][0]} (us, median; cuBLAS = F.linear per weight)")
+                   (True, 16, 16, 256, 4), (True, 16, 16, 512, 8)]}
+    print(f"\n## decode GEMV configs, {MODELS[model_name][0]} (us per call in a CUDA graph, median; weights not in "
+          "L2; cuBLAS = F.linear per weight, + the add for res)")
     print("| proj | rows | cuBLAS | default | " + " | ".join(f"cfg{i}" for i in range(6)) + " | GB/s best |")
     print("|---|---|---|---|" + "---|" * 7)
-    for name, (ns, k, act) in cases.items():
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in ns]
-        nbytes = sum(w.numel() for w in ws) * 2
+    for name, (ns, k, act, norm) in cases.items():
+        nbytes = sum(ns) * k * 2
+        copies = max(1, -(-160 * 2**20 // nbytes))
+        sets = [[torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for n in ns] for _ in range(copies)]
+        calls = max(copies, 8)
+        nw = (torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5, 1e-5, 0.0) if norm else None
+        res = name.endswith("+res")
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            ref = do_bench(lambda: [F.linear(x, w) for w in ws], return_mode="median")
-            out = [do_bench(lambda: gemv(x, ws, activation=act), return_mode="median")]
+            h = torch.randn(m, sum(ns), device="cuda", dtype=torch.bfloat16)
+            ref = _graph_time(lambda i: [h.add_(F.linear(x, w)) if res else F.linear(x, w)
+                                         for w in sets[i % copies]], calls)
+            kw = dict(activation=act, norm=nw, residual=h if res else None, out=h if res else None)
+            times = [_graph_time(lambda i: gemv(x, sets[i % copies], **kw), calls)]
             for cfg in configs[m]:
-                out.append(do_bench(lambda: gemv(x, ws, activation=act, config=cfg), return_mode="median"))
-            best = min(out)
-            cells = " | ".join(f"{1000 * t:.1f}" for t in out[1:])
-            print(f"| {name} {ns}x{k} | {m} | {1000 * ref:.1f} | {1000 * out[0]:.1f} {_gemv_config(m, max(ns), k, act is not None)} | "
-                  f"{cells} | {nbytes / best / 1e6:.0f} |")
+                try:
+                    times.append(_graph_time(lambda i: gemv(x, sets[i % copies], config=cfg, **kw), calls))
+                except Exception as error:
+                    print(f"  config {cfg}: {short_error(error)}")
+                    times.append(float("nan"))
+            best = min(t for t in times if t == t)
+            cells = " | ".join(f"{1000 * t:.1f}" for t in times[1:])
+            default = _gemv_config(m, max(ns), k, act is not None)
+            print(f"| {name} {ns}x{k} | {m} | {1000 * ref:.1f} | {1000 * times[0]:.1f} {default} | {cells} | "
+                  f"{nbytes / best / 1e6:.0f} |", flush=True)
+        del sets
+    torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:

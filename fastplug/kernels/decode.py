@@ -77,27 +77,63 @@ def _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset,
 
 
 @triton.jit
-def _gemv_acc(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-              HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N]."""
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+def _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N]: products summed per lane, reduced once at the end."""
+    if BLOCK_M == 1:  # 2-D tiles only: x broadcasts along W's rows
+        acc = _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask,
+                                K, HAS_NORM, GEMMA_NORM, BLOCK_N, BLOCK_K)
     else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc = _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                             HAS_NORM, GEMMA_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    return acc
+
+
+@triton.jit
+def _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                      HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
                     mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
         x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
-        if USE_DOT:
-            acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    if USE_DOT:
-        return acc
+        acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+    return tl.sum(acc2, axis=1)[None, :]
+
+
+@triton.jit
+def _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                   HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc3, axis=2)
+
+
+@triton.jit
+def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N], on the tensor cores (rows padded to BLOCK_M)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
+    return acc
 
 
 @triton.jit
@@ -121,8 +157,12 @@ def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA)."""
     n_mask = n < N
-    acc = _gemv_acc(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                    HAS_NORM, GEMMA_NORM, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if USE_DOT:
+        acc = _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                            HAS_NORM, GEMMA_NORM, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc = _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
+                            HAS_NORM, GEMMA_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
@@ -206,11 +246,10 @@ def _gemv_kernel(
 
 def _gemv_config(m: int, n: int, k: int, glu: bool):
     """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs."""
-    if m <= 2:
-        block_m = next_power_of_2(m)
+    if m == 1:
         block_k = min(512, max(16, next_power_of_2(k)))
-        block_n = max(1, min(8 // block_m, next_power_of_2(n)))
-        return False, block_m, block_n, block_k, 4
+        block_n = max(1, min(8, next_power_of_2(n)))
+        return False, 1, block_n, block_k, 4
     return True, 16, 32 if not glu else 16, min(256, max(16, next_power_of_2(k))), 4
 
 

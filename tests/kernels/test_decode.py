@@ -38,7 +38,7 @@ def test_gemv_segments_norm_bias_lora_residual(dtype, m, ns, k, dot):
     cols = sum(b.shape[1] for b in bs if b is not None)
     lora = (rand(m, cols, dtype=dtype), bs, [0.5, 2.0, 1.0][: len(ns)])
     res = rand(m, sum(ns), dtype=dtype)
-    config = (True, 16, 16, 32, 4) if dot else None
+    config = (True, 16, 16, 32, 4) if dot else (None if m == 1 else (False, 2, 4, 16, 4))  # the 3-D FMA path
     kw = dict(norm=norm, biases=biases, lora=lora, residual=res)
     out = gemv(x, weights, config=config, **kw)
     ref = gemv_reference(x, weights, **kw)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import sys
 import time
@@ -205,14 +206,44 @@ def breakdown(name, c):
         with tuned(tma=((256, tma),)):
             tag = "tma" if tma else "ptr"
             rows.append((f"fwd {cfg(A.TUNING.fwd)}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
-            rows.append((f"dq+delta {cfg(A.TUNING.dq)}", tag, bench_ms(lambda: A._launch_dq(
-                do, q, k, v, out, lse, delta, dq, p, start, end, A._config(A.TUNING.dq, p.block_d, q.device)))))
+            for fused in (True, False):
+                with tuned(fused_delta=((256, fused),)):
+                    rows.append((f"dq{'+delta' if fused else ', delta kernel'} {cfg(A.TUNING.dq)}", tag, bench_ms(
+                        lambda: A._launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end,
+                                             A._config(A.TUNING.dq, p.block_d, q.device)))))
             rows.append((f"dkdv {cfg(A.TUNING.dkdv)}", tag, bench_ms(lambda: A._launch_dkdv(
                 do, q, k, v, lse, delta, dk, dv, p, start, end, A._config(A.TUNING.dkdv, p.block_d, q.device)))))
     rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.TUNING.tma, p.block_d))}", bench_ms(
         lambda: A._flash_backward(do, q, k, v, out, lse, p, start, end))))
     for what, tag, ms in rows:
-        print(f"breakdown {name:<38} {what:<30} {tag:<12} {ms:.3f} ms", flush=True)
+        print(f"breakdown {name:<38} {what:<34} {tag:<12} {ms:.3f} ms", flush=True)
+
+
+def compare_old(path):
+    """The kernels of another attention.py (an earlier commit, its registered ops cut off) against this one's,
+    forward and backward apart, every case, same run."""
+    spec = importlib.util.spec_from_file_location("fastplug.kernels._attention_old", path)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old  # dataclasses look their module up there
+    spec.loader.exec_module(old)
+    for name, c in cases().items():
+        q, k, v, kw = make(c)
+        B, Hq, T, D = q.shape
+        start = end = None
+        if kw.get("cu_seqlens") is not None:
+            start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], T)
+        p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"),
+                       D ** -0.5)
+        do = torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+        row = []
+        for module in (old, A):
+            out, lse = module._flash_forward(q, k, v, p, start, end)
+            row.append(bench_ms(lambda: module._flash_forward(q, k, v, p, start, end)))
+            row.append(bench_ms(lambda: module._flash_backward(do, q, k, v, out, lse, p, start, end)))
+        print(f"old vs new {name:<38} fwd {row[0]:.3f} -> {row[2]:.3f}  bwd {row[1]:.3f} -> {row[3]:.3f}  "
+              f"sum {row[0] + row[1]:.3f} -> {row[2] + row[3]:.3f} ms", flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
 
 
 def table():
@@ -305,7 +336,9 @@ def main():
     parser.add_argument("--sweep2", action="store_true", help="second round around the D128 best (Llama case)")
     parser.add_argument("--sweep3", action="store_true", help="broad round on the Llama case, with registers/spills")
     parser.add_argument("--breakdown", action="store_true", help="each kernel alone, TMA on/off")
-    parser.add_argument("--sweep4", action="store_true", help="after TMA: neighbours of the chosen tiles, D128 and D256")
+    parser.add_argument("--sweep4", default="", help="after TMA: neighbours of the chosen tiles, on these cases (0,2)")
+    parser.add_argument("--compare-old", default="", help="an earlier attention.py to time against, every case")
+    parser.add_argument("--gpu-tests", action="store_true", help="pytest tests/gpu/test_attention_gpu.py last")
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--quick-check", action="store_true", help="a few check cases per backward")
     parser.add_argument("--breakdown-cases", default="0,1,2,3", help="indices into the cases, for --breakdown")
@@ -340,14 +373,19 @@ def main():
             if str(i) in args.breakdown_cases.split(","):
                 guarded(breakdown, name, c)
         print(f"breakdown done at {time.time() - t0:.0f} s", flush=True)
-    if args.sweep4:
-        names = list(cases())
-        guarded(sweep, names[0], cases()[names[0]], SWEEP4)
-        print(f"sweep4 at {time.time() - t0:.0f} s", flush=True)
-        guarded(sweep, names[2], cases()[names[2]], SWEEP4)
-        print(f"sweep4 done at {time.time() - t0:.0f} s", flush=True)
+    if args.compare_old:
+        guarded(compare_old, args.compare_old)
+        print(f"compare-old done at {time.time() - t0:.0f} s", flush=True)
+    for i in filter(None, args.sweep4.split(",")):
+        name = list(cases())[int(i)]
+        guarded(sweep, name, cases()[name], SWEEP4)
+        print(f"sweep4 {name} done at {time.time() - t0:.0f} s", flush=True)
     if not args.no_table:
         guarded(table)
+    if args.gpu_tests:
+        import subprocess
+
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_attention_gpu.py"])
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -174,13 +174,17 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
         k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
         v = _tile(V, start, S, stride_vs, stride_vd, d, d_mask, BLOCK_N, TMA)
         qk = _dot(q, tl.trans(k), PRECISION)
-        s, _ = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
+        if HAS_SOFTCAP:
+            s, _ = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
+            scale = 1.0
+        else:  # scaled inside the exponent below: one FMA per score (scale > 0, so the max commutes with it)
+            s, scale = qk, qk_scale
         if MASKED:
             seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
             s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
@@ -239,6 +243,25 @@ def _attn_fwd(
     tl.store(O + rows[:, None] * stride_ot + d[None, :] * stride_od, acc.to(O.dtype.element_ty),
              mask=row_valid[:, None] & d_mask[None, :])
     tl.store(LSE + bh.to(tl.int64) * T + rows, m_i + tl.log2(l_i), mask=row_valid)
+
+
+@triton.jit
+def _attn_bwd_delta(
+    O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_od, stride_dob, stride_dot, stride_doh, stride_dod,
+    n_heads, T, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    mask = (rows < T)[:, None] & (d < head_dim)[None, :]
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + d[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot
+                 + d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
 
 
 @triton.jit
@@ -364,7 +387,7 @@ def _attn_bwd_dq(
     n_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
+    FUSED_DELTA: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first, as in the forward
     bh = tl.program_id(1)
@@ -381,11 +404,13 @@ def _attn_bwd_dq(
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
                  + d[None, :] * stride_dod, mask=mask, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=row_valid, other=float("inf"))
-    # delta = rowsum(dO * O) formed here (no kernel of its own on this path), stored for the dK/dV kernel
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
-                + d[None, :] * stride_od, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
+    if FUSED_DELTA:  # delta = rowsum(dO * O) formed here, stored for the dK/dV kernel
+        o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
+                    + d[None, :] * stride_od, mask=mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
+    else:  # _attn_bwd_delta's
+        delta = tl.load(DELTA + bh.to(tl.int64) * T + rows, mask=row_valid, other=0.0)
     K = _rows_of(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, S, head_dim, stride_ks, BLOCK_N,
                  BLOCK_D, TMA)
     V = _rows_of(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh, S, head_dim, stride_vs, BLOCK_N,
@@ -438,6 +463,8 @@ class AttentionTuning:
     # pointers: D128 Llama fwd 1.24 vs 1.33, dK/dV 2.23 vs 2.69, dQ 1.54 vs 1.47; D256 Gemma2 T8192 fwd 1.02
     # vs 1.22, dK/dV 3.40 vs 2.97, dQ 1.72 vs 1.75.
     tma: tuple = ((128, ("fwd", "dkdv")), (256, ("fwd", "dq")))
+    # delta = rowsum(dO * O) inside the dQ kernel (True) or by a kernel of its own before it.
+    fused_delta: tuple = ((128, True), (256, True))
 
 
 TUNING = AttentionTuning()
@@ -533,13 +560,21 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
 
 
 def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: KernelConfig):
-    """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
+    """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel (or
+    launches the delta kernel first, where TUNING.fused_delta says so)."""
     varlen = start is not None
+    fused = _bucket(TUNING.fused_delta, p.block_d)  # the interpreter too: the CPU tests run both ways
+    if not fused:
+        rows = 64 if q.device.type == "cuda" else 16
+        _attn_bwd_delta[(cdiv(p.T, rows), p.B * p.Hq)](
+            out, do, delta, *out.stride(), *do.stride(), p.Hq, p.T, p.D, BLOCK_M=rows, BLOCK_D=p.block_d,
+        )
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", p.block_d, k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, FUSED_DELTA=fused,
+        TMA=_use_tma("dq", p.block_d, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

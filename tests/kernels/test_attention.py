@@ -13,13 +13,16 @@ from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
 
-# Every kernel both ways: tiles read through TMA descriptors, and through masked pointer loads.
+# Every kernel both ways: tiles read through TMA descriptors with delta formed in the dQ kernel, and through
+# masked pointer loads with delta from its own kernel.
 PATHS = {"TMA": ((256, ("fwd", "dkdv", "dq")),), "pointers": ((256, ()),)}
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param]))
+    fused = request.param == "TMA"
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param],
+                                                         fused_delta=((256, fused),)))
     return request.param
 
 

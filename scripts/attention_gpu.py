@@ -206,11 +206,8 @@ def breakdown(name, c):
         with tuned(tma=((256, tma),)):
             tag = "tma" if tma else "ptr"
             rows.append((f"fwd {cfg(A.TUNING.fwd)}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
-            for fused in (True, False):
-                with tuned(fused_delta=((256, fused),)):
-                    rows.append((f"dq{'+delta' if fused else ', delta kernel'} {cfg(A.TUNING.dq)}", tag, bench_ms(
-                        lambda: A._launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end,
-                                             A._config(A.TUNING.dq, p.block_d, q.device)))))
+            rows.append((f"dq+delta {cfg(A.TUNING.dq)}", tag, bench_ms(lambda: A._launch_dq(
+                do, q, k, v, out, lse, delta, dq, p, start, end, A._config(A.TUNING.dq, p.block_d, q.device)))))
             rows.append((f"dkdv {cfg(A.TUNING.dkdv)}", tag, bench_ms(lambda: A._launch_dkdv(
                 do, q, k, v, lse, delta, dk, dv, p, start, end, A._config(A.TUNING.dkdv, p.block_d, q.device)))))
     rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.TUNING.tma, p.block_d))}", bench_ms(

@@ -246,25 +246,6 @@ def _attn_fwd(
 
 
 @triton.jit
-def _attn_bwd_delta(
-    O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_od, stride_dob, stride_dot, stride_doh, stride_dod,
-    n_heads, T, head_dim, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // n_heads
-    h = bh % n_heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    mask = (rows < T)[:, None] & (d < head_dim)[None, :]
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + d[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot
-                 + d[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + bh.to(tl.int64) * T + rows, tl.sum(o * do, axis=1), mask=rows < T)
-
-
-@triton.jit
 def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, lo, hi, cols,
                T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -272,7 +253,6 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_valid = rows < T
-        mask = row_valid[:, None] & d_mask[None, :]
         q = _tile(Q, start, T, stride_qt, stride_qd, d, d_mask, BLOCK_M, TMA)
         do = _tile(DO, start, T, stride_dot, stride_dod, d, d_mask, BLOCK_M, TMA)
         lse = tl.load(LSE + rows, mask=row_valid, other=float("inf"))
@@ -387,7 +367,7 @@ def _attn_bwd_dq(
     n_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    FUSED_DELTA: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first, as in the forward
     bh = tl.program_id(1)
@@ -404,13 +384,11 @@ def _attn_bwd_dq(
     do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
                  + d[None, :] * stride_dod, mask=mask, other=0.0)
     lse = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=row_valid, other=float("inf"))
-    if FUSED_DELTA:  # delta = rowsum(dO * O) formed here, stored for the dK/dV kernel
-        o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
-                    + d[None, :] * stride_od, mask=mask, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-        tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
-    else:  # _attn_bwd_delta's
-        delta = tl.load(DELTA + bh.to(tl.int64) * T + rows, mask=row_valid, other=0.0)
+    # delta = rowsum(dO * O) formed here (no kernel of its own: measured as fast or faster), stored for dK/dV
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
+                + d[None, :] * stride_od, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
     K = _rows_of(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, S, head_dim, stride_ks, BLOCK_N,
                  BLOCK_D, TMA)
     V = _rows_of(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh, S, head_dim, stride_vs, BLOCK_N,
@@ -453,18 +431,20 @@ class AttentionTuning:
     # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64). With TMA (--sweep4): 128x128 1.23 vs 1.30 (128x64).
     fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
                   (256, KernelConfig(128, 64, 8, 2)))
-    # dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps 2 stages, D256 64x32), and dQ
-    # (128x64 8 warps 3 stages; D256 128x32). --sweep4 (TMA): D128 dK/dV 64x64 4 warps 3.87 ms whole backward
-    # vs 6.35 (8 warps); dQ 128x64 3 stages 3.73 vs 3.79 (128x128) and 3.92 (2 stages).
+    # dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps 2 stages, D256 64x32), and dQ.
+    # --sweep4 (with TMA where TUNING.tma has it), whole backward ms: D128 Llama dK/dV 64x64 4 warps 2 stages
+    # 3.77 vs 4.24 (128x64 8 warps), 4.29 (3 stages), 5.08 (64x32); dQ 128x64 8 warps 3 stages 3.85 vs 3.86
+    # (4 stages), 4.18 (64x64). D256 Gemma2 T8192 (T2048): dK/dV 64x32 4 warps 4.70 (0.68) vs 6.01 (0.86,
+    # 64x64 8 warps); dQ 128x32 3 stages 4.52 (0.64) vs 4.69 (0.68, 2 stages), 4.89 (0.67, 64x32 4 warps).
     dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, KernelConfig(64, 32, 4, 2)))
-    dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 2)))
+    dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 3)))
     # The kernels that read their tiles through TMA descriptors, per bucket (where the layout allows: unit
     # stride along the head dim, 16-byte aligned rows; else pointers). --breakdown, each kernel alone, TMA vs
-    # pointers: D128 Llama fwd 1.24 vs 1.33, dK/dV 2.23 vs 2.69, dQ 1.54 vs 1.47; D256 Gemma2 T8192 fwd 1.02
-    # vs 1.22, dK/dV 3.40 vs 2.97, dQ 1.72 vs 1.75.
+    # pointers: D128 Llama fwd 1.24 vs 1.33, dK/dV 2.23 vs 2.69, dQ 1.54 vs 1.47 (varlen 16384: 1.35 vs 1.48,
+    # 2.55 vs 3.14, 1.68 vs 1.70); D256 Gemma2 T8192 fwd 1.02 vs 1.22, dK/dV 3.40 vs 2.97, dQ 1.72 vs 1.75
+    # (T2048: 0.159 vs 0.189, 0.439 vs 0.409, 0.274 vs 0.276). Forming delta in the dQ kernel: D256 T2048
+    # dQ 0.274 ms against 0.284 for dQ and a delta kernel.
     tma: tuple = ((128, ("fwd", "dkdv")), (256, ("fwd", "dq")))
-    # delta = rowsum(dO * O) inside the dQ kernel (True) or by a kernel of its own before it.
-    fused_delta: tuple = ((128, True), (256, True))
 
 
 TUNING = AttentionTuning()
@@ -560,21 +540,13 @@ def _flash_forward(q, k, v, p: _Problem, start, end):
 
 
 def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: KernelConfig):
-    """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel (or
-    launches the delta kernel first, where TUNING.fused_delta says so)."""
+    """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
     varlen = start is not None
-    fused = _bucket(TUNING.fused_delta, p.block_d)  # the interpreter too: the CPU tests run both ways
-    if not fused:
-        rows = 64 if q.device.type == "cuda" else 16
-        _attn_bwd_delta[(cdiv(p.T, rows), p.B * p.Hq)](
-            out, do, delta, *out.stride(), *do.stride(), p.Hq, p.T, p.D, BLOCK_M=rows, BLOCK_D=p.block_d,
-        )
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, FUSED_DELTA=fused,
-        TMA=_use_tma("dq", p.block_d, k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", p.block_d, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -66,9 +66,8 @@ def test_triton_kernel_matches_reference(shape, options, dtype):
     ((1, 2, 1, 3001, 256), {"softcap": 50.0, "sliding_window": 1000}),
 ])
 def test_every_kernel_with_and_without_tma(shape, options, tma, monkeypatch):
-    """TUNING.tma picks TMA descriptors per kernel and head dim, TUNING.fused_delta where delta is formed;
-    each kernel is right both ways."""
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((256, tma),), fused_delta=((256, bool(tma)),)))
+    """TUNING.tma picks TMA descriptors per kernel and head dim; each kernel is right both ways."""
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((256, tma),)))
     inputs = _inputs(*shape, torch.bfloat16)
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
 

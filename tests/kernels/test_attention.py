@@ -13,16 +13,13 @@ from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
 
-# Every kernel both ways: tiles read through TMA descriptors with delta formed in the dQ kernel, and through
-# masked pointer loads with delta from its own kernel.
+# Every kernel both ways: tiles read through TMA descriptors, and through masked pointer loads.
 PATHS = {"TMA": ((256, ("fwd", "dkdv", "dq")),), "pointers": ((256, ()),)}
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request, monkeypatch):
-    fused = request.param == "TMA"
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param],
-                                                         fused_delta=((256, fused),)))
+    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param]))
     return request.param
 
 

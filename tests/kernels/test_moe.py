@@ -173,6 +173,12 @@ def test_launch_paths_match_loop(impl, K, N):
             none, h2 = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
                                       store_gu=False, config=cfg)
             assert none is None and torch.equal(h2, h)
+            if impl == "ptr":  # the unfused pair the tuner may pick instead: the GEMM, then the activation pass
+                split = tuning.as_config((0, 0, 0, 0, 0, "split"))
+                gu_s, h_s = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
+                                           config=split)
+                assert_close(gu_s, ref_gu, dtype, "split glu: gu")
+                assert_close(h_s, ref_h, dtype, f"split glu: h ({activation})")
 
 
 @pytest.mark.parametrize("lora", [False, True])

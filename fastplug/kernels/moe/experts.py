@@ -1,15 +1,21 @@
 """The MoE expert MLP, out[t] = sum_j w[t, j] * down_e(act(gate_e(x[t])) * up_e(x[t])) with e = index[t, j],
-as one autograd node over the grouped GEMMs, with optional LoRA on the expert weights.
+built on the grouped GEMMs, with optional LoRA on the expert weights.
 
-Forward: routing metadata (one launch) -> gate_up grouped GEMM gathering token rows on load -> the gated
-activation (`activations.glu_forward`, reading the two halves in place) -> down grouped GEMM storing each
-row at its (token, slot) place times its routing weight -> a sum over the k slots.
+Forward: routing metadata (one launch) -> gate_up grouped GEMM gathering token rows on load, with the gated
+activation in its epilogue (`grouped_mm_glu`; with LoRA on gate_up the rank-r term goes into the GEMM's
+epilogue instead and `activations.glu_forward` runs after it) -> down grouped GEMM storing each row at its
+(token, slot) place times its routing weight -> one pass summing each token's k slots (`_sum_slots`).
 LoRA on an expert weight W [E, out, in] is the rank-r grouped term s * (x A_e^T) B_e^T: a grouped GEMM to
 [rows, r], added in the epilogue of the base GEMM. No E x out x in delta weight is ever formed.
 
-Saved for backward: x, the gate_up output and the [rows, r] LoRA inputs. The activation h is recomputed
-by `_glu_rows_bwd`, which also applies the routing weights to dgate/dup and computes their gradient
-<d(unweighted row), h> in the same pass.
+Two autograd paths:
+- `MoEExperts`, one node, when the down projection is trained (full fine-tuning, LoRA on down_proj). Saved:
+  x, the gate_up output and the [rows, r] LoRA inputs; h is recomputed by `_glu_rows_bwd`, which also
+  applies the routing weights to dgate/dup and computes their gradient <d(unweighted row), h> in one pass.
+- `ExpertsUp` + `ExpertsDown` when down_proj is frozen without LoRA (LoRA on attention, or on gate_up only).
+  ExpertsDown saves nothing through save_for_backward, so a non-reentrant checkpoint's recompute (early stop,
+  torch's default) ends after ExpertsUp: the down GEMM and the combine are not recomputed. Mixtral widths,
+  LoRA on attention, default checkpointing, H100: 147 -> 136 ms of device time per step (4 layers, 2x4096).
 """
 
 from __future__ import annotations

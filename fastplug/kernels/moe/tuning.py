@@ -1,8 +1,12 @@
 """Launch configurations of the grouped GEMM kernels: autotuned per (device, dtype, N, K, experts, row
-bucket) and cached on disk, so the second process starts tuned.
+bucket, variant) and cached on disk, so the second process starts tuned. A config is block sizes, warps,
+stages and the launch path ("ptr", "tma", "torch", "split": see grouped_gemm's docstring); the variant
+names what the launch fuses (gathered rows, scattered rows, routing weights, LoRA, whether gu is stored)
+and whether torch._grouped_mm may run it.
 
 - Candidates are pruned before any is compiled: those whose pipelined tiles do not fit the device's shared
   memory (read from the device) and those with blocks far larger than the shape.
+- Each candidate is timed for 100 ms (median): the winners of a 5 ms launch timed 5 times moved between runs.
 - The winners live in one JSON file, `$FASTPLUG_MOE_TUNE_CACHE` or `<user cache dir>/fastplug/moe_tuning.json`,
   under the key "<device name>|triton <version>": another GPU or another Triton never reads them.
 - `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
@@ -25,7 +29,7 @@ import triton
 from .._utils import interpreter_enabled, next_power_of_2
 
 KINDS = ("fwd", "dw", "glu")
-IMPLS = ("ptr", "tma", "torch")
+IMPLS = ("ptr", "tma", "torch", "split")
 
 # kind -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, impl). For dw, BLOCK_M is the reduction step
 # over an expert's rows and BLOCK_N x BLOCK_K the tile of dW it owns. impl: "ptr" loads every tile through
@@ -33,6 +37,8 @@ IMPLS = ("ptr", "tma", "torch")
 # descriptors, Hopper's bulk copies (falls back to pointers where strides do not allow it); "torch" runs
 # torch._grouped_mm (CUTLASS on Hopper) on gathered rows, then scales and scatters them in one pass.
 _TORCH = (0, 0, 0, 0, 0, "torch")
+_SPLIT = (0, 0, 0, 0, 0, "split")  # glu only: the tuned gate_up GEMM, then the activation as its own pass
+_BLOCKLESS = ("torch", "split")  # impls whose tiles are not ours: never pruned by size
 CANDIDATES = {
     "fwd": [
         (128, 128, 64, 8, 3, "ptr"), (128, 256, 64, 8, 3, "ptr"), (128, 128, 64, 4, 4, "ptr"),
@@ -54,9 +60,12 @@ CANDIDATES = {
         (128, 128, 32, 8, 3, "ptr"),
     ],
     # the gate_up GEMM with the activation in its epilogue: two [BLOCK_M, BLOCK_N] accumulators (gate, up)
+    # (a measured H100 Mixtral launch: the epilogue's three stores are not hidden behind a second program
+    # on the SM at 1 CTA/SM, so small-footprint tiles and the unfused pair are candidates too)
     "glu": [
-        (128, 128, 64, 8, 3, "ptr"), (128, 64, 64, 4, 4, "ptr"), (128, 128, 64, 8, 3, "tma"),
-        (128, 128, 64, 8, 4, "tma"), (64, 128, 64, 4, 4, "tma"), (128, 64, 64, 4, 4, "tma"),
+        (128, 128, 64, 8, 3, "ptr"), (128, 64, 64, 4, 3, "ptr"), (128, 128, 64, 8, 3, "tma"),
+        (128, 128, 64, 8, 4, "tma"), (64, 128, 64, 4, 4, "tma"), (128, 64, 64, 4, 3, "tma"),
+        _SPLIT,
     ],
 }
 DEFAULTS = {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr"), "glu": (128, 64, 64, 4, 4, "ptr")}
@@ -64,7 +73,7 @@ DEFAULTS = {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr"
 _INTERPRETER = (32, 64, 64, 1, 1, "ptr")
 
 _FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "impl")
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: the glu "split" candidate tunes the fwd GEMM inside its own timing
 _memory: dict[str, dict] = {}  # key -> config, this process
 TIMINGS: dict[str, list[tuple[float | None, dict]]] = {}  # key -> (ms or None, config) of each candidate timed
 _disk: dict | None = None  # the file's section for this device and Triton, loaded once
@@ -113,8 +122,8 @@ def shared_memory_limit(device: torch.device) -> int:
 
 def shared_memory_bytes(kind: str, cfg: dict, dtype: torch.dtype) -> int:
     """Pipelined operand tiles of one program: num_stages copies of both tiles of a K (or M) step."""
-    if cfg["impl"] == "torch":
-        return 0  # not ours to count (CUTLASS picks its own tiles)
+    if cfg["impl"] in _BLOCKLESS:
+        return 0  # not ours to count (CUTLASS picks its own tiles; split: the fwd kernel's own tuning)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     per_stage = {"fwd": bm * bk + bk * bn, "glu": bm * bk + 2 * bk * bn, "dw": bn * bm + bm * bk}[kind]
     return cfg["num_stages"] * per_stage * torch.empty((), dtype=dtype).element_size()
@@ -130,7 +139,7 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         cfg = as_config(values)
         if cfg["impl"] not in impls:
             continue
-        if cfg["impl"] == "torch":
+        if cfg["impl"] in _BLOCKLESS:
             fits.append(cfg)
             continue
         if shared_memory_bytes(kind, cfg, dtype) > smem_limit:
@@ -142,7 +151,7 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         too_small = (cfg["BLOCK_N"] < 64 and N >= 128) or (kind == "dw" and cfg["BLOCK_K"] < 64 and K >= 128)
         if not (too_big or too_small):
             fits.append(cfg)
-    if not any(c["impl"] != "torch" for c in fits):  # tiny shapes: the smallest Triton config that fits the device
+    if not any(c["impl"] not in _BLOCKLESS for c in fits):  # tiny shapes: the smallest Triton config that fits the device
         fits += sorted((as_config(v) for v in CANDIDATES[kind] if v[5] == "ptr"
                         and shared_memory_bytes(kind, as_config(v), dtype) <= smem_limit),
                        key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])[:1]
@@ -199,7 +208,8 @@ def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
     descriptor the strides do not allow, a backend that refuses the shape)."""
     try:
         run(cfg)
-        return triton.testing.do_bench(lambda: run(cfg), warmup=5, rep=25, return_mode="median")
+        # 100 ms of repeats: a 5 ms launch timed 5 times moved by 8% between two runs of the same tuning
+        return triton.testing.do_bench(lambda: run(cfg), warmup=20, rep=100, return_mode="median")
     except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError, AssertionError,
             ValueError, NotImplementedError):
         return None

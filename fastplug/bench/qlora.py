@@ -182,10 +182,43 @@ def _host_us(fn, calls: int = 200) -> float:
     return host
 
 
+def _graph_ms(fns) -> float:
+    """Median milliseconds a call of one CUDA graph that calls fns[0], fns[1], ... in turn (each on its own copy
+    of the weight, together larger than the L2 cache): device time, launch gaps of a graph only, none of the
+    host's. None when the calls cannot be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:  # compile, pick, allocate outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    reps = max(1, 256 // len(fns))
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            for fn in fns:
+                fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (reps * len(fns)))
+    del graph
+    return statistics.median(times)
+
+
 def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     """The 4-bit GEMV (NF4, double quant, bf16) at batch 1-8 against bitsandbytes' 4-bit inference matmul
-    (`bnb.matmul_4bit`, its GEMV kernel at one row, dequantize + matmul above) and against fastplug's
-    dequantize + matmul; rel err against x @ W^T in fp32. `sweep`: every tile of `_SWEEP` at batch 1, 2 and 8."""
+    (`bnb.matmul_4bit`: its GEMV kernel at one row, dequantize + matmul above) and against fastplug's
+    dequantize + matmul. `ms`: a CUDA graph of calls over enough copies of the weight to miss the L2 cache
+    (device time); the note adds triton's do_bench (L2 flushed, launched from Python: the host shows where it is
+    slower than the kernel) and the host microseconds a call. rel err against x @ W^T in fp32 (W unrounded).
+    `sweep`: the tiles of `_SWEEP_ROWS` (one row of x) and `_SWEEP_DOT` (any)."""
     import bitsandbytes as bnb
 
     from ..kernels.quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config
@@ -198,41 +231,54 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     for out_f, in_f in shapes:
         torch.manual_seed(0)
         w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
-        p = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
+        copies = 1 if quick else max(2, min(64, -(-150 * 2**20 // (out_f * in_f // 2))))  # 150 MB of weights
+        ps = [bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
+              for _ in range(copies)]
+        p = ps[0]
         w32 = dequantize_4bit_reference(p, torch.float32)
         for m in batches:
             x = torch.randn(m, in_f, dtype=torch.bfloat16, device=device)
             ref = x.float() @ w32.t()
             shape = f"{m}x{in_f} @ [{out_f}x{in_f}]"
 
-            def add(impl, fn, note=""):
-                out = fn()
+            def add(impl, call, note=""):
+                """call(weight) -> output."""
+                out = call(p)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
-                rows.append({"op": "gemv_4bit", "shape": shape, "impl": impl, "ms": _median_ms(fn, device),
-                             "rel err": err, "note": note})
-                return rows[-1]
+                row = {"op": "gemv_4bit", "shape": shape, "impl": impl, "rel err": err}
+                row["ms"] = bench = _median_ms(lambda: call(p), device)
+                if device.type == "cuda":
+                    note = f"do_bench {1e3 * bench:.1f} us, host {_host_us(lambda: call(p)):.0f} us; " + note
+                    try:
+                        row["ms"] = _graph_ms([lambda q=q: call(q) for q in ps])
+                    except Exception as error:  # a call that cannot be captured: ms is do_bench's
+                        note = f"no graph ({type(error).__name__}: {str(error)[:80]}); " + note
+                row["note"] = note
+                rows.append(row)
+                return row
 
-            bnb_row = add("bitsandbytes", lambda: bnb.matmul_4bit(x, p.t(), quant_state=p.quant_state),
-                          f"host {_host_us(lambda: bnb.matmul_4bit(x, p.t(), quant_state=p.quant_state)):.0f} us")
-            add("dequant+matmul", lambda: x @ dequantize_4bit(p, dtype=torch.bfloat16).t())
+            ref_row = add("bitsandbytes", lambda q: bnb.matmul_4bit(x, q.t(), quant_state=q.quant_state))
+            add("dequant+matmul", lambda q: x @ dequantize_4bit(q, dtype=torch.bfloat16).t())
             cfg = gemv_config(m, out_f, in_f, p.quant_state.blocksize, device)
-            fast = add("fastplug", lambda: gemv_4bit(x, p), f"{cfg}; host {_host_us(lambda: gemv_4bit(x, p)):.0f} us")
-            fast["note"] = f"{bnb_row['ms'] / fast['ms']:.2f}x bnb; " + fast["note"]
-            if sweep and (m in (1, 2, 8) and out_f * in_f >= 2**25 or m == 1 and out_f * in_f >= 2**20):
-                for over in _SWEEP:
+            fast = add("fastplug", lambda q: gemv_4bit(x, q), str(cfg))
+            if ref_row.get("ms") and fast.get("ms"):
+                fast["note"] = f"{ref_row['ms'] / fast['ms']:.2f}x bnb; " + fast["note"]
+            if sweep:
+                for over in (_SWEEP_ROWS if m == 1 else []) + _SWEEP_DOT:
                     try:
                         c = gemv_config(m, out_f, in_f, p.quant_state.blocksize, device, **over)
-                        add("sweep", lambda: gemv_4bit(x, p, c), str(over))
-                    except Exception as error:  # a tile that does not compile: note it, keep going
-                        rows.append({"op": "gemv_4bit", "shape": shape, "impl": "sweep",
-                                     "note": f"{over}: {type(error).__name__} {str(error)[:100]}"})
-        del p, w32
+                    except ValueError as error:
+                        rows.append({"op": "gemv_4bit", "shape": shape, "impl": "sweep", "note": str(error)})
+                        continue
+                    add("sweep", lambda q, c=c: gemv_4bit(x, q, c), str(c))
+        del p, ps, w32
     return rows
 
 
-_SWEEP = [dict(block_n=bn, chunk=ch, num_warps=nw, x_split=xs)
-          for bn in (1, 2, 4, 8) for ch in (256, 512, 1024) for nw in (4, 8) for xs in (False, True)
-          if 16 <= bn * ch // (32 * nw) <= 64]
+_SWEEP_ROWS = [dict(dot=False, block_n=bn, chunk=ch, num_warps=nw)
+               for bn in (2, 4, 8, 16) for ch in (256, 512, 1024) for nw in (4, 8) if 16 <= bn * ch // (32 * nw) <= 64]
+_SWEEP_DOT = [dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
+              for bn in (16, 32) for ch in (64, 128, 256, 512) for nw in (4, 8) if 8 <= bn * ch // (32 * nw) <= 64]
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ bitsandbytes is never imported: a weight is recognised by its `quant_state`.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -68,8 +69,7 @@ def _is_pow2(n) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
-def unpack(weight) -> Packed4bit:
-    """The fields of a bitsandbytes Params4bit; ValueError naming what is wrong with `weight`."""
+def _unpack(weight) -> Packed4bit:
     if not is_4bit(weight):
         raise ValueError(
             "weight must be a bitsandbytes 4-bit weight (Params4bit with a quant_state; quantized: move it to "
@@ -83,8 +83,8 @@ def unpack(weight) -> Packed4bit:
     shape = tuple(qs.shape)
     if len(shape) != 2:
         raise ValueError(f"weight.quant_state.shape must be 2-D [out, in]; got {shape}")
-    if not _is_pow2(qs.blocksize):
-        raise ValueError(f"weight.quant_state.blocksize must be a power of two; got {qs.blocksize}")
+    if not _is_pow2(qs.blocksize) or qs.blocksize < 2:
+        raise ValueError(f"weight.quant_state.blocksize must be a power of two >= 2; got {qs.blocksize}")
     data = weight.detach().reshape(-1)
     if data.dtype != torch.uint8:  # quant_storage other than uint8 (FSDP): the same bytes
         data = data.view(torch.uint8)
@@ -99,6 +99,50 @@ def unpack(weight) -> Packed4bit:
         offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(float(qs.offset))
         nested = (s2.absmax.float(), s2.code.float(), s2.blocksize, offset.float().to(data.device))
     return Packed4bit(data, qs.absmax, _table(qs.quant_type, data.device), qs.blocksize, shape, qs.dtype, nested)
+
+
+class _Unpacked(NamedTuple):
+    """A weight's fields and its kernels' arguments, made once per weight: a QLoRA step dequantizes every
+    weight three times (forward, checkpoint recompute, backward), and reading a Params4bit's fields through
+    its __torch_function__ costs microseconds each, which the host of a step pays hundreds of times."""
+
+    ref: weakref.ref  # the weight; its callback drops the entry
+    quant_state: object  # identity checks: a re-quantized or moved weight gets a new state or absmax
+    absmax: torch.Tensor
+    data_ptr: int
+    packed: Packed4bit
+    args: tuple  # data, absmax, code, absmax2, code2, offset: the kernels' leading pointer arguments
+    consts: dict  # BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED
+    numel: int
+
+
+_UNPACKED: dict[int, _Unpacked] = {}
+
+
+def _unpacked(weight) -> _Unpacked:
+    hit = _UNPACKED.get(id(weight))
+    if hit is not None and hit.ref() is weight:
+        qs = weight.quant_state
+        if qs is hit.quant_state and qs.absmax is hit.absmax and weight.data_ptr() == hit.data_ptr:
+            return hit
+    p = _unpack(weight)
+    key = id(weight)
+    ref = weakref.ref(weight, lambda _, key=key: _UNPACKED.pop(key, None))
+    if p.nested is None:
+        absmax2, code2, offset, log2_b2 = p.absmax, p.absmax, p.absmax, 0  # unused pointers
+    else:
+        absmax2, code2, blocksize2, offset = p.nested
+        log2_b2 = blocksize2.bit_length() - 1
+    consts = dict(BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None)
+    entry = _Unpacked(ref, weight.quant_state, weight.quant_state.absmax, weight.data_ptr(), p,
+                      (p.data, p.absmax, p.code, absmax2, code2, offset), consts, p.shape[0] * p.shape[1])
+    _UNPACKED[key] = entry
+    return entry
+
+
+def unpack(weight) -> Packed4bit:
+    """The fields of a bitsandbytes Params4bit (cached per weight); ValueError naming what is wrong with `weight`."""
+    return _unpacked(weight).packed
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -227,6 +271,52 @@ def _gemv_4bit_rows_kernel(
 
 
 @triton.jit
+def _gemv_4bit_dot_kernel(
+    x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+    M, N, KB, stride_xm, stride_om, stride_os, split_bytes,
+    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """The same product on the tensor cores, for several rows of x: the [BLOCK_N, NB, SUB] byte tile is decoded
+    as in `_gemv_4bit_rows_kernel`, scaled per sub-chunk, interleaved back into element order (high nibble
+    first), rounded to x's dtype (as a dequantized weight would be) and multiplied with a [BLOCK_M, 2 * NB *
+    SUB] tile of x (rows past M masked) by one tl.dot, fp32 accumulation. DOT_F32: fp32 operands (fp32 x,
+    and the interpreter, whose 16-bit dot is not exact)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_byte = rn.to(tl.int64) * KB
+    rm = tl.arange(0, BLOCK_M)
+    jb = tl.arange(0, NB)
+    sub = jb[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    ek = tl.arange(0, 2 * NB * SUB)
+    start = pid_s * split_bytes
+    stop = tl.minimum(start + split_bytes, KB)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for c0 in range(start, stop, NB * SUB):
+        cb = c0 + sub
+        packed = tl.load(data_ptr + (row_byte[:, None, None] + cb[None, :, :]),
+                         mask=nmask[:, None, None] & (cb < stop)[None, :, :], other=0).to(tl.int32)
+        first = c0 + jb * SUB
+        blk = ((row_byte[:, None] + first[None, :]) * 2) >> BLOCKSIZE_LOG2
+        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)[:, :, None]
+        w_hi = tl.load(code_ptr + (packed >> 4)) * scale
+        w_lo = tl.load(code_ptr + (packed & 15)) * scale
+        w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, 2 * NB * SUB))  # element order within the chunk
+        e = c0 * 2 + ek
+        xt = tl.load(x_ptr + rm[:, None] * stride_xm + e[None, :], mask=(rm < M)[:, None] & (e < stop * 2)[None, :],
+                     other=0.0)
+        if DOT_F32:
+            acc += tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
+    out = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
+
+
+@triton.jit
 def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = sum_s part[s, i] in fp32, rounded once to out's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -240,14 +330,6 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.
 # ----------------------------------------------------------------------------------------- launchers
 
 
-def _nested_args(p: Packed4bit):
-    """(absmax2, code2, offset, log2(blocksize2)); the absmax tensor stands in for unused pointers."""
-    if p.nested is None:
-        return p.absmax, p.absmax, p.absmax, 0
-    absmax2, code2, blocksize2, offset = p.nested
-    return absmax2, code2, offset, blocksize2.bit_length() - 1
-
-
 def _check_out(out: torch.Tensor, p: Packed4bit) -> None:
     if not isinstance(out, torch.Tensor):
         raise ValueError(f"out must be a tensor; got {type(out).__name__}")
@@ -258,32 +340,37 @@ def _check_out(out: torch.Tensor, p: Packed4bit) -> None:
         raise ValueError(f"out must be on {p.data.device} like weight; got {out.device}")
 
 
+DEQUANT_BLOCK = 1024  # bytes a program; also few programs for the interpreter, whose cost is per program
+
+
+def _dequantize_into(u: _Unpacked, out: torch.Tensor) -> torch.Tensor:
+    if not use_triton(u.packed.data):
+        return out.copy_(_reference(u.packed, out.dtype))
+    _dequant_4bit_kernel[(cdiv(cdiv(u.numel, 2), DEQUANT_BLOCK),)](
+        *u.args, out, u.numel, **u.consts, BLOCK=DEQUANT_BLOCK, num_warps=4)
+    return out
+
+
 def dequantize_4bit(weight, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The dense [out, in] matrix of a bitsandbytes 4-bit weight, written into `out` when given (a reusable
     buffer; its dtype wins) or a new tensor of `dtype` (default: the dtype the weight was quantized from)."""
-    p = unpack(weight)
+    u = _unpacked(weight)
+    p = u.packed
     if out is None:
         dtype = p.dtype if dtype is None else dtype
         check_dtype("dtype", torch.empty(0, dtype=dtype))
         out = torch.empty(p.shape, dtype=dtype, device=p.data.device)
     else:
         _check_out(out, p)
-    if not use_triton(p.data):
-        return out.copy_(dequantize_4bit_reference(weight, out.dtype))
-    absmax2, code2, offset, log2_b2 = _nested_args(p)
-    numel = out.numel()
-    block = 1024  # bytes a program; also few programs for the interpreter, whose cost is per program
-    _dequant_4bit_kernel[(cdiv(cdiv(numel, 2), block),)](
-        p.data, p.absmax, p.code, absmax2, code2, offset, out, numel,
-        BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,
-        BLOCK=block, num_warps=4,
-    )
-    return out
+    return _dequantize_into(u, out)
 
 
 def dequantize_4bit_reference(weight, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain torch, the same maths: the path for tensors Triton cannot run, and the tests' second opinion."""
-    p = unpack(weight)
+    return _reference(_unpack(weight), dtype)
+
+
+def _reference(p: Packed4bit, dtype: torch.dtype | None) -> torch.Tensor:
     numel = p.shape[0] * p.shape[1]
     bytes_ = p.data[: cdiv(numel, 2)].long()
     idx = torch.stack((bytes_ >> 4, bytes_ & 15), dim=1).reshape(-1)[:numel]
@@ -300,7 +387,10 @@ def dequantize_4bit_reference(weight, dtype: torch.dtype | None = None) -> torch
 def dequantize_4bit_scratch(weight, dtype: torch.dtype) -> torch.Tensor:
     """dequantize_4bit into the buffer that dequantized weights share (`_utils.scratch`): valid until the next
     dequantization on that device in that dtype; use it at once, never keep it."""
-    return dequantize_4bit(weight, out=scratch(shape_4bit(weight), dtype, weight.device))
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16; got {dtype}")
+    u = _unpacked(weight)
+    return _dequantize_into(u, scratch(u.packed.shape, dtype, u.packed.data.device))
 
 
 class GemvConfig(NamedTuple):
@@ -312,6 +402,7 @@ class GemvConfig(NamedTuple):
     split: int
     num_warps: int
     x_split: bool
+    dot: bool = False  # the tensor-core kernel (several rows of x)
 
 
 def _lowbit(n: int) -> int:
@@ -321,64 +412,75 @@ def _lowbit(n: int) -> int:
 def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:
     """The tile for x [m, k] @ W[n, k]^T, or None when K is odd (rows straddle bytes: the general kernel).
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
-    quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle."""
+    quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle.
+    One row of x: CUDA cores (`_gemv_4bit_rows_kernel`); more: the tensor cores (`_gemv_4bit_dot_kernel`)."""
     if k % 2:
         return None
     kb = k // 2
     sub = min(32, max(1, blocksize // 2), _lowbit(kb))
+    dot = override.pop("dot", m > 1)
     if device.type == "cuda":
-        block_n, chunk, warps = (4 if m <= 2 else 2), 512, 4
+        block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
-        block_n, chunk, warps, target = 8, 128, 4, 1
+        block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1
     block_n = override.pop("block_n", block_n)
     chunk = override.pop("chunk", chunk)
+    if dot:  # tl.dot wants at least 16 along N and K
+        block_n, chunk = max(block_n, 16), max(chunk, 8)
     nb = max(1, chunk // sub)
     programs = cdiv(n, block_n)
     chunks = cdiv(kb, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
-    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", False))
+    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot)
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
 
 
-def _gemv_rows(x2: torch.Tensor, p: Packed4bit, cfg: GemvConfig) -> torch.Tensor:
+@functools.lru_cache(maxsize=1024)
+def _default_config(m: int, n: int, k: int, blocksize: int, device: torch.device) -> GemvConfig | None:
+    return gemv_config(m, n, k, blocksize, device)
+
+
+def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     """x2 [M, K] (unit stride in K, M <= GEMV_MAX_ROWS, K even) @ W^T by `_gemv_4bit_rows_kernel`."""
-    M, (N, K) = x2.shape[0], p.shape
+    M, (N, K) = x2.shape[0], u.packed.shape
     kb = K // 2
     chunk = cfg.nb * cfg.sub
     split_bytes = cdiv(cdiv(kb, chunk), cfg.split) * chunk  # whole chunks a split
     split = cdiv(kb, split_bytes)
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-    absmax2, code2, offset, log2_b2 = _nested_args(p)
-    _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
-        x2, p.data, p.absmax, p.code, absmax2, code2, offset, part,
-        N, kb, x2.stride(0), N, M * N, split_bytes,
-        M=M, M_POW2=next_power_of_2(M), BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2,
-        NESTED=p.nested is not None, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split,
-        num_warps=cfg.num_warps,
-    )
+    if cfg.dot:
+        _gemv_4bit_dot_kernel[(cdiv(N, cfg.block_n), split)](
+            x2, *u.args, part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
+            BLOCK_M=16, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
+            DOT_F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=cfg.num_warps,
+        )
+    else:
+        _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
+            x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
+            M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split,
+            num_warps=cfg.num_warps,
+        )
     if split > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(M * N, block),)](part, out, M * N, SPLIT=split, BLOCK=block, num_warps=4)
     return out
 
 
-def _gemv_general(x2: torch.Tensor, p: Packed4bit) -> torch.Tensor:
+def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:
     """Any shape (odd K: rows straddle bytes), one element at a time: slower, used only where K is odd."""
+    p = u.packed
     M, (N, K) = x2.shape[0], p.shape
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
-    absmax2, code2, offset, log2_b2 = _nested_args(p)
     block_m = next_power_of_2(M)
     block_n = (16 if block_m <= 2 else 8) if x2.is_cuda else 4
     block_k = min(p.blocksize, 128) if x2.is_cuda else 32
     row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
     _gemv_4bit_kernel[(cdiv(N, block_n),)](
-        x2, p.data, p.absmax, p.code, absmax2, code2, offset, out, M, N, K, x2.stride(0), out.stride(0),
-        BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None,
-        ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x2, *u.args, out, M, N, K, x2.stride(0), out.stride(0), **u.consts, ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out
 
@@ -387,7 +489,8 @@ def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torc
     """x [..., in] @ W^T for a 4-bit weight W [out, in], straight from the packed bytes: the decode-time
     product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul). Products
     and sums in fp32, W never rounded; the result in x's dtype. `config`: a tile from `gemv_config` (tuning)."""
-    p = unpack(weight)
+    u = _unpacked(weight)
+    p = u.packed
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != p.shape[1]:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must have shape [..., {p.shape[1]}] to match weight {p.shape}; got {got}")
@@ -400,8 +503,8 @@ def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torc
         return (x2 @ dequantize_4bit(weight, dtype=x.dtype).t()).view(*x.shape[:-1], N)
     if M == 0:
         return x2.new_empty((0, N)).view(*x.shape[:-1], N)
-    cfg = config if config is not None else gemv_config(M, N, K, p.blocksize, x2.device)
-    out = _gemv_general(x2, p) if cfg is None else _gemv_rows(x2, p, cfg)
+    cfg = config if config is not None else _default_config(M, N, K, p.blocksize, x2.device)
+    out = _gemv_general(x2, u) if cfg is None else _gemv_rows(x2, u, cfg)
     return out.view(*x.shape[:-1], N)
 
 

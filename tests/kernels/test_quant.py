@@ -81,6 +81,26 @@ def test_dequantize_errors():
         gemv_4bit(torch.randn(2, 15), p)
 
 
+def test_cached_fields_follow_the_weight():
+    """The fields read from a weight are kept per weight: new bytes or a new quant_state are seen."""
+    p, other = quantized(24, 40), quantized(24, 40, quant_type="fp4")
+    x = torch.randn(3, 40)
+
+    def same(out, ref):  # one rounding of the same fp32 value (the interpreter truncates)
+        torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
+
+    same(dequantize_4bit(p), bnb_dequant(p, torch.bfloat16))
+    gemv_4bit(x, p)
+    p.data, p.quant_state = other.data, other.quant_state  # what module._apply and re-quantization do
+    same(dequantize_4bit(p), bnb_dequant(other, torch.bfloat16))
+    assert_close(gemv_4bit(x, p), x.double() @ dequantize_4bit_reference(other, torch.float64).t(), torch.float32,
+                 "gemv after the weight changed")
+    p.data = quantized(24, 40).data  # new bytes, the same state
+    same(dequantize_4bit_scratch(p, torch.bfloat16), bnb_dequant(p, torch.bfloat16))
+    with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
+        dequantize_4bit_scratch(p, torch.int8)
+
+
 def test_require_bitsandbytes_says_how_to_install(monkeypatch):
     assert require_bitsandbytes() is bnb
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
@@ -117,11 +137,13 @@ def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize
     ("fp4", False, (4, 96), 32),
 ])
 @pytest.mark.parametrize("override", [
-    dict(x_split=True), dict(split=3), dict(split=2, x_split=True, block_n=2, chunk=32), dict(block_n=1, chunk=64),
+    dict(dot=False, x_split=False), dict(dot=False, split=3), dict(dot=False, split=2, block_n=2, chunk=32),
+    dict(dot=False, block_n=1, chunk=64), dict(dot=True), dict(dot=True, split=2, chunk=16, block_n=32),
 ])
 def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
-    """Every tile of the packed-row kernel (split-K with its second pass, x loaded whole and split in
-    registers, narrow tiles) gives the same product; the packing: element 2i in the high nibble."""
+    """Every tile of both kernels (CUDA cores: x loaded whole and split in registers or strided; tensor cores;
+    split-K with its second pass; narrow tiles) gives the same product; the packing: element 2i in the high
+    nibble."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_4bit_reference(p, torch.float64)
     for rows in (1, 5):

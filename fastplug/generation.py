@@ -617,7 +617,8 @@ class _Decoder:
 
     def decode(self, s: _Session, sampling: _Sampling, steps: int, streamer, cuda_graph: bool) -> int:
         """Runs up to `steps` decode steps after the prefill; returns how many tokens each row now has."""
-        key = (sampling.do_sample, sampling.top_k, sampling.top_p < 1.0)
+        # a graph holds the step it captured: decode kernels or per-op (FAST_DECODE may change between calls)
+        key = (sampling.do_sample, sampling.top_k, sampling.top_p < 1.0, self.uses_fast(s))
         graph = s.graphs.get(key) if cuda_graph else None
         may_capture = cuda_graph and s.tok.is_cuda and self.graph_failure is None
         streamed = 0

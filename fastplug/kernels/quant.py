@@ -21,10 +21,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import cdiv, check_dtype, next_power_of_2, num_sms, rows_view, scratch, use_triton
+from . import _utils
+from ._utils import (
+    cdiv, check_dtype, next_power_of_2, num_sms, rows_view, scratch, triton_available, use_triton,
+)
 
 INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
+# Rows of x the default GEMV tile takes (the CUDA-core kernel's work grows with each row of x); more rows, up to
+# GEMV_MAX_ROWS, take dequantize + matmul unless a tile is given (the tensor-core tile, `gemv_config(dot=True)`,
+# is as fast at 8 rows as at 1 by design, but has not been timed on a GPU yet). H100, 14336x4096 and
+# 4096x14336, bf16, triton's do_bench: the default tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191,
+# dequantize + matmul 0.114.
+GEMV_KERNEL_ROWS = 4
 
 # The tables bitsandbytes defines for its two 4-bit types (NF4: quantiles of N(0, 1); FP4: 1 sign,
 # 2 exponent, 1 mantissa bit, in bit-pattern order, divided by its largest magnitude).
@@ -114,6 +123,7 @@ class _Unpacked(NamedTuple):
     args: tuple  # data, absmax, code, absmax2, code2, offset: the kernels' leading pointer arguments
     consts: dict  # BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED
     numel: int
+    compiled: bool  # on CUDA with Triton: the kernels run compiled (otherwise `use_triton` decides per call)
 
 
 _UNPACKED: dict[int, _Unpacked] = {}
@@ -127,7 +137,7 @@ def _unpacked(weight) -> _Unpacked:
             return hit
     p = _unpack(weight)
     key = id(weight)
-    ref = weakref.ref(weight, lambda _, key=key: _UNPACKED.pop(key, None))
+    ref = weakref.ref(weight, lambda _, key=key, cache=_UNPACKED: cache.pop(key, None))
     if p.nested is None:
         absmax2, code2, offset, log2_b2 = p.absmax, p.absmax, p.absmax, 0  # unused pointers
     else:
@@ -135,7 +145,8 @@ def _unpacked(weight) -> _Unpacked:
         log2_b2 = blocksize2.bit_length() - 1
     consts = dict(BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None)
     entry = _Unpacked(ref, weight.quant_state, weight.quant_state.absmax, weight.data_ptr(), p,
-                      (p.data, p.absmax, p.code, absmax2, code2, offset), consts, p.shape[0] * p.shape[1])
+                      (p.data, p.absmax, p.code, absmax2, code2, offset), consts, p.shape[0] * p.shape[1],
+                      p.data.is_cuda and triton_available())
     _UNPACKED[key] = entry
     return entry
 
@@ -223,12 +234,16 @@ def _gemv_4bit_rows_kernel(
     N, KB, stride_xm, stride_om, stride_os, split_bytes,
     M: tl.constexpr, M_POW2: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
     NESTED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, X_SPLIT: tl.constexpr,
+    TABLE_GATHER: tl.constexpr,
 ):
     """out[s, m, n] = sum over the bytes [s * split_bytes, (s + 1) * split_bytes) of row n (KB bytes a row, K even)
     of x[m, k] W[n, k], for BLOCK_N rows and all M rows of x. A tile is [BLOCK_N, NB, SUB] packed bytes, SUB
     contiguous bytes per sub-chunk (a wide vector load per thread); a sub-chunk never straddles a quantization
     block (SUB divides blocksize / 2 and KB), so its scale is applied once, to its partial dot product. Both
-    nibbles are decoded (high: element 2i, low: 2i + 1) and multiplied by the even and odd elements of x."""
+    nibbles are decoded (high: element 2i, low: 2i + 1) and multiplied by the even and odd elements of x.
+    TABLE_GATHER: the 16 values are looked up with tl.gather from a register copy of the table (shared memory on
+    sm_90: one 32-bit LDS a value instead of a 64-bit address and a global load; 14% fewer instructions in
+    the loop when compiled for sm_90 by Triton 3.9), else by global loads from the (L1-resident) table."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,13 +255,20 @@ def _gemv_4bit_rows_kernel(
     stop = tl.minimum(start + split_bytes, KB)
     rm = tl.arange(0, M_POW2)
     acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
+    if TABLE_GATHER:
+        table = tl.load(code_ptr + tl.arange(0, 16))
     for c0 in range(start, stop, NB * SUB):
         cb = c0 + sub
         cmask = cb < stop
         packed = tl.load(data_ptr + (row_byte[:, None, None] + cb[None, :, :]),
                          mask=nmask[:, None, None] & cmask[None, :, :], other=0).to(tl.int32)
-        w_hi = tl.load(code_ptr + (packed >> 4))
-        w_lo = tl.load(code_ptr + (packed & 15))
+        if TABLE_GATHER:
+            flat = tl.reshape(packed, (BLOCK_N * NB * SUB,))
+            w_hi = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, NB, SUB))
+            w_lo = tl.reshape(tl.gather(table, flat & 15, 0), (BLOCK_N, NB, SUB))
+        else:
+            w_hi = tl.load(code_ptr + (packed >> 4))
+            w_lo = tl.load(code_ptr + (packed & 15))
         first = c0 + jb * SUB  # each sub-chunk's first byte
         blk = ((row_byte[:, None] + first[None, :]) * 2) >> BLOCKSIZE_LOG2
         scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
@@ -280,8 +302,9 @@ def _gemv_4bit_dot_kernel(
     """The same product on the tensor cores, for several rows of x: the [BLOCK_N, NB, SUB] byte tile is decoded
     as in `_gemv_4bit_rows_kernel`, scaled per sub-chunk, interleaved back into element order (high nibble
     first), rounded to x's dtype (as a dequantized weight would be) and multiplied with a [BLOCK_M, 2 * NB *
-    SUB] tile of x (rows past M masked) by one tl.dot, fp32 accumulation. DOT_F32: fp32 operands (fp32 x,
-    and the interpreter, whose 16-bit dot is not exact)."""
+    SUB] tile of x (rows past M masked) by one tl.dot, fp32 accumulation. DOT_F32: fp32 operands, for the
+    interpreter, whose 16-bit dot is not exact (on a GPU an fp32 dot of this shape spills: fp32 x takes the
+    CUDA-core kernel there)."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -344,7 +367,7 @@ DEQUANT_BLOCK = 1024  # bytes a program; also few programs for the interpreter, 
 
 
 def _dequantize_into(u: _Unpacked, out: torch.Tensor) -> torch.Tensor:
-    if not use_triton(u.packed.data):
+    if not u.compiled and not use_triton(u.packed.data):
         return out.copy_(_reference(u.packed, out.dtype))
     _dequant_4bit_kernel[(cdiv(cdiv(u.numel, 2), DEQUANT_BLOCK),)](
         *u.args, out, u.numel, **u.consts, BLOCK=DEQUANT_BLOCK, num_warps=4)
@@ -390,7 +413,23 @@ def dequantize_4bit_scratch(weight, dtype: torch.dtype) -> torch.Tensor:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16; got {dtype}")
     u = _unpacked(weight)
-    return _dequantize_into(u, scratch(u.packed.shape, dtype, u.packed.data.device))
+    return _dequantize_into(u, _scratch_view(u.packed.shape, dtype, u.packed.data.device))
+
+
+# (shape, dtype, device) -> the [shape] view of the shared buffer last handed out: a layer's weight takes the
+# same view at every step; a new view only when the buffer was replaced (grown) since.
+_VIEWS: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch_view(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (shape, dtype, device)
+    view = _VIEWS.get(key)
+    if view is None or view._base is not _utils._SCRATCH.get((device, dtype)):
+        view = scratch(shape, dtype, device)
+        for stale in [k for k, v in _VIEWS.items() if k[1:] == key[1:] and v._base is not view._base]:
+            del _VIEWS[stale]  # views of a buffer that was replaced: let it go
+        _VIEWS[key] = view
+    return view
 
 
 class GemvConfig(NamedTuple):
@@ -403,6 +442,7 @@ class GemvConfig(NamedTuple):
     num_warps: int
     x_split: bool
     dot: bool = False  # the tensor-core kernel (several rows of x)
+    table_gather: bool = False  # CUDA-core kernel: the code table through tl.gather (not yet timed on a GPU)
 
 
 def _lowbit(n: int) -> int:
@@ -413,13 +453,13 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     """The tile for x [m, k] @ W[n, k]^T, or None when K is odd (rows straddle bytes: the general kernel).
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
     quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle.
-    One row of x: CUDA cores (`_gemv_4bit_rows_kernel`); more: the tensor cores (`_gemv_4bit_dot_kernel`)."""
+    `dot`: the tensor-core kernel (`_gemv_4bit_dot_kernel`) instead of the CUDA-core one (`_gemv_4bit_rows_kernel`)."""
     if k % 2:
         return None
     kb = k // 2
     sub = min(32, max(1, blocksize // 2), _lowbit(kb))
-    dot = override.pop("dot", m > 1)
-    if device.type == "cuda":
+    dot = override.pop("dot", False)
+    if device.type == "cuda":  # H100 sweep, 1-8 rows of x: 8 rows x 512 bytes (32 bytes a thread) led
         block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
@@ -432,7 +472,8 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     programs = cdiv(n, block_n)
     chunks = cdiv(kb, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
-    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot)
+    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
+                     override.pop("table_gather", False))
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -452,17 +493,17 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     split = cdiv(kb, split_bytes)
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-    if cfg.dot:
+    if cfg.dot and not (x2.is_cuda and x2.dtype == torch.float32):  # an fp32 tl.dot spills: the CUDA cores
         _gemv_4bit_dot_kernel[(cdiv(N, cfg.block_n), split)](
             x2, *u.args, part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
             BLOCK_M=16, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
-            DOT_F32=x2.dtype == torch.float32 or not x2.is_cuda, num_warps=cfg.num_warps,
+            DOT_F32=not x2.is_cuda, num_warps=cfg.num_warps,
         )
     else:
         _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
             x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
             M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split,
-            num_warps=cfg.num_warps,
+            TABLE_GATHER=cfg.table_gather, num_warps=cfg.num_warps,
         )
     if split > 1:
         block = 1024
@@ -487,8 +528,9 @@ def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:
 
 def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torch.Tensor:
     """x [..., in] @ W^T for a 4-bit weight W [out, in], straight from the packed bytes: the decode-time
-    product (at most GEMV_MAX_ROWS rows of x; more rows take one dequantization and a matmul). Products
-    and sums in fp32, W never rounded; the result in x's dtype. `config`: a tile from `gemv_config` (tuning)."""
+    product (at most GEMV_KERNEL_ROWS rows of x, GEMV_MAX_ROWS with an explicit `config`; more rows take one
+    dequantization and a matmul). Products and sums in fp32, W never rounded (the tensor-core tile rounds it
+    to x's dtype, as a dequantized weight is); the result in x's dtype. `config`: a tile from `gemv_config`."""
     u = _unpacked(weight)
     p = u.packed
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != p.shape[1]:
@@ -499,7 +541,7 @@ def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torc
         raise ValueError(f"x must be on {p.data.device} like weight; got {x.device}")
     x2 = rows_view(x)
     M, (N, K) = x2.shape[0], p.shape
-    if M > GEMV_MAX_ROWS or not use_triton(x2):
+    if M > (GEMV_KERNEL_ROWS if config is None else GEMV_MAX_ROWS) or not use_triton(x2):
         return (x2 @ dequantize_4bit(weight, dtype=x.dtype).t()).view(*x.shape[:-1], N)
     if M == 0:
         return x2.new_empty((0, N)).view(*x.shape[:-1], N)

@@ -10,7 +10,9 @@ bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import lora_mlp, lora_qkv  # noqa: E402
-from fastplug.kernels.quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit  # noqa: E402
+from fastplug.kernels.quant import (  # noqa: E402
+    dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config,
+)
 from fastplug.models.projections import fused_projections  # noqa: E402
 from tests.helpers import assert_close, rel_err  # noqa: E402
 
@@ -45,6 +47,19 @@ def test_gemv_cuda(rows, shape, blocksize):
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device="cuda")
     ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
     assert_close(gemv_4bit(x, p), ref, torch.bfloat16, f"gemv rows={rows}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("tile", [dict(dot=False), dict(dot=False, table_gather=True), dict(dot=True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_tiles_cuda(rows, tile, dtype):
+    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles), split-K included (512 rows)."""
+    for shape in ((4096, 14336), (512, 2048)):
+        p = quantized(*shape)
+        x = torch.randn(rows, shape[1], dtype=dtype, device="cuda")
+        ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
+        cfg = gemv_config(rows, *shape, 64, x.device, **tile)
+        assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv rows={rows} {cfg}")
 
 
 class Block4bit(torch.nn.Module):

@@ -138,12 +138,13 @@ def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize
 ])
 @pytest.mark.parametrize("override", [
     dict(dot=False, x_split=False), dict(dot=False, split=3), dict(dot=False, split=2, block_n=2, chunk=32),
-    dict(dot=False, block_n=1, chunk=64), dict(dot=True), dict(dot=True, split=2, chunk=16, block_n=32),
+    dict(dot=False, block_n=1, chunk=64), dict(dot=False, table_gather=True, split=2),
+    dict(dot=True), dict(dot=True, split=2, chunk=16, block_n=32),
 ])
 def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
-    """Every tile of both kernels (CUDA cores: x loaded whole and split in registers or strided; tensor cores;
-    split-K with its second pass; narrow tiles) gives the same product; the packing: element 2i in the high
-    nibble."""
+    """Every tile of both kernels (CUDA cores: x loaded whole and split in registers or strided, the table
+    read by tl.gather or by loads; tensor cores; split-K with its second pass; narrow tiles) gives the same
+    product; the packing: element 2i in the high nibble."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_4bit_reference(p, torch.float64)
     for rows in (1, 5):

@@ -11,7 +11,7 @@ peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config,
+    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_stacked, gemv_4bit, gemv_config,
 )
 from fastplug.models.projections import fused_projections  # noqa: E402
 from tests.helpers import assert_close, rel_err  # noqa: E402
@@ -37,6 +37,14 @@ def test_dequantize_equals_bitsandbytes_cuda(quant_type, double_quant, shape, bl
     bound = 1e-3 if double_quant else 0.0
     assert mismatch <= bound, f"{mismatch:.2e} of the values differ"
     torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("outs", [(2048, 512, 512), (8192, 8192), (300, 77)])
+def test_dequantize_stacked_cuda(outs):
+    """A group (Llama-1B q/k/v, gate/up; odd sizes) in one launch equals the weights' own dequantizations."""
+    group = [quantized(o, 2048) for o in outs]
+    out = dequantize_4bit_stacked(group, torch.bfloat16)
+    assert torch.equal(out, torch.cat([dequantize_4bit(p) for p in group]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])

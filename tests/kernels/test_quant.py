@@ -17,8 +17,8 @@ peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, gemv_4bit, gemv_config,
-    require_bitsandbytes,
+    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked, gemv_4bit,
+    gemv_config, require_bitsandbytes,
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
@@ -99,6 +99,36 @@ def test_cached_fields_follow_the_weight():
     same(dequantize_4bit_scratch(p, torch.bfloat16), bnb_dequant(p, torch.bfloat16))
     with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
         dequantize_4bit_scratch(p, torch.int8)
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("fp4", False)])
+def test_dequantize_stacked(quant_type, double_quant):
+    """A group's weights one under another, one launch; each row block equals its own dequantization."""
+    group = [quantized(o, 40, quant_type, double_quant, 32, torch.float32) for o in (24, 8, 9)]
+    ref = torch.cat([bnb_dequant(p, torch.float32) for p in group])
+    out = dequantize_4bit_stacked(group, torch.float32)
+    assert out.shape == (41, 40) and torch.equal(out, ref)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = dequantize_4bit_stacked(group, dtype)
+        torch.testing.assert_close(out, ref.to(dtype), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=0)
+    assert out.data_ptr() == dequantize_4bit_scratch(group[0], torch.float16).data_ptr(), "the shared buffer"
+    group[1].data, group[1].quant_state = (q := quantized(8, 40, quant_type, double_quant, 32, torch.float32)).data, q.quant_state
+    torch.testing.assert_close(dequantize_4bit_stacked(group, torch.float32)[24:32], bnb_dequant(q, torch.float32))
+
+
+def test_dequantize_stacked_mixed_and_errors():
+    # mixed settings, odd element counts: one launch a weight, the same result
+    f32 = torch.float32
+    for group in ([quantized(6, 40, dtype=f32), quantized(5, 40, "fp4", False, 128, f32)],
+                  [quantized(5, 7, dtype=f32), quantized(3, 7, dtype=f32)]):
+        torch.testing.assert_close(dequantize_4bit_stacked(group, torch.float32),
+                                   torch.cat([bnb_dequant(p, torch.float32) for p in group]))
+    with pytest.raises(ValueError, match="share their input width"):
+        dequantize_4bit_stacked([quantized(4, 40), quantized(4, 32)], torch.bfloat16)
+    with pytest.raises(ValueError, match="at least one"):
+        dequantize_4bit_stacked([], torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype must be"):
+        dequantize_4bit_stacked([quantized(4, 40)], torch.int32)
 
 
 def test_require_bitsandbytes_says_how_to_install(monkeypatch):

@@ -8,6 +8,12 @@ With double quantization the absmax are themselves 8-bit: absmax[b] = code2[q[b]
 + offset. Values are formed in fp32 and rounded once to the output dtype, as bitsandbytes does, so the
 dequantization equals `bitsandbytes.functional.dequantize_4bit`.
 
+Three uses: `dequantize_4bit` (one weight; `dequantize_4bit_scratch` into the buffer dequantized weights share),
+`dequantize_4bit_stacked` (a group of weights that read one input, one under another, one launch) for
+QLoRA training, and `gemv_4bit` (decode: a few rows of x times the packed weight, never dequantized to memory).
+A weight's fields are read once and cached per weight (`_unpacked`): a training step dequantizes each weight
+three times, and each read through a Params4bit's __torch_function__ costs the host microseconds.
+
 bitsandbytes is never imported: a weight is recognised by its `quant_state`.
 """
 
@@ -30,7 +36,7 @@ INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
 # Rows of x the default GEMV tile takes (the CUDA-core kernel's work grows with each row of x); more rows, up to
 # GEMV_MAX_ROWS, take dequantize + matmul unless a tile is given (the tensor-core tile, `gemv_config(dot=True)`,
-# is as fast at 8 rows as at 1 by design, but has not been timed on a GPU yet). H100, 14336x4096 and
+# costs about the same at 8 rows as at 1 by design, but has not been timed on a GPU yet). H100, 14336x4096 and
 # 4096x14336, bf16, triton's do_bench: the default tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191,
 # dequantize + matmul 0.114.
 GEMV_KERNEL_ROWS = 4
@@ -568,7 +574,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     kb = k // 2
     sub = min(32, max(1, blocksize // 2), _lowbit(kb))
     dot = override.pop("dot", False)
-    if device.type == "cuda":  # H100 sweep, 1-8 rows of x: 8 rows x 512 bytes (32 bytes a thread) led
+    if device.type == "cuda":  # H100 sweep at 1, 2 and 8 rows of x: tiles of 8 weight rows x 512 bytes led
         block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)

@@ -271,7 +271,7 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
                         rows.append({"op": "gemv_4bit", "shape": shape, "impl": "sweep", "note": str(error)})
                         continue
                     add("sweep", lambda q, c=c: gemv_4bit(x, q, c), str(c))
-        del p, ps, w32
+        p = ps = w32 = None  # free the copies before the next shape
     return rows
 
 

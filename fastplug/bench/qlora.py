@@ -97,7 +97,8 @@ def _profile(model, optimizer, ids, device, label: str, rows: int = 30) -> str:
 
 
 def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", impls=IMPLS[:3],
-             profile: bool = False) -> list[dict]:
+             profile: bool = False, options: dict | None = None) -> list[dict]:
+    """options: KernelOptions overrides for the fastplug rows."""
     import transformers
 
     import fastplug
@@ -125,7 +126,7 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
             model = _build(config, device, quantize=not bf16)
         params = [p for p in model.parameters() if p.requires_grad]
         # freeze_gc as the trainer adapters (and the e2e bench) set it for their run
-        handle = fastplug.patch_model(model, freeze_gc=True) if impl.startswith("fastplug") else None
+        handle = fastplug.patch_model(model, **{"freeze_gc": True, **(options or {})}) if impl.startswith("fastplug") else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
@@ -283,6 +284,7 @@ _SWEEP_DOT = [dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
 
 
 def main(argv=None) -> int:
+    from .e2e import parse_options
     from .micro import qlora_rows
 
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench.qlora")
@@ -295,7 +297,10 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS[:3]), help=f"end-to-end rows, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=4, help="measured end-to-end steps (after 2 warm-up steps)")
     parser.add_argument("--profile", action="store_true", help="kernel table of one more step of each fastplug row")
+    parser.add_argument("--options", default="", metavar="NAME=VALUE,...",
+                        help="KernelOptions for the fastplug rows, e.g. stack_projections=false")
     args = parser.parse_args(argv)
+    options = parse_options(args.options, parser)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     if any(i not in IMPLS for i in impls):
         parser.error(f"--impls: from {','.join(IMPLS)}; got {args.impls!r}")
@@ -308,7 +313,7 @@ def main(argv=None) -> int:
     elif not args.no_micro:
         micro = lambda: qlora_rows(device, args.quick)  # noqa: E731
     parts = (micro, None if args.no_e2e else lambda: e2e_rows(device, args.quick, args.steps, args.shape, impls,
-                                                               args.profile))
+                                                               args.profile, options))
     for part in parts:
         if part is None:
             continue

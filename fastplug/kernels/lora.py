@@ -44,7 +44,7 @@ from ._utils import (
 )
 from .activations import ACTIVATIONS, _glu_op, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
-from .quant import dequantize_4bit_scratch, is_4bit, shape_4bit
+from .quant import dequantize_4bit_scratch, dequantize_4bit_stacked, is_4bit, shape_4bit
 from .rope import rope, rope_projections
 
 
@@ -61,10 +61,15 @@ class LoRAProjection(NamedTuple):
 class StackedBase(NamedTuple):
     """The frozen base weights (and biases) of projections that read one input, as row blocks of one matrix:
     projection i's weight IS rows [o_i, o_i + out_i) of `weight`, in the same storage (`fastplug.models.stacking`
-    arranges that). The blocks then run one GEMM for every base and one for every adapter's B."""
+    arranges that). The blocks then run one GEMM for every base and one for every adapter's B.
+    weight None: the bases are bitsandbytes 4-bit weights (no biases), dequantized together into the shared
+    buffer right before each GEMM that reads them (`quant.dequantize_4bit_stacked`)."""
 
-    weight: torch.Tensor  # [sum out_i, in]
+    weight: torch.Tensor | None  # [sum out_i, in]
     bias: torch.Tensor | None  # [sum out_i], each projection's bias a block of it; None: no projection has one
+
+
+QUANTIZED_STACK = StackedBase(None, None)
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -124,6 +129,10 @@ def is_stacked(stacked: StackedBase, weights, biases) -> bool:
 def _check_stacked(stacked, projs, x: torch.Tensor) -> None:
     if not isinstance(stacked, StackedBase):
         raise ValueError(f"stacked must be a StackedBase or None; got {type(stacked).__name__}")
+    if stacked.weight is None:
+        if stacked.bias is not None or not all(is_4bit(p.weight) and p.bias is None for p in projs):
+            raise ValueError("a StackedBase without weight stands for 4-bit bases without biases")
+        return
     if any(is_4bit(p.weight) or is_fp8(p.weight) or p.weight.requires_grad for p in projs):
         raise ValueError("stacked bases must be frozen dense weights (not quantized, no grad)")
     if not is_stacked(stacked, [p.weight for p in projs], [p.bias for p in projs]):
@@ -279,10 +288,10 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
         return hit[1]
     adapters = _adapters(casts)
     rank = adapters.a_cat.shape[0]
-    b_blk = adapters.a_cat.new_zeros((sum(p.weight.shape[0] for p in casts), rank))
+    b_blk = adapters.a_cat.new_zeros((sum(_weight_shape(p.weight)[0] for p in casts), rank))
     row = 0
     for p, sl in zip(casts, adapters.slices):
-        out = p.weight.shape[0]
+        out = _weight_shape(p.weight)[0]
         if sl is not None:
             torch.mul(p.lora_B, p.scaling, out=b_blk[row : row + out, sl[0] : sl[1]])
         row += out
@@ -291,12 +300,20 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     return built
 
 
-def _forward_stacked(x2: torch.Tensor, stacked: StackedBase, adapters: _StackedAdapters):
+def _stacked_weight(stacked: StackedBase, projs, dtype: torch.dtype) -> torch.Tensor:
+    """The stacked dense base; 4-bit bases dequantized together into the shared buffer (use it at once)."""
+    if stacked.weight is not None:
+        return stacked.weight
+    return dequantize_4bit_stacked([p.weight for p in projs], dtype)
+
+
+def _forward_stacked(x2: torch.Tensor, stacked: StackedBase, adapters: _StackedAdapters, projs):
     """([N, sum out_i] outputs side by side, xa [N, R]): three matmuls for any number of projections."""
     xa = x2 @ adapters.a_cat.t()
     b_t = adapters.b_blk.t()
     y = torch.mm(xa, b_t) if stacked.bias is None else torch.addmm(stacked.bias, xa, b_t)
-    return y.addmm_(x2, stacked.weight.t()), xa  # the base GEMM adds into y in its epilogue (see `_forward`)
+    # the base GEMM adds into y in its epilogue (see `_forward`)
+    return y.addmm_(x2, _stacked_weight(stacked, projs, x2.dtype).t()), xa
 
 
 def _grads_stacked(dy, x2, xa, stacked: StackedBase, adapters: _StackedAdapters, originals, needs, need_x: bool):
@@ -308,7 +325,7 @@ def _grads_stacked(dy, x2, xa, stacked: StackedBase, adapters: _StackedAdapters,
     dx = None
     if need_x:
         dx = dyb @ adapters.a_cat
-        dx.addmm_(dy, stacked.weight)
+        dx.addmm_(dy, _stacked_weight(stacked, originals, dy.dtype))
     need_a = any(needs[4 * i + 2] for i in range(len(originals)))
     need_b = any(needs[4 * i + 3] for i in range(len(originals)))
     da = (dyb.t() @ x2).to(next(p.lora_A.dtype for p in originals if p.lora_A is not None)) if need_a else None
@@ -320,7 +337,7 @@ def _grads_stacked(dy, x2, xa, stacked: StackedBase, adapters: _StackedAdapters,
         db = db.to(next(p.lora_B.dtype for p in originals if p.lora_B is not None))
     grads, row = [], 0
     for i, (p, sl) in enumerate(zip(originals, adapters.slices)):
-        out = p.weight.shape[0]
+        out = _weight_shape(p.weight)[0]
         grads += [None, None]
         grads.append(da[sl[0] : sl[1]] if sl is not None and needs[4 * i + 2] else None)
         if sl is not None and needs[4 * i + 3]:
@@ -452,8 +469,8 @@ class _SharedInputLoRA(torch.autograd.Function):
         with _no_autocast(x):
             if stacked is not None:
                 adapters = _stacked_adapters(originals, projs, x.dtype)
-                y, xa = _forward_stacked(x2, stacked, adapters)
-                ys = list(y.split([p.weight.shape[0] for p in projs], dim=1))
+                y, xa = _forward_stacked(x2, stacked, adapters, projs)
+                ys = list(y.split([_weight_shape(p.weight)[0] for p in projs], dim=1))
             else:
                 adapters = _adapters(projs)
                 ys, xa = _forward(x2, projs, adapters)
@@ -480,7 +497,7 @@ class _SharedInputLoRA(torch.autograd.Function):
         rotary = (*kept[4 * n:], ctx.x_shape[0], ctx.head_dim) if ctx.head_dim else None
         if ctx.stacked is not None:
             with _no_autocast(x2):
-                dy = _side_by_side(dys, [p.weight.shape[0] for p in projs], rotary)
+                dy = _side_by_side(dys, [_weight_shape(p.weight)[0] for p in projs], rotary)
                 dx, grads = _grads_stacked(dy, x2, xa, ctx.stacked, adapters, ctx.originals,
                                            ctx.needs_input_grad[4:], ctx.needs_input_grad[0])
             return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
@@ -507,8 +524,8 @@ class _LoRAMLP(torch.autograd.Function):
         with _no_autocast(x):
             if stacked is not None:
                 gu_adapters = _stacked_adapters(originals[:2], [gate_p, up_p], x.dtype)
-                gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters)
-                gate, up = gate_up.split(gate_p.weight.shape[0], dim=1)
+                gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
+                gate, up = gate_up.split(_weight_shape(gate_p.weight)[0], dim=1)
             else:
                 gu_adapters = _adapters([gate_p, up_p])
                 (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters)
@@ -610,7 +627,7 @@ def _usable_stacked(stacked, projs, x: torch.Tensor):
     if stacked is None:
         return None
     _check_stacked(stacked, projs, x)
-    if stacked.weight.dtype != x.dtype or all(p.lora_A is None for p in projs):
+    if (stacked.weight is not None and stacked.weight.dtype != x.dtype) or all(p.lora_A is None for p in projs):
         return None
     return stacked
 

@@ -7,9 +7,10 @@ many thin layers is short of when the host sets the pace.
 No memory is added: the parameters stay the same objects, and each one's data becomes a row block of the
 stacked matrix (the old storage is freed). Only frozen, dense, plain, contiguous 2-D weights that own their
 storage, of one dtype and device, are stacked, with their biases when every projection has one. So
-quantized bases, trainable ones (full fine-tuning: checkpoints save each weight), and sharded or flattened
-parameters (FSDP, DeepSpeed) keep their own storage. A group is stacked at its first call after patching
-(the model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
+trainable bases (full fine-tuning: checkpoints save each weight), FP8 bases, and sharded or flattened
+parameters (FSDP, DeepSpeed) keep their own storage. bitsandbytes 4-bit bases stay where they are: their
+group is dequantized into one matrix (the buffer dequantized weights share) right before each GEMM. A group
+is stacked at its first call after patching (the model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
 seen at the next call by the weights' data pointers: the group then runs unstacked for good. restore() gives
 each parameter its own storage back (a copy of its block: safetensors refuses tensors that share storage).
 """
@@ -22,8 +23,8 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import is_fp8
-from ..kernels.lora import LoRAProjection, StackedBase, is_stacked
-from ..kernels.quant import is_4bit
+from ..kernels.lora import QUANTIZED_STACK, LoRAProjection, StackedBase, is_stacked
+from ..kernels.quant import is_4bit, shape_4bit
 
 
 class _Group:
@@ -94,13 +95,22 @@ def switch(owner: nn.Module):
     return apply
 
 
+def _quantized_group(weights: list, biases: list) -> bool:
+    """4-bit bases of one input width without biases: dequantized together at each use (nothing is moved)."""
+    return (all(is_4bit(w) for w in weights) and all(b is None for b in biases)
+            and len({shape_4bit(w)[1] for w in weights}) == 1)
+
+
 def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase | None:
     """The StackedBase of `owner`'s projections as they stand now (stacking them at the first call), or None:
-    not enabled for this owner, not eligible, re-pointed since, or traced by torch.compile."""
+    not enabled for this owner, not eligible, re-pointed since, or traced by torch.compile. bitsandbytes 4-bit
+    bases (QLoRA) are not moved: their group is dequantized into one matrix right before each GEMM."""
     group = _GROUPS.get(owner)
     if group is None or group.off or torch.compiler.is_compiling():
         return None
     weights, biases = [p.weight for p in projs], [p.bias for p in projs]
+    if group.stacked is None and is_4bit(weights[0]):
+        return QUANTIZED_STACK if _quantized_group(weights, biases) else None
     if group.stacked is not None:
         if is_stacked(group.stacked, weights, biases):
             return group.stacked

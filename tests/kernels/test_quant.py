@@ -15,7 +15,7 @@ import torch.nn.functional as F
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
-from fastplug.kernels.lora import LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
+from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
     dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked, gemv_4bit,
     gemv_config, require_bitsandbytes,
@@ -231,8 +231,9 @@ def _grads(outputs, inputs, grads_out):
     return torch.autograd.grad(outputs, inputs, grads_out)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_4bit_linear_and_qkv_match_peft(bias):
+@pytest.mark.parametrize("bias,stacked", [(False, False), (True, False), (False, True)])
+def test_fused_4bit_linear_and_qkv_match_peft(bias, stacked):
+    """stacked: q/k/v dequantized together into one matrix for one GEMM (what a patched model does)."""
     block = peft_4bit_block(bias)
     names = ("q_proj", "k_proj", "v_proj")
     layers = [getattr(block, n) for n in names]
@@ -252,7 +253,7 @@ def test_fused_4bit_linear_and_qkv_match_peft(bias):
         leaves = [xb] + [t for l in layers for t in (l.lora_A.default.weight, l.lora_B.default.weight)]
         return ys, _grads(ys, leaves, gouts)
 
-    fused_ys, fused_grads = run(lambda xb: lora_qkv(xb, *projs))
+    fused_ys, fused_grads = run(lambda xb: lora_qkv(xb, *projs, stacked=QUANTIZED_STACK if stacked else None))
     peft_ys, peft_grads = run(lambda xb: tuple(l(xb) for l in layers))
     what = ["dX"] + [f"{n}.{p}" for n in names for p in ("dA", "dB")]
     for y, py, ry, n in zip(fused_ys, peft_ys, ys64, names):
@@ -267,7 +268,8 @@ def test_fused_4bit_linear_and_qkv_match_peft(bias):
     assert_close(lora_linear(xo, o), _linear64(xo.double(), _reference(block.o_proj)), torch.bfloat16, "o_proj")
 
 
-def test_fused_4bit_mlp_matches_peft():
+@pytest.mark.parametrize("stacked", [False, True])
+def test_fused_4bit_mlp_matches_peft(stacked):
     block = peft_4bit_block()
     layers = [block.gate_proj, block.up_proj, block.down_proj]
     projs = fused_projections(*layers)
@@ -279,7 +281,7 @@ def test_fused_4bit_mlp_matches_peft():
     ref_grads = _grads(y64, [x64] + [t for r in refs for t in r[2:4]], g.double())
 
     xb = x.clone().requires_grad_()
-    y = lora_mlp(xb, *projs, activation="silu")
+    y = lora_mlp(xb, *projs, activation="silu", stacked=QUANTIZED_STACK if stacked else None)
     grads = _grads(y, [xb] + [t for l in layers for t in (l.lora_A.default.weight, l.lora_B.default.weight)], g)
     assert_close(y, y64, torch.bfloat16, "mlp forward")
     names = ["dX"] + [f"{n}.{p}" for n in ("gate", "up", "down") for p in ("dA", "dB")]

@@ -115,18 +115,19 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
     ids = [torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(2)]
     shape = "tiny" if quick else shape_name
     rows, summaries = [], []
-    # Liger patches the instance for good (no restore): it runs after the other 4-bit rows
+    # Every row trains a freshly built model (the same seed): rows sharing one model would start where the
+    # previous row's optimizer steps left the adapters, and their losses would not compare.
     apply_liger = _liger("_apply_liger_kernel_to_instance")
     order = [i for i in IMPLS if i in impls and (i != "liger" or apply_liger is not None)]
     model = None
     for impl in order:
         bf16 = impl == "fastplug-bf16"
-        if model is None or bf16:
-            model = None
-            model = _build(config, device, quantize=not bf16)
+        model = None  # the previous row's model goes before the next is built
+        model = _build(config, device, quantize=not bf16)
         params = [p for p in model.parameters() if p.requires_grad]
         # freeze_gc as the trainer adapters (and the e2e bench) set it for their run
-        handle = fastplug.patch_model(model, **{"freeze_gc": True, **(options or {})}) if impl.startswith("fastplug") else None
+        fast = impl.startswith("fastplug")
+        handle = fastplug.patch_model(model, **{"freeze_gc": True, **(options or {})}) if fast else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")

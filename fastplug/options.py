@@ -22,8 +22,10 @@ class KernelOptions:
     attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
     moe: bool = True  # MoE experts on the grouped GEMM kernels (LoRA on experts too), the fused router
     # Frozen q/k/v and gate/up base weights moved into one matrix per layer while patched (no extra memory; each
-    # parameter's data a block of it, own storage again after restore()): one GEMM per group (models/stacking.py)
-    stack_projections: bool = True
+    # parameter's data a block of it, own storage again after restore()): one GEMM per group (models/stacking.py).
+    # None: on when a trainer adapter patches for one run; off for patch_model and FastModel, whose patch may
+    # outlive training (a model merged and saved with safetensors while patched would have shared storage).
+    stack_projections: bool | None = None
     # True: the model's own non-reentrant checkpointing; "offload": layer inputs kept in pinned CPU memory;
     # "auto": checkpoint only as many layers as the GPU's memory needs (measured at the first step);
     # False: leave the model's setting alone.
@@ -53,8 +55,10 @@ class KernelOptions:
             )
 
     def scoped_to_run(self) -> "KernelOptions":
-        """These options as a trainer adapter applies them: its patch lasts one run, so freeze_gc None is on."""
-        return self if self.freeze_gc is not None else dataclasses.replace(self, freeze_gc=True)
+        """These options as a trainer adapter applies them: its patch lasts one run, so freeze_gc and
+        stack_projections None are on."""
+        scoped = {name: True for name in ("freeze_gc", "stack_projections") if getattr(self, name) is None}
+        return dataclasses.replace(self, **scoped) if scoped else self
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -135,8 +135,9 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
         import fastplug
 
         mode = "auto" if impl == "fastplug_auto" else checkpointing
-        # freeze_gc as the trainer adapters set it for their run
-        handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True, **(options or {})})
+        # freeze_gc and stack_projections as the trainer adapters set them for their run
+        handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True,
+                                                "stack_projections": True, **(options or {})})
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""

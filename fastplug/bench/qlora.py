@@ -125,9 +125,10 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
         model = None  # the previous row's model goes before the next is built
         model = _build(config, device, quantize=not bf16)
         params = [p for p in model.parameters() if p.requires_grad]
-        # freeze_gc as the trainer adapters (and the e2e bench) set it for their run
+        # freeze_gc and stack_projections as the trainer adapters (and the e2e bench) set them for their run
         fast = impl.startswith("fastplug")
-        handle = fastplug.patch_model(model, **{"freeze_gc": True, **(options or {})}) if fast else None
+        scoped = {"freeze_gc": True, "stack_projections": True, **(options or {})}
+        handle = fastplug.patch_model(model, **scoped) if fast else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())
         optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")

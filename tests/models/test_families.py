@@ -81,7 +81,8 @@ def test_patched_lora_matches_peft(family):
     reference = copy.deepcopy(model)
     inputs = _batch()
 
-    with patch_model(model) as handle:  # with the model's own checkpointing, as training would run
+    # with the model's own checkpointing and stacked bases, as a trainer adapter's run would patch it
+    with patch_model(model, stack_projections=True) as handle:
         # peft 0.21 maps gate/up/down_proj onto MoE experts' 3-D weights (ParamWrapper): "experts_lora"
         fused = handle.counts.get("mlp", 0) + handle.counts["attention"] + handle.counts.get("experts_lora", 0)
         assert handle.counts["lora_fused"] == fused
@@ -94,6 +95,23 @@ def test_patched_lora_matches_peft(family):
     assert torch.equal(_eval_logits(model, inputs), _eval_logits(reference, inputs))
     # restore gives every weight its own storage again (what safetensors needs to save the model)
     assert all(len(_storages(model, names)) == len(names) for names in _stacked_groups(family))
+
+
+def test_bases_are_stacked_only_for_a_run_scoped_patch():
+    """patch_model and FastModel leave the weights' storage alone by default (their patch may outlive
+    training); the trainer adapters' run-scoped options stack the frozen bases."""
+    from peft import LoraConfig, get_peft_model
+
+    from fastplug import KernelOptions
+
+    assert KernelOptions().stack_projections is None
+    assert KernelOptions().scoped_to_run().stack_projections is True
+    assert KernelOptions(stack_projections=False).scoped_to_run().stack_projections is False
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights=False)
+    model = get_peft_model(_model("llama"), config)
+    with patch_model(model):
+        _loss_and_grads(model, _batch())
+        assert len(_storages(model, ("q_proj", "k_proj", "v_proj"))) == 3
 
 
 def _stacked_groups(family):

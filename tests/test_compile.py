@@ -20,6 +20,21 @@ def _module(name):
     return importlib.import_module(f"fastplug.kernels.{name}")
 
 
+def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
+    """Inputs of the experts operator: x, routing weights and indices, gate_up, down, LoRA factors, scalings."""
+    g = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * 0.3).requires_grad_()
+
+    index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).requires_grad_()
+    adapters = (rand(experts, r, hidden), rand(experts, 2 * inter, r), rand(experts, r, inter),
+                rand(experts, hidden, r)) if lora else (None,) * 4
+    return (rand(tokens, hidden), weights, index, rand(experts, 2 * inter, hidden), rand(experts, hidden, inter),
+            *adapters, 0.5, 2.0, "silu")
+
+
 @pytest.mark.parametrize(
     "module, op, make_args",
     [
@@ -43,6 +58,9 @@ def _module(name):
         ("cross_entropy", "_linear_ce_op", lambda: (torch.randn(10, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True),
                                                     torch.randn(40, requires_grad=True), torch.tensor([1, 5, -100, 39, 0, 7, 8, 2, 3, 4]),
                                                     torch.full((1,), 1 / 9), -100, 0.1, 20.0, 1.0, 1e-4, True, True, True)),
+        ("moe.routing", "_router_op", lambda: (torch.randn(9, 6, requires_grad=True), 2, True)),
+        ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True)),
+        ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=False)),
     ],
 )  # fmt: skip
 def test_registered_operator_passes_opcheck(module, op, make_args):
@@ -85,16 +103,20 @@ def _lora_model(family):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
-    model = get_peft_model(tiny_model(family), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    # MoE: LoRA on attention (peft's LoRA on the 3-D expert weights registers parametrizations inside its
+    # forward, which Dynamo does not trace)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if family == "qwen3_moe" else "all-linear"
+    model = get_peft_model(tiny_model(family), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     for name, p in model.named_parameters():  # B = 0 at init would hide the adapters' contribution
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     return model
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
 def test_patched_lora_layer_with_fastplug_attention_compiles_fullgraph(family):
-    """Fused LoRA (traced under compile) and fastplug's attention (a registered operator) in one graph."""
+    """Fused LoRA (traced under compile) and fastplug's attention (a registered operator) in one graph; for
+    Qwen3-MoE the router and the experts too."""
     model, ref = _lora_model(family), _lora_model(family)
     handle = fastplug.patch_model(model, gradient_checkpointing=False)
     assert handle.counts.get("lora_fused") and handle.counts.get("attention")
@@ -127,6 +149,31 @@ def test_patched_lora_layer_with_fastplug_attention_compiles_fullgraph(family):
             for got, want in zip(*grads):
                 assert_close(got, want, torch.float32, "gradient")
     handle.restore()
+
+
+def test_moe_router_and_experts_compile_fullgraph():
+    """The router and the experts (LoRA on both expert weights) as registered operators: one graph, and the
+    same output and gradients as the eager autograd Functions."""
+    from fastplug.kernels import ExpertLoRA, moe_experts, moe_router
+
+    x, _, _, gate_up, down, a1, b1, a2, b2, *_ = _moe_args(lora=True)
+    router = (torch.randn(3, 16) * 0.5).requires_grad_()
+    leaves = [x, router, gate_up, down, a1, b1, a2, b2]
+
+    def block(x, router, gate_up, down, a1, b1, a2, b2):
+        weights, index = moe_router(x @ router.t(), 2, weights_dtype=x.dtype)
+        return moe_experts(x, gate_up, down, index, weights, gate_up_lora=ExpertLoRA(a1, b1, 0.5),
+                           down_lora=ExpertLoRA(a2, b2, 2.0))
+
+    torch._dynamo.reset()
+    results = []
+    for fn in (torch.compile(block, fullgraph=True, backend="aot_eager"), block):
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        results.append((out.detach(), grads))
+    assert_close(results[0][0], results[1][0], torch.float32, "output")
+    for got, want in zip(results[0][1], results[1][1]):
+        assert_close(got, want, torch.float32, "gradient")
 
 
 def test_fused_linear_cross_entropy_compiles_fullgraph():

@@ -119,17 +119,35 @@ def _routing_metadata(
 
 
 # ---------------------------------------------------------------------------------------------- autograd
+def _router_forward(logits, top_k, normalize):
+    """(weights fp32 [T, k], index int64 [T, k])."""
+    T, E = logits.shape
+    weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
+    index = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
+    if T:
+        _router_fwd[(cdiv(T, _BLOCK_T),)](
+            logits, weights, index, T, E, logits.stride(0),
+            TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
+        )
+    return weights, index
+
+
+def _router_backward(dweights, logits, index, normalize):
+    T, E = logits.shape
+    dlogits = torch.empty_like(logits)
+    if T:
+        dweights = dweights.contiguous()
+        _router_bwd[(cdiv(T, _BLOCK_T),)](
+            logits, index, dweights, dlogits, T, E, logits.stride(0), dlogits.stride(0),
+            TOP_K=index.shape[1], NORMALIZE=normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
+        )
+    return dlogits
+
+
 class TopKRouter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, top_k, normalize, weights_dtype):
-        T, E = logits.shape
-        weights = torch.empty((T, top_k), dtype=torch.float32, device=logits.device)
-        index = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
-        if T:
-            _router_fwd[(cdiv(T, _BLOCK_T),)](
-                logits, weights, index, T, E, logits.stride(0),
-                TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
-            )
+        weights, index = _router_forward(logits, top_k, normalize)
         ctx.save_for_backward(logits, index)
         ctx.normalize = normalize
         ctx.mark_non_differentiable(index)
@@ -138,15 +156,7 @@ class TopKRouter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dweights, _dindex):
         logits, index = ctx.saved_tensors
-        T, E = logits.shape
-        dlogits = torch.empty_like(logits)
-        if T:
-            dweights = dweights.contiguous()
-            _router_bwd[(cdiv(T, _BLOCK_T),)](
-                logits, index, dweights, dlogits, T, E, logits.stride(0), dlogits.stride(0),
-                TOP_K=index.shape[1], NORMALIZE=ctx.normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
-            )
-        return dlogits, None, None, None
+        return _router_backward(dweights, logits, index, ctx.normalize), None, None, None
 
 
 def _check_router(logits: torch.Tensor, top_k: int) -> None:
@@ -171,6 +181,9 @@ def moe_router(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
         return moe_router_reference(logits, top_k, normalize=normalize, weights_dtype=weights_dtype)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if torch.compiler.is_compiling():
+        weights, index = _router_op(logits, top_k, normalize)
+        return weights.to(weights_dtype), index
     return TopKRouter.apply(logits, top_k, normalize, weights_dtype)
 
 
@@ -212,3 +225,42 @@ def routing_metadata_reference(top_k_index: torch.Tensor, num_experts: int):
     counts = torch.bincount(ids, minlength=num_experts)[:num_experts]
     offsets = torch.cumsum(counts, 0).to(torch.int32)
     return offsets, (order // top_k_index.shape[1]).to(torch.int32), order.to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------- registered operators
+# What torch.compile traces; eager calls keep TopKRouter.
+@torch.library.custom_op("fastplug::moe_router", mutates_args=())
+def _router_op(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _router_forward(logits, top_k, normalize)
+
+
+@_router_op.register_fake
+def _(logits, top_k, normalize):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+@torch.library.custom_op("fastplug::moe_router_backward", mutates_args=())
+def _router_backward_op(dweights: torch.Tensor, logits: torch.Tensor, index: torch.Tensor,
+                        normalize: bool) -> torch.Tensor:
+    return _router_backward(dweights, logits, index, normalize)
+
+
+@_router_backward_op.register_fake
+def _(dweights, logits, index, normalize):
+    return torch.empty_like(logits)
+
+
+def _setup_router(ctx, inputs, output):
+    logits, _, normalize = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.normalize = normalize
+    ctx.mark_non_differentiable(output[1])
+
+
+def _router_op_backward(ctx, dweights, _dindex):
+    logits, index = ctx.saved_tensors
+    return _router_backward_op(dweights, logits, index, ctx.normalize), None, None
+
+
+_router_op.register_autograd(_router_op_backward, setup_context=_setup_router)

@@ -188,8 +188,8 @@ def sweep(name, c, table=SWEEP):
         print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}[{r}]" for ms, c, r in results), flush=True)
 
 
-def breakdown(name, c):
-    """Each kernel of one problem alone, TMA descriptors on and off, and the whole backward as tuned."""
+def kernel_problem(c):
+    """(q, k, v, problem, doc start, doc end, dO) of one case, for calling the kernels' launchers directly."""
     q, k, v, kw = make(c)
     B, Hq, T, D = q.shape
     start = end = None
@@ -197,7 +197,12 @@ def breakdown(name, c):
         start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], T)
     p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"),
                    D ** -0.5)
-    do = torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+    return q, k, v, p, start, end, torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+
+
+def breakdown(name, c):
+    """Each kernel of one problem alone, TMA descriptors on and off, and the whole backward as tuned."""
+    q, k, v, p, start, end, do = kernel_problem(c)
     out, lse = A._flash_forward(q, k, v, p, start, end)
     delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     cfg = lambda table: tuple(A._config(table, p.block_d, q.device))  # noqa: E731
@@ -224,14 +229,7 @@ def compare_old(path):
     sys.modules[spec.name] = old  # dataclasses look their module up there
     spec.loader.exec_module(old)
     for name, c in cases().items():
-        q, k, v, kw = make(c)
-        B, Hq, T, D = q.shape
-        start = end = None
-        if kw.get("cu_seqlens") is not None:
-            start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], T)
-        p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"),
-                       D ** -0.5)
-        do = torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
+        q, k, v, p, start, end, do = kernel_problem(c)
         row = []
         for module in (old, A):
             out, lse = module._flash_forward(q, k, v, p, start, end)

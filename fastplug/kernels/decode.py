@@ -26,13 +26,11 @@ cannot run.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import SUPPORTED_DTYPES, check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
+from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -91,16 +89,25 @@ def _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, s
 
 
 @triton.jit
+def _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
+               HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] (streamed: read once) and the x tile at columns k0.. (normalised)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_mask = k < K
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+    return w, x
+
+
+@triton.jit
 def _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
                       HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
+                          HAS_NORM, GEMMA_NORM, BLOCK_K)
         acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
     return tl.sum(acc2, axis=1)[None, :]
 
@@ -111,11 +118,8 @@ def _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
+                          HAS_NORM, GEMMA_NORM, BLOCK_K)
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc3, axis=2)
 
@@ -127,11 +131,8 @@ def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, s
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N], on the tensor cores (rows padded to BLOCK_M)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < K
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
+                          HAS_NORM, GEMMA_NORM, BLOCK_K)
         acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
     return acc
 

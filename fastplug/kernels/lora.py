@@ -462,7 +462,7 @@ class _SharedInputLoRA(torch.autograd.Function):
     def forward(ctx, x, scalings, rotary, stacked, *params):
         """rotary: None, or (cos, sin, head_dim) to rotate the first two outputs (q, k) in place.
         stacked: None, or the projections' StackedBase (one GEMM for all bases)."""
-        originals = _unflatten(params, scalings)
+        originals = _unflatten(params, scalings) if stacked is not None else None  # key the stacked adapters
         params = _cast_params(params, x.dtype)
         projs = _unflatten(params, scalings)
         x2 = rows_view(x)
@@ -480,7 +480,7 @@ class _SharedInputLoRA(torch.autograd.Function):
         ctx.head_dim = rotary[2] if rotary is not None else None
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
         ctx.adapters, ctx.stacked = adapters, stacked
-        ctx.originals = originals if stacked is not None else None
+        ctx.originals = originals
         keep_for_backward(ctx, (*params, *rotary[:2]) if rotary is not None else params)
         ctx.save_for_backward(x2, xa)
         lead = tuple(x.shape[:-1])
@@ -516,14 +516,14 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, scalings, stacked, *params):
         """stacked: None, or gate and up's StackedBase (one GEMM for both)."""
-        originals = _unflatten(params, scalings)
+        originals = _unflatten(params, scalings)[:2] if stacked is not None else None  # key the stacked adapters
         params = _cast_params(params, x.dtype)
         gate_p, up_p, down_p = _unflatten(params, scalings)
         down_adapters = _adapters([down_p])
         x2 = rows_view(x)
         with _no_autocast(x):
             if stacked is not None:
-                gu_adapters = _stacked_adapters(originals[:2], [gate_p, up_p], x.dtype)
+                gu_adapters = _stacked_adapters(originals, [gate_p, up_p], x.dtype)
                 gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
                 gate, up = gate_up.split(_weight_shape(gate_p.weight)[0], dim=1)
             else:
@@ -534,7 +534,7 @@ class _LoRAMLP(torch.autograd.Function):
             (y,), xa_down = _forward(h, [down_p], down_adapters)
         ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
         ctx.adapters, ctx.stacked = (gu_adapters, down_adapters), stacked
-        ctx.originals = originals[:2] if stacked is not None else None
+        ctx.originals = originals
         keep_for_backward(ctx, params)
         # gate and up are this function's own buffers (side by side when stacked): backward overwrites them
         # with dgate and dup.

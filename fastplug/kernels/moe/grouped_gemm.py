@@ -86,6 +86,19 @@ def _expert_tile(offsets_ptr, pid, n_col_tiles, E, BLOCK_E: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M], their mask, the input row each reads: gathered through a_index or the row itself) of a
+    tile from `_expert_tile`; offsets past the M rows given must not write out of bounds."""
+    rm = row_start + tl.arange(0, BLOCK_M)
+    mask_m = rm < tl.minimum(row_end, M)
+    if HAS_A_INDEX:
+        src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = rm.to(tl.int64)
+    return rm, mask_m, src
+
+
+@triton.jit
 def _grouped_mm(
     a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
     t_ptr, b_ptr,
@@ -106,17 +119,11 @@ def _grouped_mm(
                                                          BLOCK_E, BLOCK_M, GROUP_M)
     if expert >= E:
         return
-    row_end = tl.minimum(row_end, M)  # offsets past the rows given must not write out of bounds
-    rm = row_start + tl.arange(0, BLOCK_M)
-    mask_m = rm < row_end
+    rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
     col0 = col_tile * BLOCK_N
     rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
-    if HAS_A_INDEX:
-        src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
-    else:
-        src = rm.to(tl.int64)
     if not A_TMA:
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
     if not W_TMA:
@@ -175,17 +182,11 @@ def _grouped_mm_glu(
                                                          BLOCK_E, BLOCK_M, GROUP_M)
     if expert >= E:
         return
-    row_end = tl.minimum(row_end, M)
-    rm = row_start + tl.arange(0, BLOCK_M)
-    mask_m = rm < row_end
+    rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
     col0 = col_tile * BLOCK_N
     rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < I
     rk = tl.arange(0, BLOCK_K)
-    if HAS_A_INDEX:
-        src = tl.load(a_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
-    else:
-        src = rm.to(tl.int64)
     if not A_TMA:
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
     if not W_TMA:

@@ -272,8 +272,10 @@ class _StackedAdapters(NamedTuple):
     slices: list  # per projection: its (start, stop) in R, or None without adapter
 
 
-# (ids of the adapters' parameters, dtype) -> (their versions, _StackedAdapters); emptied with each new
-# generation (`invalidate_adapter_casts`), so it holds the current step's matrices and nothing older.
+# (ids of the adapters' parameters, dtype) -> (weakrefs to them, their versions, _StackedAdapters); emptied
+# with each new generation (`invalidate_adapter_casts`), so it holds the current step's matrices and nothing
+# older. The weakrefs tell a hit from a dead adapter's entry whose ids new parameters reuse (no generation
+# passes between two calls of the fused ops outside a patched model).
 _STACKED_ADAPTERS: dict[tuple, tuple] = {}
 
 
@@ -284,8 +286,8 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     key = (*(id(t) for t in adapter_params), dtype)
     versions = tuple(t._version for t in adapter_params)
     hit = _STACKED_ADAPTERS.get(key)
-    if hit is not None and hit[0] == versions:
-        return hit[1]
+    if hit is not None and hit[1] == versions and all(r() is t for r, t in zip(hit[0], adapter_params)):
+        return hit[2]
     adapters = _adapters(casts)
     rank = adapters.a_cat.shape[0]
     b_blk = adapters.a_cat.new_zeros((sum(_weight_shape(p.weight)[0] for p in casts), rank))
@@ -296,7 +298,7 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
             torch.mul(p.lora_B, p.scaling, out=b_blk[row : row + out, sl[0] : sl[1]])
         row += out
     built = _StackedAdapters(adapters.a_cat, b_blk, adapters.slices)
-    _STACKED_ADAPTERS[key] = (versions, built)
+    _STACKED_ADAPTERS[key] = ([weakref.ref(t) for t in adapter_params], versions, built)
     return built
 
 

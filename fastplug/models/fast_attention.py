@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 NAME = "fastplug"
-# id(config) -> the implementation a patched model had: padded batches run it (set by `route`).
-_FALLBACK: dict[int, str] = {}
+# id(config) -> (weakref to it, the implementation a patched model had): padded batches run it (set by
+# `route`). The weakref tells this config from a dead one whose id was reused (configs are unhashable).
+_FALLBACK: dict[int, tuple] = {}
 
 
 def register() -> None:
@@ -37,9 +38,9 @@ def register() -> None:
 
 
 def fallback_name(config) -> str:
-    name = _FALLBACK.get(id(config))
-    if name is not None:
-        return name
+    hit = _FALLBACK.get(id(config))
+    if hit is not None and hit[0]() is config:
+        return hit[1]
     return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
@@ -47,7 +48,7 @@ def route(config) -> callable:
     """Switch this model's config to "fastplug"; returns the function that switches it back."""
     register()
     previous = config._attn_implementation
-    _FALLBACK[id(config)] = previous or "eager"
+    _FALLBACK[id(config)] = (weakref.ref(config), previous or "eager")
     config._attn_implementation = NAME
 
     def undo():

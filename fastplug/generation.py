@@ -2,7 +2,8 @@
 adapters a model is training, for evaluation and RL rollouts.
 
 How it is fast:
-- the KV cache is allocated once per (batch bucket, length bucket) and kept on the model between calls;
+- the KV cache is allocated once per (batch bucket, length bucket) and kept on the model between calls; a
+  sliding-window layer keeps only its last `window` columns, as a ring (Gemma2/3: half the cache or less);
 - the decoder runs as a plan built from the model's own weights (no transformers forward, no mask
   builders, no cache objects): on CUDA one decode step is captured in a CUDA graph and replayed, with the
   position, cache slot, stop flags and output buffer living on the device;
@@ -14,8 +15,8 @@ How it is fast:
   no RNG state inside the graph, and a seeded call gives the same tokens with or without a graph.
 
 Supports the families fastplug patches (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, Qwen2/3-MoE):
-softcaps, sliding windows (masked over the full cache), q/k norms, scaled embeddings; MoE blocks run
-through the model's own (or fastplug's patched) block.
+softcaps, sliding windows (a ring of the last `window` columns per windowed layer), q/k norms, scaled
+embeddings; MoE blocks run through the model's own (or fastplug's patched) block.
 """
 
 from __future__ import annotations
@@ -350,9 +351,10 @@ class _FastDecode:
         for index, (lp, fl) in enumerate(zip(plan.layers, self.layers)):
             qkv = self._project(h, fl.qkv, norm=lp.input_norm)
             cos, sin = s.rope[lp.rope_key]
+            ring = s.k[index].shape[2] < s.length
             attn = decode_kernels.decode_attention(
                 qkv, s.k[index], s.v[index], s.valid, s.slot, s.pos, cos, sin, heads=lp.heads, scaling=lp.scaling,
-                softcap=lp.softcap, window=lp.window, qk_norm=fl.qk_norm)
+                softcap=lp.softcap, window=lp.window, ring=ring, qk_norm=fl.qk_norm)
             if lp.post_attn_norm is None:
                 self._project(attn, fl.o, residual=h, out=h)
             else:
@@ -385,10 +387,12 @@ class _Session:
         w = plan.weight
         device, dtype = w.device, w.dtype
         self.batch, self.length = batch, length
-        self.k = [torch.zeros(batch, lp.kv_heads, length, lp.head_dim, device=device, dtype=dtype)
-                  for lp in plan.layers]
+        # windowed layers keep a ring of their last `window` columns (column c at c % window)
+        self.k = [torch.zeros(batch, lp.kv_heads, _cache_length(lp.window, length), lp.head_dim, device=device,
+                              dtype=dtype) for lp in plan.layers]
         self.v = [torch.zeros_like(k) for k in self.k]
-        self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)  # which cache columns hold tokens
+        # which absolute cache columns hold tokens (not pads); a ring reads it at the columns its slots hold
+        self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)
         self.columns = torch.arange(length, device=device)
         longs = dict(device=device, dtype=torch.long)
         self.tok = torch.zeros(batch, 1, **longs)
@@ -408,6 +412,11 @@ class _Session:
         self.noise_index = torch.arange(batch * vocab, **longs).view(batch, vocab)
         self.graphs: dict = {}  # (do_sample, top_k, uses top_p) -> CUDAGraph
         self.rope: dict | None = None  # the decode kernels' RoPE tables, made at the first prefill
+
+
+def _cache_length(window: int | None, length: int) -> int:
+    """Cache columns of a layer: a window shorter than the session's length is all it ever reads."""
+    return window if window is not None and window < length else length
 
 
 @dataclass(frozen=True)
@@ -465,20 +474,18 @@ class _Decoder:
     # -- the model
     def forward(self, s: _Session, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] (fp32) of the last position; writes K/V of `ids` into the cache (T > 1: columns
-        0..T-1, the prompt; T == 1: column `s.slot`)."""
+        0..T-1, the prompt; T == 1: column `s.slot`; a windowed layer's ring holds column c at c % window)."""
         plan = self.plan
         t = ids.shape[1]
         h = plan.embed(ids)
         if plan.embed_scale is not None:
             h = h * plan.embed_scale
         rotary = plan.rotary_embeddings(h, pos)
-        masks = {}
+        views = {}
         for index, lp in enumerate(plan.layers):
-            if lp.window not in masks:  # one additive mask per window size, shared by the layers
-                allowed = self._mask(s, t, lp.window)
-                masks[lp.window] = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill_(
-                    ~allowed, float("-inf"))
-            x = self._attention(lp, _apply_norm(lp.input_norm, h), rotary[lp.rope_key], s, index, masks[lp.window])
+            if lp.window not in views:  # one mask and write column per window size, shared by the layers
+                views[lp.window] = self._cache_view(s, t, lp.window, h.dtype)
+            x = self._attention(lp, _apply_norm(lp.input_norm, h), rotary[lp.rope_key], s, index, *views[lp.window])
             h = h + _apply_norm(lp.post_attn_norm, x)
             h = h + _apply_norm(lp.post_ff_norm, lp.mlp(_apply_norm(lp.ff_norm, h)))
         logits = plan.lm_head(_apply_norm(plan.final_norm, h[:, -1:]))
@@ -486,10 +493,23 @@ class _Decoder:
             logits = torch.tanh(logits / plan.final_softcap) * plan.final_softcap
         return logits[:, -1].float()
 
+    @classmethod
+    def _cache_view(cls, s: _Session, t: int, window: int | None, dtype) -> tuple:
+        """(additive mask [B, 1, T, keys], the cache column a decode step writes: a [1] device tensor)."""
+        allowed = cls._mask(s, t, window)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        length = _cache_length(window, s.length)
+        return bias, (s.slot % length if length < s.length else s.slot)
+
     @staticmethod
     def _mask(s: _Session, t: int, window: int | None) -> torch.Tensor:
-        # windows count cache columns, as transformers' sliding-window masks count cache positions
+        # Windows count cache columns, as transformers' sliding-window masks count cache positions; its
+        # convention (masking_utils.sliding_window_overlay): query i sees key j when i - window < j <= i.
         if t == 1:
+            if _cache_length(window, s.length) < s.length:  # a ring: it holds exactly the window
+                held = decode_kernels.ring_columns(s.slot, window)
+                mask = (held >= 0) & s.valid.gather(1, held.clamp(min=0).expand(s.batch, -1))
+                return mask[:, None, None, :]
             mask = s.valid
             if window is not None:
                 mask = mask & (s.columns > s.slot - window)
@@ -503,7 +523,7 @@ class _Decoder:
         return mask | torch.eye(t, dtype=torch.bool, device=cols.device)
 
     @staticmethod
-    def _attention(lp: _Layer, x, cos_sin, s: _Session, index: int, bias):
+    def _attention(lp: _Layer, x, cos_sin, s: _Session, index: int, bias, write: torch.Tensor):
         b, t, _ = x.shape
         q = lp.q(x).view(b, t, lp.heads, lp.head_dim)
         k = lp.k(x).view(b, t, lp.kv_heads, lp.head_dim)
@@ -512,12 +532,14 @@ class _Decoder:
         q, k = _rope(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
         k_cache, v_cache = s.k[index], s.v[index]
         if t == 1:
-            k_cache.index_copy_(2, s.slot, k)
-            v_cache.index_copy_(2, s.slot, v)
+            k_cache.index_copy_(2, write, k)
+            v_cache.index_copy_(2, write, v)
             keys, values = k_cache, v_cache
-        else:
-            k_cache[:, :, :t] = k
-            v_cache[:, :, :t] = v
+        else:  # the prompt attends over its own keys; the cache keeps what later tokens can see of them
+            length = k_cache.shape[2]
+            kept = s.columns[max(0, t - length):t]
+            k_cache.index_copy_(2, kept % length, k[:, :, -len(kept):])
+            v_cache.index_copy_(2, kept % length, v[:, :, -len(kept):])
             keys, values = k, v
         out = _attend(q, keys, values, bias, lp.scaling, lp.softcap)
         return lp.o(out.transpose(1, 2).reshape(b, t, -1))

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from fastplug import FastModel, fast_generate
-from fastplug.generation import _DECODERS
+from fastplug.generation import _DECODERS, graph_status
+from fastplug.patching import unwrap
 from tests.model_path_helpers import PAD, save_tiny
 
 peft = pytest.importorskip("peft")
@@ -28,19 +29,20 @@ def prompts(seed=3):
     return ids, mask
 
 
-def reference(model, ids, mask, eos, **kwargs):
-    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+def reference(model, ids, mask, eos, new=NEW, **kwargs):
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
                           pad_token_id=PAD, **kwargs)
 
 
-def an_early_eos(model, ids, mask):
+def an_early_eos(model, ids, mask, new=NEW):
     """A token that the middle row generates at its 3rd step and the others do not generate before it."""
-    free = reference(model, ids, mask, eos=None)[:, PROMPT:]
+    free = reference(model, ids, mask, eos=None, new=new)[:, PROMPT:]
     return int(free[1, 2])
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral"])
 def test_greedy_equals_transformers(tmp_path, family):
+    """The tiny windowed families (Mistral, Gemma2/3, Mixtral: window 6) get prompts longer than the window."""
     path = save_tiny(tmp_path, family)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     model, _ = FastModel.from_pretrained(path)
@@ -89,33 +91,97 @@ def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
                                          eos_token_id=eos, pad_token_id=PAD), reference(ref, ids, mask, eos))
 
 
-@pytest.mark.parametrize("family, lora", [("llama", False), ("gemma2", False), ("gemma3_text", False),
-                                          ("llama", True), ("qwen3", True)])
-def test_decode_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, lora):
-    """The decode step through fastplug.kernels.decode (the CUDA path), run on CPU under the Triton interpreter:
-    fused norm + GEMVs, LoRA in the epilogue, attention over the cache, the one-kernel greedy emit."""
+def decode_kernels_on_cpu(monkeypatch):
+    """Run the decode step through fastplug.kernels.decode (the CUDA path) on CPU, under the Triton interpreter."""
     import fastplug.generation as generation
     from fastplug.kernels._utils import interpreter_enabled
 
     if not interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
     monkeypatch.setattr(generation, "_FAST_DECODE_ON_CPU", True)
-    path = save_tiny(tmp_path, family)
+
+
+def model_and_reference(path, lora: bool):
     if lora:
-        model, ref = lora_pair(path)
-    else:
-        ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        model, _ = FastModel.from_pretrained(path)
+        return lora_pair(path)
+    return FastModel.from_pretrained(path)[0], transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+# Mistral is Llama with a window (here a ring); Llama without LoRA adds nothing the others miss: the LM head's
+# GEMV runs without an adapter in every case. 6 new tokens: each interpreted decode step costs ~0.7 s.
+@pytest.mark.parametrize("family, lora", [("mistral", True), ("qwen3", True), ("gemma2", False),
+                                          ("gemma3_text", False)])
+def test_decode_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, lora):
+    """Fused norm + GEMVs, LoRA in the epilogue, attention over the cache (rings for the windowed layers),
+    the one-kernel greedy emit."""
+    decode_kernels_on_cpu(monkeypatch)
+    model, ref = model_and_reference(save_tiny(tmp_path, family), lora)
     ids, mask = prompts()
-    eos = an_early_eos(ref, ids, mask)
-    expected = reference(ref, ids, mask, eos)
-    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
+    new = 6
+    eos = an_early_eos(ref, ids, mask, new)
+    expected = reference(ref, ids, mask, eos, new)
+    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
                         pad_token_id=PAD)
-    assert "decode kernels" in generation.graph_status(model), generation.graph_status(model)
+    assert "decode kernels" in graph_status(model), graph_status(model)
     assert torch.equal(got, expected)
-    alone = fast_generate(model, ids[1:2, 0:], attention_mask=mask[1:2], max_new_tokens=4, do_sample=False,
+    assert (got[1, PROMPT + 3:] == PAD).all()
+    alone = fast_generate(model, ids[1:2], attention_mask=mask[1:2], max_new_tokens=3, do_sample=False,
                           eos_token_id=None, pad_token_id=PAD)  # batch 1: the GEMV's FMA path
-    assert torch.equal(alone[0, PROMPT:], reference(ref, ids[1:2], mask[1:2], None)[0, PROMPT:PROMPT + 4])
+    assert torch.equal(alone, reference(ref, ids[1:2], mask[1:2], None, new=3))
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["per_op", "decode_kernels"])
+def test_windowed_layers_keep_a_ring_of_window_columns(tmp_path, monkeypatch, kernels):
+    """Gemma2 (sliding and global layers alternate) with a window of 4 and LoRA: the sliding layers' caches are
+    4 columns; a prompt longer than the window, then a shorter prompt on the same cache (ring slots it does not
+    reach still hold the first call's keys and must stay masked), both left padded."""
+    if kernels:
+        decode_kernels_on_cpu(monkeypatch)
+    model, ref = lora_pair(save_tiny(tmp_path, "gemma2", sliding_window=4))
+    ids, mask = prompts()
+    short_ids, short_mask = ids[:, 5:].clone(), torch.ones(3, 2, dtype=torch.long)
+    short_mask[1, 0] = 0
+    short_ids[1, 0] = PAD
+    for ids, mask, new in ((ids, mask, 4), (short_ids, short_mask, 3)):
+        got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                            pad_token_id=PAD)
+        assert torch.equal(got, reference(ref, ids, mask, None, new=new))
+    decoder = _DECODERS[unwrap(model)]
+    assert ("decode kernels" in graph_status(model)) == kernels
+    (session,) = decoder.sessions.values()
+    assert [lp.window for lp in decoder.plan.layers] == [4, None]
+    assert [tuple(k.shape) for k in session.k] == [(4, 2, 4, 16), (4, 2, session.length, 16)]
+    assert [v.shape for v in session.v] == [k.shape for k in session.k]
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one_split", "two_splits"])
+def test_ring_attention_equals_the_window_over_a_full_cache(chunk):
+    """decode_attention (the kernel under the interpreter) on a ring of the last 32 columns gives what it gives
+    on the full cache with a window of 32, pads inside the window included, and writes the same key/value."""
+    from fastplug.kernels.decode import decode_attention
+
+    torch.manual_seed(0)
+    b, hkv, heads, d, length, window, slot = 2, 1, 2, 16, 64, 32, 45
+    qkv = torch.randn(b, (heads + 2 * hkv) * d)
+    full_k, full_v = torch.randn(b, hkv, length, d), torch.randn(b, hkv, length, d)
+    held = torch.arange(slot - window + 1, slot + 1)  # the columns the window sees, at their ring slots
+    ring_k, ring_v = torch.randn(b, hkv, window, d), torch.randn(b, hkv, window, d)
+    ring_k[:, :, held % window], ring_v[:, :, held % window] = full_k[:, :, held], full_v[:, :, held]
+    valid = torch.ones(b, length, dtype=torch.bool)
+    valid[0, :20] = False  # row 0's left padding reaches into the window
+    pos = torch.tensor([slot - 20, slot])
+    angles = torch.arange(length)[:, None] * torch.logspace(0, -3, d // 2)[None]
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    kw = dict(heads=heads, scaling=d ** -0.5, window=window, chunk=chunk)
+    slot_t = torch.tensor([slot])
+    expected = decode_attention(qkv, full_k, full_v, valid, slot_t, pos, cos, sin, **kw)
+    got = decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, **kw)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ring_k[:, :, slot % window], full_k[:, :, slot])
+    assert torch.equal(ring_v[:, :, slot % window], full_v[:, :, slot])
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, heads=heads, scaling=1.0,
+                         window=window + 1)
 
 
 @pytest.fixture(scope="module")

@@ -454,9 +454,9 @@ def _decode_attention_kernel(
     qkv_ptr, stride_qkv, cos_ptr, sin_ptr, stride_rope, pos_ptr, qn_ptr, kn_ptr, norm_eps, norm_offset,
     k_cache, v_cache, stride_cb, stride_ch, stride_cl, valid_ptr, stride_valid, slot_ptr,
     o_ptr, stride_o, part_o, part_ml,
-    H, HKV, G, D, window, scaling, softcap,
+    H, HKV, G, D, L, window, scaling, softcap,
     CHUNK: tl.constexpr, SPLITS: tl.constexpr, HAS_QK_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -491,14 +491,16 @@ def _decode_attention_kernel(
     q1 = q1.to(dt)
     q2 = q2.to(dt)
     cache_b = b.to(tl.int64) * stride_cb + kvh.to(tl.int64) * stride_ch
+    # a ring holds absolute column c at c % L; a full cache at c (slot < L)
+    write = slot % L
     lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, slot + 1)
-    if (slot >= lo) & (slot < lo + CHUNK):  # this split owns the new column: write it, then read it back
+    hi = tl.minimum(lo + CHUNK, tl.minimum(slot + 1, L))
+    if (write >= lo) & (write < lo + CHUNK):  # this split owns the new column: write it, then read it back
         k1, k2 = _rope_half(k1, k2, c1, c2, s1, s2)
         v_off = (H + HKV) * D + kvh * D + half[None, :]
         v1 = tl.load(row + v_off, mask=h_mask[None, :], other=0.0)
         v2 = tl.load(row + v_off + D // 2, mask=h_mask[None, :], other=0.0)
-        dst = cache_b + slot.to(tl.int64) * stride_cl + half[None, :]
+        dst = cache_b + write.to(tl.int64) * stride_cl + half[None, :]
         tl.store(k_cache + dst, k1.to(dt), mask=h_mask[None, :])
         tl.store(k_cache + dst + D // 2, k2.to(dt), mask=h_mask[None, :])
         tl.store(v_cache + dst, v1.to(dt), mask=h_mask[None, :])
@@ -520,9 +522,13 @@ def _decode_attention_kernel(
         s = (_dot(q1, tl.trans(kt1), PRECISION) + _dot(q2, tl.trans(kt2), PRECISION)) * scaling
         if SOFTCAP:
             s = _tanh(s / softcap) * softcap
-        ok = tl.load(valid_ptr + b * stride_valid + cols, mask=c_mask, other=0) != 0
-        ok = (ok | (cols == slot)) & c_mask
-        if WINDOW:
+        if RING:  # the absolute column each ring slot holds now (negative: not written yet)
+            held = slot - (slot - cols + L) % L
+            ok = tl.load(valid_ptr + b * stride_valid + held, mask=c_mask & (held >= 0), other=0) != 0
+        else:
+            ok = tl.load(valid_ptr + b * stride_valid + cols, mask=c_mask, other=0) != 0
+        ok = (ok | (cols == write)) & c_mask
+        if WINDOW:  # a ring is exactly the window: nothing to mask
             ok = ok & (cols > slot - window)
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -592,6 +598,7 @@ def decode_attention(
     scaling: float,
     softcap: float | None = None,
     window: int | None = None,
+    ring: bool = False,
     qk_norm: tuple | None = None,
     chunk: int | None = None,
     out: torch.Tensor | None = None,
@@ -601,7 +608,9 @@ def decode_attention(
     qkv [B, (heads + 2 Hkv) D]: this token's projections (q heads, then k, then v; before RoPE). k_cache,
     v_cache [B, Hkv, L, D]: column `slot` (a 1-element device tensor) receives the rotated key and the value;
     the token attends to columns 0..slot where `valid` [B, L] (bool) is set (column slot always), and with a
-    window to the last `window` columns. pos [B] (or [B, 1]): each row's position, indexing the RoPE tables
+    window to the last `window` columns (column j for slot i when i - window < j <= i). ring: the cache holds
+    only the last `window` columns (L == window), absolute column c at c % window, and `valid` [B, positions]
+    stays per absolute column. pos [B] (or [B, 1]): each row's position, indexing the RoPE tables
     cos, sin [positions, D]. qk_norm: (q weight [D], k weight [D], eps, offset) for per-head q/k RMSNorm
     before RoPE. chunk: cache columns per split program (flash-decoding).
     """
@@ -625,8 +634,13 @@ def decode_attention(
                          f"{tuple(qkv.shape)}")
     if qkv.dtype != k_cache.dtype:
         raise ValueError(f"qkv must have the cache's dtype {k_cache.dtype}; got {qkv.dtype}")
-    if valid.dtype != torch.bool or tuple(valid.shape) != (b, length):
-        raise ValueError(f"valid must be a bool tensor [{b}, {length}]; got {valid.dtype} {tuple(valid.shape)}")
+    if ring and window != length:
+        raise ValueError(f"a ring cache holds `window` columns: window must be the cache's {length}; got {window!r}")
+    if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != b or valid.shape[1] < length or (
+            not ring and valid.shape[1] != length) or valid.stride(1) != 1:
+        expected = f"[{b}, >= {length}]" if ring else f"[{b}, {length}]"
+        raise ValueError(f"valid must be a bool tensor {expected}, contiguous rows; got {valid.dtype} "
+                         f"{tuple(valid.shape)}")
     if slot.numel() != 1 or slot.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot must be a 1-element integer tensor; got {slot.dtype} {tuple(slot.shape)}")
     pos = pos.reshape(-1)
@@ -648,7 +662,7 @@ def decode_attention(
     if not use_triton(qkv, k_cache):
         return _write(out, decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, heads=heads,
                                                       scaling=scaling, softcap=softcap, window=window,
-                                                      qk_norm=qk_norm))
+                                                      ring=ring, qk_norm=qk_norm))
     chunk, splits = _attention_splits(length, chunk)
     group = heads // hkv
     block_g = max(16, next_power_of_2(group))
@@ -664,10 +678,10 @@ def decode_attention(
         qkv, qkv.stride(0), cos, sin, cos.stride(0), pos, qn, kn, float(eps), float(offset),
         k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.view(torch.uint8),
         valid.stride(0), slot, out, out.stride(0), part_o, part_ml,
-        heads, hkv, group, d, int(window or 0), float(scaling), float(softcap or 1.0),
+        heads, hkv, group, d, length, int(window or 0), float(scaling), float(softcap or 1.0),
         CHUNK=chunk, SPLITS=splits, HAS_QK_NORM=qk_norm is not None,
         GEMMA_NORM=qk_norm is not None and float(offset) != 0.0, SOFTCAP=softcap is not None,
-        WINDOW=window is not None, PRECISION=_precision(qkv.dtype),
+        WINDOW=window is not None and not ring, RING=ring, PRECISION=_precision(qkv.dtype),
         BLOCK_G=block_g, BLOCK_H=block_h, BLOCK_S=block_s, num_warps=4,
     )
     if splits > 1:
@@ -685,7 +699,7 @@ def _rotate(x, cos, sin):
 
 
 def decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, *, heads, scaling, softcap=None,
-                               window=None, qk_norm=None) -> torch.Tensor:
+                               window=None, ring=False, qk_norm=None) -> torch.Tensor:
     """decode_attention in torch (fp32 maths, q/k rounded to the cache dtype as the unfused path rounds)."""
     from .norms import rms_norm_reference
 
@@ -700,12 +714,17 @@ def decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin
     q = _rotate(q.float(), c, s).to(dtype)
     k = _rotate(k.float(), c, s).to(dtype)
     col = int(slot.reshape(-1)[0])
-    k_cache[:, :, col] = k
-    v_cache[:, :, col] = v
-    cols = torch.arange(length, device=qkv.device)
-    allowed = (valid | (cols == col)[None]) & (cols <= col)[None]
-    if window is not None:
-        allowed = allowed & (cols > col - window)[None]
+    k_cache[:, :, col % length] = k
+    v_cache[:, :, col % length] = v
+    if ring:
+        held = ring_columns(col, length, qkv.device)
+        allowed = (held >= 0)[None] & valid.gather(1, held.clamp(min=0)[None].expand(b, -1))
+        allowed = allowed | (held == col)[None]
+    else:
+        cols = torch.arange(length, device=qkv.device)
+        allowed = (valid | (cols == col)[None]) & (cols <= col)[None]
+        if window is not None:
+            allowed = allowed & (cols > col - window)[None]
     group = heads // hkv
     keys = k_cache.float().repeat_interleave(group, dim=1)  # [B, H, L, D]
     values = v_cache.float().repeat_interleave(group, dim=1)
@@ -715,6 +734,13 @@ def decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhl,bhld->bhd", probs, values).reshape(b, heads * d).to(dtype)
+
+
+def ring_columns(slot, window: int, device=None) -> torch.Tensor:
+    """The absolute cache column each slot of a `window`-column ring holds once column `slot` (an int or a
+    device tensor) is written there: the latest c <= slot with c % window == the ring slot; negative: none yet."""
+    ring = torch.arange(window, device=device if device is not None else getattr(slot, "device", None))
+    return slot - (slot - ring) % window
 
 
 # ---------------------------------------------------------------------------------------- add + RMSNorm

@@ -133,6 +133,17 @@ def test_decode_kernels_on_cuda_at_llama_1b_widths(rows):
         ref = decode_attention_reference(qkv, k2, v2, valid, slot_t, pos, cos, sin, heads=heads, scaling=hd ** -0.5,
                                          window=window)
         assert rel(out, ref) < 1e-2 and torch.equal(vc, v2) and rel(kc, k2) < 1e-2
+    # a ring of the last 100 columns (column c at c % 100) against the same window over the full cache
+    window = 100
+    held = torch.arange(slot - window + 1, slot + 1, device="cuda")
+    ring_k, ring_v = torch.zeros_like(kc[:, :, :window]), torch.zeros_like(vc[:, :, :window])
+    ring_k[:, :, held % window], ring_v[:, :, held % window] = kc[:, :, held], vc[:, :, held]
+    for chunk in (None, 32):
+        out = decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, heads=heads, scaling=hd ** -0.5,
+                               window=window, ring=True, chunk=chunk)
+        ref = decode_attention_reference(qkv, kc.clone(), vc.clone(), valid, slot_t, pos, cos, sin, heads=heads,
+                                         scaling=hd ** -0.5, window=window)
+        assert rel(out, ref) < 1e-2 and torch.equal(ring_v[:, :, slot % window], vc[:, :, slot])
 
     finished = torch.zeros(rows, dtype=torch.bool, device="cuda")
     done_at = torch.full((rows,), 99, device="cuda")

@@ -11,6 +11,8 @@ How it is fast:
   pad tokens (as transformers' generate does) until every row is done;
 - LoRA stays unmerged: y = x W^T + s (x A^T) B^T reads the adapter tensors themselves (or compute-dtype
   copies refreshed at each call), so what generates is what is being trained;
+- QLoRA: a bitsandbytes 4-bit base (NF4/FP4) is read packed by fastplug's 4-bit kernels (`gemv_4bit` for
+  decode rows, one dequantization for the prompt), not run as a bitsandbytes module;
 - sampling (temperature, top-k, top-p) draws its noise from a counter-based hash of (seed, step, index):
   no RNG state inside the graph, and a seeded call gives the same tokens with or without a graph.
 
@@ -35,6 +37,7 @@ from .kernels import decode as decode_kernels
 from .kernels._utils import interpreter_enabled
 from .kernels.activations import geglu, swiglu
 from .kernels.norms import rms_norm, rms_norm_reference
+from .kernels.quant import gemv_4bit, is_4bit
 from .kernels.rope import rope, rope_reference
 from .models.families import SUPPORTED_FAMILIES, family_of
 from .models.lm_head import _head_forward as _patched_head_forward
@@ -66,24 +69,37 @@ def _tensor_key(t: torch.Tensor | None):
     return None if t is None else (id(t), t.data_ptr(), t.dtype)
 
 
+def _view_4bit(module: nn.Module):
+    """The fused view of a bitsandbytes 4-bit base (alone or under peft's LoRA), else None; its weight is the
+    packed Params4bit (other formats that `quantized=True` accepts, FP8, keep running as modules)."""
+    view = lora_projection(module, quantized=True)
+    return view if view is not None and is_4bit(view.weight) else None
+
+
 class _Proj:
     """One linear layer as it computes now: base weight (+ bias) and the unmerged adapter, or the module
-    itself when fastplug cannot reproduce it (DoRA, several adapters, quantized layers)."""
+    itself when fastplug cannot reproduce it (DoRA, several adapters, 8-bit and other quantized layers).
+    A bitsandbytes 4-bit base (NF4/FP4) stays packed (`packed`): decode rows go through `gemv_4bit`, the
+    prompt through its dequantized weight, both in the activations' dtype (as fastplug's QLoRA layers)."""
 
     def __init__(self, module: nn.Module):
         view = lora_projection(module)
+        if view is None:
+            view = _view_4bit(module)
         self.module = module if view is None else None
         self.weight = self.bias = self.lora_A = self.lora_B = None
+        self.packed = False
         self.scaling = 0.0
         self._sources = ()
         if view is None:
             self.key = ("module", id(module))
             return
         self.weight, self.bias, self.scaling = view.weight, view.bias, view.scaling
+        self.packed = is_4bit(view.weight)
         self.key = (*map(_tensor_key, view[:4]), view.scaling)
         if view.lora_A is None:
             return
-        dtype = view.weight.dtype
+        dtype = self.dtype
         if view.lora_A.dtype == dtype and view.lora_B.dtype == dtype:
             self.lora_A, self.lora_B = view.lora_A, view.lora_B  # live: the trained values, always
         else:  # fp32 adapters on a bf16 base: compute-dtype copies, made and refreshed by refresh()
@@ -94,15 +110,24 @@ class _Proj:
         if not self._sources:
             return
         if self.lora_A is None:
-            dtype = self.weight.dtype
-            self.lora_A, self.lora_B = (torch.empty_like(t, dtype=dtype) for t in self._sources)
+            self.lora_A, self.lora_B = (torch.empty_like(t, dtype=self.dtype) for t in self._sources)
         self.lora_A.copy_(self._sources[0])
         self.lora_B.copy_(self._sources[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the projection computes in: the weight's, or the one a 4-bit weight was quantized from."""
+        return self.weight.quant_state.dtype if self.packed else self.weight.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is not None:
             return self.module(x)
-        y = F.linear(x, self.weight, self.bias)
+        if self.packed:  # gemv_4bit picks: its GEMV for a few rows, else one dequantization and a matmul
+            y = gemv_4bit(x, self.weight)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.lora_A is None:
             return y
         x2 = x.reshape(-1, x.shape[-1])
@@ -305,6 +330,8 @@ def _fast_decode_reason(plan: _Plan) -> str | None:
         for p in projs:
             if p.module is not None:
                 return f"layer {i}: {type(p.module).__name__} runs as a module"
+            if p.packed:
+                return f"layer {i}: a 4-bit base (the decode kernels' GEMV reads dense weights)"
             if p.weight.dtype != dtype or p.weight.stride(-1) != 1:
                 return f"layer {i}: a weight of another dtype or layout"
             if p.lora_A is not None and (p.lora_A.dtype != dtype or not p.lora_A.is_contiguous()
@@ -322,8 +349,8 @@ def _head_proj(plan: _Plan) -> _Proj:
     if (isinstance(module, nn.Linear) and getattr(bound, "__func__", None) is _patched_head_forward
             and not module._forward_hooks and not module._forward_pre_hooks):
         p = _Proj.__new__(_Proj)
-        p.module, p.weight, p.bias, p.lora_A, p.lora_B, p.scaling, p._sources = (
-            None, module.weight, module.bias, None, None, 0.0, ())
+        p.module, p.weight, p.bias, p.lora_A, p.lora_B, p.scaling, p._sources, p.packed = (
+            None, module.weight, module.bias, None, None, 0.0, (), False)
         p.key = ("head", _tensor_key(module.weight), _tensor_key(module.bias))
     return p
 

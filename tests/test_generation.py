@@ -2,6 +2,7 @@
 on tiny models saved and reloaded through FastModel, with and without unmerged LoRA adapters; seeded
 sampling; errors. CPU: the decode step runs eagerly (the CUDA graph is tested in tests/gpu)."""
 
+import sys
 from copy import deepcopy
 
 import pytest
@@ -182,6 +183,60 @@ def test_ring_attention_equals_the_window_over_a_full_cache(chunk):
     with pytest.raises(ValueError, match="window"):
         decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, heads=heads, scaling=1.0,
                          window=window + 1)
+
+
+def load_4bit(path, lora: bool):
+    """The tiny model loaded in 4 bits by transformers (NF4, double quantization; fp32 compute and activations:
+    the dequantized weights are exact in fp32, so only the order of the sums differs from bitsandbytes')."""
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32,
+                                                              device_map="cpu")
+    for module in model.modules():  # on CPUs with AVX512-BF16 bitsandbytes would repack the weights at the
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # first eval forward into a layout fastplug leaves
+            module.support_avx512bf16_for_cpu = False       # to the module: keep the standard one
+    if lora:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False))
+    return model.eval()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["4bit", "4bit_lora"])
+def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora):
+    """QLoRA: a tiny Llama in 4 bits (with unmerged LoRA on every projection) generates transformers' greedy
+    tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call)."""
+    pytest.importorskip("bitsandbytes")
+    import fastplug.generation as generation
+    from fastplug.kernels import quant
+
+    # the interpreter's cost is per program: one program per weight (the tiles are tested in tests/kernels)
+    monkeypatch.setattr(quant, "_default_config",
+                        lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128))
+    rows_seen = []
+
+    def counted(x, weight):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return quant.gemv_4bit(x, weight)
+
+    monkeypatch.setattr(generation, "gemv_4bit", counted)
+    model = load_4bit(save_tiny(tmp_path, "llama"), lora)
+    ids, mask = prompts()
+    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                        pad_token_id=PAD)
+    assert torch.equal(got, reference(model, ids, mask, None, new=5))
+    decoder = _DECODERS[unwrap(model)]
+    projs = [p for lp in decoder.plan.layers for p in lp.projs]
+    assert all(p.module is None and p.packed for p in projs) and len(projs) == 14
+    assert all((p.lora_A is not None) == lora for p in projs)
+    assert "4-bit base" in decoder.fast_reason
+    # the prompt (3 rows in a bucket of 4, 7 tokens) once per projection, then 4 decode steps of 4 rows
+    assert rows_seen == [28] * 14 + [4] * 14 * 4
+
+
+def test_generation_never_imports_bitsandbytes(llama, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # an import of it would now raise ImportError
+    ids, mask = prompts()
+    fast_generate(llama, ids, attention_mask=mask, max_new_tokens=2, eos_token_id=None)
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,17 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+_PROMOTED: dict[tuple, torch.dtype] = {}
+
+
+def promote_types(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """torch.promote_types, memoised: it is a dispatcher call, and the ops call it on every use."""
+    promoted = _PROMOTED.get((a, b))
+    if promoted is None:
+        promoted = _PROMOTED[a, b] = torch.promote_types(a, b)
+    return promoted
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """Under autocast a projection runs in the autocast dtype, as nn.Linear would; otherwise in x's dtype."""
     if torch.is_autocast_enabled(x.device.type):

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, next_power_of_2,
-    num_sms, rows_view, use_triton,
+    num_sms, promote_types, rows_view, use_triton,
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def _check_inputs(x, weight, bias, eps):
 def _rms_out_dtype(x, weight, offset):
     # offset 0 is Llama: scale the row rounded to x's dtype, result dtype promotes with the weight.
     # Any other offset is Gemma: scale in fp32 by (offset + w), result in x's dtype.
-    return torch.promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
+    return promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
 
 
 def _rms_norm_forward(x, weight, eps, offset):

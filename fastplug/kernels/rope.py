@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from ._utils import (
-    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, next_power_of_2, use_triton,
+    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, next_power_of_2, promote_types,
+    use_triton,
 )
 
 MAX_HEAD_DIM = 512
@@ -246,7 +247,7 @@ def rope_projections(yq: torch.Tensor, yk: torch.Tensor, cos: torch.Tensor, sin:
 # ---------------------------------------------------------------------------------------------- autograd
 def _output_dtypes(q, k, cos) -> tuple[torch.dtype, torch.dtype]:
     # As in transformers (q * cos promotes): bf16 q with fp32 cos gives fp32.
-    return torch.promote_types(q.dtype, cos.dtype), torch.promote_types(k.dtype, cos.dtype)
+    return promote_types(q.dtype, cos.dtype), promote_types(k.dtype, cos.dtype)
 
 
 class RotaryEmbedding(torch.autograd.Function):

@@ -23,17 +23,40 @@ from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
 from .fp8 import is_fp8_linear
 
 
+_CLASSES: dict[tuple, type] = {}  # (module, name) -> a class, once its module is imported
+
+
+def _loaded_class(module: str, name: str):
+    """module.name if that module is already imported (it is never imported here), else None."""
+    cls = _CLASSES.get((module, name))
+    if cls is None:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            _CLASSES[module, name] = cls
+    return cls
+
+
 def _peft_lora_linear_class():
-    layer_module = sys.modules.get("peft.tuners.lora.layer")
-    return getattr(layer_module, "Linear", None)
+    return _loaded_class("peft.tuners.lora.layer", "Linear")
 
 
 def _peft_lora_4bit_class():
-    return getattr(sys.modules.get("peft.tuners.lora.bnb"), "Linear4bit", None)
+    return _loaded_class("peft.tuners.lora.bnb", "Linear4bit")
 
 
 def _bnb_linear_4bit_class():
-    return getattr(sys.modules.get("bitsandbytes.nn"), "Linear4bit", None)
+    return _loaded_class("bitsandbytes.nn", "Linear4bit")
+
+
+# Called for every projection on every forward: children and parameters are read from the module's dicts
+# (`module.x` would go through nn.Module.__getattr__, the larger part of this file's cost per call).
+def _child(module: nn.Module, name: str):
+    return module._modules.get(name)
+
+
+def _param(module: nn.Module, name: str):
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name, None)
 
 
 # substrings of a quantized layer's module path or class name -> the format named in the summary
@@ -106,7 +129,7 @@ def _drops_nothing(dropout: nn.Module) -> bool:
 
 
 def _base_only(base: nn.Linear) -> LoRAProjection:
-    return LoRAProjection(base.weight, base.bias, None, None, 0.0)
+    return LoRAProjection(_param(base, "weight"), _param(base, "bias"), None, None, 0.0)
 
 
 def _lora_class(module: nn.Module):
@@ -130,7 +153,7 @@ def _fused_view(module: nn.Module, quantized: bool) -> tuple[LoRAProjection | No
         return None, f"{type(module).__name__} is a subclass of peft's {lora_class.__name__}"
     if _has_hooks(module):
         return None, "LoRA layer has forward hooks"
-    base = module.base_layer  # not get_base_layer(): a wrapper in between must not be skipped over
+    base = _child(module, "base_layer")  # not get_base_layer(): a wrapper in between must not be skipped over
     reason = _base_reason(base, "base layer", quantized)
     if reason:
         return None, reason
@@ -142,26 +165,29 @@ def _fused_view(module: nn.Module, quantized: bool) -> tuple[LoRAProjection | No
         return _base_only(base), None
     if module.merged:  # the base weight already holds the adapter; peft runs the base layer alone
         return _base_only(base), None
-    active = [name for name in module.active_adapters if name in module.lora_A]
+    a_dict = _child(module, "lora_A")._modules
+    active = [name for name in module.active_adapters if name in a_dict]
     if not active:
         return _base_only(base), None
     if len(active) > 1:
         return None, "several active adapters"
     name = active[0]
-    if name in module.lora_variant or name in module.lora_magnitude_vector:
+    magnitudes = _child(module, "lora_magnitude_vector")._modules
+    if name in module.lora_variant or name in magnitudes:
         variant = module.lora_variant.get(name)
-        is_dora = module.use_dora.get(name, False) or name in module.lora_magnitude_vector
+        is_dora = module.use_dora.get(name, False) or name in magnitudes
         return None, "DoRA" if is_dora else f"LoRA variant {type(variant).__name__}"
-    if not _drops_nothing(module.lora_dropout[name]):
+    if not _drops_nothing(_child(module, "lora_dropout")._modules[name]):
         return None, "lora_dropout > 0"
     if module.lora_bias.get(name, False):
         return None, "lora_bias"
-    lora_A, lora_B = module.lora_A[name], module.lora_B[name]
+    lora_A, lora_B = a_dict[name], _child(module, "lora_B")._modules[name]
     for part, what in ((lora_A, "lora_A"), (lora_B, "lora_B")):
         reason = _plain_linear_reason(part, what)
         if reason:
             return None, reason
-    return LoRAProjection(base.weight, base.bias, lora_A.weight, lora_B.weight, float(module.scaling[name])), None
+    return LoRAProjection(_param(base, "weight"), _param(base, "bias"), _param(lora_A, "weight"),
+                          _param(lora_B, "weight"), float(module.scaling[name])), None
 
 
 def lora_projection(module: nn.Module, quantized: bool = False) -> LoRAProjection | None:

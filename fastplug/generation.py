@@ -11,8 +11,8 @@ How it is fast:
   pad tokens (as transformers' generate does) until every row is done;
 - LoRA stays unmerged: y = x W^T + s (x A^T) B^T reads the adapter tensors themselves (or compute-dtype
   copies refreshed at each call), so what generates is what is being trained;
-- QLoRA: a bitsandbytes 4-bit base (NF4/FP4) is read packed by fastplug's 4-bit kernels (`gemv_4bit` for
-  decode rows, one dequantization for the prompt), not run as a bitsandbytes module;
+- QLoRA: a bitsandbytes 4-bit base (NF4/FP4) is read packed, never run as a bitsandbytes module: the decode
+  kernels' GEMV decodes it in its weight tiles (the per-op step: `gemv_4bit`), the prompt dequantizes it once;
 - sampling (temperature, top-k, top-p) draws its noise from a counter-based hash of (seed, step, index):
   no RNG state inside the graph, and a seeded call gives the same tokens with or without a graph.
 
@@ -37,7 +37,7 @@ from .kernels import decode as decode_kernels
 from .kernels._utils import interpreter_enabled
 from .kernels.activations import geglu, swiglu
 from .kernels.norms import rms_norm, rms_norm_reference
-from .kernels.quant import gemv_4bit, is_4bit
+from .kernels.quant import gemv_4bit, is_4bit, shape_4bit
 from .kernels.rope import rope, rope_reference
 from .models.families import SUPPORTED_FAMILIES, family_of
 from .models.lm_head import _head_forward as _patched_head_forward
@@ -79,8 +79,9 @@ def _view_4bit(module: nn.Module):
 class _Proj:
     """One linear layer as it computes now: base weight (+ bias) and the unmerged adapter, or the module
     itself when fastplug cannot reproduce it (DoRA, several adapters, 8-bit and other quantized layers).
-    A bitsandbytes 4-bit base (NF4/FP4) stays packed (`packed`): decode rows go through `gemv_4bit`, the
-    prompt through its dequantized weight, both in the activations' dtype (as fastplug's QLoRA layers)."""
+    A bitsandbytes 4-bit base (NF4/FP4) stays packed (`packed`): the per-op step's rows go through `gemv_4bit`
+    (the decode kernels' GEMV decodes it itself), the prompt through its dequantized weight, all in the
+    activations' dtype (as fastplug's QLoRA layers)."""
 
     def __init__(self, module: nn.Module):
         view = lora_projection(module)
@@ -113,6 +114,10 @@ class _Proj:
             self.lora_A, self.lora_B = (torch.empty_like(t, dtype=self.dtype) for t in self._sources)
         self.lora_A.copy_(self._sources[0])
         self.lora_B.copy_(self._sources[1])
+
+    @property
+    def out_features(self) -> int:
+        return shape_4bit(self.weight)[0] if self.packed else self.weight.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -305,8 +310,9 @@ def _group(projs):
     if all(b is None for b in biases):
         biases = None
     elif any(b is None for b in biases):  # some with a bias: zeros for the others (a plan rebuild renews them)
-        biases = [torch.zeros(w.shape[0], dtype=w.dtype, device=w.device) if b is None else b
-                  for b, w in zip(biases, weights)]
+        given = next(b for b in biases if b is not None)
+        biases = [torch.zeros(p.out_features, dtype=given.dtype, device=given.device) if b is None else b
+                  for b, p in zip(biases, projs)]
     if all(p.lora_A is None for p in projs):
         return weights, biases, None, None
     a = [p.lora_A for p in projs if p.lora_A is not None]
@@ -330,13 +336,18 @@ def _fast_decode_reason(plan: _Plan) -> str | None:
         for p in projs:
             if p.module is not None:
                 return f"layer {i}: {type(p.module).__name__} runs as a module"
-            if p.packed:
-                return f"layer {i}: a 4-bit base (the decode kernels' GEMV reads dense weights)"
-            if p.weight.dtype != dtype or p.weight.stride(-1) != 1:
+            if not p.packed and (p.weight.dtype != dtype or p.weight.stride(-1) != 1):
                 return f"layer {i}: a weight of another dtype or layout"
+            if p.bias is not None and p.bias.dtype != dtype:
+                return f"layer {i}: a bias of another dtype"
             if p.lora_A is not None and (p.lora_A.dtype != dtype or not p.lora_A.is_contiguous()
                                          or not p.lora_B.is_contiguous()):
                 return f"layer {i}: adapters of another dtype or layout"
+        # a launch reads one input's weights: all dense, or all 4-bit of one format
+        for group in ((lp.q, lp.k, lp.v), (lp.o,), (lp.mlp.gate, lp.mlp.up), (lp.mlp.down,)):
+            reason = decode_kernels.packed_reason([p.weight for p in group])
+            if reason:
+                return f"layer {i}: {reason}"
     return None
 
 

@@ -201,13 +201,18 @@ def load_4bit(path, lora: bool):
     return model.eval()
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["4bit", "4bit_lora"])
-def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora):
+@pytest.mark.parametrize("lora, kernels", [(False, False), (True, False), (True, True)],
+                         ids=["4bit", "4bit_lora", "4bit_lora_decode_kernels"])
+def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora, kernels):
     """QLoRA: a tiny Llama in 4 bits (with unmerged LoRA on every projection) generates transformers' greedy
-    tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call)."""
+    tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call): gemv_4bit in
+    the per-op step, the decode kernels' GEMV reading the packed weights otherwise."""
     pytest.importorskip("bitsandbytes")
     import fastplug.generation as generation
     from fastplug.kernels import quant
+
+    if kernels:
+        decode_kernels_on_cpu(monkeypatch)
 
     # the interpreter's cost is per program: one program per weight (the tiles are tested in tests/kernels)
     monkeypatch.setattr(quant, "_default_config",
@@ -228,9 +233,40 @@ def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora):
     projs = [p for lp in decoder.plan.layers for p in lp.projs]
     assert all(p.module is None and p.packed for p in projs) and len(projs) == 14
     assert all((p.lora_A is not None) == lora for p in projs)
-    assert "4-bit base" in decoder.fast_reason
+    assert decoder.fast_reason is None and ("decode kernels" in graph_status(model)) == kernels
     # the prompt (3 rows in a bucket of 4, 7 tokens) once per projection, then 4 decode steps of 4 rows
-    assert rows_seen == [28] * 14 + [4] * 14 * 4
+    assert rows_seen == [28] * 14 + ([] if kernels else [4] * 14 * 4)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_gemv_reads_4bit_weights_as_their_dequantization(rows):
+    """decode_kernels.gemv on packed weights (NF4 double-quantized, FP4 plain) gives, bit for bit in fp32, what
+    it gives on their dequantized matrices: q/k/v with norm, bias and LoRA; gate/up with the activation;
+    down with the residual. Mixed dense and 4-bit weights are refused."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fastplug.kernels.decode import gemv
+    from fastplug.kernels.quant import dequantize_4bit_reference
+
+    def packed(out, nested, quant_type):
+        w = bnb.nn.Params4bit(torch.randn(out, 64) / 8, requires_grad=False, quant_type=quant_type,
+                              compress_statistics=nested, blocksize=64)
+        return w._quantize("cpu")
+
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 64)
+    for nested, quant_type in ((True, "nf4"), (False, "fp4")):
+        qkv = [packed(n, nested, quant_type) for n in (48, 16, 16)]
+        gate_up = [packed(32, nested, quant_type) for _ in range(2)]
+        down = [packed(64, nested, quant_type)]
+        lora = (torch.randn(rows, 8), [torch.randn(48, 4), None, torch.randn(16, 4)], [2.0, 0.0, 0.5])
+        cases = [(qkv, dict(norm=(torch.rand(64) + 0.5, 1e-6, 0.0), biases=[torch.randn(n) for n in (48, 16, 16)],
+                            lora=lora)),
+                 (gate_up, dict(activation="silu")), (down, dict(residual=torch.randn(rows, 64)))]
+        for weights, kw in cases:
+            dense = [dequantize_4bit_reference(w, torch.float32) for w in weights]
+            assert torch.equal(gemv(x, weights, **kw), gemv(x, dense, **kw))
+    with pytest.raises(ValueError, match="4-bit and dense"):
+        gemv(x, [qkv[0], torch.randn(16, 64)])
 
 
 def test_generation_never_imports_bitsandbytes(llama, monkeypatch):

@@ -8,12 +8,14 @@ bound by their launches. These kernels do a layer in ~5 launches (LoRA adds one 
   three weights read as one output (q/k/v: one launch, no concatenated copy of the weights), bias, the
   unmerged LoRA term s (x A^T) B^T added in the epilogue (x A^T comes from a `gemv` over the A's), the gated
   activation act(x Wg^T) * (x Wu^T) (gate and up in one program: the hidden is the only output), the
-  residual add y = r + x W^T, and the logits' softcap with fp32 output (the LM head).
+  residual add y = r + x W^T, and the logits' softcap with fp32 output (the LM head). The weights may be
+  bitsandbytes 4-bit ones (NF4/FP4, QLoRA bases): each tile is decoded from the packed bytes in registers.
 - `decode_attention`: one new token per row over a static KV cache [B, Hkv, L, D], GQA-aware (a program
   serves the query heads of one key/value head), split over the cache (flash-decoding) with `attention_combine`
   merging the splits. q/k RMSNorm (Qwen3, Gemma3), RoPE at each row's position (from cos/sin tables), the
   write of the new key/value into the cache column `slot`, softcap and sliding windows are in the same kernel.
-  The loop stops at the device-side `slot`: a captured graph reads only the filled part of the cache.
+  The loop stops at the device-side `slot`: a captured graph reads only the filled part of the cache. A
+  windowed layer's cache may be a ring of its last `window` columns (`ring=True`).
 - `add_rms_norm`: h += RMSNorm(y) in place (Gemma2/3's norm of a sub-block's output before the residual add).
 - `greedy_emit`: argmax of the logits and the bookkeeping of a decode step (pad for finished rows, EOS
   detection, the output column, the next input token, the position) in one launch.
@@ -32,6 +34,7 @@ import triton.language as tl
 
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
+from .quant import _block_scale, dequantize_4bit_reference, is_4bit, unpack
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_SEGMENTS = 3
@@ -75,64 +78,98 @@ def _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset,
 
 
 @triton.jit
-def _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+def _w4_tile(data_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
+             NESTED: tl.constexpr):
+    """W[n, k] of a bitsandbytes 4-bit weight (fp32; zero outside the masks), decoded from its packed bytes:
+    element e = n K + k is the high nibble of byte e // 2 when e is even, scaled by its block's absmax.
+    q4_row: the weight's int64 row of `_packed_table` (addresses of absmax, code, absmax2, code2, offset)."""
+    if NESTED:
+        absmax_ptr = tl.load(q4_row).to(tl.pointer_type(tl.uint8))
+    else:
+        absmax_ptr = tl.load(q4_row).to(tl.pointer_type(tl.float32))
+    code_ptr = tl.load(q4_row + 1).to(tl.pointer_type(tl.float32))
+    absmax2_ptr = tl.load(q4_row + 2).to(tl.pointer_type(tl.float32))
+    code2_ptr = tl.load(q4_row + 3).to(tl.pointer_type(tl.float32))
+    offset_ptr = tl.load(q4_row + 4).to(tl.pointer_type(tl.float32))
+    mask = n_mask[:, None] & k_mask[None, :]
+    elem = n.to(tl.int64)[:, None] * K + k[None, :]
+    packed = tl.load(data_ptr + (elem >> 1), mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
+    nibble = (packed >> ((1 - (elem & 1)) * 4).to(tl.int32)) & 15
+    scale = _block_scale(elem >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                         BLOCKSIZE2_LOG2, NESTED)
+    return tl.where(mask, tl.load(code_ptr + nibble) * scale, 0.0)
+
+
+@triton.jit
+def _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N]: products summed per lane, reduced once at the end."""
     if BLOCK_M == 1:  # 2-D tiles only: x broadcasts along W's rows
-        acc = _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask,
-                                K, HAS_NORM, GEMMA_NORM, BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
+                                n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_N,
+                                BLOCK_K)
     else:
-        acc = _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                             HAS_NORM, GEMMA_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
+                             n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
     return acc
 
 
 @triton.jit
-def _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
-               HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K, k0,
+               HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+               BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight tile [BLOCK_N, BLOCK_K] (streamed: read once) and the x tile at columns k0.. (normalised)."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < K
-    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
-                mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    if BLOCKSIZE_LOG2 > 0:  # a bitsandbytes 4-bit weight, rounded to x's dtype as its dequantization would be
+        w = _w4_tile(w_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
+                     NESTED).to(x_ptr.dtype.element_ty)
+    else:
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
     x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
     return w, x
 
 
 @triton.jit
-def _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                      HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
+                      HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                      BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
-                          HAS_NORM, GEMMA_NORM, BLOCK_K)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
+                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
         acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
     return tl.sum(acc2, axis=1)[None, :]
 
 
 @triton.jit
-def _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                   HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
+def _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
+                   HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                   BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
-                          HAS_NORM, GEMMA_NORM, BLOCK_K)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
+                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc3, axis=2)
 
 
 @triton.jit
-def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, PRECISION: tl.constexpr,
+def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PRECISION: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N], on the tensor cores (rows padded to BLOCK_M)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K, k0,
-                          HAS_NORM, GEMMA_NORM, BLOCK_K)
+        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
+                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
         acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
     return acc
 
@@ -152,35 +189,39 @@ def _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mas
 
 @triton.jit
 def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
-                  w_ptr, stride_w, bias_ptr, b_ptr, r, xa_off, scaling, xa_ptr, stride_xam, n, N, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+                  w_ptr, stride_w, q4_row, bias_ptr, b_ptr, r, xa_off, scaling, xa_ptr, stride_xam, n, N, K,
+                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
     """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA)."""
     n_mask = n < N
     if USE_DOT:
-        acc = _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                            HAS_NORM, GEMMA_NORM, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
+                            n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PRECISION,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        acc = _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, n, n_mask, K,
-                            HAS_NORM, GEMMA_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
+                            n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_M,
+                            BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     if HAS_LORA:
         acc = _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mask, scaling, BLOCK_R)
-        acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     return acc
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, stride_xm, nw_ptr, eps, offset,
-    w0, w1, w2, sw0, sw1, sw2, bias0, bias1, bias2,
+    w0, w1, w2, sw0, sw1, sw2, q4_ptr, bias0, bias1, bias2,
     lb0, lb1, lb2, r0, r1, r2, xo0, xo1, xo2, s0, s1, s2, xa_ptr, stride_xam,
     res_ptr, stride_rm, y_ptr, stride_ym,
     M, K, n0, n1, n2, nb0, nb1, softcap,
     HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -199,12 +240,12 @@ def _gemv_kernel(
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
     if ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, bias0, lb0, r0, xo0, s0,
-                          xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA, USE_DOT,
-                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
-        u = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, bias1, lb1, r1, xo1, s1,
-                          xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA, USE_DOT,
-                          PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        g = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, q4_ptr, bias0, lb0, r0, xo0,
+                          s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
+                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+        u = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, q4_ptr + 5, bias1, lb1, r1,
+                          xo1, s1, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
+                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
         p, _ = _gate_factor(g, ACT)
         out = g * p * u
         cols = n
@@ -212,26 +253,29 @@ def _gemv_kernel(
     else:
         if pid < nb0:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, bias0, lb0, r0,
-                                xo0, s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, q4_ptr, bias0, lb0, r0,
+                                xo0, s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
+                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
+                                BLOCK_K, BLOCK_R)
             n_mask = n < n0
             cols = n
         elif pid < nb0 + nb1:
             n = (pid - nb0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, bias1, lb1, r1,
-                                xo1, s1, xa_ptr, stride_xam, n, n1, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, q4_ptr + 5, bias1, lb1,
+                                r1, xo1, s1, xa_ptr, stride_xam, n, n1, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
+                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
+                                BLOCK_K, BLOCK_R)
             n_mask = n < n1
             cols = n0 + n
         else:
             n = (pid - nb0 - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w2, sw2, bias2, lb2, r2,
-                                xo2, s2, xa_ptr, stride_xam, n, n2, K, HAS_NORM, GEMMA_NORM, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R)
+            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w2, sw2, q4_ptr + 10, bias2, lb2,
+                                r2, xo2, s2, xa_ptr, stride_xam, n, n2, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
+                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
+                                BLOCK_K, BLOCK_R)
             n_mask = n < n2
             cols = n0 + n1 + n
-    dt = w0.dtype.element_ty
+    dt = x_ptr.dtype.element_ty
     out = out.to(dt).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=m_mask[:, None] & n_mask[None, :],
@@ -282,6 +326,8 @@ def gemv(
     activation ('silu', 'gelu_tanh', 'gelu'): exactly two weights (gate, up) of one shape; y = act(g) * u.
     residual [M, N]: y = residual + the projection (`out` may be `residual` itself: in place).
     out_dtype: torch.float32 for logits; softcap: tanh(y / cap) * cap, rounded like transformers.
+    The weights may instead all be bitsandbytes 4-bit weights of one format (`packed_reason`), decoded from
+    their packed bytes in the kernel and rounded to x's dtype (the dtype the whole product then runs in).
     """
     weights = list(weights)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
@@ -294,21 +340,29 @@ def gemv(
         raise ValueError(f"x must have 1 to {MAX_ROWS} rows; got {m}")
     if x.stride(1) != 1:
         raise ValueError("x must be contiguous along its last dimension")
-    dtype = weights[0].dtype
+    reason = packed_reason(weights)
+    if reason:
+        raise ValueError(f"weights: {reason}")
+    packs = [unpack(w) for w in weights] if is_4bit(weights[0]) else None
+    dtype = x.dtype if packs else weights[0].dtype
     for i, w in enumerate(weights):
-        if not torch.is_tensor(w) or w.dim() != 2 or w.shape[1] != k:
+        shape = packs[i].shape if packs else (tuple(w.shape) if torch.is_tensor(w) and w.dim() == 2 else None)
+        if shape is None or shape[1] != k:
             raise ValueError(f"weights[{i}] must be a 2-D tensor [N, {k}]; got {getattr(w, 'shape', None)}")
+        if packs:
+            continue
         if w.dtype != dtype:
             raise ValueError(f"weights[{i}] must have weights[0]'s dtype {dtype}; got {w.dtype}")
         if w.stride(1) != 1:
             raise ValueError(f"weights[{i}] must be contiguous along its last dimension")
-    check_dtype("weights", weights[0])
+    if not packs:
+        check_dtype("weights", weights[0])
     if x.dtype != dtype:
         raise ValueError(f"x must have the weights' dtype {dtype}; got {x.dtype}")
     act = ACTIVATIONS.get(activation, None) if activation in ACTIVATIONS else None
     if act is None:
         raise ValueError(f"activation must be one of {[a for a in ACTIVATIONS if a]} or None; got {activation!r}")
-    ns = [w.shape[0] for w in weights]
+    ns = [p.shape[0] for p in packs] if packs else [w.shape[0] for w in weights]
     if act >= 0 and (len(weights) != 2 or ns[0] != ns[1]):
         raise ValueError(f"activation {activation!r} needs two weights (gate, up) of one shape; got shapes "
                          f"{[tuple(w.shape) for w in weights]}")
@@ -318,7 +372,7 @@ def gemv(
         if not torch.is_tensor(nw) or nw.shape != (k,):
             raise ValueError(f"norm weight must have shape ({k},); got {getattr(nw, 'shape', None)}")
     else:
-        nw, eps, offset = weights[0], 0.0, 0.0
+        nw, eps, offset = x, 0.0, 0.0  # an unread pointer
     if biases is not None:
         biases = list(biases)
         if len(biases) != len(weights) or any(b is None for b in biases):
@@ -326,7 +380,7 @@ def gemv(
         for i, (b, n) in enumerate(zip(biases, ns)):
             if b.shape != (n,) or b.dtype != dtype:
                 raise ValueError(f"biases[{i}] must be a {dtype} tensor of shape ({n},); got {b.dtype} {tuple(b.shape)}")
-    seg_b = [weights[0]] * MAX_SEGMENTS
+    seg_b = [x] * MAX_SEGMENTS  # unread pointers where a weight has no adapter
     ranks, offs, scales = [0] * MAX_SEGMENTS, [0] * MAX_SEGMENTS, [0.0] * MAX_SEGMENTS
     xa = x
     if lora is not None:
@@ -361,25 +415,69 @@ def gemv(
     use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0)
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
-    seg_w = weights + [weights[0]] * (MAX_SEGMENTS - len(weights))
+    if packs:  # the kernel reads the packed bytes; the rest of each weight's fields through one table
+        seg_w, strides, q4 = [p.data for p in packs], [0] * len(packs), _packed_table(packs)
+        q4_consts = dict(BLOCKSIZE_LOG2=packs[0].blocksize.bit_length() - 1, NESTED=packs[0].nested is not None,
+                         BLOCKSIZE2_LOG2=packs[0].nested[2].bit_length() - 1 if packs[0].nested else 0)
+    else:
+        seg_w, strides, q4 = weights, [w.stride(0) for w in weights], x
+        q4_consts = dict(BLOCKSIZE_LOG2=0, BLOCKSIZE2_LOG2=0, NESTED=False)
+    seg_w = seg_w + [seg_w[0]] * (MAX_SEGMENTS - len(seg_w))
+    strides = strides + [0] * (MAX_SEGMENTS - len(strides))
     seg_n = ns + [0] * (MAX_SEGMENTS - len(ns))
-    seg_bias = (biases or [weights[0]]) + [weights[0]] * (MAX_SEGMENTS - len(biases or [weights[0]]))
+    seg_bias = (biases or [x]) + [x] * (MAX_SEGMENTS - len(biases or [x]))
     blocks = [cdiv(n, block_n) for n in seg_n]
     grid = (blocks[0] if act >= 0 else sum(blocks),)
     res = residual if residual is not None else out
     _gemv_kernel[grid](
         x, x.stride(0), nw, float(eps), float(offset),
-        *seg_w, *(w.stride(0) for w in seg_w), *seg_bias,
+        *seg_w, *strides, q4, *seg_bias,
         *seg_b, *ranks, *offs, *scales, xa, xa.stride(0),
         res, res.stride(0), out, out.stride(0),
         m, k, *seg_n, blocks[0], blocks[1], float(softcap or 1.0),
         HAS_NORM=norm is not None, GEMMA_NORM=norm is not None and float(offset) != 0.0,
         HAS_BIAS=biases is not None, HAS_LORA=lora is not None, ACT=act, HAS_RES=residual is not None,
-        SOFTCAP=softcap is not None, USE_DOT=use_dot, PRECISION=_precision(dtype),
+        SOFTCAP=softcap is not None, USE_DOT=use_dot, PRECISION=_precision(dtype), **q4_consts,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, next_power_of_2(max(ranks))),
         num_warps=warps,
     )
     return out
+
+
+def _packed_format(p) -> tuple:
+    nested = None if p.nested is None else p.nested[2]
+    return p.blocksize, nested, p.absmax.dtype
+
+
+def packed_reason(weights) -> str | None:
+    """Why `gemv` cannot read these weights in one launch as far as 4 bits go (None: it can): a 4-bit
+    weight among dense ones, or 4-bit weights of different blocksizes or double quantization."""
+    packed = [is_4bit(w) for w in weights]
+    if not any(packed):
+        return None
+    if not all(packed):
+        return "4-bit and dense weights mixed in one launch"
+    formats = {_packed_format(unpack(w)) for w in weights}
+    if len(formats) > 1:
+        return f"4-bit weights of different formats (blocksize, nested blocksize, absmax dtype): {formats}"
+    return None
+
+
+# the addresses of absmax, code, absmax2, code2 and offset of each 4-bit weight (a graph replays its launches
+# with the table it captured: the same addresses give the same table, made once, on the device)
+_PACKED_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _packed_table(packs) -> torch.Tensor:
+    rows = []
+    for p in packs:
+        absmax2, code2, _, offset = p.nested if p.nested is not None else (p.absmax, p.absmax, 0, p.absmax)
+        rows.append(tuple(t.data_ptr() for t in (p.absmax, p.code, absmax2, code2, offset)))
+    key = (packs[0].data.device, *rows)
+    table = _PACKED_TABLES.get(key)
+    if table is None:
+        table = _PACKED_TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(packs[0].data.device)
+    return table
 
 
 def _write(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -396,12 +494,14 @@ def gemv_reference(x, weights, *, norm=None, biases=None, lora=None, activation=
     """gemv in torch, the unfused modules' maths and rounding (fp32 products)."""
     from .norms import rms_norm_reference
 
-    dtype = weights[0].dtype
+    dtype = x.dtype
     if norm is not None:
         x = rms_norm_reference(x, *norm)
     outs = []
     xa_col = 0
     for i, w in enumerate(weights):
+        if is_4bit(w):  # rounded to x's dtype, as the kernel's tile
+            w = dequantize_4bit_reference(w, dtype)
         y = _round(x.float() @ w.float().t() + (biases[i].float() if biases is not None else 0.0), dtype)
         if lora is not None and lora[1][i] is not None:
             b = lora[1][i]

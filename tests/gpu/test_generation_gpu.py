@@ -1,5 +1,6 @@
 """fast_generate on CUDA: the captured decode step gives what the eager step gives, and transformers' /
-peft's greedy tokens; the graph is reused across calls and sees in-place adapter updates."""
+peft's greedy tokens (Gemma2's sliding layers on a ring cache, 4-bit QLoRA bases); the graph is reused across
+calls and sees in-place adapter updates."""
 
 import pytest
 import torch
@@ -53,6 +54,31 @@ def test_graph_equals_eager_and_transformers(family, extra):
     assert "CUDA graph" in graph_status(m), graph_status(m)
     assert torch.equal(eager, graphed)
     assert torch.equal(graphed, expected)
+
+
+def test_qlora_graph_equals_transformers(tmp_path, monkeypatch):
+    """A Llama loaded in 4 bits (NF4, double quant; fp32 compute and activations, so the dequantized weights
+    are exact) with LoRA: the captured decode step reads the packed weights in the decode kernels' GEMV and
+    gives transformers' greedy tokens; the per-op step (gemv_4bit) too."""
+    pytest.importorskip("bitsandbytes")
+    import fastplug.generation as generation
+
+    base = model(lora=False)
+    base.save_pretrained(tmp_path)
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    m = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.float32,
+                                                          device_map="cuda")
+    torch.manual_seed(0)
+    m = peft.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                               init_lora_weights=False)).eval()
+    ids, mask = prompts()
+    expected = m.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                          pad_token_id=PAD)
+    assert torch.equal(generate(m, ids, mask, do_sample=False, eos_token_id=None), expected)
+    assert graph_status(m).startswith("CUDA graph") and "decode kernels" in graph_status(m), graph_status(m)
+    monkeypatch.setattr(generation, "FAST_DECODE", False)
+    assert torch.equal(generate(m, ids, mask, do_sample=False, eos_token_id=None), expected)
 
 
 def test_graph_is_reused_and_sees_adapter_updates():

@@ -5,9 +5,10 @@ layer's state after patching (TRL's DPO reference pass runs inside `disable_adap
 asks `lora_projection(proj)` on every call and runs `proj(x)` itself when the answer is None.
 
 A frozen bitsandbytes 4-bit base (`bnb.nn.Linear4bit`, and peft's LoRA on it) is fused when the caller
-asks for it (`quantized=True`: the fused LoRA blocks, which dequantize it); callers that read `weight` as a
-dense matrix (generation, the LM head) get None for it and run the module. The same holds for the FP8 layers
-of the fp8 option (`models.fp8`), whose weight carries its block scales. Other quantized bases (8-bit,
+asks for it (`quantized=True`: the fused LoRA blocks, which dequantize it, and generation, which decodes it
+with the 4-bit kernels); callers that read `weight` as a dense matrix (the LM head) get None for it and run
+the module. The FP8 layers of the fp8 option (`models.fp8`), whose weight carries its block scales, are fused
+only inside the LoRA blocks. Other quantized bases (8-bit,
 GPTQ, AWQ, transformers' FP8 layers left to transformers, ...) are never fused: the reason names the format.
 
 peft and bitsandbytes are never imported here: a layer can only be one of theirs if they are already loaded.

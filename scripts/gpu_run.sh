@@ -12,6 +12,12 @@
 #   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT and Lightning, with and without fastplug)
 #   probe [ARGS]           python scripts/precision_probe.py ARGS      (loss bias and LoRA grad error vs an fp32 truth)
 #   convergence [ARGS]     python scripts/convergence.py all ARGS      (120 real-text steps, e.g. lora:hf,lora:fastplug)
+#   generate [ARGS]        python -m fastplug.bench generate ARGS      (fast_generate vs transformers' generate)
+#   qlora [ARGS]           python -m fastplug.bench.qlora ARGS         (4-bit bases: kernels and e2e vs bitsandbytes)
+#   moe [ARGS]             python scripts/moe_gpu.py ARGS              (grouped GEMM, MoE block, Mixtral rows)
+#   attention [ARGS]       python scripts/attention_gpu.py ARGS        (flash kernel vs SDPA, Gemma2 rows)
+#   fp8 [ARGS]             python scripts/fp8_gpu.py ARGS              (FP8 block-scaled GEMM and projections)
+#   host [ARGS]            python scripts/host_overhead.py ARGS        (host µs per op call)
 # Arguments after a PART belong to it until the next PART name.
 #
 # Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
@@ -39,7 +45,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks probe convergence"
+PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate qlora moe attention fp8 host"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -54,6 +60,12 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         frameworks) cmd=("$PY" -m fastplug.bench frameworks --out "$OUT_DIR" "$@") ;;
         probe)  cmd=("$PY" scripts/precision_probe.py "$@") ;;
         convergence) cmd=("$PY" scripts/convergence.py all "$@") ;;
+        generate) cmd=("$PY" -m fastplug.bench generate "$@") ;;
+        qlora)  cmd=("$PY" -m fastplug.bench.qlora "$@") ;;
+        moe)    cmd=("$PY" scripts/moe_gpu.py "$@") ;;
+        attention) cmd=("$PY" scripts/attention_gpu.py "$@") ;;
+        fp8)    cmd=("$PY" scripts/fp8_gpu.py "$@") ;;
+        host)   cmd=("$PY" scripts/host_overhead.py "$@") ;;
     esac
     echo "=== gpu_run: $name: ${cmd[*]}"
     local start=$SECONDS

@@ -676,6 +676,26 @@ def packed_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
+def right_padding_bounds(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a 2-D padding mask (B, T) (nonzero: a real token): ((2, B, T) int32 per-token (start, end)), and a
+    bool per row: whether the row is right-padded (its real tokens, at least one, come first).
+
+    For right-padded rows the bounds are exact, pad tokens included: with causality, token i sees the real
+    keys j <= i, which is what transformers' padded mask lets every query see. The kernel reads a token's
+    bounds both as the keys it sees and as the queries that see it, so real tokens get (0, T) (as queries
+    causality keeps them to real keys; as keys every later token, pads too, sees them) and pads (0, real
+    count) (as queries they see the real keys; as keys no one). A left pad query sees no key at all in
+    transformers (its row is fully masked: eager then averages over every key), which bounds cannot
+    express: callers check `right_padded` first. Device ops only, no host sync."""
+    valid = valid.bool()
+    B, T = valid.shape
+    count = valid.sum(dim=1)
+    leading = valid.int().cumprod(dim=1).sum(dim=1)  # real tokens before the first pad
+    right_padded = (leading == count) & (count > 0)
+    end = torch.where(valid, T, count[:, None]).to(torch.int32)
+    return torch.stack((torch.zeros_like(end), end)), right_padded
+
+
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(cu_seqlens int32, max_seqlen) for one packed row of position_ids (shape (total,) or (1, total)) that
     restart per document, as TRL's padding-free collator builds them.

@@ -8,9 +8,16 @@ sliding window and softcap, and the document bounds of packed rows itself:
   (cached on that tensor), so the layer stack does not sync with the host. Only with position_ids alone and
   where SDPA is a candidate (CUDA, no softcap, no window) does one cached check per forward ask the host
   whether rows are packed.
-- a padding mask (some attention_mask entry 0): the mask function builds the 4-D mask of the implementation
-  the model had before (sdpa or eager; "sdpa" for a model loaded as "fastplug", "eager" when it softcaps),
-  and the attention function runs that implementation: transformers' own path, bit for bit.
+- a right-padded batch (each row's real tokens first, followed by fewer pads than the model's sliding window)
+  on a model whose own path is eager (Gemma2's softcap, or loaded as eager): the mask function returns
+  per-token bounds instead of a 4-D mask
+  (`kernels.attention.right_padding_bounds`, a (2, B, T) int32 tensor) and the kernel runs with them: every
+  token, pads included, sees the real keys up to itself, exactly what transformers' mask lets it see.
+- any other padding mask (left padding or a window's length of right padding, whose pad queries see no key,
+  holes, or a model whose own path is sdpa): the mask function builds the 4-D mask of the implementation the model had before (sdpa or eager;
+  "sdpa" for a model loaded as "fastplug"), and the attention function runs that implementation:
+  transformers' own path, bit for bit.
+  Knowing whether a batch pads costs one host sync per mask, before the layer stack.
 - dropout > 0 while training, or output_attentions: the family's eager attention with a 4-D mask built here.
 """
 
@@ -60,17 +67,50 @@ def route(config) -> callable:
 
 # ----------------------------------------------------------------------------------------- the mask
 def fastplug_mask(*args, **kwargs):
-    """None (the kernel masks by itself) unless the 2-D attention_mask pads; then the fallback's 4-D mask.
-    Arguments pass through untouched: transformers 5.17 and 5.23 name them differently."""
+    """None (the kernel masks by itself) unless the 2-D attention_mask pads; then padding bounds for the kernel
+    or the fallback's 4-D mask (see the module's docstring). Arguments pass through untouched: transformers
+    5.17 and 5.23 name them differently."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
+    from ..kernels.attention import right_padding_bounds
+
     attention_mask = kwargs.get("attention_mask")
-    kv_length = kwargs.get("kv_length")
     if attention_mask is None:
         return None
-    if attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
-        return None  # one host sync per mask, before the layer stack (flash-attention's mask does the same)
-    return ALL_MASK_ATTENTION_FUNCTIONS[fallback_name(kwargs.get("config"))](*args, **kwargs)
+    fallback = fallback_name(kwargs.get("config"))
+    if attention_mask.dim() == 2 and attention_mask.shape[-1] == kwargs.get("kv_length"):
+        # one host sync per mask, before the layer stack (flash-attention's mask does the same)
+        if fallback == "eager" and _queries_are_the_keys(kwargs):
+            bounds, right_padded = right_padding_bounds(attention_mask)
+            window = getattr(kwargs.get("config"), "sliding_window", None)
+            if window:  # a pad further than the window from the last real key would see no key at all
+                pads = attention_mask.shape[-1] - bounds[1, :, -1]  # a right-padded row's last end: its count
+                right_padded = right_padded & (pads < window)
+            no_padding, all_right = torch.stack((attention_mask.bool().all(), right_padded.all())).tolist()
+            if no_padding:
+                return None
+            if all_right:
+                return bounds
+        elif bool(attention_mask.all()):
+            return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
+
+
+def _queries_are_the_keys(kwargs) -> bool:
+    """The mask's queries are its keys, positions 0..kv_length-1 (no cache: training, a prefill from empty)."""
+    q_length = kwargs.get("q_length")
+    if q_length is None:  # transformers 5.17 passes cache_position instead of q_length / q_offset
+        position = kwargs.get("cache_position")
+        q_length = None if position is None else position.shape[0]
+    offsets = (kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0))
+    return q_length == kwargs.get("kv_length") and all(isinstance(o, int) and o == 0 for o in offsets)
+
+
+def _padding_bounds_of(attention_mask):
+    """The (start, end) that `fastplug_mask` returned for a padded batch, or None for a 4-D mask / no mask."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 3 and attention_mask.dtype == torch.int32:
+        return attention_mask[0], attention_mask[1]
+    return None
 
 
 # ---------------------------------------------------------------------------------- packed rows
@@ -138,7 +178,8 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
                                sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
-    if attention_mask is not None:  # the batch pads: transformers' own path with the 4-D mask it built
+    padding = _padding_bounds_of(attention_mask)
+    if attention_mask is not None and padding is None:  # the batch pads: transformers' path, its 4-D mask
         fn = _fallback_function(module, fallback_name(module.config))
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
 
@@ -152,9 +193,11 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
         if source is not None and source.shape[-1] != T:
             source = None
     start = end = None
-    packable = causal and source is not None and T == S and T > 1
+    packable = causal and source is not None and T == S and T > 1 and padding is None
     from ..kernels.attention import _normalise_window, _sdpa_suits, flash_attention
 
+    if padding is not None:  # transformers detects no packing in a padded batch either
+        start, end = padding
     if dropout > 0.0 or kwargs.get("output_attentions", False):
         if packable:
             start, end, _ = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=False)
@@ -190,7 +233,10 @@ def describe(module: nn.Module, family, fallback: str) -> str:
         what = f"Triton flash kernel ({', '.join(quirks)})"
     else:
         what = "torch SDPA on CUDA, Triton flash kernel for packed rows"
-    notes = [f"padded batches: transformers' {fallback}"]
+    if fallback == "eager":
+        notes = ["right-padded batches: the same kernel; other padding: transformers' eager"]
+    else:
+        notes = [f"padded batches: transformers' {fallback}"]
     dropout = getattr(module, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         notes.append(f"training: transformers' eager (attention_dropout {dropout:g})")

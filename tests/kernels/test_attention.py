@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids
-from fastplug.kernels.attention import flash_attention, packed_bounds
+from fastplug.kernels.attention import flash_attention, packed_bounds, right_padding_bounds
 from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -131,6 +131,37 @@ def test_packed_bounds_and_cu_seqlens_from_position_ids():
     start, end = packed_bounds(position_ids)
     out = flash_attention(q, k, v, sliding_window=4, doc_start=start, doc_end=end)
     assert_close(out, attention_reference(q, k, v, sliding_window=4, cu_seqlens=cu), torch.float32, "bounds")
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (6, 50.0)])
+def test_right_padding_bounds_give_transformers_padded_mask(window, softcap):
+    """Every token, pads included, sees the real keys up to itself (transformers' padded mask), forward and
+    all three gradients with the pads' outputs trained too; left padding and holes are flagged."""
+    T = 37
+    mask = torch.ones(3, T, dtype=torch.long)
+    mask[0, -5:] = 0
+    mask[2, -1:] = 0
+    (start, end), right_padded = right_padding_bounds(mask)
+    assert right_padded.tolist() == [True, True, True] and start.dtype == torch.int32
+    q, k, v = _inputs(3, 4, 2, T, T, 16)
+    out = flash_attention(q, k, v, sliding_window=window, softcap=softcap, doc_start=start, doc_end=end)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    seen = (j <= i) & mask.bool()[:, None, None, :] & (j > i - window if window else True)
+    kf, vf = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = q @ kf.transpose(-1, -2) * 16**-0.5
+    scores = softcap * torch.tanh(scores / softcap) if softcap else scores
+    ref = (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ vf).transpose(1, 2)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    assert_close(out, ref, torch.float32, "output")
+    for name, a, b in zip("qkv", got, want):
+        assert_close(a, b, torch.float32, f"d{name}")
+    holes = torch.ones(3, T, dtype=torch.long)
+    holes[0, :3] = 0  # left padding
+    holes[1, 5:7] = 0  # a hole
+    holes[2] = 0  # no real token
+    assert right_padding_bounds(holes)[1].tolist() == [False, False, False]
 
 
 def test_torch_reference_path_without_triton(monkeypatch):

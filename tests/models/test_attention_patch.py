@@ -1,6 +1,6 @@
 """The attention patch through fastplug's attention ("fastplug" in transformers' AttentionInterface): tiny
 models whose sequences are longer than their sliding windows and the kernel's blocks, patched vs unpatched
-loss and LoRA gradients on unpadded and packed (padding-free) batches; padded batches take transformers' path."""
+loss and LoRA gradients on unpadded, packed (padding-free) and padded batches."""
 
 import copy
 
@@ -66,7 +66,8 @@ def test_patched_attention_matches_unpatched(family):
     with patch_model(model, gradient_checkpointing=False) as handle:
         assert base.config._attn_implementation == "fastplug"
         summary = handle.summary()
-        assert summary.count("fastplug attention") == 2 and f"padded batches: transformers' {original}" in summary
+        padded = "right-padded batches: the same kernel" if original == "eager" else f"padded batches: transformers' {original}"
+        assert summary.count("fastplug attention") == 2 and padded in summary
         if family == "gemma2":
             assert "softcap 50, sliding window 6" in summary
         _assert_same_training_step(model, reference, _inputs(2))
@@ -90,17 +91,43 @@ def test_packed_rows_see_only_their_document():
     assert_close(logits, per_doc, torch.float32, "packed logits")
 
 
-def test_padded_batch_takes_transformers_path_and_output_attentions_works():
+@pytest.mark.parametrize("labels_at_pads", [False, True])
+def test_right_padded_gemma2_runs_the_kernel_and_other_padding_takes_transformers_path(monkeypatch, labels_at_pads):
+    """Right-padded rows run the kernel with per-token bounds: loss, LoRA grads and every logit (pads
+    included: they see the real keys before them, as in transformers) equal eager's, with pads labelled
+    -100 or trained on. Left padding and a window's length of right padding (pads that see no key) and holes
+    take transformers' eager path with its 4-D mask."""
+    model = _lora_model("gemma2")
+    reference = copy.deepcopy(model)
+    inputs = _inputs(3)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, -5:] = 0  # right padding, up to the window (6): every pad still sees a real key
+    mask[2, -1:] = 0
+    labels = inputs["input_ids"] if labels_at_pads else inputs["input_ids"].masked_fill(mask == 0, -100)
+    inputs.update(attention_mask=mask, labels=labels)
+    fallbacks = []
+    real_fallback = fast_attention._fallback_function
+    monkeypatch.setattr(fast_attention, "_fallback_function", lambda *a: fallbacks.append(a) or real_fallback(*a))
+    with patch_model(model, gradient_checkpointing=False):
+        _assert_same_training_step(model, reference, inputs)
+        assert not fallbacks, "a right-padded batch must run the kernel"
+        for other in ("left", "hole", "window"):  # the window: a pad 6 tokens past the last real key sees none
+            padded = torch.ones_like(mask)
+            padded[1, {"left": slice(0, 4), "hole": slice(10, 12), "window": slice(-6, None)}[other]] = 0
+            with torch.no_grad():
+                out = model(input_ids=inputs["input_ids"], attention_mask=padded, use_cache=False)
+                ref = reference(input_ids=inputs["input_ids"], attention_mask=padded, use_cache=False)
+            assert fallbacks, f"{other} padding must take transformers' path"
+            assert_close(out.logits, ref.logits, torch.float32, f"logits with {other} padding")
+            fallbacks.clear()
+
+
+def test_output_attentions_works():
     model = tiny_model("gemma2", attn_implementation="eager").to(DEVICE).eval()
     reference = copy.deepcopy(model)
     inputs = _inputs(2)
-    mask = torch.ones_like(inputs["input_ids"])
-    mask[0, :5] = 0  # left padding
     with torch.no_grad(), patch_model(model, gradient_checkpointing=False):
-        out = model(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=False)
         unpadded = model(input_ids=inputs["input_ids"], use_cache=False, output_attentions=True)
-    ref = reference(input_ids=inputs["input_ids"], attention_mask=mask, use_cache=False)
-    assert_close(out.logits, ref.logits, torch.float32, "padded logits")
     ref_unpadded = reference(input_ids=inputs["input_ids"], use_cache=False, output_attentions=True)
     for layer, (weights, ref_weights) in enumerate(zip(unpadded.attentions, ref_unpadded.attentions)):
         assert_close(weights, ref_weights, torch.float32, f"attention weights of layer {layer}")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastplug.kernels import attention, attention_reference
-from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds
+from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds, right_padding_bounds
 from tests.helpers import rel_err
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -70,6 +70,30 @@ def test_every_kernel_with_and_without_tma(shape, options, tma, monkeypatch):
     monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((256, tma),)))
     inputs = _inputs(*shape, torch.bfloat16)
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
+
+
+def test_right_padded_gemma2_rows_match_the_padded_mask():
+    """Right-padded rows through per-token bounds (the model path for Gemma2's padded batches) against the
+    padded mask transformers applies: every position, pads included, and all three gradients."""
+    B, T = 2, 3000
+    count = torch.tensor([3000, 1800], device=DEV)
+    valid = torch.arange(T, device=DEV)[None] < count[:, None]
+    (start, end), right_padded = right_padding_bounds(valid)
+    assert bool(right_padded.all())
+    options = {"softcap": 50.0, "sliding_window": 1500}
+
+    def reference(q, k, v):
+        i, j = torch.arange(T, device=DEV)[:, None], torch.arange(T, device=DEV)[None]
+        seen = (j <= i) & (j > i - options["sliding_window"]) & valid[:, None, None, :]
+        kf, vf = (t.repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+        scores = q @ kf.transpose(-1, -2) * q.shape[3] ** -0.5
+        scores = options["softcap"] * torch.tanh(scores / options["softcap"])
+        return (torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ vf).transpose(1, 2)
+
+    def kernel(q, k, v):
+        return A.flash_attention(q, k, v, **options, doc_start=start, doc_end=end)
+
+    _check(kernel, reference, _inputs(B, 2, 1, T, 256, torch.bfloat16))
 
 
 def test_varlen_8_documents_matches_per_document_reference():

@@ -49,6 +49,7 @@ class _TokenCounter:
             self._hook.remove()
             self._hook = None
 
+    @torch.compiler.disable  # a compiled model (torch_compile=True) runs it eagerly: no guards on the list
     def _count(self, module, args, kwargs):
         if not module.training:
             return

@@ -17,7 +17,8 @@ sliding window and softcap, and the document bounds of packed rows itself:
   holes, or a model whose own path is sdpa): the mask function builds the 4-D mask of the implementation the model had before (sdpa or eager;
   "sdpa" for a model loaded as "fastplug"), and the attention function runs that implementation:
   transformers' own path, bit for bit.
-  Knowing whether a batch pads costs one host sync per mask, before the layer stack.
+  Knowing whether a batch pads costs one host sync per mask, before the layer stack; under torch.compile
+  (no syncs while traced) any attention_mask takes this path.
 - dropout > 0 while training, or output_attentions: the family's eager attention with a 4-D mask built here.
 """
 
@@ -78,6 +79,8 @@ def fastplug_mask(*args, **kwargs):
     if attention_mask is None:
         return None
     fallback = fallback_name(kwargs.get("config"))
+    if torch.compiler.is_compiling():  # traced: no host sync to learn whether it pads; this mask is exact
+        return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
     if attention_mask.dim() == 2 and attention_mask.shape[-1] == kwargs.get("kv_length"):
         # one host sync per mask, before the layer stack (flash-attention's mask does the same)
         if fallback == "eager" and _queries_are_the_keys(kwargs):

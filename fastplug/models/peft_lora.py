@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import torch.nn as nn
 
 from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
@@ -211,4 +212,11 @@ def watch_adapter_writes(decoder: nn.Module):
     every forward of the model calls); returns the hook handle. Writes that no version counter sees, `.data`
     assignments among them, are so picked up by the next forward. A checkpoint recompute of that forward runs
     in backward, before any new forward, and so reuses the same copies."""
-    return decoder.register_forward_pre_hook(invalidate_adapter_casts)
+    return decoder.register_forward_pre_hook(_invalidate_unless_traced)
+
+
+def _invalidate_unless_traced(*_):
+    # A forward traced by torch.compile runs the fused LoRA as plain torch ops, with no cached casts; moving
+    # the generation there would also make it a guard that fails at every step (a recompile per step).
+    if not torch.compiler.is_compiling():
+        invalidate_adapter_casts()

@@ -116,3 +116,30 @@ def test_liger_conflict_warns_and_fastplug_steps_back(tmp_path):
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="valid options"):
         FastKernels(flash_attention=True)
+
+
+def test_trainer_torch_compile_with_fastkernels_matches_compiled_unpatched(tmp_path):
+    """TrainingArguments(torch_compile=True): FastKernels patches at on_init_end, before the Trainer compiles
+    and wraps the model, so the compiled module runs fastplug's registered ops. No graph break, no more graphs
+    than the unpatched model (no recompile per step: the adapter-cast generation and the token counter stay
+    out of the trace), same losses, patched during the steps, restored after. aot_eager: no C++ toolchain."""
+    from torch._dynamo.utils import counters
+
+    compiled = dict(torch_compile=True, torch_compile_backend="aot_eager", eval_strategy="no")
+    graphs = []
+    for fast in (True, False):  # the batches carry an attention_mask: the mask path is traced too
+        torch._dynamo.reset()
+        counters.clear()
+        model, watch = tiny_model("llama"), _WatchPatch()
+        callbacks = [FastKernels(), watch] if fast else []
+        trainer, _, step_losses, _ = _run(tmp_path, callbacks, model=model, args=_args(tmp_path, **compiled))
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        graphs.append(counters["stats"]["unique_graphs"])
+        if fast:
+            losses, patched_model, patched_watch = step_losses, model, watch
+            assert type(trainer.model_wrapped).__name__ == "OptimizedModule", "the Trainer compiled the model"
+    assert graphs[0] == graphs[1], f"graphs compiled (patched, plain): {graphs}: a recompile from step to step"
+    model, watch, ref_losses = patched_model, patched_watch, step_losses
+    assert_close(losses, ref_losses, torch.float32, "training losses")
+    assert watch.patched_steps == [True, True]
+    assert active_handle(model) is None and not _has_instance_forward(model)

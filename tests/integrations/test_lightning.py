@@ -102,7 +102,7 @@ def test_fit_matches_lightning_and_restores(name, lightning_name):
     module, before = fit(name, [probe])
     assert probe.active == [True] * STEPS
     assert probe.checkpointing == [True] * STEPS, "gradient checkpointing on while fitting (default options)"
-    assert rel_err(torch.tensor(module.losses), torch.tensor(reference.losses)) < 1e-5
+    assert rel_err(torch.stack(module.losses), torch.stack(reference.losses)) < 1e-5
     assert active_handle(module.lm) is None
     assert module_state(module.lm) == before
     assert not checkpointing_on(module.lm), "turned off again at teardown"
@@ -176,3 +176,44 @@ def test_registration_in_either_import_order(imports):
     code = textwrap.dedent(imports.replace("; ", "\n")) + REGISTRATION_CHECK
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+class CompiledTinyLM(TinyLM):
+    """For torch.compile(module): Lightning compiles its steps. No .item() inside them, and use_cache=False
+    (transformers logs a warning, a graph break, when a cache is asked for under checkpointing)."""
+
+    def forward(self, batch):
+        return self.lm(input_ids=batch, labels=batch, use_cache=False).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self(batch)
+        self.losses.append(loss.detach())
+        return loss
+
+
+def test_fit_of_a_compiled_module_patches_the_model_it_compiles():
+    """torch.compile(module) handed to Trainer.fit with the fastkernels strategy: the strategy patches the
+    module's transformers model before the compiled forward first runs, no graph break and no recompile from
+    step to step (as many graphs as Lightning alone), same losses, restored after."""
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for name in ("fastkernels", "auto"):
+        torch._dynamo.reset()
+        counters.clear()
+        module, probe = CompiledTinyLM(), Probe()
+        before = module_state(module.lm)
+        trainer = L.Trainer(
+            strategy=name, accelerator="cpu", devices=1, max_steps=STEPS, logger=False, callbacks=[probe],
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(torch.compile(module, backend="aot_eager"), batches())
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        runs[name] = (module, probe, before, counters["stats"]["unique_graphs"])
+    module, probe, before, graphs = runs["fastkernels"]
+    reference, _, _, reference_graphs = runs["auto"]
+    assert graphs >= 1 and graphs == reference_graphs, (graphs, reference_graphs)
+    assert probe.active == [True] * STEPS
+    assert rel_err(torch.stack(module.losses), torch.stack(reference.losses)) < 1e-5
+    assert active_handle(module.lm) is None
+    assert module_state(module.lm) == before

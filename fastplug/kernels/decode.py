@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
-from .quant import _block_scale, dequantize_4bit_reference, is_4bit, unpack
+from .quant import _block_scale, _unpacked, dequantize_4bit_reference, is_4bit
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_SEGMENTS = 3
@@ -343,7 +343,8 @@ def gemv(
     reason = packed_reason(weights)
     if reason:
         raise ValueError(f"weights: {reason}")
-    packs = [unpack(w) for w in weights] if is_4bit(weights[0]) else None
+    entries = [_unpacked(w) for w in weights] if is_4bit(weights[0]) else None  # quant's cached fields
+    packs = [e.packed for e in entries] if entries else None
     dtype = x.dtype if packs else weights[0].dtype
     for i, w in enumerate(weights):
         shape = packs[i].shape if packs else (tuple(w.shape) if torch.is_tensor(w) and w.dim() == 2 else None)
@@ -416,9 +417,8 @@ def gemv(
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
     if packs:  # the kernel reads the packed bytes; the rest of each weight's fields through one table
-        seg_w, strides, q4 = [p.data for p in packs], [0] * len(packs), _packed_table(packs)
-        q4_consts = dict(BLOCKSIZE_LOG2=packs[0].blocksize.bit_length() - 1, NESTED=packs[0].nested is not None,
-                         BLOCKSIZE2_LOG2=packs[0].nested[2].bit_length() - 1 if packs[0].nested else 0)
+        seg_w, strides, q4 = [p.data for p in packs], [0] * len(packs), _packed_table(entries)
+        q4_consts = entries[0].consts
     else:
         seg_w, strides, q4 = weights, [w.stride(0) for w in weights], x
         q4_consts = dict(BLOCKSIZE_LOG2=0, BLOCKSIZE2_LOG2=0, NESTED=False)
@@ -444,9 +444,8 @@ def gemv(
     return out
 
 
-def _packed_format(p) -> tuple:
-    nested = None if p.nested is None else p.nested[2]
-    return p.blocksize, nested, p.absmax.dtype
+def _packed_format(entry) -> tuple:
+    return (*entry.consts.values(), entry.packed.absmax.dtype)
 
 
 def packed_reason(weights) -> str | None:
@@ -457,9 +456,10 @@ def packed_reason(weights) -> str | None:
         return None
     if not all(packed):
         return "4-bit and dense weights mixed in one launch"
-    formats = {_packed_format(unpack(w)) for w in weights}
+    formats = {_packed_format(_unpacked(w)) for w in weights}
     if len(formats) > 1:
-        return f"4-bit weights of different formats (blocksize, nested blocksize, absmax dtype): {formats}"
+        return ("4-bit weights of different formats (log2 blocksize, log2 nested blocksize, nested, absmax "
+                f"dtype): {formats}")
     return None
 
 
@@ -468,15 +468,14 @@ def packed_reason(weights) -> str | None:
 _PACKED_TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def _packed_table(packs) -> torch.Tensor:
-    rows = []
-    for p in packs:
-        absmax2, code2, _, offset = p.nested if p.nested is not None else (p.absmax, p.absmax, 0, p.absmax)
-        rows.append(tuple(t.data_ptr() for t in (p.absmax, p.code, absmax2, code2, offset)))
-    key = (packs[0].data.device, *rows)
+def _packed_table(entries) -> torch.Tensor:
+    # args: data, absmax, code, absmax2, code2, offset (quant's pointer arguments, unused ones filled in)
+    rows = [tuple(t.data_ptr() for t in e.args[1:]) for e in entries]
+    device = entries[0].packed.data.device
+    key = (device, *rows)
     table = _PACKED_TABLES.get(key)
     if table is None:
-        table = _PACKED_TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(packs[0].data.device)
+        table = _PACKED_TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device)
     return table
 
 

@@ -14,11 +14,11 @@ sliding window and softcap, and the document bounds of packed rows itself:
   (`kernels.attention.right_padding_bounds`, a (2, B, T) int32 tensor) and the kernel runs with them: every
   token, pads included, sees the real keys up to itself, exactly what transformers' mask lets it see.
 - any other padding mask (left padding or a window's length of right padding, whose pad queries see no key,
-  holes, or a model whose own path is sdpa): the mask function builds the 4-D mask of the implementation the model had before (sdpa or eager;
-  "sdpa" for a model loaded as "fastplug"), and the attention function runs that implementation:
-  transformers' own path, bit for bit.
-  Knowing whether a batch pads costs one host sync per mask, before the layer stack; under torch.compile
-  (no syncs while traced) any attention_mask takes this path.
+  holes, or a model whose own path is sdpa): the mask function builds the 4-D mask of the implementation
+  the model had before (sdpa or eager; "sdpa" for a model loaded as "fastplug"), and the attention function
+  runs that implementation: transformers' own path, bit for bit. Knowing whether a batch pads costs one
+  host sync per mask, before the layer stack; under torch.compile (no syncs while traced) any
+  attention_mask takes this path.
 - dropout > 0 while training, or output_attentions: the family's eager attention with a 4-D mask built here.
 """
 

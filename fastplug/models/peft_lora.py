@@ -58,7 +58,7 @@ def _child(module: nn.Module, name: str):
 
 def _param(module: nn.Module, name: str):
     params = module._parameters
-    return params[name] if name in params else getattr(module, name, None)
+    return params[name] if name in params else getattr(module, name)
 
 
 # substrings of a quantized layer's module path or class name -> the format named in the summary

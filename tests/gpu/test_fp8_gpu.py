@@ -142,12 +142,18 @@ def test_transformers_fine_grained_fp8_checkpoint_on_fastplugs_kernel(tmp_path):
         dense = nn.Linear(m.in_features, m.out_features, bias=False, device="cuda", dtype=torch.bfloat16)
         dense.weight.data = F8.dequantize_blockwise(m.weight.data, m.weight_scale_inv.data.float())
         ref.set_submodule(name, dense)
+    ids = torch.randint(0, 4096, (2, 256), device="cuda")
+    with torch.no_grad():
+        hf_logits = model(input_ids=ids).logits  # transformers' own FP8 kernel
     handle = fastplug.patch_model(model, fp8=True, gradient_checkpointing=False)
     assert "14 FP8Linear layers of the checkpoint on fastplug's kernel" in handle.summary()
-    ids = torch.randint(0, 4096, (2, 256), device="cuda")
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         ref_logits = ref(input_ids=ids).logits
-    assert_close(logits, ref_logits.double(), torch.bfloat16, "logits", tol=FP8_TOL)
+    # Both FP8 paths round the activations to 3 mantissa bits before each of the 14 GEMMs, so the logits drift
+    # from the bf16 product by a few percent, compounded over the layers (6.15e-2 seen on one draw): fastplug's
+    # kernel must be within FP8's single-GEMM bound or no further off than transformers' own.
+    err, hf_err = rel_err(logits, ref_logits), rel_err(hf_logits, ref_logits)
+    assert err < max(FP8_TOL, 1.25 * hf_err), f"logits: relative error {err:.3e}; transformers' FP8: {hf_err:.3e}"
     handle.restore()
     assert all("forward" not in vars(m) for m in layers.values())

@@ -128,6 +128,19 @@ def test_patched_llama_with_lora_on_fp8_bases():
         torch.testing.assert_close(m.weight, _decoder_linears(ref)[name].weight, rtol=0, atol=0)
 
 
+class _SameMathsLinear(nn.Module):
+    """fastplug's FP8 projection as plain torch (`fp8_block_matmul_reference`: activations rounded to FP8 per
+    1x128 group as the kernel rounds them). Against a bf16 product that rounding alone drifts the logits of
+    this model by ~6%, a bound loose enough to hide a bug."""
+
+    def __init__(self, w_fp8: torch.Tensor, w_scale: torch.Tensor):
+        super().__init__()
+        self.w_fp8, self.w_scale = w_fp8, w_scale.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F8.fp8_block_matmul_reference(x, self.w_fp8, self.w_scale)
+
+
 def test_transformers_fine_grained_fp8_checkpoint_on_fastplugs_kernel(tmp_path):
     import fastplug
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
@@ -138,22 +151,16 @@ def test_transformers_fine_grained_fp8_checkpoint_on_fastplugs_kernel(tmp_path):
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
     assert len(layers) == 14 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers.values())
     ref = copy.deepcopy(model)
-    for name, m in layers.items():  # the reference: the same FP8 values as bf16 nn.Linear
-        dense = nn.Linear(m.in_features, m.out_features, bias=False, device="cuda", dtype=torch.bfloat16)
-        dense.weight.data = F8.dequantize_blockwise(m.weight.data, m.weight_scale_inv.data.float())
-        ref.set_submodule(name, dense)
-    ids = torch.randint(0, 4096, (2, 256), device="cuda")
-    with torch.no_grad():
-        hf_logits = model(input_ids=ids).logits  # transformers' own FP8 kernel
+    for name, m in layers.items():
+        ref.set_submodule(name, _SameMathsLinear(m.weight.data, m.weight_scale_inv.data))
     handle = fastplug.patch_model(model, fp8=True, gradient_checkpointing=False)
     assert "14 FP8Linear layers of the checkpoint on fastplug's kernel" in handle.summary()
+    ids = torch.randint(0, 4096, (2, 256), device="cuda")
     with torch.no_grad():
         logits = model(input_ids=ids).logits
         ref_logits = ref(input_ids=ids).logits
-    # Both FP8 paths round the activations to 3 mantissa bits before each of the 14 GEMMs, so the logits drift
-    # from the bf16 product by a few percent, compounded over the layers (6.15e-2 seen on one draw): fastplug's
-    # kernel must be within FP8's single-GEMM bound or no further off than transformers' own.
-    err, hf_err = rel_err(logits, ref_logits), rel_err(hf_logits, ref_logits)
-    assert err < max(FP8_TOL, 1.25 * hf_err), f"logits: relative error {err:.3e}; transformers' FP8: {hf_err:.3e}"
+    # Only the order of the sums and the bf16 roundings between the layers differ from the reference (and so,
+    # now and then, which way an activation rounds to FP8), compounded over 14 GEMMs.
+    assert_close(logits, ref_logits.double(), torch.bfloat16, "logits", tol=3e-2)
     handle.restore()
     assert all("forward" not in vars(m) for m in layers.values())

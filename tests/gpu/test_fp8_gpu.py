@@ -155,12 +155,15 @@ def test_transformers_fine_grained_fp8_checkpoint_on_fastplugs_kernel(tmp_path):
         ref.set_submodule(name, _SameMathsLinear(m.weight.data, m.weight_scale_inv.data))
     handle = fastplug.patch_model(model, fp8=True, gradient_checkpointing=False)
     assert "14 FP8Linear layers of the checkpoint on fastplug's kernel" in handle.summary()
-    ids = torch.randint(0, 4096, (2, 256), device="cuda")
     with torch.no_grad():
+        for name, m in layers.items():  # each patched layer: the reference's maths up to the order of the sums
+            x = torch.randn(300, m.in_features, dtype=torch.bfloat16, device="cuda")
+            assert_close(m(x), ref.get_submodule(name)(x).double(), torch.bfloat16, name)
+        ids = torch.randint(0, 4096, (2, 256), device="cuda")
         logits = model(input_ids=ids).logits
         ref_logits = ref(input_ids=ids).logits
-    # Only the order of the sums and the bf16 roundings between the layers differ from the reference (and so,
-    # now and then, which way an activation rounds to FP8), compounded over 14 GEMMs.
-    assert_close(logits, ref_logits.double(), torch.bfloat16, "logits", tol=3e-2)
+    # Through the model the bf16 roundings between layers flip which way some activations round to FP8 (an
+    # eighth of their value each): the logits differ by ~5% (5.5e-2 measured); a wrong scale is off by ~100%.
+    assert_close(logits, ref_logits.double(), torch.bfloat16, "logits", tol=0.1)
     handle.restore()
     assert all("forward" not in vars(m) for m in layers.values())

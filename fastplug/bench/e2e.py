@@ -26,7 +26,7 @@ import time
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
 # _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what TrainingArguments(torch_compile=True) does)
-IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto", "fastplug_compile")
+IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto", "fastplug_compile", "fastplug_auto_compile")
 DEFAULT_IMPLS = IMPLS[:4]
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
@@ -131,17 +131,17 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
 
         _apply_liger_kernel_to_instance(model=model.get_base_model())
         return model, ""
-    if impl in ("fastplug", "fastplug_auto", "fastplug_compile"):
+    if impl in IMPLS and impl.startswith("fastplug"):
         import fastplug
 
-        mode = "auto" if impl == "fastplug_auto" else checkpointing
+        mode = "auto" if impl.startswith("fastplug_auto") else checkpointing
         # freeze_gc and stack_projections as the trainer adapters set them for their run
         handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True,
                                                 "stack_projections": True, **(options or {})})
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""
-        return (torch.compile(model) if impl == "fastplug_compile" else model), note
+        return (torch.compile(model) if impl.endswith("_compile") else model), note
     raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
 
 
@@ -238,7 +238,7 @@ def run_throughput(spec: dict) -> dict:
         _print_profile(runner, params, batches, device)
     if device.type == "cuda":
         result["device_ms"] = device_ms_per_step(runner, params, batches, device)
-        if spec["impl"] == "fastplug_auto":
+        if spec["impl"].startswith("fastplug_auto"):
             import fastplug
 
             print(fastplug.patching.active_handle(model).summary(), flush=True)

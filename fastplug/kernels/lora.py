@@ -605,13 +605,18 @@ def _traceable(projs) -> bool:
 def _traced(x: torch.Tensor, projs) -> tuple:
     """x W^T + b + s (x A^T) B^T per projection in plain torch ops, for torch.compile: the cast cache and the
     hand-written backward keep Python-side state that would break the graph, while traced maths lets
-    AOTAutograd derive the backward and Inductor fuse the adapter casts."""
+    AOTAutograd derive the backward and Inductor fuse the adapter casts. As in the eager node, the adapter term
+    comes first and the base GEMM adds it in its epilogue (addmm), not in a pass of its own over y."""
+    x2 = x.reshape(-1, x.shape[-1])
     ys = []
     for p in projs:
-        y = F.linear(x, p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype))
-        if p.lora_A is not None:
-            y = y + p.scaling * F.linear(F.linear(x, p.lora_A.to(x.dtype)), p.lora_B.to(x.dtype))
-        ys.append(y)
+        w, b = p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype)
+        if p.lora_A is None:
+            y = F.linear(x2, w, b)
+        else:
+            term = p.scaling * F.linear(F.linear(x2, p.lora_A.to(x.dtype)), p.lora_B.to(x.dtype))
+            y = torch.addmm(term if b is None else term + b, x2, w.t())
+        ys.append(y.view(*x.shape[:-1], y.shape[-1]))
     return tuple(ys)
 
 

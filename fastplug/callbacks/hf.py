@@ -9,6 +9,9 @@
 - on_log: tokens/s (non-padding tokens of the training forwards since the previous log) and peak GPU memory.
 - on_train_end: restore the model (and the checkpointing setting we changed).
 
+Under accelerate's FSDP2 a peft model is sharded per decoder layer (`peft_units_for_accelerate`), as the
+model without peft is.
+
 With `use_liger_kernel=True` as well, Liger wins: both replace the same modules, so fastplug leaves the
 model's modules alone (a warning says so) and only does gradient checkpointing and the logging.
 """
@@ -22,6 +25,7 @@ import torch
 from transformers import TrainerCallback
 
 from .. import checkpointing
+from ..integrations.fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from ..options import KernelOptions
 from ..patching import kernel_path_of, patch_model, unwrap
 
@@ -83,6 +87,7 @@ class FastKernels(TrainerCallback):
         self._offload_snapshot = None  # layers' checkpointing functions before "offload" replaced them
         self._tokens = _TokenCounter()
         self._window_start: float | None = None
+        self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
 
     # ------------------------------------------------------------------------------------------ patching
     def _patch(self, model) -> None:
@@ -116,6 +121,8 @@ class FastKernels(TrainerCallback):
             warnings.warn(LIGER_CONFLICT, stacklevel=2)
         self._patch(model)
         self._ask_trainer_for_checkpointing(args, model)
+        if model is not None and self._undo_fsdp is None:  # the Trainer made its accelerator in __init__
+            self._undo_fsdp = peft_units_for_accelerate(model, accelerate_fsdp2_plugin())
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._patch(model)
@@ -164,6 +171,9 @@ class FastKernels(TrainerCallback):
     # ----------------------------------------------------------------------------------------- restoring
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self._tokens.detach()
+        if self._undo_fsdp is not None:
+            self._undo_fsdp()
+            self._undo_fsdp = None
         if self.handle is not None:
             self.handle.restore()
         if self._offload_snapshot is not None:

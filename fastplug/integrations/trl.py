@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 from .. import checkpointing
 from ..callbacks.hf import LIGER_CONFLICT
 from ..patching import kernel_path_of, patch_model, unwrap
+from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
 
@@ -42,6 +43,7 @@ class FastKernelsMixin:
         self.fast_kernel_handles = []
         self.fast_kernels_summary = ""
         self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing)
+        self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
         super().__init__(*args, **kwargs)
         # After TRL's set-up (PEFT wrapping, fused LM head, reference model), before the optimizer exists.
         self._patch_fast_kernels()
@@ -62,6 +64,9 @@ class FastKernelsMixin:
             handle.restore()
         self.fast_kernel_handles = []
         self._checkpointing.restore(self.args)
+        if self._undo_fsdp is not None:
+            self._undo_fsdp()
+            self._undo_fsdp = None
 
     def _patch_fast_kernels(self) -> None:
         if self.fast_kernel_handles:
@@ -83,6 +88,7 @@ class FastKernelsMixin:
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"
             )
         self._checkpointing.ask_trainer(self.args, unwrap(self.model))
+        self._undo_fsdp = peft_units_for_accelerate(self.model, accelerate_fsdp2_plugin(self.accelerator))
         sections.append(f"  gradient checkpointing: {self._checkpointing.describe(self.args)}")
         self.fast_kernels_summary = "\n".join(sections)
 

@@ -60,3 +60,25 @@ def test_release_is_idempotent():
     assert gc.get_freeze_count() > 0, "the second holder still holds"
     other()
     assert gc.get_freeze_count() == 0
+
+
+def test_what_the_first_optimizer_step_leaves_alive_is_frozen_too():
+    import torch
+
+    release = host_gc.hold()
+    at_patch = gc.get_freeze_count()
+    param = torch.nn.Parameter(torch.randn(4))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    kept = [[i] for i in range(5000)]  # like the caches the first step fills (lists stay tracked)
+    param.grad = torch.randn(4)
+    optimizer.step()
+    after_first = gc.get_freeze_count()
+    assert after_first >= at_patch + len(kept), "the first step's survivors are frozen"
+    more = [[i] for i in range(5000)]
+    optimizer.step()
+    assert gc.get_freeze_count() <= after_first, "later steps do not freeze again"
+    release()
+    assert gc.get_freeze_count() == 0
+    assert host_gc._after_first_step is None, "the hook goes with the last holder"
+    optimizer.step()  # and a step after the release freezes nothing
+    assert gc.get_freeze_count() == 0 and len(kept) == len(more)

@@ -72,7 +72,7 @@ def peft_units_for_accelerate(model: nn.Module, plugin) -> Callable[[], None] | 
     For a PeftModel, Trainer.train() replaces the plugin's wrap policy with peft's FSDP1 one (transformers'
     `update_fsdp_plugin_peft`: an `_or_policy` of a policy for trainable leaves and one for decoder layers).
     accelerate 1.15's FSDP2 turns only the decoder-layer and size policies into units: with peft's it shards
-    the root alone, and each rank gathers the whole model for every forward (0.62x one GPU, measured). So at
+    the root alone: each rank gathers the whole model at once, for every forward and backward. So at
     `prepare`, before accelerate reads it, such a policy becomes the decoder-layer policy over the layers the
     model has; FSDP2 keeps frozen and trained parameters in one unit, so the adapters need no units of their
     own. A model already sharded per layer (`shard_model`) names its layers FSDP<Name>: peft's lookup by

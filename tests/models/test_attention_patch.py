@@ -66,7 +66,8 @@ def test_patched_attention_matches_unpatched(family):
     with patch_model(model, gradient_checkpointing=False) as handle:
         assert base.config._attn_implementation == "fastplug"
         summary = handle.summary()
-        padded = "right-padded batches: the same kernel" if original == "eager" else f"padded batches: transformers' {original}"
+        padded = ("right-padded batches: the same kernel" if original == "eager"
+                  else f"padded batches: transformers' {original}")
         assert summary.count("fastplug attention") == 2 and padded in summary
         if family == "gemma2":
             assert "softcap 50, sliding window 6" in summary

@@ -5,8 +5,8 @@ Per GPU: tokens/s (median step after warm-up, the slowest rank's) and peak memor
 largest rank's). Models, per-GPU batch and the step are e2e's (`fastplug.bench.e2e`: random-init bf16 weights,
 peft's fp32 LoRA r=16 on every linear layer, non-reentrant checkpointing, fused AdamW): Llama-1B shape (`llama`)
 and Llama-8B widths with 4 layers (`llama8b_4l`), 4x2048 tokens per GPU, each rank on its own data. DDP is
-torch's DistributedDataParallel; FSDP2 is `fully_shard` in accelerate's units (each decoder layer, an untied LM
-head, the model: `fastplug.integrations.fsdp.shard_model`), applied after patching.
+torch's DistributedDataParallel; FSDP2 is `fully_shard` per decoder layer, untied LM head and input embedding,
+then the model (`fastplug.integrations.fsdp.shard_model`), applied after patching.
 
 Each parallel mode is one torchrun launch whose ranks build a fresh model for every (model, impl) in turn;
 fastplug's patches are per instance, so nothing of one run reaches the next. `--tiny` runs tiny configs on CPU

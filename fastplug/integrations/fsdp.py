@@ -1,7 +1,7 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) of a transformers model, in the units accelerate 1.15 uses.
 
     handle = fastplug.patch_model(model)          # first: patching reads module structure, not parameters
-    shard_model(model, mesh=mesh)                 # every decoder layer, the LM head, then the model as root
+    shard_model(model, mesh=mesh)                 # every decoder layer, an untied head and embedding, the root
 
 For the places that shard themselves: the `fastkernels_fsdp` Lightning strategy, the multi-GPU benchmark and
 the tests. The HF Trainer and TRL shard through accelerate (`fsdp_config={"fsdp_version": 2}`).
@@ -32,7 +32,8 @@ _PEFT_CLASS_NAMES = "FSDP_TRANSFORMER_CLS_TO_WRAP"
 
 
 def shard_model(model: nn.Module, **fsdp_kwargs) -> nn.Module:
-    """Apply `fully_shard` to each decoder layer, to an untied LM head and to `model` (the root), in place.
+    """Apply `fully_shard` to each decoder layer, to an untied LM head and input embedding and to `model` (the
+    root), in place.
 
     `fsdp_kwargs` go to every `fully_shard` call (mesh, mp_policy, offload_policy, reshard_after_forward).
     A model that already holds FSDP2 modules is returned as it is.
@@ -49,6 +50,10 @@ def shard_model(model: nn.Module, **fsdp_kwargs) -> nn.Module:
     if isinstance(head, nn.Module) and getattr(head, "weight", None) is not getattr(embed, "weight", None):
         # Gathered at the end of forward and needed again at the start of backward: kept gathered in between.
         fully_shard(head, **{**fsdp_kwargs, "reshard_after_forward": False})
+        if isinstance(embed, nn.Module):
+            # Else the root holds it, and torch keeps the root gathered from forward to the end of backward: the
+            # whole table (1 GiB at the 8B width) on every rank for the step, more than DDP's peak at 4 layers.
+            fully_shard(embed, **fsdp_kwargs)
     root_kwargs = {k: v for k, v in fsdp_kwargs.items() if k != "reshard_after_forward"}
     fully_shard(model, **root_kwargs)  # torch keeps the root's parameters gathered between forward and backward
     return model

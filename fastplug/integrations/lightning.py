@@ -14,7 +14,7 @@ the optimizers are built, and restores them in `teardown()`, which Lightning als
 ModelParallelStrategy is the one built on `fully_shard`, and it expects the LightningModule's `configure_model`
 to shard. FastKernelsFSDPStrategy runs every device data-parallel (tensor_parallel_size=1) and, right after the
 module's own `configure_model`, patches the transformers models and shards each of them the way accelerate does
-(`fastplug.integrations.fsdp.shard_model`: every decoder layer, an untied LM head, the model) unless
+(`fastplug.integrations.fsdp.shard_model`: every decoder layer, an untied LM head and embedding, the model) unless
 `configure_model` applied `fully_shard` itself; then fastplug patches already sharded models, which works as well
 (patched modules read their parameters at call time, inside FSDP2's hooks).
 

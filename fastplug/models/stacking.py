@@ -8,7 +8,7 @@ No memory is added: the parameters stay the same objects, and each one's data be
 stacked matrix (the old storage is freed). Only frozen, dense, plain, contiguous 2-D weights that own their
 storage, of one dtype and device, are stacked, with their biases when every projection has one. So
 trainable bases (full fine-tuning: checkpoints save each weight), FP8 bases, and sharded or flattened
-parameters (FSDP, DeepSpeed) keep their own storage. bitsandbytes 4-bit bases stay where they are: their
+parameters (FSDP2 units above the owner, DeepSpeed) keep their own storage. bitsandbytes 4-bit bases stay where they are: their
 group is dequantized into one matrix (the buffer dequantized weights share) right before each GEMM. A group
 is stacked at its first call after patching (the model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
 seen at the next call by the weights' data pointers: the group then runs unstacked for good. restore() gives
@@ -25,15 +25,17 @@ from torch import nn
 from ..kernels.fp8 import is_fp8
 from ..kernels.lora import QUANTIZED_STACK, LoRAProjection, StackedBase, is_stacked
 from ..kernels.quant import is_4bit, shape_4bit
+from .rules import is_fsdp
 
 
 class _Group:
-    __slots__ = ("stacked", "params", "off")
+    __slots__ = ("stacked", "params", "off", "path")
 
-    def __init__(self):
+    def __init__(self, path: list):
         self.stacked: StackedBase | None = None
         self.params: list = []  # weakrefs to the stacked weights and biases, for restore
         self.off = False  # not eligible, or re-pointed since stacking: run unstacked
+        self.path = path  # weakrefs to the patched model and the modules down to the owner (FSDP2 units)
 
 
 # owner module (an attention or MLP block) -> its group; one group per owner
@@ -73,11 +75,26 @@ def _stack(tensors: list) -> torch.Tensor:
     return stacked
 
 
-def switch(owner: nn.Module):
-    """A Patch switch: lets `stacked_base` stack `owner`'s group at its next call; returns the undo."""
+def _path(root: nn.Module, owner: nn.Module) -> list:
+    """Weakrefs to `root` and every module from it down to `owner`."""
+    name = next((n for n, m in root.named_modules() if m is owner), "")
+    parts = name.split(".") if name else []
+    return [weakref.ref(root.get_submodule(".".join(parts[:i]))) for i in range(len(parts))]
+
+
+def _sharded(group: _Group) -> bool:
+    """Whether FSDP2 manages the owner's parameters: inside its forward they are plain tensors that own their
+    storage, but FSDP frees and refills that storage around each use, and a stacked copy would stay behind
+    (the whole model's q/k/v and gate/up unsharded on every rank)."""
+    return any(is_fsdp(m) for m in (ref() for ref in group.path) if m is not None)
+
+
+def switch(owner: nn.Module, root: nn.Module):
+    """A Patch switch: lets `stacked_base` stack `owner`'s group (in the model `root`) at its next call; returns
+    the undo."""
 
     def apply():
-        _GROUPS[owner] = _Group()
+        _GROUPS[owner] = _Group(_path(root, owner))
 
         def undo():
             group = _GROUPS.pop(owner, None)
@@ -116,7 +133,7 @@ def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase |
             return group.stacked
         group.off, group.stacked, group.params = True, None, []
         return None
-    if _ineligible(weights, biases) is not None:
+    if _ineligible(weights, biases) is not None or _sharded(group):
         group.off = True
         return None
     with torch.no_grad():

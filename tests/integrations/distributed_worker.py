@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from fastplug import FastKernels, KernelOptions
 from fastplug.patching import active_handle, patch_model
+from fastplug.models import stacking
 from tests.models.tiny import tiny_model
 
 STEPS = 2
@@ -50,8 +51,9 @@ SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "traine
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
-    # the interpreter runs the attention kernel too slowly for CI; on GPUs it is part of what is tested
-    return KernelOptions(attention=kind == "cuda", gradient_checkpointing=checkpointing)
+    # the interpreter runs the attention kernel too slowly for CI; on GPUs it is part of what is tested.
+    # Stacked q/k/v and gate/up bases, as the trainer adapters run (never inside FSDP2 units).
+    return KernelOptions(attention=kind == "cuda", gradient_checkpointing=checkpointing, stack_projections=True)
 
 
 def lora_llama(kind: str, device="cpu", dtype=torch.float32):
@@ -277,6 +279,7 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
         shard_model(model)  # a no-op for fsdp2_after
         out = train_loop(model, model, micro_batches(kind, dtype), rank, world, device)
     out["summary"] = handle.summary()
+    out["stacked_groups"] = sum(g.stacked is not None for g in stacking._GROUPS.values())
     handle.restore()
     out["restored"] = active_handle(model) is None and no_instance_forward(model)
     return out

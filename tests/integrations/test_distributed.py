@@ -51,9 +51,14 @@ def _patched_and_restored(ranks, fused_head=True):
             assert all(got["fused_head"]), f"rank {rank}: the fused LM-head loss did not run ({got['fused_head']})"
 
 
+def _stacked_groups(ranks):
+    return [got["stacked_groups"] for got in ranks]
+
+
 def test_ddp_matches_one_process(runs, one_process):
     worker.assert_loop_matches(worker.ranks_of(runs, "ddp"), one_process, TOL)
     _patched_and_restored(worker.ranks_of(runs, "ddp"))
+    assert all(_stacked_groups(worker.ranks_of(runs, "ddp"))), "DDP leaves the bases stacked (frozen, replicated)"
 
 
 def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_process):
@@ -61,6 +66,8 @@ def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_pr
     where FSDP2 has gathered it."""
     worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2"), one_process, TOL)
     _patched_and_restored(worker.ranks_of(runs, "fsdp2"))
+    # FSDP2 refills each unit's storage at every gather: a stacked copy would keep the bases unsharded
+    assert _stacked_groups(worker.ranks_of(runs, "fsdp2")) == [0, 0]
 
 
 def test_patching_after_fsdp2_sharded_the_model(runs, one_process):

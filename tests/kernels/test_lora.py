@@ -209,7 +209,7 @@ def stacked_mlp(activation):
 
 
 def enable_stacking(model):
-    stacking.switch(layers(model))()
+    stacking.switch(layers(model), model)()
 
 
 def assert_stacked(m, names):

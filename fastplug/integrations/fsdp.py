@@ -94,22 +94,30 @@ def peft_units_for_accelerate(model: nn.Module, plugin) -> Callable[[], None] | 
     names = sorted({type(layer).__name__ for layer in layers})
     own_method = plugin.set_auto_wrap_policy
 
+    renamed = any(is_fsdp(layer) for layer in layers)
+    names_before = plugin.transformer_cls_names_to_wrap
+
     def set_auto_wrap_policy(prepared: nn.Module) -> None:
         policy = plugin.auto_wrap_policy
-        if (policy.func if isinstance(policy, functools.partial) else policy) is _or_policy and names:
+        policy = policy.func if isinstance(policy, functools.partial) else policy
+        if policy is _or_policy and names:
             plugin.auto_wrap_policy = transformer_auto_wrap_policy
+            plugin.transformer_cls_names_to_wrap = names
+        elif policy is transformer_auto_wrap_policy and renamed:
+            # The Trainer prepares model and optimizer together (no peft policy): the plugin holds the
+            # classes' plain names (from `_no_split_modules`), which a presharded model no longer has.
             plugin.transformer_cls_names_to_wrap = names
         own_method(prepared)
 
     vars(plugin)["set_auto_wrap_policy"] = set_auto_wrap_policy
     env_before = os.environ.get(_PEFT_CLASS_NAMES)
-    renamed = any(is_fsdp(layer) for layer in layers)
     if renamed and env_before is None:
         os.environ[_PEFT_CLASS_NAMES] = ",".join(names)
 
     def undo() -> None:
         if vars(plugin).get("set_auto_wrap_policy") is set_auto_wrap_policy:
             del vars(plugin)["set_auto_wrap_policy"]
+            plugin.transformer_cls_names_to_wrap = names_before
         if renamed and env_before is None:
             os.environ.pop(_PEFT_CLASS_NAMES, None)
 

@@ -44,6 +44,27 @@ def test_peft_model_is_sharded_per_decoder_layer():
     assert "set_auto_wrap_policy" not in vars(plugin)
 
 
+def test_a_presharded_model_keeps_its_layers_as_units_when_the_trainer_prepares_it_with_its_optimizer():
+    """FSDP2 prepares model and optimizer together: the Trainer hands the plugin no peft policy, and the
+    plugin's transformer policy holds the plain class names. A model sharded per layer before the Trainer
+    has FSDP<Name> classes (as `fully_shard` renames them); accelerate would not find the plain name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _peft_model()
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    renamed = type("FSDPLlamaDecoderLayer", (FSDPModule, type(layers[0])), {})
+    for layer in layers:
+        layer.__class__ = renamed  # what fully_shard does to a unit's class
+    plugin = accelerate_utils.FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    names_before = plugin.transformer_cls_names_to_wrap
+    undo = peft_units_for_accelerate(model, plugin)
+    plugin.set_auto_wrap_policy(model)
+    policy = fsdp_utils.fsdp2_prepare_auto_wrap_policy(plugin, model)
+    assert [m for m in model.modules() if policy(m)] == layers
+    undo()
+    assert plugin.transformer_cls_names_to_wrap == names_before
+
+
 def test_without_fastplug_accelerate_shards_the_root_alone():
     """Why the adapter exists: with peft's policy accelerate 1.15 makes no unit below the root. When a later
     accelerate makes units of it, this test fails and the adapter can go."""

@@ -92,3 +92,41 @@ def test_offload_on_cuda_matches_plain_checkpointing():
         assert_close(loss, ref, torch.float32, "loss")
     for name, grad in grads.items():
         assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+
+
+@pytest.mark.parametrize("reference_pass", [False, True])
+def test_recompute_reuses_the_views_of_its_forward(monkeypatch, reference_pass):
+    """A checkpoint's recompute (in backward) takes the fused views its forward used instead of asking peft
+    again, also after a no_grad forward in between with the adapters off (DPO's reference pass inside
+    `disable_adapter()`); the gradients are the plain ones."""
+    from peft import LoraConfig, get_peft_model
+
+    from fastplug.models import projections
+
+    def lora_model():
+        torch.manual_seed(0)
+        config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        return get_peft_model(tiny_model("llama"), config).train()
+
+    asked = []
+    fused = projections.fused_projections
+    monkeypatch.setattr(projections, "fused_projections", lambda *m: asked.append(m) or fused(*m))
+    model, reference = lora_model(), lora_model()
+    handle = patch_model(model, gradient_checkpointing=True)
+    inputs = batch()
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
+    assert asked
+    if reference_pass:
+        with torch.no_grad(), model.disable_adapter():
+            model(**inputs)
+    asked.clear()
+    loss.backward()
+    assert not asked
+    ref_loss, ref_grads = _step(reference, inputs)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert_close(loss.detach(), ref_loss, torch.float32, "loss")
+    assert grads.keys() == ref_grads.keys() and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+    handle.restore()

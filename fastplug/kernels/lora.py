@@ -92,7 +92,7 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
     out = shape[0]
     if out_features is not None and out != out_features:
         raise ValueError(f"{name}.weight must have {out_features} output features; got {shape}")
-    if (is_4bit(w) or is_fp8(w)) and w.requires_grad:
+    if w.requires_grad and (is_4bit(w) or is_fp8(w)):
         raise ValueError(f"{name}.weight is a quantized weight that requires grad; quantized bases must be frozen")
     if proj.bias is not None and tuple(proj.bias.shape) != (out,):
         raise ValueError(f"{name}.bias must have shape ({out},); got {tuple(proj.bias.shape)}")
@@ -107,8 +107,9 @@ def _check_projection(name: str, proj, x: torch.Tensor, in_features=None, out_fe
         if not isinstance(proj.scaling, (int, float)):
             raise ValueError(f"{name}.scaling must be a Python number; got {type(proj.scaling).__name__}")
     device = x.device
-    if any(t is not None and t.device != device for t in proj[:4]):  # the message is built only on failure
-        check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
+    for t in proj[:4]:  # a loop, not any(genexpr): this runs for every projection of every layer
+        if t is not None and t.device != device:  # the message is built only on failure
+            check_same_device(x=x, **{f"{name}.{k}": getattr(proj, k) for k in ("weight", "bias", "lora_A", "lora_B")})
 
 
 def _block_ptr(t: torch.Tensor, row: int) -> int:
@@ -221,13 +222,16 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    if t is None or t.dtype == dtype or is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
+    if t is None or t.dtype == dtype:
         return t
-    hit = _CAST_CACHE.get(id(t))
-    if hit is None or hit.ref() is not t or hit.dtype != dtype or not _is_current(hit, t):
-        _refresh_casts(t, dtype)
-        hit = _CAST_CACHE[id(t)]
-    return hit.cast
+    hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
+    if (hit is not None and hit.ref() is t and hit.dtype == dtype and hit.version == t._version
+            and hit.generation == _generation):
+        return hit.cast
+    if is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
+        return t
+    _refresh_casts(t, dtype)
+    return _CAST_CACHE[id(t)].cast
 
 
 def _cast_params(params, dtype: torch.dtype) -> list:
@@ -289,12 +293,22 @@ _STACKED_ADAPTERS: dict[tuple, tuple] = {}
 def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     """originals: the projections as the caller passed them (versions and ids of their adapters key the
     cache); casts: the same in the compute dtype. A zero block stands in for a projection without adapter."""
-    adapter_params = [t for p in originals for t in (p.lora_A, p.lora_B) if t is not None]
-    key = (*(id(t) for t in adapter_params), dtype)
-    versions = tuple(t._version for t in adapter_params)
+    # loops, not generator expressions: this runs twice per layer per step (the host sets the pace)
+    adapter_params, ids, versions = [], [], []
+    for p in originals:
+        for t in (p.lora_A, p.lora_B):
+            if t is not None:
+                adapter_params.append(t)
+                ids.append(id(t))
+                versions.append(t._version)
+    key, versions = (*ids, dtype), tuple(versions)
     hit = _STACKED_ADAPTERS.get(key)
-    if hit is not None and hit[1] == versions and all(r() is t for r, t in zip(hit[0], adapter_params)):
-        return hit[2]
+    if hit is not None and hit[1] == versions:
+        for ref, t in zip(hit[0], adapter_params):
+            if ref() is not t:
+                break
+        else:
+            return hit[2]
     adapters = _adapters(casts)
     # one block_diag (a single op for the host, however many projections); a [out, 0] block stands for a
     # projection without adapter. With one scaling for all (peft's default) it is applied once to the whole.

@@ -17,7 +17,7 @@ from torch import nn
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
 from . import fast_attention, stacking
-from .projections import fused_projections, unfused_notes
+from .projections import fused_projections, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,7 +43,7 @@ def attention_function(attn: nn.Module):
 
 def _project_qkv(self, hidden_states, use_lora: bool, rotary):
     """(q, k, v, rotated): the fused QKV node applies RoPE itself (rotary = (cos, sin, head_dim)) when given."""
-    projs = fused_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
+    projs = step_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
     if projs is not None:
         stacked = stacking.stacked_base(self, projs)
         return (*lora_qkv(hidden_states, *projs, rotary=rotary, stacked=stacked), rotary is not None)
@@ -51,7 +51,7 @@ def _project_qkv(self, hidden_states, use_lora: bool, rotary):
 
 
 def _project_out(self, attn_output, use_lora: bool):
-    projs = fused_projections(self.o_proj) if use_lora else None
+    projs = step_projections(self.o_proj) if use_lora else None
     return lora_linear(attn_output, projs[0]) if projs is not None else self.o_proj(attn_output)
 
 

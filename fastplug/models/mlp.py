@@ -12,7 +12,7 @@ from torch import nn
 from ..kernels.activations import geglu, swiglu
 from ..kernels.lora import lora_mlp
 from . import stacking
-from .projections import fused_projections, unfused_notes
+from .projections import fused_projections, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -42,7 +42,7 @@ def _gated(gate, up, activation: str):
 
 def _mlp_forward(activation: str, use_lora: bool):
     def forward(self, x):
-        projs = fused_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
+        projs = step_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
         if projs is not None:
             return lora_mlp(x, *projs, activation=activation, stacked=stacking.stacked_base(self, projs[:2]))
         return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation))

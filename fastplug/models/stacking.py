@@ -8,9 +8,10 @@ No memory is added: the parameters stay the same objects, and each one's data be
 stacked matrix (the old storage is freed). Only frozen, dense, plain, contiguous 2-D weights that own their
 storage, of one dtype and device, are stacked, with their biases when every projection has one. So
 trainable bases (full fine-tuning: checkpoints save each weight), FP8 bases, and sharded or flattened
-parameters (FSDP2 units above the owner, DeepSpeed) keep their own storage. bitsandbytes 4-bit bases stay where they are: their
-group is dequantized into one matrix (the buffer dequantized weights share) right before each GEMM. A group
-is stacked at its first call after patching (the model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
+parameters (DeepSpeed; FSDP2 units from the patched model down to the owner) keep their own storage.
+bitsandbytes 4-bit bases stay where they are: their group is dequantized into one matrix (the buffer
+dequantized weights share) right before each GEMM. A group is stacked at its first call after patching (the
+model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
 seen at the next call by the weights' data pointers: the group then runs unstacked for good. restore() gives
 each parameter its own storage back (a copy of its block: safetensors refuses tensors that share storage).
 """
@@ -76,10 +77,10 @@ def _stack(tensors: list) -> torch.Tensor:
 
 
 def _path(root: nn.Module, owner: nn.Module) -> list:
-    """Weakrefs to `root` and every module from it down to `owner`."""
+    """Weakrefs to `root` and every module from it down to `owner`, both included."""
     name = next((n for n, m in root.named_modules() if m is owner), "")
     parts = name.split(".") if name else []
-    return [weakref.ref(root.get_submodule(".".join(parts[:i]))) for i in range(len(parts))]
+    return [weakref.ref(root.get_submodule(".".join(parts[:i]))) for i in range(len(parts) + 1)]
 
 
 def _sharded(group: _Group) -> bool:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from ._utils import cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, rows_view, use_triton
 
@@ -276,39 +277,58 @@ def glu_backward(
 # ---------------------------------------------------------------------------------------------- autograd
 class GatedActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, activation):
-        ctx.activation = activation
+    def forward(ctx, gate, up, activation, reuse_inputs):
+        ctx.activation, ctx.reuse_inputs = activation, reuse_inputs
         ctx.save_for_backward(gate, up)
         return glu_forward(gate, up, activation)
 
     @staticmethod
     def backward(ctx, grad_h):
         gate, up = ctx.saved_tensors
-        _, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation)
-        return dgate, dup, None
+        _, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation, inplace=ctx.reuse_inputs)
+        if ctx.reuse_inputs:  # kernel writes bypass autograd: any other saver of gate or up must now fail loudly
+            increment_version((gate, up))
+        return dgate, dup, None, None
+
+
+def _reusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether backward may overwrite gate and up with their gradients: both made by autograd ops (a leaf's
+    data, or a view of it, must never become its own gradient), in storages of their own."""
+    for t in (gate, up):
+        if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
+            return False
+    return gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+
+
+def _gated_activation(gate, up, activation: str, reuse_inputs: bool):
+    if torch.compiler.is_compiling():
+        return _glu_op(gate, up, activation)
+    return GatedActivation.apply(gate, up, activation, reuse_inputs and _reusable(gate, up))
 
 
 # ------------------------------------------------------------------------------------------- public API
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up (Llama, Mistral, Qwen MLPs); gate/up [..., I]."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) -> torch.Tensor:
+    """silu(gate) * up (Llama, Mistral, Qwen MLPs); gate/up [..., I].
+
+    reuse_inputs=True: backward writes dgate and dup into gate's and up's buffers instead of new ones (two
+    [..., I] buffers less at the peak), for gate and up that nothing reads after this op's backward, such as
+    the fresh projection outputs of an MLP. Ignored for leaves, views of leaves and gate/up sharing a storage;
+    an autograd node that saved them too raises at its backward instead of reading gradients."""
     _check_gate_up(gate, up)
     if not use_triton(gate, up):
         return swiglu_reference(gate, up)
-    if torch.compiler.is_compiling():
-        return _glu_op(gate, up, "silu")
-    return GatedActivation.apply(gate, up, "silu")
+    return _gated_activation(gate, up, "silu", reuse_inputs)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh") -> torch.Tensor:
-    """gelu(gate) * up; approximate="tanh" is gelu_pytorch_tanh (Gemma), "none" the exact erf gelu."""
+def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, reuse_inputs: bool = False) -> torch.Tensor:
+    """gelu(gate) * up; approximate="tanh" is gelu_pytorch_tanh (Gemma), "none" the exact erf gelu.
+    reuse_inputs: as in `swiglu`."""
     if approximate not in _GELU_APPROXIMATE:
         raise ValueError(f"approximate must be one of {tuple(_GELU_APPROXIMATE)}; got {approximate!r}")
     _check_gate_up(gate, up)
     if not use_triton(gate, up):
         return geglu_reference(gate, up, approximate)
-    if torch.compiler.is_compiling():
-        return _glu_op(gate, up, _GELU_APPROXIMATE[approximate])
-    return GatedActivation.apply(gate, up, _GELU_APPROXIMATE[approximate])
+    return _gated_activation(gate, up, _GELU_APPROXIMATE[approximate], reuse_inputs)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

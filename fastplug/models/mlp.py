@@ -8,6 +8,7 @@ its sigmoid gate lives in the MoE block, which stays as it is.
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 
 from ..kernels.activations import geglu, swiglu
 from ..kernels.lora import lora_mlp
@@ -34,10 +35,16 @@ def activation_name(act_fn: nn.Module) -> str | None:
     return _ACTIVATION_BY_CLASS.get(type(act_fn).__name__)
 
 
-def _gated(gate, up, activation: str):
+def _gated(gate, up, activation: str, reuse_inputs: bool):
     if activation == "silu":
-        return swiglu(gate, up)
-    return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none")
+        return swiglu(gate, up, reuse_inputs=reuse_inputs)
+    return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", reuse_inputs=reuse_inputs)
+
+
+def _outputs_private(*modules: nn.Module) -> bool:
+    """Whether no forward hook sees these modules' outputs (one that keeps them would read gradients after
+    the backward that reuses their buffers)."""
+    return not (_global_forward_hooks or any(m._forward_hooks for m in modules))
 
 
 def _mlp_forward(activation: str, use_lora: bool):
@@ -45,7 +52,9 @@ def _mlp_forward(activation: str, use_lora: bool):
         projs = step_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
         if projs is not None:
             return lora_mlp(x, *projs, activation=activation, stacked=stacking.stacked_base(self, projs[:2]))
-        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation))
+        # the projections' outputs feed the activation alone: its backward writes their gradients into them
+        reuse = _outputs_private(self.gate_proj, self.up_proj)
+        return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation, reuse))
 
     return forward
 

@@ -204,3 +204,60 @@ def test_reference_is_the_plain_torch_formula():
     gate, up = _inputs((3, 10), torch.float64)
     assert torch.equal(swiglu_reference(gate, up), F.silu(gate) * up)
     assert torch.equal(geglu_reference(gate, up, "none"), F.gelu(gate) * up)
+
+
+REUSING = {"silu": lambda g, u: swiglu(g, u, reuse_inputs=True),
+           "gelu_tanh": lambda g, u: geglu(g, u, "tanh", reuse_inputs=True)}
+
+
+@pytest.mark.parametrize("activation", list(REUSING))
+def test_reuse_inputs_writes_the_gradients_into_gate_and_up(activation):
+    """As an MLP calls it: gate and up are fresh projection outputs (views of their matmuls). The gradients
+    come back in their buffers, equal to the float64 reference; x and the weights get the same grads."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    w_gate, w_up = torch.randn(24, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True)
+    grad_h = torch.randn(2, 5, 24)
+    seen = {}
+
+    def keep(name):
+        return lambda g: seen.__setitem__(name, g)
+
+    gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+    gate.register_hook(keep("dgate"))
+    up.register_hook(keep("dup"))
+    ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate.detach(), up.detach(), grad_h)
+    gate_ptr, up_ptr = gate.data_ptr(), up.data_ptr()
+    h = REUSING[activation](gate, up)
+    h.backward(grad_h)
+    assert_close(h, ref_h, torch.float32, "h")
+    assert_close(seen["dgate"], ref_dgate, torch.float32, "dgate")
+    assert_close(seen["dup"], ref_dup, torch.float32, "dup")
+    assert seen["dgate"].data_ptr() == gate_ptr and seen["dup"].data_ptr() == up_ptr
+    assert_close(x.grad, (ref_dgate @ w_gate.double() + ref_dup @ w_up.double()), torch.float32, "dx")
+
+
+def test_reuse_inputs_leaves_leaves_and_shared_storages_alone():
+    """A leaf's data (or a view of it) never becomes its own gradient, and gate/up halves of one buffer keep
+    apart: reuse_inputs is then ignored."""
+    gate, up = _inputs((6, 40), torch.float32)
+    gate.requires_grad_()
+    up.requires_grad_()
+    before = gate.detach().clone()
+    swiglu(gate, up, reuse_inputs=True).sum().backward()
+    assert torch.equal(gate.detach(), before) and gate.grad.data_ptr() != gate.data_ptr()
+    fused = (torch.randn(6, 80) * 1.0).requires_grad_()
+    g, u = (fused * 2).chunk(2, dim=-1)
+    swiglu(g, u, reuse_inputs=True).sum().backward()
+    _, ref_dgate, ref_dup = _reference_grads("silu", g.detach(), u.detach(), torch.ones(6, 40))
+    assert_close(fused.grad, 2 * torch.cat([ref_dgate, ref_dup], dim=-1), torch.float32, "grad through the chunks")
+
+
+def test_reuse_inputs_makes_another_saver_of_gate_fail_loudly():
+    """Another autograd node that saved gate would read dgate after the reuse: it raises instead."""
+    x = torch.randn(4, 8, requires_grad=True)
+    gate, up = x * 1.5, x * 0.5
+    other = gate * x  # saves gate
+    loss = swiglu(gate, up, reuse_inputs=True).sum() + other.sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -43,8 +43,9 @@ def _gated(gate, up, activation: str, reuse_inputs: bool):
 
 def _outputs_private(*modules: nn.Module) -> bool:
     """Whether no forward hook sees these modules' outputs (one that keeps them would read gradients after
-    the backward that reuses their buffers)."""
-    return not (_global_forward_hooks or any(m._forward_hooks for m in modules))
+    the backward that reuses their buffers). Their submodules count too: a peft layer with its adapters off
+    returns its base layer's output itself."""
+    return not (_global_forward_hooks or any(sub._forward_hooks for m in modules for sub in m.modules()))
 
 
 def _mlp_forward(activation: str, use_lora: bool):

@@ -213,7 +213,7 @@ REUSING = {"silu": lambda g, u: swiglu(g, u, reuse_inputs=True),
 @pytest.mark.parametrize("activation", list(REUSING))
 def test_reuse_inputs_writes_the_gradients_into_gate_and_up(activation):
     """As an MLP calls it: gate and up are fresh projection outputs (views of their matmuls). The gradients
-    come back in their buffers, equal to the float64 reference; x and the weights get the same grads."""
+    come back in their buffers, equal to the float64 reference, and reach x through the projections."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16, requires_grad=True)
     w_gate, w_up = torch.randn(24, 16, requires_grad=True), torch.randn(24, 16, requires_grad=True)
@@ -261,3 +261,4 @@ def test_reuse_inputs_makes_another_saver_of_gate_fail_loudly():
     loss = swiglu(gate, up, reuse_inputs=True).sum() + other.sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+

@@ -150,3 +150,26 @@ def test_eager_attention_and_generation_with_cache():
         kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         generated = model.generate(inputs["input_ids"], **kwargs)
         assert torch.equal(generated, reference.generate(inputs["input_ids"], **kwargs))
+
+
+def test_patched_mlp_reuses_the_projection_outputs_only_when_no_hook_sees_them():
+    """The dense MLP patch passes reuse_inputs unless a forward hook (on a projection, inside it, or global)
+    sees the outputs the backward would overwrite."""
+    from torch import nn
+
+    from fastplug.models.mlp import _outputs_private
+
+    class Wrapped(nn.Module):  # a peft-like layer whose output can be its inner layer's own
+        def __init__(self):
+            super().__init__()
+            self.base_layer = nn.Linear(4, 4)
+
+    gate, up = Wrapped(), nn.Linear(4, 4)
+    assert _outputs_private(gate, up)
+    handle = gate.base_layer.register_forward_hook(lambda *_: None)
+    assert not _outputs_private(gate, up)
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
+    assert not _outputs_private(gate, up)
+    handle.remove()
+    assert _outputs_private(gate, up)

@@ -18,6 +18,7 @@
 #   attention [ARGS]       python scripts/attention_gpu.py ARGS        (flash kernel vs SDPA, Gemma2 rows)
 #   fp8 [ARGS]             python scripts/fp8_gpu.py ARGS              (FP8 block-scaled GEMM and projections)
 #   host [ARGS]            python scripts/host_overhead.py ARGS        (host µs per op call)
+#   compile [ARGS]         python scripts/compile_gpu.py ARGS          (compiled vs eager losses, kernel by kernel)
 # Arguments after a PART belong to it until the next PART name.
 #
 # Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
@@ -45,7 +46,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate qlora moe attention fp8 host"
+PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate qlora moe attention fp8 host compile"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -66,6 +67,7 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         attention) cmd=("$PY" scripts/attention_gpu.py "$@") ;;
         fp8)    cmd=("$PY" scripts/fp8_gpu.py "$@") ;;
         host)   cmd=("$PY" scripts/host_overhead.py "$@") ;;
+        compile) cmd=("$PY" scripts/compile_gpu.py "$@") ;;
     esac
     echo "=== gpu_run: $name: ${cmd[*]}"
     local start=$SECONDS

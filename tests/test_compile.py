@@ -20,6 +20,36 @@ def _module(name):
     return importlib.import_module(f"fastplug.kernels.{name}")
 
 
+def _lora_args(kind: str, stacked: bool = False):
+    """Inputs of the registered LoRA operators: x [2, 5, 16], the packed params (k without adapter, v with a bias
+    unless stacked), scalings; "qkv" rotates q and k. stacked: the weights that read x as row blocks of one."""
+    g = torch.Generator().manual_seed(4)
+
+    def rand(*shape, grad=True):
+        return (torch.randn(*shape, generator=g) * 0.3).requires_grad_(grad)
+
+    x = rand(2, 5, 16)
+    if kind == "mlp":
+        widths = [(24, 16), (24, 16), (16, 24)]
+    else:
+        widths = [(32, 16), (16, 16), (16, 16)]
+    weights = [rand(*w, grad=False) for w in widths]
+    n = 2 if kind == "mlp" else 3  # the projections that read x
+    if stacked:
+        weights[:n] = list(torch.cat(weights[:n]).split([w[0] for w in widths[:n]]))
+    params = []
+    for i, (out, inp) in enumerate(widths):
+        adapter = i != 1 or kind == "mlp"
+        params += [weights[i], rand(out) if i == 2 and kind != "mlp" and not stacked else None,
+                   rand(4, inp) if adapter else None, rand(out, 4) if adapter else None]
+    lora = importlib.import_module("fastplug.kernels.lora")
+    tensors, present = lora._pack(params)
+    if kind == "mlp":
+        return (x, tensors, present, [0.5, 2.0, 1.0], "silu")
+    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    return (x, tensors, present, [0.5, 2.0, 1.0], cos, sin, 8)
+
+
 def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
     """Inputs of the experts operator: x, routing weights and indices, gate_up, down, LoRA factors, scalings."""
     g = torch.Generator().manual_seed(3)
@@ -61,6 +91,10 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
         ("moe.routing", "_router_op", lambda: (torch.randn(9, 6, requires_grad=True), 2, True)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=False)),
+        ("lora", "_projections_op", lambda: _lora_args("qkv")),
+        ("lora", "_projections_op", lambda: _lora_args("qkv", stacked=True)),
+        ("lora", "_mlp_op", lambda: _lora_args("mlp")),
+        ("lora", "_mlp_op", lambda: _lora_args("mlp", stacked=True)),
     ],
 )  # fmt: skip
 def test_registered_operator_passes_opcheck(module, op, make_args):
@@ -196,3 +230,38 @@ def test_fused_linear_cross_entropy_compiles_fullgraph():
     assert_close(loss, ref, torch.float32, "loss")
     for got, want in zip(grads, (hidden.grad, weight.grad)):
         assert_close(got, want, torch.float32, "gradient")
+
+
+@pytest.mark.parametrize("kind", ["qkv", "mlp"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_registered_lora_operators_match_the_autograd_nodes(kind, stacked):
+    """Outputs and every grad of the registered operators (what torch.compile runs) against the eager nodes,
+    with bases stacked in memory or not."""
+    lora = importlib.import_module("fastplug.kernels.lora")
+    args = _lora_args(kind, stacked)
+    x, tensors, present, scalings = args[:4]
+    params = lora._unpack(tensors, present)
+    projs = [lora.LoRAProjection(*params[4 * i : 4 * i + 4], s) for i, s in enumerate(scalings)]
+    if stacked:
+        n = 2 if kind == "mlp" else 3
+        assert lora._stacked_in_memory(projs[:n], x.dtype) is not None
+    torch.manual_seed(7)
+    results = []
+    for registered in (True, False):
+        if registered:
+            outs = lora._projections_op(*args)[0] if kind == "qkv" else lora._mlp_op(*args)[0]
+        elif kind == "qkv":
+            cos, sin, head_dim = args[4:]
+            outs = torch.cat([y.reshape(10, -1) for y in lora.lora_qkv(x, *projs, rotary=(cos, sin, head_dim))], 1)
+        else:
+            outs = lora.lora_mlp(x, *projs, activation=args[4])
+        outs = outs.reshape(10, -1)
+        probe = torch.randn(outs.shape, generator=torch.Generator().manual_seed(9))
+        grads = torch.autograd.grad((outs * probe).sum(), [x, *(t for t in tensors if t.requires_grad)])
+        results.append((outs.detach(), grads))
+    (out_r, grads_r), (out_e, grads_e) = results
+    assert_close(out_r, out_e, torch.float32, "output")
+    assert len(grads_r) == len(grads_e) > 4
+    for got, want in zip(grads_r, grads_e):
+        assert got.dtype == want.dtype
+        assert_close(got, want, torch.float32, "grad")

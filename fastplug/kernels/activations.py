@@ -183,11 +183,11 @@ def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch
     return h.view(gate.shape)
 
 
-def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, inplace: bool):
+def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, out):
     grad2, gate2, up2 = rows_view(grad_h), rows_view(gate), rows_view(up)
-    if inplace:
-        # Write through the 2-D views of the caller's buffers; a view that had to be copied is copied back.
-        h2, dgate2, dup2 = (grad2 if recompute_h else None), gate2, up2
+    if out is not None:
+        # Write through 2-D views of the given buffers; a view that had to be copied is copied back.
+        h2, dgate2, dup2 = (rows_view(out[0]) if recompute_h else None), rows_view(out[1]), rows_view(out[2])
     else:
         h2 = torch.empty_like(gate2, memory_format=torch.contiguous_format) if recompute_h else None
         dgate2 = torch.empty_like(gate2, memory_format=torch.contiguous_format)
@@ -201,11 +201,11 @@ def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, inplace:
             stride_h=h_arg.stride(0), stride_dgate=dgate2.stride(0), stride_dup=dup2.stride(0),
             ACT=act, STORE_H=recompute_h, num_warps=TUNING.num_warps, **args,
         )
-    if inplace:
-        for buffer, view in ((grad_h, h2), (gate, dgate2), (up, dup2)):
+    if out is not None:
+        for buffer, view in zip(out, (h2, dgate2, dup2)):
             if view is not None and view.data_ptr() != buffer.data_ptr():
                 buffer.copy_(view.view(buffer.shape))
-        return (grad_h if recompute_h else None), gate, up
+        return (out[0] if recompute_h else None), out[1], out[2]
     return (h2.view(gate.shape) if recompute_h else None), dgate2.view(gate.shape), dup2.view(up.shape)
 
 
@@ -223,18 +223,18 @@ def _gate_factor_torch(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, 
     return p, _INV_SQRT_2PI * torch.exp(-0.5 * x * x)
 
 
-def _glu_backward_torch(grad_h, gate, up, activation: str, recompute_h: bool, inplace: bool):
+def _glu_backward_torch(grad_h, gate, up, activation: str, recompute_h: bool, out):
     x, u, g = gate.float(), up.float(), grad_h.float()
     p, dp = _gate_factor_torch(x, activation)
     act = x * p
     h = act * u if recompute_h else None
     dgate, dup = g * u * (p + x * dp), g * act
-    if inplace:
+    if out is not None:
         if recompute_h:
-            grad_h.copy_(h)
-        gate.copy_(dgate)
-        up.copy_(dup)
-        return (grad_h if recompute_h else None), gate, up
+            out[0].copy_(h)
+        out[1].copy_(dgate)
+        out[2].copy_(dup)
+        return (out[0] if recompute_h else None), out[1], out[2]
     return (h.to(gate.dtype) if recompute_h else None), dgate.to(gate.dtype), dup.to(up.dtype)
 
 
@@ -257,21 +257,31 @@ def glu_backward(
     *,
     recompute_h: bool = False,
     inplace: bool = False,
+    out: tuple | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """(h or None, dgate, dup) for h = act(gate) * up, recomputing the activation from gate and up.
 
     recompute_h also returns h (the fused LoRA MLP needs it for down_proj's weight gradient).
-    inplace=True writes h into grad_h's buffer, dgate into gate's and dup into up's, and returns those
-    buffers: only for buffers the caller owns and will not read again.
+    out = (buffer for h or None, for dgate, for dup), gate's shape: written instead of new buffers.
+    inplace=True is out=(grad_h, gate, up): h into grad_h's buffer, dgate into gate's and dup into up's; only
+    for buffers the caller owns and will not read again.
     """
     act = _activation_index(activation)
     _check_gate_up(gate, up)
     check_dtype("grad_h", grad_h)
     check_shape("grad_h", grad_h, gate.shape, "the shape of gate")
     check_same_device(grad_h=grad_h, gate=gate, up=up)
+    if inplace:
+        out = (grad_h if recompute_h else None, gate, up)
+    elif out is not None:
+        for name, buffer in zip(("out[0]", "out[1]", "out[2]"), out):
+            if buffer is not None:
+                check_shape(name, buffer, gate.shape, "the shape of gate")
+        if recompute_h and out[0] is None:
+            raise ValueError("recompute_h needs a buffer for h in out[0]")
     if use_triton(grad_h, gate, up):
-        return _glu_backward_triton(grad_h, gate, up, act, recompute_h, inplace)
-    return _glu_backward_torch(grad_h, gate, up, activation, recompute_h, inplace)
+        return _glu_backward_triton(grad_h, gate, up, act, recompute_h, out)
+    return _glu_backward_torch(grad_h, gate, up, activation, recompute_h, out)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

@@ -24,9 +24,10 @@ the weight dequantized into that shared buffer.
 Matmuls run in the input dtype with fp32 accumulation (what torch's matmul does). The LoRA maths is plain
 torch; the MLP activation uses the Triton kernels of `fastplug.kernels.activations`. Knows nothing of peft.
 
-Under torch.compile (while Dynamo traces) the blocks are the same maths as plain torch ops instead (`_traced`),
-with the activation as the registered `fastplug::glu` operator: the cast cache and the hand-written backward
-are Python-side state that would break the graph. Quantized bases keep the eager function (a graph break).
+Under torch.compile (while Dynamo traces) the blocks are registered operators (`fastplug::lora_projections`,
+`fastplug::lora_mlp` and their backward) that run the same forward and backward code, opaque to the compiler;
+bases that patching stacked are found stacked in memory. Quantized bases keep the eager function (a graph
+break).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ._utils import (
     check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, promote_types, rows_view,
     use_triton,
 )
-from .activations import ACTIVATIONS, _glu_op, glu_backward, glu_forward
+from .activations import ACTIVATIONS, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
 from .quant import dequantize_4bit_scratch, dequantize_4bit_stacked, is_4bit, shape_4bit
 from .rope import rope, rope_projections
@@ -400,8 +401,9 @@ def _mm_scaled(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return a.new_empty((a.shape[0], b.shape[1])).addmm_(a, b, beta=0.0, alpha=alpha)
 
 
-def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
+def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None, out: list | None = None):
     """Outputs [N, out_i] of projections of one input x2 [N, in], and xa = x2 @ a_cat^T [N, R] (or None).
+    out: dense bases only, a [N, out_i] block (unit last stride) per projection to write instead of new buffers.
 
     With an adapter, the small LoRA matmul writes y first (bias included) and the base matmul adds into it:
     the read of y then happens in the epilogue of a compute-bound matmul, where it is nearly free, instead
@@ -411,11 +413,21 @@ def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None):
     ys, quantized = [], {}
     for i, p in enumerate(projs):
         sl = adapters.slices[i] if adapters is not None else None
+        block = None if out is None else out[i]
         if sl is None:
-            ys.append(_base_mm(x2, p.weight, bias=p.bias, quantized=quantized))
+            if block is None:
+                ys.append(_base_mm(x2, p.weight, bias=p.bias, quantized=quantized))
+            else:
+                ys.append(torch.mm(x2, p.weight.t(), out=block) if p.bias is None
+                          else torch.addmm(p.bias, x2, p.weight.t(), out=block))
             continue
         xa_i, b_t = xa[:, sl[0] : sl[1]], p.lora_B.t()
-        y = _mm_scaled(xa_i, b_t, p.scaling) if p.bias is None else torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling)
+        if block is None:
+            y = _mm_scaled(xa_i, b_t, p.scaling) if p.bias is None else torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling)
+        elif p.bias is None:  # beta=0: the block's old contents are never read
+            y = block.addmm_(xa_i, b_t, beta=0.0, alpha=p.scaling)
+        else:
+            y = torch.addmm(p.bias, xa_i, b_t, alpha=p.scaling, out=block)
         ys.append(_base_mm(x2, p.weight, out=y, quantized=quantized))
     return ys, xa
 
@@ -466,9 +478,12 @@ def _no_autocast(x: torch.Tensor):
 # -------------------------------------------------------------------------------- autograd functions
 
 
-def _side_by_side(dys, outs: list, rotary=None) -> torch.Tensor:
+def _side_by_side(dys, outs: list, rotary=None, joined=None) -> torch.Tensor:
     """[N, sum out_i]: the grads of the stacked outputs in one buffer (rotary (cos, sin, batch, head_dim): the
-    first two rotated back on the way, as the forward rotated q and k in place)."""
+    first two rotated back on the way, as the forward rotated q and k in place). joined: those grads already
+    side by side in one tensor (the registered operator's), used as it is when nothing is rotated."""
+    if rotary is None and joined is not None:
+        return joined
     dy = dys[0].new_empty((dys[0].shape[0], sum(outs)))
     if rotary is None:
         return torch.cat(dys, dim=1, out=dy)
@@ -479,6 +494,54 @@ def _side_by_side(dys, outs: list, rotary=None) -> torch.Tensor:
     return dy
 
 
+class _Projected(NamedTuple):
+    """What the forward of projections of one input leaves for their backward."""
+
+    ys: list  # per projection [N, out_i]; column blocks of `y` when there is one
+    y: torch.Tensor | None  # [N, sum out_i]: stacked, or joined for the registered operator
+    xa: torch.Tensor | None  # [N, R]
+    adapters: object  # _StackedAdapters (stacked) or _Adapters / None
+    projs: list  # the projections in the compute dtype
+    originals: list | None  # as passed (stacked: they key the stacked adapters)
+
+
+def _project(x, x2, scalings, params, stacked, rotary, joined: bool = False) -> _Projected:
+    """Forward of projections of one input (shared by the autograd node and the registered operator).
+    rotary: None or (cos, sin, head_dim): q and k rotated in place. joined: dense bases write their outputs
+    side by side into one buffer."""
+    originals = _unflatten(params, scalings) if stacked is not None else None
+    projs = _unflatten(_cast_params(params, x.dtype), scalings)
+    outs = [_weight_shape(p.weight)[0] for p in projs]
+    y = None
+    with _no_autocast(x):
+        if stacked is not None:
+            adapters = _stacked_adapters(originals, projs, x.dtype)
+            y, xa = _forward_stacked(x2, stacked, adapters, projs)
+            ys = list(y.split(outs, dim=1))
+        else:
+            adapters = _adapters(projs)
+            y = x2.new_empty((x2.shape[0], sum(outs))) if joined else None
+            ys, xa = _forward(x2, projs, adapters, out=None if y is None else y.split(outs, dim=1))
+    if rotary is not None:  # q and k are this node's own buffers: no second copy of them
+        ys[0], ys[1] = rope_projections(ys[0], ys[1], *rotary[:2], x.shape[0], rotary[2], inplace=True)
+    return _Projected(ys, y, xa, adapters, projs, originals)
+
+
+def _project_grads(dys, x2, fwd: _Projected, stacked, rotary, need_x: bool, needs, joined=None):
+    """(dX [N, in] or None, grads in _flatten's order) of `_project`. rotary: None or (cos, sin, batch,
+    head_dim). joined: dys side by side in one tensor, when the caller has them so."""
+    projs, adapters = fwd.projs, fwd.adapters
+    with _no_autocast(x2):
+        if stacked is not None:
+            dy = _side_by_side(dys, [_weight_shape(p.weight)[0] for p in projs], rotary, joined)
+            return _grads_stacked(dy, x2, fwd.xa, stacked, adapters, fwd.originals, needs, need_x)
+        if rotary is not None:  # the gradients of the rotated q, k, rotated back
+            dys[0], dys[1] = rope_projections(dys[0], dys[1], *rotary, backward=True)
+        dyb = _dy_b(dys, projs, adapters)
+        dx = _input_grad(dys, projs, adapters, dyb) if need_x else None
+        return dx, _param_grads(x2, fwd.xa, dys, dyb, projs, adapters, needs)
+
+
 class _SharedInputLoRA(torch.autograd.Function):
     """Projections of one input (a LoRA linear, or q/k/v), one autograd node."""
 
@@ -486,52 +549,93 @@ class _SharedInputLoRA(torch.autograd.Function):
     def forward(ctx, x, scalings, rotary, stacked, *params):
         """rotary: None, or (cos, sin, head_dim) to rotate the first two outputs (q, k) in place.
         stacked: None, or the projections' StackedBase (one GEMM for all bases)."""
-        originals = _unflatten(params, scalings) if stacked is not None else None  # key the stacked adapters
-        params = _cast_params(params, x.dtype)
-        projs = _unflatten(params, scalings)
         x2 = rows_view(x)
-        with _no_autocast(x):
-            if stacked is not None:
-                adapters = _stacked_adapters(originals, projs, x.dtype)
-                y, xa = _forward_stacked(x2, stacked, adapters, projs)
-                ys = list(y.split([_weight_shape(p.weight)[0] for p in projs], dim=1))
-            else:
-                adapters = _adapters(projs)
-                ys, xa = _forward(x2, projs, adapters)
-        if rotary is not None:  # q and k are this node's own buffers: no second copy of them
-            ys[0], ys[1] = rope_projections(ys[0], ys[1], *rotary[:2], x.shape[0], rotary[2], inplace=True)
-        ctx.scalings, ctx.x_shape = scalings, x.shape
+        fwd = _project(x, x2, scalings, params, stacked, rotary)
+        ctx.x_shape, ctx.stacked = x.shape, stacked
         ctx.head_dim = rotary[2] if rotary is not None else None
         # a_cat is small and derived from the params: kept with them (a cat of several is not a param)
-        ctx.adapters, ctx.stacked = adapters, stacked
-        ctx.originals = originals
-        keep_for_backward(ctx, (*params, *rotary[:2]) if rotary is not None else params)
-        ctx.save_for_backward(x2, xa)
+        ctx.fwd = fwd._replace(ys=None, y=None, xa=None, projs=None)
+        ctx.scalings = scalings
+        cast = _flatten(fwd.projs)
+        keep_for_backward(ctx, (*cast, *rotary[:2]) if rotary is not None else cast)
+        ctx.save_for_backward(x2, fwd.xa)
         lead = tuple(x.shape[:-1])
-        return tuple(y.view(*lead, y.shape[-1]) for y in ys)
+        return tuple(y.view(*lead, y.shape[-1]) for y in fwd.ys)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         x2, xa = ctx.saved_tensors
         kept = kept_for_backward(ctx)
         n = len(ctx.scalings)
-        projs = _unflatten(kept[: 4 * n], ctx.scalings)
-        adapters = ctx.adapters
+        fwd = ctx.fwd._replace(xa=xa, projs=_unflatten(kept[: 4 * n], ctx.scalings))
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
         rotary = (*kept[4 * n:], ctx.x_shape[0], ctx.head_dim) if ctx.head_dim else None
-        if ctx.stacked is not None:
-            with _no_autocast(x2):
-                dy = _side_by_side(dys, [_weight_shape(p.weight)[0] for p in projs], rotary)
-                dx, grads = _grads_stacked(dy, x2, xa, ctx.stacked, adapters, ctx.originals,
-                                           ctx.needs_input_grad[4:], ctx.needs_input_grad[0])
-            return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
-        if rotary is not None:  # the gradients of the rotated q, k, rotated back
-            dys[0], dys[1] = rope_projections(dys[0], dys[1], *rotary, backward=True)
-        with _no_autocast(x2):
-            dyb = _dy_b(dys, projs, adapters)
-            dx = _input_grad(dys, projs, adapters, dyb) if ctx.needs_input_grad[0] else None
-            grads = _param_grads(x2, xa, dys, dyb, projs, adapters, ctx.needs_input_grad[4:])
+        dx, grads = _project_grads(dys, x2, fwd, ctx.stacked, rotary, ctx.needs_input_grad[0], ctx.needs_input_grad[4:])
         return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
+
+
+class _MLPForward(NamedTuple):
+    """What the MLP's forward leaves for its backward."""
+
+    y: torch.Tensor  # [N, out]
+    gate_up: torch.Tensor | None  # [N, 2I]: gate and up side by side (stacked or joined), else None
+    gate: torch.Tensor
+    up: torch.Tensor
+    xa_gu: torch.Tensor | None
+    xa_down: torch.Tensor | None
+    adapters: tuple  # (gate/up adapters, down adapters)
+    projs: list  # gate, up, down in the compute dtype
+    originals: list | None  # gate and up as passed (stacked: they key the stacked adapters)
+
+
+def _mlp(x, x2, activation, scalings, params, stacked, joined: bool = False) -> _MLPForward:
+    """Forward of down(act(gate(x)) * up(x)) (shared by the autograd node and the registered operator).
+    joined: gate and up (dense) written side by side into one buffer."""
+    originals = _unflatten(params, scalings)[:2] if stacked is not None else None
+    gate_p, up_p, down_p = projs = _unflatten(_cast_params(params, x.dtype), scalings)
+    down_adapters = _adapters([down_p])
+    width = _weight_shape(gate_p.weight)[0]
+    with _no_autocast(x):
+        if stacked is not None:
+            gu_adapters = _stacked_adapters(originals, [gate_p, up_p], x.dtype)
+            gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
+            gate, up = gate_up.split(width, dim=1)
+        else:
+            gu_adapters = _adapters([gate_p, up_p])
+            gate_up = x2.new_empty((x2.shape[0], 2 * width)) if joined else None
+            blocks = None if gate_up is None else gate_up.split(width, dim=1)
+            (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters, out=blocks)
+        h = glu_forward(gate, up, activation)
+        (y,), xa_down = _forward(h, [down_p], down_adapters)
+    return _MLPForward(y, gate_up, gate, up, xa_gu, xa_down, (gu_adapters, down_adapters), projs, originals)
+
+
+def _mlp_grads(dy, x2, fwd: _MLPForward, stacked, activation, need_x: bool, needs, into=None):
+    """(dX or None, grads in _flatten's order) of `_mlp`. into: None to write dgate and dup over gate and up
+    (buffers the caller owns and will not read again), else a fresh [N, 2I] buffer for them side by side."""
+    gate_p, up_p, down_p = fwd.projs
+    gu_adapters, down_adapters = fwd.adapters
+    gate, up = fwd.gate, fwd.up
+    with _no_autocast(x2):
+        # grad_h = dY W_down + s (dY B_down) A_down, in a buffer of our own...
+        dyb_down = _dy_b([dy], [down_p], down_adapters)
+        grad_h = _input_grad([dy], [down_p], down_adapters, dyb_down)
+        # ...which glu_backward overwrites with h; dgate and dup go over gate and up, or into `into`.
+        joined = fwd.gate_up if into is None else into
+        out = (grad_h, gate, up) if into is None else (grad_h, *into.split(gate.shape[1], dim=1))
+        h, dgate, dup = glu_backward(grad_h, gate, up, activation, recompute_h=True, out=out)
+        if into is None:  # kernel writes bypass autograd: a second backward (retain_graph) must fail
+            increment_version((gate, up) if fwd.gate_up is None else (fwd.gate_up,))
+        down_grads = _param_grads(h, fwd.xa_down, [dy], dyb_down, [down_p], down_adapters, needs[8:])
+        del h, grad_h
+        if stacked is not None:  # dgate and dup lie side by side
+            dx, gu_grads = _grads_stacked(joined, x2, fwd.xa_gu, stacked, gu_adapters, fwd.originals, needs[:8], need_x)
+        else:
+            dgu = [dgate, dup]
+            dyb_gu = _dy_b(dgu, [gate_p, up_p], gu_adapters)
+            dx = _input_grad(dgu, [gate_p, up_p], gu_adapters, dyb_gu) if need_x else None
+            gu_grads = _param_grads(x2, fwd.xa_gu, dgu, dyb_gu, [gate_p, up_p], gu_adapters, needs[:8])
+    return dx, [*gu_grads, *down_grads]
 
 
 class _LoRAMLP(torch.autograd.Function):
@@ -540,30 +644,16 @@ class _LoRAMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, scalings, stacked, *params):
         """stacked: None, or gate and up's StackedBase (one GEMM for both)."""
-        originals = _unflatten(params, scalings)[:2] if stacked is not None else None  # key the stacked adapters
-        params = _cast_params(params, x.dtype)
-        gate_p, up_p, down_p = _unflatten(params, scalings)
-        down_adapters = _adapters([down_p])
         x2 = rows_view(x)
-        with _no_autocast(x):
-            if stacked is not None:
-                gu_adapters = _stacked_adapters(originals, [gate_p, up_p], x.dtype)
-                gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
-                gate, up = gate_up.split(_weight_shape(gate_p.weight)[0], dim=1)
-            else:
-                gu_adapters = _adapters([gate_p, up_p])
-                (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters)
-                gate_up = None
-            h = glu_forward(gate, up, activation)
-            (y,), xa_down = _forward(h, [down_p], down_adapters)
-        ctx.activation, ctx.scalings, ctx.x_shape = activation, scalings, x.shape
-        ctx.adapters, ctx.stacked = (gu_adapters, down_adapters), stacked
-        ctx.originals = originals
-        keep_for_backward(ctx, params)
+        fwd = _mlp(x, x2, activation, scalings, params, stacked)
+        ctx.activation, ctx.scalings, ctx.x_shape, ctx.stacked = activation, scalings, x.shape, stacked
+        ctx.fwd = fwd._replace(y=None, gate_up=None, gate=None, up=None, xa_gu=None, xa_down=None, projs=None)
+        keep_for_backward(ctx, _flatten(fwd.projs))
         # gate and up are this function's own buffers (side by side when stacked): backward overwrites them
         # with dgate and dup.
-        ctx.save_for_backward(x2, *((gate_up, None) if stacked is not None else (gate, up)), xa_gu, xa_down)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        gu = (fwd.gate_up, None) if stacked is not None else (fwd.gate, fwd.up)
+        ctx.save_for_backward(x2, *gu, fwd.xa_gu, fwd.xa_down)
+        return fwd.y.view(*x.shape[:-1], fwd.y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -572,30 +662,224 @@ class _LoRAMLP(torch.autograd.Function):
         if ctx.stacked is not None:
             gate_up = gate
             gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
-        projs = _unflatten(kept_for_backward(ctx), ctx.scalings)
-        down_p = projs[2]
-        needs = ctx.needs_input_grad[4:]
-        gu_adapters, down_adapters = ctx.adapters
+        fwd = ctx.fwd._replace(gate_up=gate_up, gate=gate, up=up, xa_gu=xa_gu, xa_down=xa_down,
+                               projs=_unflatten(kept_for_backward(ctx), ctx.scalings))
         dy = grad_y.reshape(-1, grad_y.shape[-1])
-        with _no_autocast(x2):
-            # grad_h = dY W_down + s (dY B_down) A_down, in a buffer of our own...
-            dyb_down = _dy_b([dy], [down_p], down_adapters)
-            grad_h = _input_grad([dy], [down_p], down_adapters, dyb_down)
-            # ...which glu_backward overwrites with h; gate and up become dgate and dup.
-            h, dgate, dup = glu_backward(grad_h, gate, up, ctx.activation, recompute_h=True, inplace=True)
-            # Kernel writes bypass autograd: a second backward (retain_graph) must fail, not read dgate as gate.
-            increment_version((gate, up) if gate_up is None else (gate_up,))
-            down_grads = _param_grads(h, xa_down, [dy], dyb_down, [down_p], down_adapters, needs[8:])
-            del h, grad_h
-            if gate_up is not None:  # dgate and dup now lie side by side in gate_up
-                dx, gu_grads = _grads_stacked(gate_up, x2, xa_gu, ctx.stacked, gu_adapters, ctx.originals,
-                                              needs[:8], ctx.needs_input_grad[0])
-            else:
-                dgu = [dgate, dup]
-                dyb_gu = _dy_b(dgu, projs[:2], gu_adapters)
-                dx = _input_grad(dgu, projs[:2], gu_adapters, dyb_gu) if ctx.needs_input_grad[0] else None
-                gu_grads = _param_grads(x2, xa_gu, dgu, dyb_gu, projs[:2], gu_adapters, needs[:8])
-        return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *gu_grads, *down_grads)
+        dx, grads = _mlp_grads(dy, x2, fwd, ctx.stacked, ctx.activation, ctx.needs_input_grad[0],
+                               ctx.needs_input_grad[4:])
+        return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
+
+
+# ------------------------------------------------------------------------------- registered operators
+# What torch.compile traces for dense bases: the autograd nodes' forward and hand-written backward, opaque to
+# the compiler (the cast cache and the stacked adapters are Python-side state). Outputs that lie side by side
+# in one buffer come out as that buffer (an operator's outputs may not alias each other); the traced wrapper
+# splits it. The bases are stacked when their weights already lie as row blocks of one matrix (patching
+# stacks them before anything compiles); grads come in the parameters' dtypes.
+
+
+def _pack(params) -> tuple[list, list]:
+    """(the present tensors, which of the slots hold one): a Tensor[] argument takes no None entries."""
+    return [t for t in params if t is not None], [t is not None for t in params]
+
+
+def _unpack(tensors, present) -> list:
+    it = iter(tensors)
+    return [next(it) if here else None for here in present]
+
+
+def _rows_ahead(t: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """t extended to `rows` rows along its storage (t's strides), or None when the storage is shorter."""
+    end = t.storage_offset() + (rows - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + 1 if t.dim() == 2 \
+        else t.storage_offset() + rows
+    if end * t.element_size() > t.untyped_storage().nbytes():
+        return None
+    return t.as_strided((rows, *t.shape[1:]), t.stride())
+
+
+def _stacked_in_memory(projs, dtype: torch.dtype) -> StackedBase | None:
+    """The StackedBase the projections' frozen dense weights (biases) form where they lie, or None."""
+    weights, biases = [p.weight for p in projs], [p.bias for p in projs]
+    first = weights[0]
+    if (len(projs) < 2 or first.dtype != dtype or first.dim() != 2 or all(p.lora_A is None for p in projs)
+            or any(w.requires_grad or is_4bit(w) or is_fp8(w) for w in weights)):
+        return None
+    rows = sum(w.shape[0] for w in weights)
+    weight = _rows_ahead(first, rows)
+    bias = None if biases[0] is None else _rows_ahead(biases[0], rows)
+    if weight is None or (biases[0] is not None and bias is None):
+        return None
+    candidate = StackedBase(weight, bias)
+    return candidate if is_stacked(candidate, weights, biases) else None
+
+
+def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((like.shape[0], 0)) if t is None else t
+
+
+def _grads_out(grads, params, x: torch.Tensor) -> list:
+    """Grads in their parameters' dtypes, an empty tensor for None, each in a storage of its own."""
+    out, seen = [], set()
+    for g, p in zip(grads, params):
+        if g is None:
+            out.append(x.new_empty(0))
+            continue
+        g = g.to(p.dtype)
+        key = g.untyped_storage().data_ptr()
+        if key in seen:  # slices of one buffer (the adapters' grads of stacked projections): small
+            g = g.clone()
+        seen.add(key)
+        out.append(g)
+    return out
+
+
+def _fake_grads(x, tensors, needs) -> list:
+    return [x.new_empty(x.shape) if needs[0] else x.new_empty(0)] + [
+        torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(tensors, needs[1:])]
+
+
+def _rotary_args(cos, sin, head_dim):
+    return None if cos is None else (cos, sin, head_dim)
+
+
+@torch.library.custom_op(
+    "fastplug::lora_projections", mutates_args=(),
+    schema="(Tensor x, Tensor[] tensors, bool[] present, float[] scalings, Tensor? cos, Tensor? sin, int head_dim) "
+    "-> (Tensor, Tensor)",
+)
+def _projections_op(x, tensors, present, scalings, cos, sin, head_dim):
+    """(y [N, sum out_i] with q and k rotated when cos is given, xa [N, R]); params packed by `_pack`."""
+    params = _unpack(tensors, present)
+    projs = _unflatten(params, scalings)
+    fwd = _project(x, rows_view(x), scalings, params, _stacked_in_memory(projs, x.dtype),
+                   _rotary_args(cos, sin, head_dim), joined=True)
+    return fwd.y, _or_empty(fwd.xa, fwd.y)
+
+
+@_projections_op.register_fake
+def _(x, tensors, present, scalings, cos, sin, head_dim):
+    params = _unpack(tensors, present)
+    rows = x.numel() // x.shape[-1]
+    outs = sum(params[i].shape[0] for i in range(0, len(params), 4))
+    rank = sum(a.shape[0] for a in params[2::4] if a is not None)
+    return x.new_empty((rows, outs)), x.new_empty((rows, rank))
+
+
+@torch.library.custom_op(
+    "fastplug::lora_projections_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor xa, Tensor[] tensors, bool[] present, float[] scalings, Tensor? cos, "
+    "Tensor? sin, int head_dim, bool[] needs) -> Tensor[]",
+)
+def _projections_backward_op(dy, x, xa, tensors, present, scalings, cos, sin, head_dim, needs):
+    """[dx, grads of the packed tensors]; an empty tensor where needs (x first, then tensors) is False."""
+    params = _unpack(tensors, present)
+    x2 = rows_view(x)
+    projs = _unflatten(params, scalings)
+    stacked = _stacked_in_memory(projs, x.dtype)
+    fwd = _Projected(None, None, xa if xa.shape[1] else None, None, _unflatten(_cast_params(params, x.dtype), scalings),
+                     projs)
+    outs = [p.weight.shape[0] for p in projs]
+    fwd = fwd._replace(adapters=_stacked_adapters(projs, fwd.projs, x.dtype) if stacked is not None
+                       else _adapters(fwd.projs))
+    rotary = None if cos is None else (cos, sin, x.shape[0], head_dim)
+    needs_params = _unpack(needs[1:], present)
+    dx, grads = _project_grads(list(dy.split(outs, dim=1)), x2, fwd, stacked, rotary, needs[0],
+                               [bool(n) for n in needs_params], joined=dy)
+    grads = [g for g, here in zip(grads, present) if here]
+    return _grads_out([None if dx is None else dx.view(x.shape), *grads], [x, *tensors], x)
+
+
+@_projections_backward_op.register_fake
+def _(dy, x, xa, tensors, present, scalings, cos, sin, head_dim, needs):
+    return _fake_grads(x, tensors, needs)
+
+
+def _setup_projections(ctx, inputs, output):
+    x, tensors, present, scalings, cos, sin, head_dim = inputs
+    ctx.save_for_backward(x, output[1], cos, sin, *tensors)
+    ctx.present, ctx.scalings, ctx.head_dim = present, scalings, head_dim
+    ctx.needs = [x.requires_grad] + [t.requires_grad for t in tensors]
+
+
+def _projections_op_backward(ctx, dy, _dxa):
+    x, xa, cos, sin, *tensors = ctx.saved_tensors
+    grads = _projections_backward_op(dy, x, xa, tensors, ctx.present, ctx.scalings, cos, sin, ctx.head_dim, ctx.needs)
+    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
+    return grads[0], grads[1:], None, None, None, None, None
+
+
+_projections_op.register_autograd(_projections_op_backward, setup_context=_setup_projections)
+
+
+@torch.library.custom_op(
+    "fastplug::lora_mlp", mutates_args=(),
+    schema="(Tensor x, Tensor[] tensors, bool[] present, float[] scalings, str activation) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _mlp_op(x, tensors, present, scalings, activation):
+    """(y [N, out], gate_up [N, 2I], xa of gate/up, xa of down); params packed by `_pack`."""
+    params = _unpack(tensors, present)
+    projs = _unflatten(params, scalings)
+    fwd = _mlp(x, rows_view(x), activation, scalings, params, _stacked_in_memory(projs[:2], x.dtype), joined=True)
+    return fwd.y, fwd.gate_up, _or_empty(fwd.xa_gu, fwd.y), _or_empty(fwd.xa_down, fwd.y)
+
+
+@_mlp_op.register_fake
+def _(x, tensors, present, scalings, activation):
+    params = _unpack(tensors, present)
+    rows = x.numel() // x.shape[-1]
+    width, out = params[0].shape[0], params[8].shape[0]
+    rank_gu = sum(a.shape[0] for a in (params[2], params[6]) if a is not None)
+    rank_down = params[10].shape[0] if params[10] is not None else 0
+    return (x.new_empty((rows, out)), x.new_empty((rows, 2 * width)), x.new_empty((rows, rank_gu)),
+            x.new_empty((rows, rank_down)))
+
+
+@torch.library.custom_op(
+    "fastplug::lora_mlp_backward", mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor gate_up, Tensor xa_gu, Tensor xa_down, Tensor[] tensors, bool[] present, "
+    "float[] scalings, str activation, bool[] needs) -> Tensor[]",
+)
+def _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, present, scalings, activation, needs):
+    """[dx, grads of the packed tensors]; dgate and dup go into a new buffer (gate_up is the graph's, not ours)."""
+    params = _unpack(tensors, present)
+    x2 = rows_view(x)
+    projs = _unflatten(params, scalings)
+    stacked = _stacked_in_memory(projs[:2], x.dtype)
+    cast = _unflatten(_cast_params(params, x.dtype), scalings)
+    gu_adapters = (_stacked_adapters(projs[:2], cast[:2], x.dtype) if stacked is not None
+                   else _adapters(cast[:2]))
+    gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
+    fwd = _MLPForward(None, gate_up, gate, up, xa_gu if xa_gu.shape[1] else None,
+                      xa_down if xa_down.shape[1] else None, (gu_adapters, _adapters(cast[2:])), cast, projs[:2])
+    needs_params = [bool(n) for n in _unpack(needs[1:], present)]
+    dx, grads = _mlp_grads(dy.reshape(-1, dy.shape[-1]), x2, fwd, stacked, activation, needs[0], needs_params,
+                           into=torch.empty_like(gate_up))
+    grads = [g for g, here in zip(grads, present) if here]
+    return _grads_out([None if dx is None else dx.view(x.shape), *grads], [x, *tensors], x)
+
+
+@_mlp_backward_op.register_fake
+def _(dy, x, gate_up, xa_gu, xa_down, tensors, present, scalings, activation, needs):
+    return _fake_grads(x, tensors, needs)
+
+
+def _setup_mlp(ctx, inputs, output):
+    x, tensors, present, scalings, activation = inputs
+    ctx.save_for_backward(x, *output[1:], *tensors)
+    ctx.present, ctx.scalings, ctx.activation = present, scalings, activation
+    ctx.needs = [x.requires_grad] + [t.requires_grad for t in tensors]
+
+
+def _mlp_op_backward(ctx, dy, *_):
+    x, gate_up, xa_gu, xa_down, *tensors = ctx.saved_tensors
+    grads = _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, ctx.present, ctx.scalings, ctx.activation,
+                             ctx.needs)
+    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
+    return grads[0], grads[1:], None, None, None
+
+
+_mlp_op.register_autograd(_mlp_op_backward, setup_context=_setup_mlp)
 
 
 # --------------------------------------------------------------------------------------- public API
@@ -610,28 +894,21 @@ def _checked_input(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def _traceable(projs) -> bool:
-    """Under torch.compile the projections run as plain torch ops (`_traced`); quantized bases keep the
-    eager function (a graph break): their dequantization reads Python-side buffers."""
+def _compiling_dense(projs) -> bool:
+    """Whether Dynamo traces projections with dense bases: they then run as the registered operators (the
+    autograd nodes keep Python-side state on ctx). Quantized bases keep the eager function (a graph break):
+    their dequantization reads Python-side buffers."""
     return torch.compiler.is_compiling() and not any(is_4bit(p.weight) or is_fp8(p.weight) for p in projs)
 
 
-def _traced(x: torch.Tensor, projs) -> tuple:
-    """x W^T + b + s (x A^T) B^T per projection in plain torch ops, for torch.compile: the cast cache and the
-    hand-written backward keep Python-side state that would break the graph, while traced maths lets
-    AOTAutograd derive the backward and Inductor fuse the adapter casts. As in the eager node, the adapter term
-    comes first and the base GEMM adds it in its epilogue (addmm), not in a pass of its own over y."""
-    x2 = x.reshape(-1, x.shape[-1])
-    ys = []
-    for p in projs:
-        w, b = p.weight.to(x.dtype), None if p.bias is None else p.bias.to(x.dtype)
-        if p.lora_A is None:
-            y = F.linear(x2, w, b)
-        else:
-            term = p.scaling * F.linear(F.linear(x2, p.lora_A.to(x.dtype)), p.lora_B.to(x.dtype))
-            y = torch.addmm(term if b is None else term + b, x2, w.t())
-        ys.append(y.view(*x.shape[:-1], y.shape[-1]))
-    return tuple(ys)
+def _registered_shared(x: torch.Tensor, projs, rotary) -> tuple:
+    """`_launch_shared` under torch.compile: one registered operator, its joined output split into views."""
+    in_node = rotary is not None and _rotary_in_node(x, rotary)
+    cos, sin, head_dim = rotary if in_node else (None, None, 0)
+    y, _ = _projections_op(x, *_pack(_flatten(projs)), [float(p.scaling) for p in projs], cos, sin, head_dim)
+    lead = tuple(x.shape[:-1])
+    ys = tuple(t.view(*lead, t.shape[-1]) for t in y.split([p.weight.shape[0] for p in projs], dim=1))
+    return _rope_after(ys, rotary) if rotary is not None and not in_node else ys
 
 
 def _rotary_in_node(x: torch.Tensor, rotary) -> bool:
@@ -667,9 +944,8 @@ def _launch_shared(x, named_projs: dict, rotary=None, stacked=None):
         _check_projection(name, proj, x)
     projs = list(named_projs.values())
     stacked = _usable_stacked(stacked, projs, x)
-    if _traceable(projs):
-        ys = _traced(x, projs)
-        return ys if rotary is None else _rope_after(ys, rotary)
+    if _compiling_dense(projs):
+        return _registered_shared(x, projs, rotary)
     in_node = rotary is not None and _rotary_in_node(x, rotary)
     ys = _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), rotary if in_node else None, stacked,
                                 *_flatten(projs))
@@ -713,7 +989,7 @@ def lora_mlp(
     _check_projection("down_proj", down_proj, x, in_features=intermediate)
     projs = (gate_proj, up_proj, down_proj)
     stacked = _usable_stacked(stacked, projs[:2], x)
-    if _traceable(projs):
-        gate, up = _traced(x, projs[:2])
-        return _traced(_glu_op(gate, up, activation), projs[2:])[0]
+    if _compiling_dense(projs):
+        y = _mlp_op(x, *_pack(_flatten(projs)), [float(p.scaling) for p in projs], activation)[0]
+        return y.view(*x.shape[:-1], y.shape[-1])
     return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), stacked, *_flatten(projs))

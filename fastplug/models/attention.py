@@ -123,7 +123,7 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora)
     switch, path = _attention_route(module, ctx)
     if options.lora and options.stack_projections:
-        switch = combine_switches(switch, stacking.switch(module, ctx.root))
+        switch = combine_switches(switch, stacking.switch(module, ctx.root, PROJECTIONS[:3]))
     return Patch("attention", forward, lora_fused=lora_now, notes=notes, switch=switch, path_taken=path)
 
 

@@ -72,5 +72,5 @@ def match_mlp(module: nn.Module, ctx: MatchContext):
     use_lora = ctx.options.lora
     lora_now = use_lora and fused_projections(*(getattr(module, p) for p in PROJECTIONS)) is not None
     notes = unfused_notes(module, PROJECTIONS) if use_lora else ()
-    switch = stacking.switch(module, ctx.root) if use_lora and ctx.options.stack_projections else None
+    switch = stacking.switch(module, ctx.root, PROJECTIONS[:2]) if use_lora and ctx.options.stack_projections else None
     return Patch("mlp", _mlp_forward(activation, use_lora), lora_fused=lora_now, notes=notes, switch=switch)

@@ -10,10 +10,16 @@ storage, of one dtype and device, are stacked, with their biases when every proj
 trainable bases (full fine-tuning: checkpoints save each weight), FP8 bases, and sharded or flattened
 parameters (DeepSpeed; FSDP2 units from the patched model down to the owner) keep their own storage.
 bitsandbytes 4-bit bases stay where they are: their group is dequantized into one matrix (the buffer
-dequantized weights share) right before each GEMM. A group is stacked at its first call after patching (the
-model is on its device by then). Anything that re-points a weight afterwards (`model.to()`, sharding) is
-seen at the next call by the weights' data pointers: the group then runs unstacked for good. restore() gives
-each parameter its own storage back (a copy of its block: safetensors refuses tensors that share storage).
+dequantized weights share) right before each GEMM.
+
+A group is stacked when patched if its weights are on an accelerator already (the trainer adapters patch a
+model placed on its device), else at its first call outside torch.compile. Never later, under a compiled
+model: a compiled graph that took the weights as inputs would go on reading them where they were (Inductor
+addresses its inputs' storage), so stacking from an eager stretch of a compiled model's run (a graph break)
+gave wrong numbers. Compiled, the fused LoRA operators find the stacked bases where they lie. Anything that
+re-points a weight afterwards (`model.to()`, sharding) is seen at the next call by the weights' data
+pointers: the group then runs unstacked for good. restore() gives each parameter its own storage back (a
+copy of its block: safetensors refuses tensors that share storage).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 from ..kernels.fp8 import is_fp8
 from ..kernels.lora import QUANTIZED_STACK, LoRAProjection, StackedBase, is_stacked
 from ..kernels.quant import is_4bit, shape_4bit
+from .projections import fused_projections
 from .rules import is_fsdp
 
 
@@ -90,12 +97,15 @@ def _sharded(group: _Group) -> bool:
     return any(is_fsdp(m) for m in (ref() for ref in group.path) if m is not None)
 
 
-def switch(owner: nn.Module, root: nn.Module):
-    """A Patch switch: lets `stacked_base` stack `owner`'s group (in the model `root`) at its next call; returns
-    the undo."""
+def switch(owner: nn.Module, root: nn.Module, names: tuple[str, ...]):
+    """A Patch switch: stacks the group of `owner`'s projections `names` (in the model `root`) now if they are on
+    an accelerator, else lets `stacked_base` do it at their next call; returns the undo."""
 
     def apply():
         _GROUPS[owner] = _Group(_path(root, owner))
+        projs = fused_projections(*(getattr(owner, name) for name in names))
+        if projs is not None and projs[0].weight.device.type not in ("cpu", "meta"):
+            stacked_base(owner, projs)
 
         def undo():
             group = _GROUPS.pop(owner, None)
@@ -119,10 +129,18 @@ def _quantized_group(weights: list, biases: list) -> bool:
             and len({shape_4bit(w)[1] for w in weights}) == 1)
 
 
+def _in_compiled_run() -> bool:
+    """Whether this runs inside a torch.compile'd call, in an eager stretch between its graphs (Dynamo's frame
+    callback is set for the whole call)."""
+    get_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
+    return get_callback is not None and get_callback() is not None
+
+
 def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase | None:
-    """The StackedBase of `owner`'s projections as they stand now (stacking them at the first call), or None:
-    not enabled for this owner, not eligible, re-pointed since, or traced by torch.compile. bitsandbytes 4-bit
-    bases (QLoRA) are not moved: their group is dequantized into one matrix right before each GEMM."""
+    """The StackedBase of `owner`'s projections as they stand now (stacking them at the first call outside a
+    compiled run), or None: not enabled for this owner, not eligible, re-pointed since, not stacked yet, or
+    traced by torch.compile. bitsandbytes 4-bit bases (QLoRA) are not moved: their group is dequantized into
+    one matrix right before each GEMM."""
     group = _GROUPS.get(owner)
     if group is None or group.off or torch.compiler.is_compiling():
         return None
@@ -133,6 +151,8 @@ def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase |
         if is_stacked(group.stacked, weights, biases):
             return group.stacked
         group.off, group.stacked, group.params = True, None, []
+        return None
+    if _in_compiled_run():
         return None
     if _ineligible(weights, biases) is not None or _sharded(group):
         group.off = True

@@ -209,7 +209,9 @@ def stacked_mlp(activation):
 
 
 def enable_stacking(model):
-    stacking.switch(layers(model), model)()
+    """On CPU: the group is stacked at its first call."""
+    block = layers(model)
+    stacking.switch(block, model, ("q_proj", "k_proj", "v_proj") if hasattr(block, "q_proj") else MLP[:2])()
 
 
 def assert_stacked(m, names):

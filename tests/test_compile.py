@@ -22,7 +22,8 @@ def _module(name):
 
 def _lora_args(kind: str, stacked: bool = False):
     """Inputs of the registered LoRA operators: x [2, 5, 16], the packed params (k without adapter, v with a bias
-    unless stacked), scalings; "qkv" rotates q and k. stacked: the weights that read x as row blocks of one."""
+    unless stacked), scalings; "qkv" rotates q and k. stacked: the weights that read x as row blocks of one,
+    one scaling for all."""
     g = torch.Generator().manual_seed(4)
 
     def rand(*shape, grad=True):
@@ -44,10 +45,11 @@ def _lora_args(kind: str, stacked: bool = False):
                    rand(4, inp) if adapter else None, rand(out, 4) if adapter else None]
     lora = importlib.import_module("fastplug.kernels.lora")
     tensors, present = lora._pack(params)
+    scalings = [2.0] * 3 if stacked else [0.5, 2.0, 1.0]  # stacked: peft's one scaling (a path of its own)
     if kind == "mlp":
-        return (x, tensors, present, [0.5, 2.0, 1.0], "silu")
+        return (x, tensors, present, scalings, "silu")
     cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
-    return (x, tensors, present, [0.5, 2.0, 1.0], cos, sin, 8)
+    return (x, tensors, present, scalings, cos, sin, 8)
 
 
 def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
@@ -265,3 +267,26 @@ def test_registered_lora_operators_match_the_autograd_nodes(kind, stacked):
     for got, want in zip(grads_r, grads_e):
         assert got.dtype == want.dtype
         assert_close(got, want, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("kind", ["qkv", "mlp"])
+@pytest.mark.parametrize("stacked", [False, True])
+def test_registered_lora_backward_operators_pass_opcheck(kind, stacked):
+    """The backward operators' fake outputs match the real ones (shapes, dtypes, strides: Inductor checks the
+    strides; the stacked adapters' grads are blocks of one buffer)."""
+    lora = importlib.import_module("fastplug.kernels.lora")
+    args = _lora_args(kind, stacked)
+    x, tensors, present = args[:3]
+    needs = [True] + [t.requires_grad for t in tensors]
+    with torch.no_grad():
+        if kind == "qkv":
+            y, xa = lora._projections_op(*args)
+            dy = torch.randn(y.shape)
+            op, op_args = lora._projections_backward_op, (dy, x.detach(), xa, *args[1:], needs)
+        else:
+            y, gate_up, xa_gu, xa_down = lora._mlp_op(*args)
+            dy = torch.randn(y.shape)
+            op, op_args = lora._mlp_backward_op, (dy, x.detach(), gate_up, xa_gu, xa_down, *args[1:], needs)
+        torch.library.opcheck(op, op_args)
+        # opcheck does not compare strides; the fake implementation makes every grad contiguous
+        assert all(g.is_contiguous() for g in op(*op_args))

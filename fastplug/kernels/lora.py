@@ -718,15 +718,17 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def _grads_out(grads, params, x: torch.Tensor) -> list:
-    """Grads in their parameters' dtypes, an empty tensor for None, each in a storage of its own."""
+    """Grads in their parameters' dtypes, contiguous, an empty tensor for None, each in a storage of its own."""
     out, seen = [], set()
     for g, p in zip(grads, params):
         if g is None:
             out.append(x.new_empty(0))
             continue
-        g = g.to(p.dtype)
+        # contiguous, as the fake implementation says (Inductor checks); blocks of the stacked adapters' grads
+        # are small
+        g = g.to(p.dtype).contiguous()
         key = g.untyped_storage().data_ptr()
-        if key in seen:  # slices of one buffer (the adapters' grads of stacked projections): small
+        if key in seen:  # row blocks of one buffer are contiguous too
             g = g.clone()
         seen.add(key)
         out.append(g)

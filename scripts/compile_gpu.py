@@ -20,6 +20,10 @@ def losses(compiled: bool, steps: int, args, **options):
     e2e.MODELS["llama"]["full"]["num_hidden_layers"] = args.layers
     model = e2e.build_model("llama", False, torch.device("cuda"), seed=0)
     handle = None
+    graph_break = options.pop("graph_break", False)
+    if graph_break:  # what "auto"'s measuring hook does: a call Dynamo cannot trace, before the first layer
+        layer = model.get_base_model().model.layers[0]
+        layer.register_forward_pre_hook(lambda *_: torch.cuda.memory_allocated())
     if options.get("patch", True):
         options.pop("patch", None)
         handle = fastplug.patch_model(model, **{"freeze_gc": False, "stack_projections": True, **options})
@@ -48,13 +52,19 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="leave out the rows with one kernel off")
     args = parser.parse_args()
     rows = [("transformers", False, {"patch": False})]
     for mode in (True, False, "auto"):
         rows += [(f"fastplug gc={mode}", False, {"gradient_checkpointing": mode}),
                  (f"fastplug gc={mode} compiled", True, {"gradient_checkpointing": mode})]
     rows.append(("fastplug auto compiled, no stacking", True, {"gradient_checkpointing": "auto", "stack_projections": False}))
-    for kernel in KERNELS:
+    for stack in (True, False):
+        rows.append((f"fastplug gc=False compiled, graph break at layer 0, stacking {stack}", True,
+                     {"gradient_checkpointing": False, "graph_break": True, "stack_projections": stack}))
+    rows.append(("fastplug gc=True compiled, graph break at layer 0", True,
+                 {"gradient_checkpointing": True, "graph_break": True}))
+    for kernel in () if args.quick else KERNELS:
         rows.append((f"fastplug gc=False compiled, {kernel} off", True, {"gradient_checkpointing": False, kernel: False}))
     results = []
     for name, compiled, options in rows:

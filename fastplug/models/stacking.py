@@ -141,8 +141,10 @@ def stacked_base(owner: nn.Module, projs: list[LoRAProjection]) -> StackedBase |
     compiled run), or None: not enabled for this owner, not eligible, re-pointed since, not stacked yet, or
     traced by torch.compile. bitsandbytes 4-bit bases (QLoRA) are not moved: their group is dequantized into
     one matrix right before each GEMM."""
+    if torch.compiler.is_compiling():  # first: Dynamo traced the weak-keyed lookup into wrong numbers
+        return None
     group = _GROUPS.get(owner)
-    if group is None or group.off or torch.compiler.is_compiling():
+    if group is None or group.off:
         return None
     weights, biases = [p.weight for p in projs], [p.bias for p in projs]
     if group.stacked is None and is_4bit(weights[0]):

@@ -735,6 +735,17 @@ def _grads_out(grads, params, x: torch.Tensor) -> list:
     return out
 
 
+def _op_needs(x: torch.Tensor, tensors) -> list:
+    """Which inputs of a registered LoRA operator take grads: x first, then the packed tensors."""
+    return [x.requires_grad] + [t.requires_grad for t in tensors]
+
+
+def _op_grads(grads, needs) -> tuple:
+    """(dx, [grads of the packed tensors]) from a backward operator's outputs, None where not needed."""
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return grads[0], grads[1:]
+
+
 def _fake_grads(x, tensors, needs) -> list:
     return [x.new_empty(x.shape) if needs[0] else x.new_empty(0)] + [
         torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(tensors, needs[1:])]
@@ -800,14 +811,13 @@ def _setup_projections(ctx, inputs, output):
     x, tensors, present, scalings, cos, sin, head_dim = inputs
     ctx.save_for_backward(x, output[1], cos, sin, *tensors)
     ctx.present, ctx.scalings, ctx.head_dim = present, scalings, head_dim
-    ctx.needs = [x.requires_grad] + [t.requires_grad for t in tensors]
+    ctx.needs = _op_needs(x, tensors)
 
 
 def _projections_op_backward(ctx, dy, _dxa):
     x, xa, cos, sin, *tensors = ctx.saved_tensors
     grads = _projections_backward_op(dy, x, xa, tensors, ctx.present, ctx.scalings, cos, sin, ctx.head_dim, ctx.needs)
-    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
-    return grads[0], grads[1:], None, None, None, None, None
+    return *_op_grads(grads, ctx.needs), None, None, None, None, None
 
 
 _projections_op.register_autograd(_projections_op_backward, setup_context=_setup_projections)
@@ -870,15 +880,14 @@ def _setup_mlp(ctx, inputs, output):
     x, tensors, present, scalings, activation = inputs
     ctx.save_for_backward(x, *output[1:], *tensors)
     ctx.present, ctx.scalings, ctx.activation = present, scalings, activation
-    ctx.needs = [x.requires_grad] + [t.requires_grad for t in tensors]
+    ctx.needs = _op_needs(x, tensors)
 
 
 def _mlp_op_backward(ctx, dy, *_):
     x, gate_up, xa_gu, xa_down, *tensors = ctx.saved_tensors
     grads = _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, ctx.present, ctx.scalings, ctx.activation,
                              ctx.needs)
-    grads = [g if need else None for g, need in zip(grads, ctx.needs)]
-    return grads[0], grads[1:], None, None, None
+    return *_op_grads(grads, ctx.needs), None, None, None
 
 
 _mlp_op.register_autograd(_mlp_op_backward, setup_context=_setup_mlp)

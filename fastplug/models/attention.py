@@ -16,6 +16,7 @@ from torch import nn
 
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
+from ..checkpointing import decoder_stack
 from . import fast_attention, stacking
 from .projections import fused_projections, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches
@@ -138,4 +139,5 @@ def _attention_route(module: nn.Module, ctx: MatchContext):
         return None, fast_attention.describe(module, ctx.family, fast_attention.fallback_name(config))
     if current not in (None, "eager", "sdpa"):
         return None, f"transformers' {current} attention, as loaded (fastplug replaces eager and sdpa)"
-    return (lambda: fast_attention.route(config)), fast_attention.describe(module, ctx.family, current or "eager")
+    decoder = decoder_stack(ctx.root)
+    return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(module, ctx.family, current or "eager")

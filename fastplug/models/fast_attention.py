@@ -5,7 +5,10 @@ returns None unless the batch has real padding, and the attention function appli
 sliding window and softcap, and the document bounds of packed rows itself:
 - no mask: `fastplug.kernels.attention.flash_attention`; TRL's cu_seq_lens_q, or position_ids that restart
   (padding-free / packed rows), give per-token document bounds, computed on the device once per forward
-  (cached on that tensor), so the layer stack does not sync with the host. Only with position_ids alone and
+  (cached on that tensor), so the layer stack does not sync with the host. A caller that passes neither
+  (a plain batch: transformers makes position_ids = arange) has rows that are not packed; a pre-hook on the
+  patched model's decoder stack says so to the attention function (`UNPACKED`), which then needs no bounds:
+  SDPA where it suits, eager or traced, with no host sync. Only with position_ids passed by the caller and
   where SDPA is a candidate (CUDA, no softcap, no window) does one cached check per forward ask the host
   whether rows are packed.
 - a right-padded batch (each row's real tokens first, followed by fewer pads than the model's sliding window)
@@ -52,18 +55,33 @@ def fallback_name(config) -> str:
     return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 
-def route(config) -> callable:
-    """Switch this model's config to "fastplug"; returns the function that switches it back."""
+def route(config, decoder: nn.Module) -> callable:
+    """Switch this model's config to "fastplug" and let `decoder` (the stack of layers whose attention reads
+    it) tell unpacked rows; returns the function that undoes both."""
     register()
     previous = config._attn_implementation
     _FALLBACK[id(config)] = (weakref.ref(config), previous or "eager")
     config._attn_implementation = NAME
+    hook = decoder.register_forward_pre_hook(_note_unpacked_rows, with_kwargs=True)
 
     def undo():
         config._attn_implementation = previous
         _FALLBACK.pop(id(config), None)
+        hook.remove()
 
     return undo
+
+
+# Keyword the decoder stack's pre-hook adds to a forward whose caller passed no position_ids and no cu_seq_lens:
+# transformers passes it on to every layer's attention function (its **kwargs), checkpoint recomputes included.
+UNPACKED = "fastplug_rows_unpacked"
+
+
+def _note_unpacked_rows(module, args, kwargs):
+    # The stack's third positional argument is position_ids (input_ids, attention_mask, position_ids, ...)
+    if len(args) < 3 and kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is None:
+        return args, {**kwargs, UNPACKED: True}
+    return None
 
 
 # ----------------------------------------------------------------------------------------- the mask
@@ -181,6 +199,7 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
                                sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+    unpacked = kwargs.pop(UNPACKED, False)
     padding = _padding_bounds_of(attention_mask)
     if attention_mask is not None and padding is None:  # the batch pads: transformers' path, its 4-D mask
         fn = _fallback_function(module, fallback_name(module.config))
@@ -190,8 +209,8 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
     causal = getattr(module, "is_causal", True) if causal is None else causal
     T, S = query.shape[2], key.shape[2]
     # TRL's padding-free collator also passes cu_seq_lens_q (one packed row): bounds without any host sync
-    source = kwargs.get("cu_seq_lens_q") if query.shape[0] == 1 else None
-    if source is None or source.dim() != 1:
+    source = kwargs.get("cu_seq_lens_q") if query.shape[0] == 1 and not unpacked else None
+    if (source is None or source.dim() != 1) and not unpacked:
         source = kwargs.get("position_ids")
         if source is not None and source.shape[-1] != T:
             source = None

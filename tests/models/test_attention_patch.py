@@ -3,6 +3,7 @@ models whose sequences are longer than their sliding windows and the kernel's bl
 loss and LoRA gradients on unpadded, packed (padding-free) and padded batches."""
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -146,3 +147,33 @@ def test_attention_option_off_and_loading_as_fastplug():
     with torch.no_grad():
         assert_close(loaded(input_ids=inputs["input_ids"]).logits, reference(input_ids=inputs["input_ids"]).logits,
                      torch.float32, "logits")
+
+
+def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
+    """No position_ids from the caller: rows are not packed, so the kernel gets no document bounds (SDPA where
+    it suits, no host sync), in the checkpoint recompute and under torch.compile too; packed position_ids still
+    give bounds; restore removes the decoder stack's hook."""
+    kernels = sys.modules["fastplug.kernels.attention"]  # (the package's `attention` is the function)
+    model = tiny_model("llama").to(DEVICE)
+    decoder = model.get_decoder()
+    hooks_before = len(decoder._forward_pre_hooks)
+    bounded = []
+    real = kernels.flash_attention
+    monkeypatch.setattr(kernels, "flash_attention",
+                        lambda *a, **kw: bounded.append(kw["doc_start"] is not None) or real(*a, **kw))
+    inputs = _inputs(2)
+    with patch_model(model, gradient_checkpointing=True):
+        model.train()
+        model(**inputs).loss.backward()
+        assert bounded == [False] * 4  # two layers, forward and recompute
+        bounded.clear()
+        packed = torch.cat([torch.arange(n) for n in DOCS])[None]
+        model(**_inputs(1, packed)).loss.backward()
+        assert bounded == [True] * 4
+        bounded.clear()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+        plain = {"input_ids": inputs["input_ids"], "use_cache": False}  # (with labels the fused loss skips logits)
+        with torch.no_grad():
+            assert_close(compiled(**plain).logits, model(**plain).logits, torch.float32, "compiled logits")
+        assert bounded and not any(bounded)
+    assert len(decoder._forward_pre_hooks) == hooks_before

@@ -66,8 +66,8 @@ def lora_rows(batch: int, tokens: int, hidden: int, q_out: int, kv_out: int, int
     cos = torch.randn(batch, tokens, head_dim, device=DEV, dtype=DT)
     sin = torch.randn_like(cos)
     attention, mlp = nn.Module(), nn.Module()  # owners of the two stacked groups
-    stacking.switch(attention)()
-    stacking.switch(mlp)()
+    stacking.switch(attention, attention, ())()  # (no module names: the groups are the views below)
+    stacking.switch(mlp, mlp, ())()
     qkv_stack, gu_stack = stacking.stacked_base(attention, [q, k, v]), stacking.stacked_base(mlp, [gate, up])
     grads_qkv = [torch.randn(batch, tokens, n, device=DEV, dtype=DT) for n in (q_out, kv_out, kv_out)]
     grad_mlp = torch.randn(batch, tokens, hidden, device=DEV, dtype=DT)
@@ -105,6 +105,31 @@ def op_rows():
     ]
 
 
+def attention_rows(batch: int, tokens: int, heads: int, kv_heads: int, head_dim: int):
+    """Causal GQA attention forward and fwd+bwd through each SDPA backend the dispatcher may call and the Triton
+    kernel: cuDNN's calls cost the host far more than the others'."""
+    kernels = sys.modules["fastplug.kernels.attention"]  # (the package's `attention` is the function)
+    q = torch.randn(batch, heads, tokens, head_dim, device=DEV, dtype=DT, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, tokens, head_dim, device=DEV, dtype=DT, requires_grad=True) for _ in "kv")
+    grad = torch.randn(batch, tokens, heads, head_dim, device=DEV, dtype=DT)
+    scale = head_dim ** -0.5
+
+    def sdpa(backend):
+        def call():
+            kernels.SDPA_BACKEND = backend
+            return kernels._sdpa(q, k, v, True, scale)
+        return call
+
+    def triton_kernel():
+        return kernels.FlashAttention.apply(q, k, v, kernels._problem(q, k, True, None, None, scale), None, None)
+
+    rows = []
+    for name, fn in (("SDPA, torch's choice (cuDNN)", sdpa("auto")), ("SDPA, FlashAttention-2 called directly",
+                     sdpa("flash")), ("Triton flash kernel", triton_kernel)):
+        rows += [(f"attention fwd, {name}", fn), (f"attention fwd+bwd, {name}", lambda fn=fn: fn().backward(grad))]
+    return rows
+
+
 def main() -> None:
     calls = 300 if DEV == "cuda" else 3
     rows = [("tiny", name, *per_call_us(fn, calls)) for name, fn in op_rows()]
@@ -113,6 +138,10 @@ def main() -> None:
         shapes.append(("Llama-1B 4x2048", (4, 2048, 2048, 2048, 512, 8192), 30))
     for label, shape, n in shapes:
         rows += [(label, name, *per_call_us(fn, n)) for name, fn in lora_rows(*shape)]
+    if DEV == "cuda":
+        backend = sys.modules["fastplug.kernels.attention"].SDPA_BACKEND
+        rows += [("Llama-1B 4x2048", name, *per_call_us(fn, 30)) for name, fn in attention_rows(4, 2048, 32, 8, 64)]
+        sys.modules["fastplug.kernels.attention"].SDPA_BACKEND = backend
     print("\n| widths | op | host µs per call | wall µs per call |\n|---|---|---|---|")
     for label, name, host, wall in rows:
         print(f"| {label} | {name} | {host:,.1f} | {wall:,.1f} |")

@@ -325,6 +325,12 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     return built
 
 
+def _group_adapters(originals, casts, stacked, dtype: torch.dtype):
+    """The adapter matrices of one group of projections: stacked (keyed by the originals) where its bases are
+    stacked, else per projection."""
+    return _stacked_adapters(originals, casts, dtype) if stacked is not None else _adapters(casts)
+
+
 def _stacked_weight(stacked: StackedBase, projs, dtype: torch.dtype) -> torch.Tensor:
     """The stacked dense base; 4-bit bases dequantized together into the shared buffer (use it at once)."""
     if stacked.weight is not None:
@@ -514,12 +520,11 @@ def _project(x, x2, scalings, params, stacked, rotary, joined: bool = False) -> 
     outs = [_weight_shape(p.weight)[0] for p in projs]
     y = None
     with _no_autocast(x):
+        adapters = _group_adapters(originals, projs, stacked, x.dtype)
         if stacked is not None:
-            adapters = _stacked_adapters(originals, projs, x.dtype)
             y, xa = _forward_stacked(x2, stacked, adapters, projs)
             ys = list(y.split(outs, dim=1))
         else:
-            adapters = _adapters(projs)
             y = x2.new_empty((x2.shape[0], sum(outs))) if joined else None
             ys, xa = _forward(x2, projs, adapters, out=None if y is None else y.split(outs, dim=1))
     if rotary is not None:  # q and k are this node's own buffers: no second copy of them
@@ -596,12 +601,11 @@ def _mlp(x, x2, activation, scalings, params, stacked, joined: bool = False) -> 
     down_adapters = _adapters([down_p])
     width = _weight_shape(gate_p.weight)[0]
     with _no_autocast(x):
+        gu_adapters = _group_adapters(originals, [gate_p, up_p], stacked, x.dtype)
         if stacked is not None:
-            gu_adapters = _stacked_adapters(originals, [gate_p, up_p], x.dtype)
             gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
             gate, up = gate_up.split(width, dim=1)
         else:
-            gu_adapters = _adapters([gate_p, up_p])
             gate_up = x2.new_empty((x2.shape[0], 2 * width)) if joined else None
             blocks = None if gate_up is None else gate_up.split(width, dim=1)
             (gate, up), xa_gu = _forward(x2, [gate_p, up_p], gu_adapters, out=blocks)
@@ -746,6 +750,17 @@ def _op_grads(grads, needs) -> tuple:
     return grads[0], grads[1:]
 
 
+def _param_needs(needs, present) -> list[bool]:
+    """Which unpacked parameters (in _flatten's order, absent ones included) take grads."""
+    return [bool(n) for n in _unpack(needs[1:], present)]
+
+
+def _backward_op_out(dx, grads, present, x, tensors) -> list:
+    """A backward operator's output: dx, then the grads of the packed (present) tensors, via `_grads_out`."""
+    grads = [g for g, here in zip(grads, present) if here]
+    return _grads_out([None if dx is None else dx.view(x.shape), *grads], [x, *tensors], x)
+
+
 def _fake_grads(x, tensors, needs) -> list:
     return [x.new_empty(x.shape) if needs[0] else x.new_empty(0)] + [
         torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(tensors, needs[1:])]
@@ -786,20 +801,16 @@ def _(x, tensors, present, scalings, cos, sin, head_dim):
 def _projections_backward_op(dy, x, xa, tensors, present, scalings, cos, sin, head_dim, needs):
     """[dx, grads of the packed tensors]; an empty tensor where needs (x first, then tensors) is False."""
     params = _unpack(tensors, present)
-    x2 = rows_view(x)
     projs = _unflatten(params, scalings)
     stacked = _stacked_in_memory(projs, x.dtype)
-    fwd = _Projected(None, None, xa if xa.shape[1] else None, None, _unflatten(_cast_params(params, x.dtype), scalings),
+    cast = _unflatten(_cast_params(params, x.dtype), scalings)
+    fwd = _Projected(None, None, xa if xa.shape[1] else None, _group_adapters(projs, cast, stacked, x.dtype), cast,
                      projs)
-    outs = [p.weight.shape[0] for p in projs]
-    fwd = fwd._replace(adapters=_stacked_adapters(projs, fwd.projs, x.dtype) if stacked is not None
-                       else _adapters(fwd.projs))
     rotary = None if cos is None else (cos, sin, x.shape[0], head_dim)
-    needs_params = _unpack(needs[1:], present)
-    dx, grads = _project_grads(list(dy.split(outs, dim=1)), x2, fwd, stacked, rotary, needs[0],
-                               [bool(n) for n in needs_params], joined=dy)
-    grads = [g for g, here in zip(grads, present) if here]
-    return _grads_out([None if dx is None else dx.view(x.shape), *grads], [x, *tensors], x)
+    dys = list(dy.split([p.weight.shape[0] for p in projs], dim=1))
+    dx, grads = _project_grads(dys, rows_view(x), fwd, stacked, rotary, needs[0], _param_needs(needs, present),
+                               joined=dy)
+    return _backward_op_out(dx, grads, present, x, tensors)
 
 
 @_projections_backward_op.register_fake
@@ -855,20 +866,16 @@ def _(x, tensors, present, scalings, activation):
 def _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, present, scalings, activation, needs):
     """[dx, grads of the packed tensors]; dgate and dup go into a new buffer (gate_up is the graph's, not ours)."""
     params = _unpack(tensors, present)
-    x2 = rows_view(x)
     projs = _unflatten(params, scalings)
     stacked = _stacked_in_memory(projs[:2], x.dtype)
     cast = _unflatten(_cast_params(params, x.dtype), scalings)
-    gu_adapters = (_stacked_adapters(projs[:2], cast[:2], x.dtype) if stacked is not None
-                   else _adapters(cast[:2]))
+    adapters = (_group_adapters(projs[:2], cast[:2], stacked, x.dtype), _adapters(cast[2:]))
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
     fwd = _MLPForward(None, gate_up, gate, up, xa_gu if xa_gu.shape[1] else None,
-                      xa_down if xa_down.shape[1] else None, (gu_adapters, _adapters(cast[2:])), cast, projs[:2])
-    needs_params = [bool(n) for n in _unpack(needs[1:], present)]
-    dx, grads = _mlp_grads(dy.reshape(-1, dy.shape[-1]), x2, fwd, stacked, activation, needs[0], needs_params,
-                           into=torch.empty_like(gate_up))
-    grads = [g for g, here in zip(grads, present) if here]
-    return _grads_out([None if dx is None else dx.view(x.shape), *grads], [x, *tensors], x)
+                      xa_down if xa_down.shape[1] else None, adapters, cast, projs[:2])
+    dx, grads = _mlp_grads(dy.reshape(-1, dy.shape[-1]), rows_view(x), fwd, stacked, activation, needs[0],
+                           _param_needs(needs, present), into=torch.empty_like(gate_up))
+    return _backward_op_out(dx, grads, present, x, tensors)
 
 
 @_mlp_backward_op.register_fake

@@ -1,4 +1,4 @@
-"""Shared test helpers: relative error against float64 references."""
+"""Shared test helpers: relative error against float64 references, a plain training loop."""
 
 import torch
 
@@ -24,3 +24,17 @@ def checkpointing_on(model) -> bool:
     if hasattr(model, "is_activation_checkpointing"):
         return model.is_activation_checkpointing
     return model.is_gradient_checkpointing
+
+
+def train_losses(run, model, batches, fused: bool = False) -> list[float]:
+    """Per-step losses of plain LoRA steps: forward through `run` (the model, or it compiled), backward, AdamW
+    (lr 1e-3) on the model's trainable parameters."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=fused)
+    losses = []
+    for ids in batches:
+        loss = run(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastplug
-from tests.helpers import assert_close
+from tests.helpers import assert_close, train_losses
 from tests.models.tiny import tiny_model
 
 
@@ -304,15 +304,7 @@ def test_compiled_model_with_a_graph_break_trains_like_eager_with_stacking_on():
         model.get_base_model().model.layers[0].register_forward_pre_hook(lambda *_: print(end=""))
         handle = fastplug.patch_model(model, gradient_checkpointing=False, stack_projections=True, freeze_gc=False)
         run = torch.compile(model, backend="eager") if compiled else model
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         model.train()
-        steps = []
-        for ids in e2e.token_batches(128, 2, 16, 2, 0, torch.device("cpu")):
-            loss = run(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            steps.append(loss.item())
-        losses.append(steps)
+        losses.append(train_losses(run, model, e2e.token_batches(128, 2, 16, 2, 0, torch.device("cpu"))))
         handle.restore()
     assert losses[1] == pytest.approx(losses[0], rel=1e-4), losses

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import fastplug
-from tests.helpers import assert_close
+from tests.helpers import assert_close, train_losses
 
 
 @pytest.mark.parametrize("family, lora", [("llama", False), ("gemma", False), ("llama", True), ("gemma2", True)])
@@ -79,15 +79,7 @@ def test_compiled_auto_checkpointing_trains_like_eager_with_stacked_bases():
         storages = {getattr(attn, n).base_layer.weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")}
         assert len(storages) == 1, "q/k/v bases are stacked when patched on the GPU"
         run = torch.compile(model) if compiled else model
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
         torch._dynamo.reset()
-        steps = []
-        for batch in ids:
-            loss = run(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            steps.append(loss.item())
-        losses.append(steps)
+        losses.append(train_losses(run, model, ids, fused=True))
         handle.restore()
     assert losses[1] == pytest.approx(losses[0], rel=3e-4), losses  # the drift was 1e-3

@@ -162,7 +162,9 @@ def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
     monkeypatch.setattr(kernels, "flash_attention",
                         lambda *a, **kw: bounded.append(kw["doc_start"] is not None) or real(*a, **kw))
     inputs = _inputs(2)
-    with patch_model(model, gradient_checkpointing=True):
+    # only the attention patch (its bounds are under test; the other kernels would only slow the interpreter)
+    only_attention = dict(rms_norm=False, rope=False, mlp=False, cross_entropy=False, lora=False)
+    with patch_model(model, gradient_checkpointing=True, **only_attention):
         model.train()
         model(**inputs).loss.backward()
         assert bounded == [False] * 4  # two layers, forward and recompute
@@ -171,7 +173,7 @@ def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
         model(**_inputs(1, packed)).loss.backward()
         assert bounded == [True] * 4
         bounded.clear()
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+        compiled = torch.compile(model, backend="eager")
         plain = {"input_ids": inputs["input_ids"], "use_cache": False}  # (with labels the fused loss skips logits)
         with torch.no_grad():
             assert_close(compiled(**plain).logits, model(**plain).logits, torch.float32, "compiled logits")

@@ -19,8 +19,9 @@ def test_frameworks_tiny_all_runs_train_with_agreeing_losses(tmp_path, capsys, m
     # The workers take fastplug's torch-reference path (seconds, not minutes under the interpreter): this checks
     # the plumbing; tests/integrations checks the adapters themselves.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    # the packed TRL pair and the Lightning pair (the unpacked TRL pair runs the same plumbing, minus packing)
-    runs = ("sft_packed", "fast_sft_packed", "lightning", "lightning_fastkernels")
+    # the packed TRL pair, the HF Trainer pair and the Lightning pair (the unpacked TRL pair runs the same
+    # plumbing minus packing; the compiled Trainer pair, the same plus torch_compile=True)
+    runs = ("sft_packed", "fast_sft_packed", "trainer", "trainer_fastkernels", "lightning", "lightning_fastkernels")
     rc = frameworks.main(["--tiny", "--steps", "2", "--warmup", "1", "--time-limit", "240", "--out", str(tmp_path),
                           "--runs", ",".join(runs)])
     out = capsys.readouterr().out

@@ -1,9 +1,13 @@
 """`python -m fastplug.bench frameworks`: LoRA SFT through TRL and a Lightning fit, with and without fastplug.
 
-Four runs on the Llama-shaped model of the e2e bench (random init, bf16, LoRA r=16 on every linear layer,
+Runs on the Llama-shaped model of the e2e bench (random init, bf16, LoRA r=16 on every linear layer,
 non-reentrant checkpointing, pre-packed rows of `--seq` random token ids):
   sft                    trl.SFTTrainer
   fast_sft               fastplug.integrations.trl.FastSFTTrainer (default KernelOptions)
+  sft_packed, fast_sft_packed   the same on documents of random lengths that TRL packs (padding-free)
+  trainer                transformers.Trainer on e2e's peft model
+  trainer_fastkernels    the same with callbacks=[FastKernels()]
+  trainer_compile, trainer_compile_fastkernels   both with TrainingArguments(torch_compile=True)
   lightning              L.Trainer(strategy="auto"), the model's own checkpointing on
   lightning_fastkernels  L.Trainer(strategy="fastkernels")
 
@@ -29,8 +33,10 @@ from .e2e import (
     sync_device, token_batches, worker_deadline,
 )
 
-RUNS = ("sft", "fast_sft", "sft_packed", "fast_sft_packed", "lightning", "lightning_fastkernels")
-BASELINE = {"fast_sft": "sft", "fast_sft_packed": "sft_packed", "lightning_fastkernels": "lightning"}
+RUNS = ("sft", "fast_sft", "sft_packed", "fast_sft_packed", "trainer", "trainer_fastkernels", "trainer_compile",
+        "trainer_compile_fastkernels", "lightning", "lightning_fastkernels")
+BASELINE = {"fast_sft": "sft", "fast_sft_packed": "sft_packed", "trainer_fastkernels": "trainer",
+            "trainer_compile_fastkernels": "trainer_compile", "lightning_fastkernels": "lightning"}
 MODEL = "llama"
 COLUMNS = ("run", "batch x seq", "tok/s", "vs baseline", "peak GiB", "step ms", "losses (first 3)", "note")
 
@@ -108,7 +114,6 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     from ..patching import unwrap
@@ -134,19 +139,8 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
                       task_type="CAUSAL_LM")  # every linear layer but the LM head, as in build_model
     timer = StepTimer(device, worker_deadline(spec))
-
-    class Timing(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            _reset_peak(device)
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            timer.begin()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = timer.end() or control.should_training_stop
-
     kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=_tiny_tokenizer(),
-                  peft_config=lora, callbacks=[Timing()])
+                  peft_config=lora, callbacks=[_timing_callback(timer, device)])
     if fast:
         from ..integrations.trl import FastSFTTrainer
 
@@ -159,6 +153,52 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     trainer.train()
     timer.losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return _result(spec, device, timer, note)
+
+
+def _timing_callback(timer: StepTimer, device):
+    """A transformers TrainerCallback that times every optimizer step with `timer` (peak memory from the start)."""
+    from transformers import TrainerCallback
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            _reset_peak(device)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            timer.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = timer.end() or control.should_training_stop
+
+    return Timing()
+
+
+def run_trainer(spec: dict, device, fast: bool, compiled: bool) -> dict:
+    """transformers' Trainer on e2e's peft model (adapters in fp32, bf16 autocast), the default collator and
+    optimizer (fused AdamW); fast adds callbacks=[FastKernels()], compiled sets torch_compile=True."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    model, batches = _model_and_rows(spec, device, peft=True)  # build_model turned checkpointing on
+    dataset = [{"input_ids": row, "labels": row} for row in torch.cat(batches)]
+    on_gpu = device.type == "cuda"
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="fastplug_bench_trainer_"), per_device_train_batch_size=spec["batch"],
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=on_gpu,
+        use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, seed=spec["seed"], disable_tqdm=True,
+        torch_compile=compiled,
+    )  # fmt: skip
+    timer = StepTimer(device, worker_deadline(spec))
+    callbacks = [_timing_callback(timer, device)]
+    if fast:
+        from ..callbacks import FastKernels
+
+        callbacks.append(FastKernels())
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
+    trainer.train()
+    timer.losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    note = _counts_note([callbacks[-1].handle]) if fast else "model's own checkpointing and loss"
+    return _result(spec, device, timer, note + ("; torch_compile=True" if compiled else ""))
 
 
 def run_lightning(spec: dict, device, fast: bool) -> dict:
@@ -241,10 +281,13 @@ def worker_main(spec_json: str, result_path: str) -> int:
     print(f"\n== frameworks / {spec['run']} ==", flush=True)
     device = torch.device(spec["device"])
     try:
-        if spec["run"] in ("sft", "fast_sft", "sft_packed", "fast_sft_packed"):
-            result = run_sft(spec, device, fast=spec["run"].startswith("fast"), packed=spec["run"].endswith("packed"))
+        run = spec["run"]
+        if run in ("sft", "fast_sft", "sft_packed", "fast_sft_packed"):
+            result = run_sft(spec, device, fast=run.startswith("fast"), packed=run.endswith("packed"))
+        elif run.startswith("trainer"):
+            result = run_trainer(spec, device, fast=run.endswith("fastkernels"), compiled="compile" in run)
         else:
-            result = run_lightning(spec, device, fast=spec["run"] == "lightning_fastkernels")
+            result = run_lightning(spec, device, fast=run == "lightning_fastkernels")
         print(f"step ms: {result['all_step_ms']}\nlosses: {result['losses']}", flush=True)
     except Exception as exc:
         import traceback

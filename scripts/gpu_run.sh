@@ -9,7 +9,7 @@
 #   micro [ARGS]           python -m fastplug.bench micro ARGS
 #   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
 #   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
-#   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT and Lightning, with and without fastplug)
+#   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT, HF Trainer, Lightning, with and without fastplug)
 #   probe [ARGS]           python scripts/precision_probe.py ARGS      (loss bias and LoRA grad error vs an fp32 truth)
 #   convergence [ARGS]     python scripts/convergence.py all ARGS      (120 real-text steps, e.g. lora:hf,lora:fastplug)
 #   generate [ARGS]        python -m fastplug.bench generate ARGS      (fast_generate vs transformers' generate)

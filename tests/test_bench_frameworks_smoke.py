@@ -1,5 +1,5 @@
-"""Smoke run of `python -m fastplug.bench frameworks --tiny` on CPU: TRL SFT and a Lightning fit, each with
-and without fastplug, in worker processes. Timings on CPU mean nothing and are not checked; what is checked
+"""Smoke run of `python -m fastplug.bench frameworks --tiny` on CPU: TRL SFT, the HF Trainer and a Lightning fit,
+each with and without fastplug, in worker processes. Timings on CPU mean nothing and are not checked; what is checked
 is that every run trained, reported tokens/s and finite losses, and that fastplug's losses match its baseline's.
 """
 

@@ -277,7 +277,7 @@ def test_registered_lora_backward_operators_pass_opcheck(kind, stacked):
     lora = importlib.import_module("fastplug.kernels.lora")
     args = _lora_args(kind, stacked)
     x, tensors, present = args[:3]
-    needs = [True] + [t.requires_grad for t in tensors]
+    needs = lora._op_needs(x, tensors)
     with torch.no_grad():
         if kind == "qkv":
             y, xa = lora._projections_op(*args)

@@ -128,14 +128,7 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     else:
         # Pre-packed: every row is exactly seq tokens, so TRL neither tokenizes, packs nor pads.
         dataset = Dataset.from_dict({"input_ids": torch.cat(batches).tolist()})
-    on_gpu = device.type == "cuda"
-    config = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="fastplug_bench_sft_"), per_device_train_batch_size=spec["batch"],
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=on_gpu,
-        use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, packing=packed, max_length=spec["seq"],
-        seed=spec["seed"], disable_tqdm=True,
-    )  # fmt: skip; optim left at its default, adamw_torch_fused, as users run it
+    config = SFTConfig(**_training_args(spec, device, "sft"), packing=packed, max_length=spec["seq"])
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
                       task_type="CAUSAL_LM")  # every linear layer but the LM head, as in build_model
     timer = StepTimer(device, worker_deadline(spec))
@@ -150,9 +143,26 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
         trainer = SFTTrainer(**kwargs)
         fused_head = "forward" in vars(unwrap(trainer.model))
         note = "loss path: " + ("TRL's fused LM head" if fused_head else "the model's own forward")
+    return _result(spec, device, _train(trainer, timer), note)
+
+
+def _training_args(spec: dict, device, name: str) -> dict:
+    """The TrainingArguments (and SFTConfig) settings every Trainer run shares; optim left at its default,
+    adamw_torch_fused, as users run it."""
+    on_gpu = device.type == "cuda"
+    return dict(
+        output_dir=tempfile.mkdtemp(prefix=f"fastplug_bench_{name}_"), per_device_train_batch_size=spec["batch"],
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=on_gpu,
+        use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, seed=spec["seed"], disable_tqdm=True,
+    )  # fmt: skip
+
+
+def _train(trainer, timer: StepTimer) -> StepTimer:
+    """Runs a transformers/TRL trainer; the timer gets the losses it logged (every step)."""
     trainer.train()
     timer.losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return _result(spec, device, timer, note)
+    return timer
 
 
 def _timing_callback(timer: StepTimer, device):
@@ -180,14 +190,7 @@ def run_trainer(spec: dict, device, fast: bool, compiled: bool) -> dict:
 
     model, batches = _model_and_rows(spec, device, peft=True)  # build_model turned checkpointing on
     dataset = [{"input_ids": row, "labels": row} for row in torch.cat(batches)]
-    on_gpu = device.type == "cuda"
-    args = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="fastplug_bench_trainer_"), per_device_train_batch_size=spec["batch"],
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, bf16=on_gpu,
-        use_cpu=not on_gpu, max_steps=spec["warmup"] + spec["steps"], logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=1e-4, dataloader_num_workers=0, seed=spec["seed"], disable_tqdm=True,
-        torch_compile=compiled,
-    )  # fmt: skip
+    args = TrainingArguments(**_training_args(spec, device, "trainer"), torch_compile=compiled)
     timer = StepTimer(device, worker_deadline(spec))
     callbacks = [_timing_callback(timer, device)]
     if fast:
@@ -195,8 +198,7 @@ def run_trainer(spec: dict, device, fast: bool, compiled: bool) -> dict:
 
         callbacks.append(FastKernels())
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
-    trainer.train()
-    timer.losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _train(trainer, timer)
     note = _counts_note([callbacks[-1].handle]) if fast else "model's own checkpointing and loss"
     return _result(spec, device, timer, note + ("; torch_compile=True" if compiled else ""))
 

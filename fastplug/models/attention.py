@@ -14,9 +14,9 @@ import sys
 import torch
 from torch import nn
 
+from ..checkpointing import decoder_stack
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
-from ..checkpointing import decoder_stack
 from . import fast_attention, stacking
 from .projections import fused_projections, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches

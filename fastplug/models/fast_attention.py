@@ -209,13 +209,13 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
     causal = getattr(module, "is_causal", True) if causal is None else causal
     T, S = query.shape[2], key.shape[2]
     # TRL's padding-free collator also passes cu_seq_lens_q (one packed row): bounds without any host sync
-    source = kwargs.get("cu_seq_lens_q") if query.shape[0] == 1 and not unpacked else None
-    if (source is None or source.dim() != 1) and not unpacked:
+    source = kwargs.get("cu_seq_lens_q") if query.shape[0] == 1 else None
+    if source is None or source.dim() != 1:
         source = kwargs.get("position_ids")
         if source is not None and source.shape[-1] != T:
             source = None
     start = end = None
-    packable = causal and source is not None and T == S and T > 1 and padding is None
+    packable = causal and not unpacked and source is not None and T == S and T > 1 and padding is None
     from ..kernels.attention import _normalise_window, _sdpa_suits, flash_attention
 
     if padding is not None:  # transformers detects no packing in a padded batch either

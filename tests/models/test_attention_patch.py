@@ -165,9 +165,8 @@ def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
     monkeypatch.setattr(kernels, "flash_attention",
                         lambda *a, **kw: bounded.append(kw["doc_start"] is not None) or real(*a, **kw))
     inputs = _inputs(2)
-    # only the attention patch (its bounds are under test; the other kernels would only slow the interpreter)
-    only_attention = dict(rms_norm=False, rope=False, mlp=False, cross_entropy=False, lora=False)
-    with patch_model(model, gradient_checkpointing=True, **only_attention):
+    # checkpointed (the recompute must see the flag too); the bounds are under test, not RoPE or LoRA
+    with patch_model(model, **{**ATTENTION_FOCUS, "gradient_checkpointing": True, "rope": False, "lora": False}):
         model.train()
         model(**inputs).loss.backward()
         assert bounded == [False] * 4  # two layers, forward and recompute

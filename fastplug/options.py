@@ -31,6 +31,10 @@ class KernelOptions:
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True
     memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
+    # Replay each decoder layer's forward and backward as CUDA graphs once a batch shape repeats (training,
+    # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
+    # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/layer_graphs.py).
+    cuda_graphs: bool = False
     # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
     # blocks, the bf16 copies freed) and run on the FP8 GEMM; layers already in FP8 (transformers' fine-grained
     # FP8 checkpoints) take fastplug's kernel. restore() gives back weights dequantized from FP8 (lossy)...

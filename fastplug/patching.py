@@ -16,7 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from . import checkpointing, host_gc
+from . import checkpointing, host_gc, layer_graphs
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from .models.fp8 import convert_to_fp8
 from .models.peft_lora import watch_adapter_writes
@@ -57,6 +57,7 @@ class PatchHandle:
         self.paths: list[tuple[str, str]] = []  # (module path, the implementation it takes)
         self._adapter_watch = None  # the forward pre-hook that keeps fused LoRA's adapter copies current
         self.fp8: str | None = None  # what the fp8 option did, for the summary
+        self.graphs: layer_graphs.LayerGraphs | None = None
         self._fp8_layers = 0
         self.is_active = False
 
@@ -119,6 +120,16 @@ class PatchHandle:
         self._checkpointing_snapshot = checkpointing.snapshot(self.model)
         self.checkpointing = checkpointing.enable(self.model, mode, self.options.memory_budget)
 
+    def _install_graphs(self) -> None:
+        if not self.options.cuda_graphs:
+            return
+        installed = layer_graphs.install(checkpointing.decoder_layers(self.model))
+        if isinstance(installed, str):
+            self.skipped.append(("cuda_graphs", installed))
+        else:
+            self.graphs = installed
+            self._undo.append(installed.remove)
+
     # -- undoing
     def restore(self) -> None:
         if not self.is_active:
@@ -157,6 +168,8 @@ class PatchHandle:
             lines.append(f"  gradient checkpointing: {self.checkpointing}")
         if self.fp8:
             lines.append(f"  fp8: {self.fp8}")
+        if self.graphs is not None:
+            lines.append(f"  {self.graphs}")
         if self.paths:
             lines.append("  paths:")
             lines += [f"    {path}: {taken}" for path, taken in self.paths]
@@ -185,6 +198,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     handle._convert_fp8()
     handle._patch_modules(model)
     handle._enable_checkpointing()
+    handle._install_graphs()
     if options.freeze_gc:  # last: the patch's own objects are frozen too
         handle._undo.append(host_gc.hold())
     handle.is_active = True

@@ -32,6 +32,7 @@ break).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import NamedTuple
 
@@ -169,6 +170,20 @@ _CAST_CACHE: dict[int, _Cast] = {}
 # `invalidate_adapter_casts()` is called: a patched model calls it at the start of each forward.
 _generation = 0
 _optimizer_hook = None
+# False while a CUDA graph is captured (`uncached_adapters`): a replay runs no Python, so a cached copy read by a
+# graph would never be refreshed; the casts and stacks are then recorded into the graph and redone at each replay.
+_caching = True
+
+
+@contextlib.contextmanager
+def uncached_adapters():
+    """Within: the fused LoRA ops cast and stack adapters at every call instead of reusing cached copies."""
+    global _caching
+    previous, _caching = _caching, False
+    try:
+        yield
+    finally:
+        _caching = previous
 
 
 def invalidate_adapter_casts(*_) -> None:
@@ -225,6 +240,8 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
+    if not _caching:
+        return t if is_4bit(t) or is_fp8(t) else t.to(dtype)
     hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
     if (hit is not None and hit.ref() is t and hit.dtype == dtype and hit.version == t._version
             and hit.generation == _generation):
@@ -303,7 +320,7 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
                 ids.append(id(t))
                 versions.append(t._version)
     key, versions = (*ids, dtype), tuple(versions)
-    hit = _STACKED_ADAPTERS.get(key)
+    hit = _STACKED_ADAPTERS.get(key) if _caching else None
     if hit is not None and hit[1] == versions:
         for ref, t in zip(hit[0], adapter_params):
             if ref() is not t:
@@ -321,7 +338,8 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     else:
         b_blk = torch.block_diag(*(b * p.scaling if p.lora_A is not None else b for b, p in zip(blocks, casts)))
     built = _StackedAdapters(adapters.a_cat, b_blk, adapters.slices)
-    _STACKED_ADAPTERS[key] = ([weakref.ref(t) for t in adapter_params], versions, built)
+    if _caching:
+        _STACKED_ADAPTERS[key] = ([weakref.ref(t) for t in adapter_params], versions, built)
     return built
 
 

@@ -1,0 +1,339 @@
+"""CUDA graphs of the decoder layers (`cuda_graphs=True`): each layer's forward and backward replayed as one
+graph each, instead of issued op by op from Python.
+
+Why: a LoRA step of a 1B model is ~100 ms of GPU work that the host takes 1.3-2x as long to issue (dozens of
+kernels, autograd nodes and Python frames per layer); a replay costs the host a few microseconds.
+
+How: the layers' class is swapped, on these instances only, for a subclass whose `__call__` routes a call to
+the graphs when it can (restore() swaps it back). The first time a call signature (the tensors' shapes,
+dtypes and strides, every other argument's value, which layers are checkpointed) is seen it runs eagerly; the
+second time, every layer of the stack is captured with it, sharing one memory pool, in the order they run
+(forwards first to last, then backwards last to first), and from then on each layer call is a replay:
+- the layer's checkpointing, when on, is inside its graphs: the forward graph keeps only the inputs, the
+  backward graph recomputes; memory as without graphs, plus each layer's output and input-gradient buffers.
+- layer k's input is layer k-1's output buffer, so the hidden states are not copied; inputs shared by all
+  layers (position embeddings, a mask) are copied into the graphs' buffers once per forward.
+- fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
+  the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
+  copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
+Eager instead (the same numbers, the usual speed): inference or no grad, torch.compile tracing, packed rows
+(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
+fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
+previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
+warning says why; that signature stays eager).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from .kernels import lora
+from .models.fast_attention import UNPACKED
+
+_EAGER = object()
+_FAILED = object()
+_GRAPHS = "_fastplug_layer_graphs"  # the layer's instance attribute: (its LayerGraphs, its index in the stack)
+_SUBCLASSES: dict[type, type] = {}
+_SCALARS = (bool, int, float, str, type(None), torch.dtype)
+_FUNC, _MISSING = "_gradient_checkpointing_func", object()
+
+
+def install(layers: list[nn.Module], max_signatures: int = 4) -> "LayerGraphs | str":
+    """Route `layers` (a decoder stack's, in call order) through CUDA graphs; returns the LayerGraphs (its
+    `remove()` undoes it), or the reason none were installed."""
+    if not layers:
+        return "no decoder layers"
+    if not torch.cuda.is_available():
+        return "needs a CUDA device"
+    dropout = next((m for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0), None)
+    if dropout is not None or any(getattr(getattr(l, "self_attn", None), "attention_dropout", 0) for l in layers):
+        return "dropout in the layers (random numbers inside graphs are not supported here)"
+    return LayerGraphs(layers, max_signatures)
+
+
+class LayerGraphs:
+    """The graphs of one decoder stack, per call signature."""
+
+    def __init__(self, layers: list[nn.Module], max_signatures: int):
+        self.layers = layers
+        self.max_signatures = max_signatures
+        self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
+        self.seen: set[tuple] = set()
+        self.replays = 0
+        for index, layer in enumerate(layers):
+            vars(layer)[_GRAPHS] = (self, index)
+            layer.__class__ = _graphed_subclass(type(layer))
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            vars(layer).pop(_GRAPHS, None)
+            if type(layer) in _SUBCLASSES.values():
+                layer.__class__ = type(layer).__bases__[0]
+        self.sets.clear()
+
+    def __str__(self) -> str:
+        captured = sum(1 for s in self.sets.values() if s is not _FAILED)
+        failed = len(self.sets) - captured
+        return (f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
+                + (f", {failed} failed (eager)" if failed else ""))
+
+    # -- routing
+    def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
+        """The layer's output from its graphs, or _EAGER."""
+        if (not (layer.training and torch.is_grad_enabled() and kwargs.get(UNPACKED)) or _busy()
+                or not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer)):
+            return _EAGER
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        tensors, key = [], [spec]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if not leaf.is_cuda:
+                    return _EAGER
+                tensors.append(leaf)
+                key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.requires_grad))
+            elif isinstance(leaf, _SCALARS):
+                key.append((type(leaf), leaf))
+            else:
+                return _EAGER
+        key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
+        key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
+        key = tuple(key)
+        graphs = self.sets.get(key)
+        if graphs is None:
+            if index != 0 or key not in self.seen:  # first sighting (or mid-stack): eager, captured next time
+                if index == 0:
+                    self.seen.add(key)
+                return _EAGER
+            if len(self.sets) >= self.max_signatures or not self._capturable():
+                return _EAGER
+            graphs = self.sets[key] = self._capture(leaves, spec, tensors)
+        if graphs is _FAILED or graphs[index].awaiting_backward():
+            return _EAGER
+        self.replays += 1
+        return graphs[index].run(tensors)
+
+    def _capturable(self) -> bool:
+        for layer in self.layers:
+            if getattr(layer, "gradient_checkpointing", False) and not _is_plain_checkpoint(layer):
+                return False
+            if any(_foreign_hooks(m) for m in layer.modules()):
+                return False
+        return True
+
+    # -- capture
+    def _capture(self, leaves: list, spec, tensors: list[torch.Tensor]):
+        pool = torch.cuda.graph_pool_handle()
+        # Inputs shared by every layer (all tensors but the hidden states, the first): one static copy.
+        shared = [t.detach().clone() for t in tensors[1:]]
+        sources = [None] * len(shared)  # (weakref, version) of what each shared buffer last received
+        graphs = [_LayerGraph(layer, leaves, spec, shared, sources) for layer in self.layers]
+        try:
+            with _capturing(), lora.uncached_adapters(), _no_autocast_cache():
+                hidden = tensors[0].detach().clone().requires_grad_(tensors[0].requires_grad)
+                for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture
+                    graph.warm_up(hidden)
+                for graph in graphs:
+                    hidden = graph.capture_forward(hidden, pool)
+                grad = None
+                for graph in reversed(graphs):
+                    grad = graph.capture_backward(grad, pool)
+        except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
+            warnings.warn(f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
+                          f"for this batch shape: {type(error).__name__}: {error}", stacklevel=4)
+            return _FAILED
+        return graphs
+
+
+class _LayerGraph:
+    """One layer's forward and backward graphs and the buffers they read and write."""
+
+    def __init__(self, layer: nn.Module, leaves: list, spec, shared: list[torch.Tensor], sources: list):
+        self.layer = layer
+        self.leaves, self.spec = leaves, spec
+        self.inputs: list[torch.Tensor] = [None, *shared]  # static inputs; [0] (the hidden states) set at capture
+        self.sources = sources
+        self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.outputs = self.out_spec = None
+        self.grad_outputs: list = []
+        self.grad_inputs: list = []  # per static input: its gradient buffer or None
+        self.grad_params: list = []
+        self._pending = None  # weakref to the autograd context of the last replay until its backward ran
+
+    def _call(self, tensors):
+        it = iter(tensors)
+        args, kwargs = pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf
+                                              for leaf in self.leaves], self.spec)
+        return super(type(self.layer), self.layer).__call__(*args, **kwargs)
+
+    def _differentiable(self, outputs):
+        wrt = [t for t in self.inputs if t.requires_grad] + self.params
+        return [o for o in outputs if o.requires_grad], wrt
+
+    def warm_up(self, hidden: torch.Tensor) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.inputs[0] = hidden
+            with _checkpointing_for_capture(self.layer):
+                for _ in range(2):
+                    outputs = pytree.tree_leaves(self._call(self.inputs))
+                    grads_of, wrt = self._differentiable(outputs)
+                    if grads_of:
+                        torch.autograd.grad(grads_of, wrt, [torch.ones_like(o) for o in grads_of], allow_unused=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def capture_forward(self, hidden: torch.Tensor, pool) -> torch.Tensor:
+        self.inputs[0] = hidden
+        with _checkpointing_for_capture(self.layer), torch.cuda.graph(self.fwd, pool=pool):
+            outputs = self._call(self.inputs)
+        self.outputs, self.out_spec = pytree.tree_flatten(outputs)
+        first = self.outputs[0]  # the next layer's input: this buffer itself, no copy
+        return first.detach().requires_grad_(first.requires_grad)
+
+    def capture_backward(self, grad_of_output, pool):
+        """grad_of_output: the next layer's input-gradient buffer (None for the last layer)."""
+        self.grad_outputs = [None if not o.requires_grad else
+                             (grad_of_output if i == 0 and grad_of_output is not None else torch.empty_like(o))
+                             for i, o in enumerate(self.outputs)]
+        grads_of, wrt = self._differentiable(self.outputs)
+        grads = [None] * len(wrt)
+        if grads_of:
+            with torch.cuda.graph(self.bwd, pool=pool):
+                grads = torch.autograd.grad(grads_of, wrt, [g for g in self.grad_outputs if g is not None],
+                                            allow_unused=True)
+        it = iter(grads)
+        self.grad_inputs = [next(it) if t.requires_grad else None for t in self.inputs]
+        self.grad_params = list(it)
+        return self.grad_inputs[0]
+
+    # -- replay
+    def awaiting_backward(self) -> bool:
+        token = self._pending() if self._pending is not None else None
+        return token is not None and not token.done
+
+    def run(self, tensors: list[torch.Tensor]):
+        outputs = _Replay.apply(self, *tensors, *self.params)
+        return pytree.tree_unflatten(list(outputs), self.out_spec)
+
+
+class _Token:
+    """Alive as long as a replay's autograd node; `done` once its backward ran."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self):
+        self.done = False
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: _LayerGraph, *tensors):
+        for i, (static, t) in enumerate(zip(graph.inputs, tensors)):
+            if static.data_ptr() == t.data_ptr():
+                continue
+            if i:  # shared by the layers: copied by the first one this forward, unless it changed since
+                last = graph.sources[i - 1]
+                if last is not None and last[0]() is t and last[1] == t._version:
+                    continue
+                graph.sources[i - 1] = (weakref.ref(t), t._version)
+            static.copy_(t)
+        graph.fwd.replay()
+        ctx.graph, ctx.token = graph, _Token()
+        graph._pending = weakref.ref(ctx.token)
+        return tuple(o.detach() for o in graph.outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        graph = ctx.graph
+        ctx.token.done = True
+        for static, g in zip(graph.grad_outputs, grads):
+            if static is not None and static.data_ptr() != g.data_ptr():
+                static.copy_(g)
+        graph.bwd.replay()
+        present = [g for g in graph.grad_params if g is not None]
+        fresh = iter(torch._foreach_mul(present, 1.0) if present else [])  # one launch, not one per parameter
+        param_grads = [None if g is None else next(fresh) for g in graph.grad_params]
+        return None, *(None if g is None else g.detach() for g in graph.grad_inputs), *param_grads
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+def _graphed_subclass(cls: type) -> type:
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        def __call__(self, *args, **kwargs):
+            entry = vars(self).get(_GRAPHS)
+            out = _EAGER if entry is None else entry[0].call(self, entry[1], args, kwargs)
+            return super(sub, self).__call__(*args, **kwargs) if out is _EAGER else out
+
+        sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                                               "__qualname__": cls.__qualname__})
+    return sub
+
+
+@contextlib.contextmanager
+def _checkpointing_for_capture(layer: nn.Module):
+    """The layer's checkpointing, if on, as non-reentrant checkpoint that saves no RNG state (no dropout runs,
+    and a generator's state may not be read while capturing); the layer's own function back afterwards."""
+    own = vars(layer).get(_FUNC, _MISSING)
+    if getattr(layer, "gradient_checkpointing", False):
+        vars(layer)[_FUNC] = partial(checkpoint, use_reentrant=False, preserve_rng_state=False)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            vars(layer).pop(_FUNC, None)
+        else:
+            vars(layer)[_FUNC] = own
+
+
+def _is_plain_checkpoint(layer) -> bool:
+    """torch's checkpoint (either kind: the graphs recompute the same), not "offload"'s."""
+    func = getattr(layer, _FUNC, None)
+    return isinstance(func, partial) and func.func is checkpoint
+
+
+def _foreign_hooks(module: nn.Module) -> bool:
+    """Hooks a replay would skip: any but fastplug's own (auto checkpointing measures layer 0 at step one)."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
+             *module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    return any(not type(getattr(h, "__self__", None)).__module__.startswith("fastplug.") for h in hooks)
+
+
+@contextlib.contextmanager
+def _no_autocast_cache():
+    """Autocast's cached weight casts would be made once at capture and never again: cast in the graphs."""
+    cached = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cached)
+
+
+_capture_depth = 0
+
+
+class _capturing:
+    def __enter__(self):
+        global _capture_depth
+        _capture_depth += 1
+
+    def __exit__(self, *exc):
+        global _capture_depth
+        _capture_depth -= 1
+
+
+def _busy() -> bool:
+    """While capturing (the warm-up calls layers too) or tracing, layers run as they are."""
+    return _capture_depth > 0 or torch.compiler.is_compiling()

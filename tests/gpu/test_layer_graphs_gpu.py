@@ -1,0 +1,92 @@
+"""cuda_graphs=True on CUDA: LoRA training through replayed decoder-layer graphs gives the losses and adapters
+of the same patched model run eagerly (bf16 base, peft's fp32 adapters, fused AdamW, gradient accumulation),
+with checkpointing on and off, for Llama and Gemma2 (fastplug's Triton attention with softcap and window);
+two forwards before one backward fall back to eager for the second and still give the right gradients."""
+
+import pytest
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+import fastplug
+from tests.helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+
+
+def _model(family: str, seed: int = 0):
+    common = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64, vocab_size=1000)  # fmt: skip
+    if family == "gemma2":
+        config = transformers.Gemma2Config(**common, sliding_window=128)
+    else:
+        config = transformers.LlamaConfig(**common)
+    config.use_cache = False
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _train(model, batches, accumulate: int = 2):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    losses = []
+    for start in range(0, len(batches), accumulate):
+        for ids in batches[start:start + accumulate]:
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def _adapters(model):
+    return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True)])
+def test_graphed_layers_train_like_eager(family, checkpointing):
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 1000, (2, 256), generator=gen).cuda() for _ in range(12)]
+    results = {}
+    for graphs in (False, True):
+        model = _model(family)
+        layer = model.get_base_model().model.layers[0]
+        original = type(layer)
+        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing, cuda_graphs=graphs)
+        model.train()
+        results[graphs] = (_train(model, batches), _adapters(model))
+        if graphs:
+            assert handle.graphs.replays >= 8 * 4, handle.summary()  # steps 3..12 of 4 layers replayed
+            assert "1 call signature(s) captured" in handle.summary()
+        handle.restore()
+        assert type(layer) is original
+    (eager_losses, eager_params), (graph_losses, graph_params) = results[False], results[True]
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
+    for name, want in eager_params.items():
+        assert_close(graph_params[name], want, torch.bfloat16, name)
+
+
+def test_two_forwards_before_backward_fall_back_to_eager():
+    gen = torch.Generator().manual_seed(4)
+    batches = [torch.randint(0, 1000, (2, 128), generator=gen).cuda() for _ in range(4)]
+    grads = {}
+    for graphs in (False, True):
+        model = _model("llama")
+        handle = fastplug.patch_model(model, cuda_graphs=graphs)
+        model.train()
+        for ids in batches[:2]:  # the shape seen, then captured
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+        first = model(input_ids=batches[2], labels=batches[2]).loss
+        second = model(input_ids=batches[3], labels=batches[3]).loss  # layer graphs still await first's backward
+        (first + second).backward()
+        grads[graphs] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+        handle.restore()
+    for name, want in grads[False].items():
+        assert_close(grads[True][name], want, torch.bfloat16, name)

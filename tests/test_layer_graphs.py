@@ -1,0 +1,78 @@
+"""cuda_graphs=True off the GPU: the option says why nothing was captured; the per-instance routing of the
+decoder layers (their class swapped on these instances only) changes no number while calls run eagerly and
+is undone exactly; fused LoRA without its adapter caches (what a capture records) computes the same.
+Replays themselves are tested on CUDA (tests/gpu/test_layer_graphs_gpu.py)."""
+
+import torch
+
+import fastplug
+from fastplug import layer_graphs
+from fastplug.checkpointing import decoder_layers
+from fastplug.kernels import lora
+from tests.helpers import assert_close
+from tests.models.tiny import batch, tiny_model
+
+
+def _peft(model):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def test_option_without_cuda_says_why():
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False, cuda_graphs=True)
+    assert handle.graphs is None
+    assert any(path == "cuda_graphs" and "CUDA" in reason for path, reason in handle.skipped)
+    handle.restore()
+
+
+def test_routing_is_per_instance_exact_and_undone():
+    ids = batch()
+    reference, routed = _peft(tiny_model("llama")), _peft(tiny_model("llama"))
+    layers = decoder_layers(routed)
+    original = type(layers[0])
+    graphs = layer_graphs.LayerGraphs(layers, max_signatures=2)  # install() declines without CUDA
+    assert type(layers[0]) is not original and isinstance(layers[0], original)
+    assert type(decoder_layers(reference)[0]) is original, "another model's layers keep their class"
+    results = []
+    for model in (reference, routed):
+        model.train()
+        loss = model(**ids).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+    (want_loss, want_grads), (got_loss, got_grads) = results
+    assert torch.equal(got_loss, want_loss)
+    for got, want in zip(got_grads, want_grads):
+        assert torch.equal(got, want)
+    assert graphs.replays == 0 and not graphs.sets, "CPU tensors always run eagerly"
+    graphs.remove()
+    assert all(type(layer) is original and layer_graphs._GRAPHS not in vars(layer) for layer in layers)
+
+
+def test_fused_lora_without_adapter_caches_computes_the_same():
+    torch.manual_seed(0)
+    model = _peft(tiny_model("llama"))
+    handle = fastplug.patch_model(model, gradient_checkpointing=False, attention=False)
+    ids = batch()
+    results = []
+    for cached in (True, False):
+        model.zero_grad(set_to_none=True)
+        lora.invalidate_adapter_casts()
+        lora._CAST_CACHE.clear()
+        if cached:
+            loss = model(**ids).loss
+        else:
+            with lora.uncached_adapters():
+                loss = model(**ids).loss
+            assert not lora._CAST_CACHE and not lora._STACKED_ADAPTERS, "nothing cached while uncached"
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+    handle.restore()
+    (want_loss, want_grads), (got_loss, got_grads) = results
+    assert_close(got_loss, want_loss, torch.float32, "loss")
+    for got, want in zip(got_grads, want_grads):
+        assert_close(got, want, torch.float32, "adapter grad")

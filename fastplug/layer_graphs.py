@@ -142,9 +142,12 @@ class LayerGraphs:
                     graph.warm_up(hidden)
                 for graph in graphs:
                     hidden = graph.capture_forward(hidden, pool)
-                grad = None
-                for graph in reversed(graphs):
-                    grad = graph.capture_backward(grad, pool)
+                # Input gradients alternate between two buffers: layer k's is read by layer k-1's backward only,
+                # and layer k-2 may then overwrite it (the last layer's output gradient is copied into one).
+                buffers = [torch.empty_like(hidden), torch.empty_like(hidden)]
+                grad = buffers[len(graphs) % 2]
+                for index in reversed(range(len(graphs))):
+                    grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
         except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
             warnings.warn(f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
                           f"for this batch shape: {type(error).__name__}: {error}", stacklevel=4)
@@ -160,7 +163,12 @@ class _LayerGraph:
         self.leaves, self.spec = leaves, spec
         self.inputs: list[torch.Tensor] = [None, *shared]  # static inputs; [0] (the hidden states) set at capture
         self.sources = sources
-        self.params = [p for p in layer.parameters() if p.requires_grad]
+        trained = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in trained]
+        # The graphs see the trained parameters through fresh leaves on the same storage (the optimizer's updates
+        # show in every replay): a parameter's own gradient accumulator, kept alive by an earlier step's graph,
+        # belongs to the default stream, and autograd would sync with it in mid-capture (which voids it).
+        self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.outputs = self.out_spec = None
         self.grad_outputs: list = []
@@ -172,10 +180,10 @@ class _LayerGraph:
         it = iter(tensors)
         args, kwargs = pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf
                                               for leaf in self.leaves], self.spec)
-        return super(type(self.layer), self.layer).__call__(*args, **kwargs)
+        return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
 
     def _differentiable(self, outputs):
-        wrt = [t for t in self.inputs if t.requires_grad] + self.params
+        wrt = [t for t in self.inputs if t.requires_grad] + list(self.aliases.values())
         return [o for o in outputs if o.requires_grad], wrt
 
     def warm_up(self, hidden: torch.Tensor) -> None:
@@ -200,21 +208,24 @@ class _LayerGraph:
         first = self.outputs[0]  # the next layer's input: this buffer itself, no copy
         return first.detach().requires_grad_(first.requires_grad)
 
-    def capture_backward(self, grad_of_output, pool):
-        """grad_of_output: the next layer's input-gradient buffer (None for the last layer)."""
-        self.grad_outputs = [None if not o.requires_grad else
-                             (grad_of_output if i == 0 and grad_of_output is not None else torch.empty_like(o))
+    def capture_backward(self, grad_of_output: torch.Tensor, into: torch.Tensor, pool) -> torch.Tensor:
+        """grad_of_output: where the output's gradient arrives (the next layer's `into`); into: where the input's
+        gradient goes. Returns `into`."""
+        self.grad_outputs = [None if not o.requires_grad else grad_of_output if i == 0 else torch.empty_like(o)
                              for i, o in enumerate(self.outputs)]
         grads_of, wrt = self._differentiable(self.outputs)
         grads = [None] * len(wrt)
         if grads_of:
             with torch.cuda.graph(self.bwd, pool=pool):
-                grads = torch.autograd.grad(grads_of, wrt, [g for g in self.grad_outputs if g is not None],
-                                            allow_unused=True)
+                grads = list(torch.autograd.grad(grads_of, wrt, [g for g in self.grad_outputs if g is not None],
+                                                 allow_unused=True))
+                if self.inputs[0].requires_grad:
+                    into.copy_(grads[0])
+                    grads[0] = into
         it = iter(grads)
         self.grad_inputs = [next(it) if t.requires_grad else None for t in self.inputs]
         self.grad_params = list(it)
-        return self.grad_inputs[0]
+        return into
 
     # -- replay
     def awaiting_backward(self) -> bool:

@@ -68,6 +68,10 @@ class LayerGraphs:
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         self.seen: set[tuple] = set()
         self.replays = 0
+        # One memory pool for all signatures: what one leaves free (its layers' temporaries) another uses. Safe
+        # while no two signatures' replays interleave, i.e. one awaits its backward when another would run.
+        self._pool = None
+        self._last = None  # the graphs that ran last
         for index, layer in enumerate(layers):
             vars(layer)[_GRAPHS] = (self, index)
             layer.__class__ = _graphed_subclass(type(layer))
@@ -97,8 +101,10 @@ class LayerGraphs:
             if isinstance(leaf, torch.Tensor):
                 if not leaf.is_cuda:
                     return _EAGER
+                # whether the hidden states need a gradient is the layer's business (layer 0's input often
+                # does not, the others' do): checked against the graph below, not part of the signature
+                key.append((leaf.shape, leaf.stride(), leaf.dtype, bool(tensors) and leaf.requires_grad))
                 tensors.append(leaf)
-                key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.requires_grad))
             elif isinstance(leaf, _SCALARS):
                 key.append((type(leaf), leaf))
             else:
@@ -115,10 +121,18 @@ class LayerGraphs:
             if len(self.sets) >= self.max_signatures or not self._capturable():
                 return _EAGER
             graphs = self.sets[key] = self._capture(leaves, spec, tensors)
-        if graphs is _FAILED or graphs[index].awaiting_backward():
+        if graphs is _FAILED:
             return _EAGER
+        graph = graphs[index]
+        if tensors[0].requires_grad and not graph.inputs[0].requires_grad:
+            return _EAGER  # captured for an input that needed no gradient
+        if graphs is not self._last and self._last is not None and any(g.awaiting_backward() for g in self._last):
+            return _EAGER  # another signature's replay awaits its backward; they share the memory pool
+        if graph.awaiting_backward():
+            return _EAGER
+        self._last = graphs
         self.replays += 1
-        return graphs[index].run(tensors)
+        return graph.run(tensors)
 
     def _capturable(self) -> bool:
         for layer in self.layers:
@@ -130,7 +144,9 @@ class LayerGraphs:
 
     # -- capture
     def _capture(self, leaves: list, spec, tensors: list[torch.Tensor]):
-        pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        pool = self._pool
         # Inputs shared by every layer (all tensors but the hidden states, the first): one static copy.
         shared = [t.detach().clone() for t in tensors[1:]]
         sources = [None] * len(shared)  # (weakref, version) of what each shared buffer last received

@@ -16,7 +16,9 @@ second time, every layer of the stack is captured with it, sharing one memory po
 - fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
   the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
   copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
-Eager instead (the same numbers, the usual speed): inference or no grad, torch.compile tracing, packed rows
+Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
+and loss are compiled) and replay their CUDA graphs as in eager mode.
+Eager instead (the same numbers, the usual speed): inference or no grad, packed rows
 (the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
 fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
@@ -298,6 +300,9 @@ class _Replay(torch.autograd.Function):
 def _graphed_subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
+        # Opaque to torch.compile (a graph break at each layer): a compiled model's layers replay their graphs,
+        # and compiling them would add nothing a replay does not already give (fastplug's layers are its kernels).
+        @torch.compiler.disable
         def __call__(self, *args, **kwargs):
             entry = vars(self).get(_GRAPHS)
             out = _EAGER if entry is None else entry[0].call(self, entry[1], args, kwargs)
@@ -362,5 +367,5 @@ class _capturing:
 
 
 def _busy() -> bool:
-    """While capturing (the warm-up calls layers too) or tracing, layers run as they are."""
-    return _capture_depth > 0 or torch.compiler.is_compiling()
+    """While capturing (the warm-up calls layers too), layers run as they are."""
+    return _capture_depth > 0

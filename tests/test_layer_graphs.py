@@ -49,6 +49,9 @@ def test_routing_is_per_instance_exact_and_undone():
     for got, want in zip(got_grads, want_grads):
         assert torch.equal(got, want)
     assert graphs.replays == 0 and not graphs.sets, "CPU tensors always run eagerly"
+    torch._dynamo.reset()
+    compiled_loss = torch.compile(routed, backend="eager")(**ids).loss  # the layers are graph breaks
+    assert_close(compiled_loss.detach(), want_loss, torch.float32, "compiled loss")
     graphs.remove()
     assert all(type(layer) is original and layer_graphs._GRAPHS not in vars(layer) for layer in layers)
 

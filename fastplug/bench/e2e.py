@@ -28,7 +28,7 @@ from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_c
 # _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what TrainingArguments(torch_compile=True)
 # does); _graphs: cuda_graphs=True (the decoder layers replayed as CUDA graphs)
 IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto", "fastplug_compile", "fastplug_auto_compile",
-         "fastplug_graphs", "fastplug_auto_graphs")
+         "fastplug_graphs", "fastplug_auto_graphs", "fastplug_graphs_compile", "fastplug_auto_graphs_compile")
 DEFAULT_IMPLS = IMPLS[:4]
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
@@ -139,7 +139,7 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
         mode = "auto" if impl.startswith("fastplug_auto") else checkpointing
         # freeze_gc and stack_projections as the trainer adapters set them for their run
         handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True,
-                                                "stack_projections": True, "cuda_graphs": impl.endswith("_graphs"),
+                                                "stack_projections": True, "cuda_graphs": "_graphs" in impl,
                                                 **(options or {})})
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
@@ -241,7 +241,7 @@ def run_throughput(spec: dict) -> dict:
         _print_profile(runner, params, batches, device)
     if device.type == "cuda":
         result["device_ms"] = device_ms_per_step(runner, params, batches, device)
-        if spec["impl"].startswith("fastplug_auto") or spec["impl"].endswith("_graphs"):
+        if spec["impl"].startswith("fastplug_auto") or "_graphs" in spec["impl"]:
             import fastplug
 
             print(fastplug.patching.active_handle(model).summary(), flush=True)

@@ -22,12 +22,14 @@ Eager instead (the same numbers, the usual speed): inference or no grad, packed 
 (the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
 fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
-warning says why; that signature stays eager).
+warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, or peft adapters
+disabled, switched or merged since the capture: the graphs are dropped and the stack captured afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from functools import partial
@@ -74,6 +76,7 @@ class LayerGraphs:
         # while no two signatures' replays interleave, i.e. one awaits its backward when another would run.
         self._pool = None
         self._last = None  # the graphs that ran last
+        self._captured_state = None  # `_state()` when the graphs in `sets` were captured
         for index, layer in enumerate(layers):
             vars(layer)[_GRAPHS] = (self, index)
             layer.__class__ = _graphed_subclass(type(layer))
@@ -114,6 +117,9 @@ class LayerGraphs:
         key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
         key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
         key = tuple(key)
+        if index == 0 and self.sets and self._state() != self._captured_state:
+            self.sets.clear()  # parameters re-pointed, (un)frozen, adapters switched: capture afresh
+            self.seen.clear()
         graphs = self.sets.get(key)
         if graphs is None:
             if index != 0 or key not in self.seen:  # first sighting (or mid-stack): eager, captured next time
@@ -122,6 +128,7 @@ class LayerGraphs:
                 return _EAGER
             if len(self.sets) >= self.max_signatures or not self._capturable():
                 return _EAGER
+            self._captured_state = self._state()
             graphs = self.sets[key] = self._capture(leaves, spec, tensors)
         if graphs is _FAILED:
             return _EAGER
@@ -135,6 +142,20 @@ class LayerGraphs:
         self._last = graphs
         self.replays += 1
         return graph.run(tensors)
+
+    def _state(self) -> tuple:
+        """What the graphs took as fixed: every parameter's storage and whether it trains, and each peft LoRA
+        layer's adapter state (a replay would not see `disable_adapter()` or `set_adapter`)."""
+        tuner = sys.modules.get("peft.tuners.tuners_utils")
+        state = []
+        for layer in self.layers:
+            for module in layer.modules():
+                for p in module._parameters.values():
+                    if p is not None:
+                        state.append((p.data_ptr(), p.requires_grad))
+                if tuner is not None and isinstance(module, tuner.BaseTunerLayer):
+                    state.append((module.disable_adapters, tuple(module.active_adapters), tuple(module.merged_adapters)))
+        return tuple(state)
 
     def _capturable(self) -> bool:
         for layer in self.layers:

@@ -79,3 +79,15 @@ def test_fused_lora_without_adapter_caches_computes_the_same():
     assert_close(got_loss, want_loss, torch.float32, "loss")
     for got, want in zip(got_grads, want_grads):
         assert_close(got, want, torch.float32, "adapter grad")
+
+
+def test_state_the_graphs_take_as_fixed_sees_adapter_switches_and_freezing():
+    model = _peft(tiny_model("llama"))
+    graphs = layer_graphs.LayerGraphs(decoder_layers(model), max_signatures=1)
+    before = graphs._state()
+    with model.disable_adapter():
+        assert graphs._state() != before, "a replay would still add the disabled adapters"
+    assert graphs._state() == before
+    next(p for p in model.parameters() if p.requires_grad).requires_grad_(False)
+    assert graphs._state() != before, "a replay would still return a gradient for a frozen adapter"
+    graphs.remove()

@@ -90,3 +90,21 @@ def test_two_forwards_before_backward_fall_back_to_eager():
         handle.restore()
     for name, want in grads[False].items():
         assert_close(grads[True][name], want, torch.bfloat16, name)
+
+
+def test_disabled_adapters_after_capture_are_seen():
+    ids = torch.randint(0, 1000, (2, 128), generator=torch.Generator().manual_seed(5)).cuda()
+    model = _model("llama")
+    handle = fastplug.patch_model(model, cuda_graphs=True)
+    model.train()
+    for _ in range(3):  # seen, captured, replayed
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert handle.graphs.replays > 0
+    with model.disable_adapter():
+        without = model(input_ids=ids, labels=ids).loss
+    with_adapters = model(input_ids=ids, labels=ids).loss
+    handle.restore()
+    with torch.no_grad(), model.disable_adapter():
+        want = model(input_ids=ids, labels=ids).loss
+    assert_close(without.detach(), want, torch.bfloat16, "loss with adapters disabled")
+    assert (with_adapters - without).abs().item() > 1e-4, "the adapters change the loss (else nothing is tested)"

@@ -81,13 +81,29 @@ def test_fused_lora_without_adapter_caches_computes_the_same():
         assert_close(got, want, torch.float32, "adapter grad")
 
 
-def test_state_the_graphs_take_as_fixed_sees_adapter_switches_and_freezing():
+def test_what_the_graphs_take_as_fixed_sees_adapter_switches_hooks_freezing_and_new_modules():
     model = _peft(tiny_model("llama"))
-    graphs = layer_graphs.LayerGraphs(decoder_layers(model), max_signatures=1)
-    before = graphs._state()
+    layer = decoder_layers(model)[1]
+    fixed = layer_graphs._Fixed(decoder_layers(model))
+    assert fixed.holds()
     with model.disable_adapter():
-        assert graphs._state() != before, "a replay would still add the disabled adapters"
-    assert graphs._state() == before
-    next(p for p in model.parameters() if p.requires_grad).requires_grad_(False)
-    assert graphs._state() != before, "a replay would still return a gradient for a frozen adapter"
-    graphs.remove()
+        assert not fixed.holds(), "a replay would still add the disabled adapters"
+    assert fixed.holds()
+    hook = layer.mlp.register_forward_hook(lambda *_: None)
+    assert not fixed.holds(), "a replay would skip a hook added after the capture"
+    hook.remove()
+    trained = next(p for p in model.parameters() if p.requires_grad)
+    trained.data = trained.data.clone()
+    assert not fixed.holds(), "a replay would read the parameter's old storage"
+    trained.requires_grad_(False)
+    fixed = layer_graphs._Fixed(decoder_layers(model))
+    trained.requires_grad_(True)
+    assert not fixed.holds(), "a replay would return no gradient for an unfrozen parameter"
+    fixed = layer_graphs._Fixed(decoder_layers(model))
+    layer.mlp.extra = torch.nn.Linear(2, 2)
+    assert not fixed.holds(), "a module assigned inside a layer"
+    fixed.close()
+    fixed = layer_graphs._Fixed(decoder_layers(model))
+    tiny_model("llama").lm_head.weight = torch.nn.Parameter(torch.zeros(2))  # another model: not ours
+    assert fixed.holds()
+    fixed.close()

@@ -22,8 +22,9 @@ Eager instead (the same numbers, the usual speed): inference or no grad, packed 
 (the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
 fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
-warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, or peft adapters
-disabled, switched or merged since the capture: the graphs are dropped and the stack captured afresh.
+warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, peft adapters
+disabled, switched or merged, hooks or modules added since the capture (`_Fixed`): the graphs are dropped and
+the stack is captured afresh.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from .kernels import lora
@@ -94,7 +95,7 @@ class LayerGraphs:
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
         return (f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
-                + (f", {failed} failed (eager)" if failed else ""))
+                + (f", {failed} failed (eager)" if failed else "") + f", {self.replays} layer calls replayed")
 
     # -- routing
     def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
@@ -203,7 +204,7 @@ class _LayerGraph:
         self.grad_outputs: list = []
         self.grad_inputs: list = []  # per static input: its gradient buffer or None
         self.grad_params: list = []
-        self._pending = None  # weakref to the autograd context of the last replay until its backward ran
+        self._pending = None  # weakref to the _Token of the last replay
 
     def _call(self, tensors):
         it = iter(tensors)

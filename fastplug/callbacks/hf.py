@@ -18,6 +18,7 @@ model's modules alone (a warning says so) and only does gradient checkpointing a
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -175,6 +176,8 @@ class FastKernels(TrainerCallback):
             self._undo_fsdp()
             self._undo_fsdp = None
         if self.handle is not None:
+            if self.handle.graphs is not None:  # how far the graphs served, before restore() drops them
+                logging.getLogger("fastplug").info("fastplug %s", self.handle.graphs)
             self.handle.restore()
         if self._offload_snapshot is not None:
             checkpointing.restore(self._offload_snapshot)

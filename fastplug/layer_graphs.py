@@ -326,14 +326,16 @@ class _Fixed:
         self.tuners = [m for m in modules if tuner is not None and isinstance(m, tuner.BaseTunerLayer)]
         self.adapters = self._adapters()
         self.changed = False
-        ids = {id(m) for m in modules}
+        ids, this = {id(m) for m in modules}, weakref.ref(self)  # the process-wide hooks must not keep the model
 
         def registered(module, name, value):
-            if id(module) in ids:
-                self.changed = True
+            fixed = this()
+            if fixed is not None and id(module) in ids:
+                fixed.changed = True
 
         self._handles = [register_module_parameter_registration_hook(registered),
                          register_module_module_registration_hook(registered)] if modules else []
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     def _adapters(self) -> list:
         # peft's attributes behind its `disable_adapters` / `active_adapters` properties (those cost 4x more)
@@ -348,9 +350,12 @@ class _Fixed:
         return self._adapters() == self.adapters
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._finalizer()
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -413,13 +418,13 @@ def _no_autocast_cache():
 _capture_depth = 0
 
 
-class _capturing:
-    def __enter__(self):
-        global _capture_depth
-        _capture_depth += 1
-
-    def __exit__(self, *exc):
-        global _capture_depth
+@contextlib.contextmanager
+def _capturing():
+    global _capture_depth
+    _capture_depth += 1
+    try:
+        yield
+    finally:
         _capture_depth -= 1
 
 

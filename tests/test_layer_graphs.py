@@ -82,6 +82,9 @@ def test_fused_lora_without_adapter_caches_computes_the_same():
 
 
 def test_what_the_graphs_take_as_fixed_sees_adapter_switches_hooks_freezing_and_new_modules():
+    from torch.nn.modules import module as torch_module
+
+    registered = len(torch_module._global_module_registration_hooks)
     model = _peft(tiny_model("llama"))
     layer = decoder_layers(model)[1]
     fixed = layer_graphs._Fixed(decoder_layers(model))
@@ -107,3 +110,5 @@ def test_what_the_graphs_take_as_fixed_sees_adapter_switches_hooks_freezing_and_
     tiny_model("llama").lm_head.weight = torch.nn.Parameter(torch.zeros(2))  # another model: not ours
     assert fixed.holds()
     fixed.close()
+    del fixed
+    assert len(torch_module._global_module_registration_hooks) == registered, "process-wide hooks removed"

@@ -13,7 +13,7 @@ import torch
 import fastplug
 from fastplug.bench.text import stdlib_bytes
 from fastplug.kernels import lora as lora_kernels
-from tests.helpers import rel_err
+from tests.helpers import rel_err, train_losses
 from tests.models.tiny import tiny_model
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -70,19 +70,13 @@ def _stale_copies(model) -> list[str]:
 
 
 def _train(model, make_optimizer, batches, check_copies=False):
-    """Per-step losses of plain steps (forward, backward, step); optionally checks the copies each step."""
-    model.train()
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for input_ids in batches:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        if check_copies:
-            assert not _stale_copies(model), "the forward used adapter copies that differ from the parameters"
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return torch.tensor(losses)
+    """Per-step losses; with check_copies, each forward's adapter copies are checked against the parameters."""
+    return torch.tensor(train_losses(model, model, batches, make_optimizer=make_optimizer,
+                                     after_forward=_assert_fresh_copies if check_copies else None))
+
+
+def _assert_fresh_copies(model):
+    assert not _stale_copies(model), "the forward used adapter copies that differ from the parameters"
 
 
 def _assert_losses_track(losses, ref, tol=0.03):

@@ -59,8 +59,8 @@ def install(layers: list[nn.Module], max_signatures: int = 4) -> "LayerGraphs | 
         return "no decoder layers"
     if not torch.cuda.is_available():
         return "needs a CUDA device"
-    dropout = next((m for layer in layers for m in layer.modules() if isinstance(m, nn.Dropout) and m.p > 0), None)
-    if dropout is not None or any(getattr(getattr(l, "self_attn", None), "attention_dropout", 0) for l in layers):
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for layer in layers for m in layer.modules()) or any(
+            getattr(getattr(layer, "self_attn", None), "attention_dropout", 0) for layer in layers):
         return "dropout in the layers (random numbers inside graphs are not supported here)"
     return LayerGraphs(layers, max_signatures)
 

@@ -26,20 +26,23 @@ def checkpointing_on(model) -> bool:
     return model.is_gradient_checkpointing
 
 
-def train_losses(run, model, batches, fused: bool = False, make_optimizer=None, after_forward=None) -> list[float]:
+def train_losses(run, model, batches, fused: bool = False, make_optimizer=None, after_forward=None,
+                 accumulate: int = 1) -> list[float]:
     """Per-step losses of plain LoRA steps: forward through `run` (the model, or it compiled), backward, an
-    optimizer step on the model's trainable parameters (`make_optimizer(params)`, default AdamW lr 1e-3),
-    zero_grad. `after_forward(model)` runs between forward and backward (a check of the step's state)."""
+    optimizer step on the model's trainable parameters (`make_optimizer(params)`, default AdamW lr 1e-3) after
+    every `accumulate` batches (each loss divided by it), zero_grad. `after_forward(model)` runs between
+    forward and backward (a check of the step's state)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params) if make_optimizer else torch.optim.AdamW(params, lr=1e-3, fused=fused)
     model.train()
     losses = []
-    for ids in batches:
+    for i, ids in enumerate(batches):
         loss = run(input_ids=ids, labels=ids).loss
         if after_forward is not None:
             after_forward(model)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        (loss / accumulate).backward()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses

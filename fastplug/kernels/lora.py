@@ -240,14 +240,15 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
 def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
-    if not _caching:
-        return t if is_4bit(t) or is_fp8(t) else t.to(dtype)
-    hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
-    if (hit is not None and hit.ref() is t and hit.dtype == dtype and hit.version == t._version
-            and hit.generation == _generation):
-        return hit.cast
+    if _caching:
+        hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
+        if (hit is not None and hit.ref() is t and hit.dtype == dtype and hit.version == t._version
+                and hit.generation == _generation):
+            return hit.cast
     if is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
         return t
+    if not _caching:
+        return t.to(dtype)
     _refresh_casts(t, dtype)
     return _CAST_CACHE[id(t)].cast
 

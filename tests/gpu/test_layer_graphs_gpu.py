@@ -9,7 +9,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 import fastplug
-from tests.helpers import assert_close
+from tests.helpers import assert_close, train_losses
 
 pytestmark = pytest.mark.gpu
 
@@ -32,19 +32,6 @@ def _model(family: str, seed: int = 0):
     return model
 
 
-def _train(model, batches, accumulate: int = 2):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
-    losses = []
-    for start in range(0, len(batches), accumulate):
-        for ids in batches[start:start + accumulate]:
-            loss = model(input_ids=ids, labels=ids).loss
-            (loss / accumulate).backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return losses
-
-
 def _adapters(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -59,8 +46,7 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
         layer = model.get_base_model().model.layers[0]
         original = type(layer)
         handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing, cuda_graphs=graphs)
-        model.train()
-        results[graphs] = (_train(model, batches), _adapters(model))
+        results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
         if graphs:
             assert handle.graphs.replays >= 8 * 4, handle.summary()  # steps 3..12 of 4 layers replayed
             assert "1 call signature(s) captured" in handle.summary()

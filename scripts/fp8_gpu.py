@@ -3,13 +3,13 @@ float64, then timings, a markdown table last.
 
 1. checks: quantization bit-exact against torch, the GEMM (pointer and TMA loads, x W^T and dY W) against
    float64 and against the bf16 product, at Llama-8B shapes and off the 128 blocks;
-2. the block-scaled GEMM at 8192^3 (operands already in FP8, and bf16 in/out with the activation quantized)
-   against bf16 cuBLAS, torch._scaled_mm row-wise and transformers' fine-grained FP8 kernel when it loads;
+2. the block-scaled GEMM at 8192^3 (the Triton kernel on operands already in FP8, and fp8_block_matmul: bf16
+   in/out, the activation quantized, cuBLAS's block-scaled kernel where torch has it) against bf16 cuBLAS, torch._scaled_mm row-wise and transformers' fine-grained FP8 kernel when it loads;
 3. a sweep of the GEMM's launch configurations (block sizes, warps, stages, TMA loads) at 8192^3: the best
    is printed and used for the rest of the run (set it as fastplug.kernels.fp8.GEMM_CONFIG);
 4. Llama-8B projections at M=8192 tokens (4096->14336, 14336->4096, 4096->6144): fwd + dX against bf16,
-   and the three ways of dX (dequantized weight + bf16 GEMM, FP8 GEMM reading W transposed, FP8 GEMM on a
-   transposed copy of W);
+   and the ways of dX (dequantized weight + bf16 GEMM, cuBLAS FP8 on W transposed per call, the Triton FP8
+   GEMM reading W transposed or on a transposed copy of W);
 5. end to end (fastplug.bench.e2e's model and loop): Llama-8B width, 4 layers, 2x4096 tokens, LoRA r=16 on
    every projection (fp32 adapters, bf16 base), checkpointing, 50 steps: transformers + peft, fastplug bf16,
    fastplug fp8=True: tok/s, peak memory, base weight memory, loss after the steps.
@@ -119,7 +119,7 @@ def checks(quick: bool):
         y = F8.fp8_block_matmul(x, q, s)
         errs["fp8_block_matmul vs bf16 x, FP8 W"] = rel(y, x.double() @ w64.t())
         errs["fp8_block_matmul vs the bf16 layer"] = rel(y, x.double() @ w.double().t())
-        errs["dX dequantized vs bf16 dY, FP8 W"] = rel(F8._project_grad(dy, q, s, 128), dy.double() @ w64)
+        errs["dX dequantized vs bf16 dY, FP8 W"] = rel(F8._project_grad(dy, q, s, 128, fp8=False), dy.double() @ w64)
         errs["dX fp8 vs bf16 dY, FP8 W"] = rel(F8._project_grad(dy, q, s, 128, fp8=True), dy.double() @ w64)
         print(f"  N={n} K={k} M={m}: " + ", ".join(f"{name} {v if isinstance(v, bool) else f'{v:.2e}'}"
                                                   for name, v in errs.items()), flush=True)
@@ -280,8 +280,9 @@ def gemm():
     ref = F8.fp8_gemm(xq, xs, q, s)
     bench(section, case, "fastplug block-scaled (FP8 in, default launch)", lambda: F8.fp8_gemm(xq, xs, q, s), flops,
           note=f"rel err vs bf16 {rel(ref, x @ w.t()):.1e}; {F8._gemm_config(size, DEV)}")
-    bench(section, case, "fastplug fp8_block_matmul (bf16 in, quantizes x)", lambda: F8.fp8_block_matmul(x, q, s),
-          flops)
+    bench(section, case, "fastplug fp8_block_matmul (bf16 in, quantizes x; cuBLAS block-scaled where it runs)",
+          lambda: F8.fp8_block_matmul(x, q, s), flops,
+          note=f"rel err vs the Triton GEMM {rel(F8.fp8_block_matmul(x, q, s), ref):.1e}")
     bench(section, case, "fastplug quantize_activation alone", lambda: F8.quantize_activation(x),
           nbytes=3 * x.numel() + 4 * xs.numel())
     _transformers_rows(section, case, x, q, s, xq, xs, flops, ref)
@@ -295,8 +296,9 @@ def gemm_best(best: dict, operands):
     flops = 2 * size**3
     bench("2 GEMM", f"{size}^3", "fastplug block-scaled (FP8 in, best launch)",
           lambda: F8.fp8_gemm(xq, xs, q, s, config=best), flops)
-    bench("2 GEMM", f"{size}^3", "fastplug fp8_block_matmul (bf16 in, best launch)",
-          lambda: F8.fp8_block_matmul(x, q, s), flops)
+    if not F8._cublas_takes(x, 128, size, size, False):  # else fp8_block_matmul runs cuBLAS, not this launch
+        bench("2 GEMM", f"{size}^3", "fastplug fp8_block_matmul (bf16 in, best launch)",
+              lambda: F8.fp8_block_matmul(x, q, s), flops)
 
 
 # ------------------------------------------------------------------------------------------ projections
@@ -317,10 +319,11 @@ def projections(quick: bool):
         w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
         y_err = rel(F8.fp8_linear(x, q, s), x.detach().double() @ w.double().t())
         bench(section, case, "bf16 (F.linear, backward)", lambda: F.linear(x, w).backward(dy), flops, grad_to_none=[x])
-        bench(section, case, "fp8, dX through the dequantized W", lambda: F8.fp8_linear(x, q, s).backward(dy), flops,
-              grad_to_none=[x], note=f"y rel err vs the bf16 layer {y_err:.1e}")
-        bench(section, case, "fp8, dX on the FP8 GEMM", lambda: F8.fp8_linear(x, q, s, dx_fp8=True).backward(dy),
-              flops, grad_to_none=[x])
+        bench(section, case, "fp8, dX through the dequantized W",
+              lambda: F8.fp8_linear(x, q, s, dx_fp8=False).backward(dy), flops, grad_to_none=[x],
+              note=f"y rel err vs the bf16 layer {y_err:.1e}")
+        bench(section, case, "fp8, dX on the FP8 GEMM (the default where cuBLAS runs)",
+              lambda: F8.fp8_linear(x, q, s, dx_fp8=True).backward(dy), flops, grad_to_none=[x])
         xd = x.detach()
         case = f"{k}->{n} fwd"
         with torch.no_grad():
@@ -330,8 +333,11 @@ def projections(quick: bool):
             ref = dy.double() @ w64
             bench(section, case, "bf16 (dY @ W)", lambda: dy @ w, flops / 2)
             variants = {
-                "dequantize W + bf16 GEMM": lambda: F8._project_grad(dy, q, s, 128),
-                "FP8 GEMM reading W transposed": lambda: F8._project_grad(dy, q, s, 128, fp8=True),
+                "dequantize W + bf16 GEMM": lambda: F8._project_grad(dy, q, s, 128, fp8=False),
+                "FP8 GEMM (cuBLAS on W transposed per call, where it runs)":
+                    lambda: F8._project_grad(dy, q, s, 128, fp8=True),
+                "FP8 Triton GEMM reading W transposed": lambda: F8.fp8_gemm(*F8.quantize_activation(dy), q, s,
+                                                                            input_grad=True),
                 "FP8 GEMM on a transposed copy of W": lambda: F8.fp8_gemm(
                     *F8.quantize_activation(dy), q.t().contiguous(), s.t().contiguous()),
             }

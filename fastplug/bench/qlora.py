@@ -9,7 +9,8 @@ instead. `--quick`: tiny shapes on CPU (a smoke run). Markdown table last.
 
 `--impls` picks the end-to-end rows; `fastplug-bf16` is the same model unquantized (bf16 bases) patched by
 fastplug: what the 4-bit path loses against its own bf16 path, in the same run; `fastplug+graphs` adds
-`cuda_graphs=True` (the decoder layers replayed as CUDA graphs). `--profile`: for each fastplug
+`cuda_graphs=True` (the decoder layers replayed as CUDA graphs), `+auto` gradient_checkpointing="auto" (only
+as many layers checkpointed as the memory budget needs). `--profile`: for each fastplug
 row, one more step under torch.profiler (kernel table, device ms against host ms). `--gemv`: the 4-bit GEMV
 against bitsandbytes and dequantize+matmul at batch 1-8 (and `--gemv-sweep`: its tile configurations).
 """
@@ -48,7 +49,8 @@ def _to_4bit(model, device) -> None:
                 setattr(owner, name, q)
 
 
-IMPLS = ("transformers+peft+bnb", "fastplug", "liger", "fastplug-bf16", "fastplug+graphs")
+IMPLS = ("transformers+peft+bnb", "fastplug", "liger", "fastplug-bf16", "fastplug+graphs", "fastplug+auto",
+         "fastplug+auto+graphs")
 
 
 def _build(config, device, quantize: bool):
@@ -128,7 +130,8 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
         params = [p for p in model.parameters() if p.requires_grad]
         # freeze_gc and stack_projections as the trainer adapters (and the e2e bench) set them for their run
         fast = impl.startswith("fastplug")
-        scoped = {"freeze_gc": True, "stack_projections": True, "cuda_graphs": impl.endswith("graphs"), **(options or {})}
+        scoped = {"freeze_gc": True, "stack_projections": True, "cuda_graphs": impl.endswith("graphs"),
+                  "gradient_checkpointing": "auto" if "+auto" in impl else True, **(options or {})}
         handle = fastplug.patch_model(model, **scoped) if fast else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())

@@ -7,7 +7,8 @@ W ~ W_q[n, k] * S[n // b, k // b]; transformers calls S `weight_scale_inv`. S = 
 block's largest magnitude to e4m3's largest value; the edge blocks of an N or K that is not a multiple of b
 are partial. An activation x [..., K] is quantized the same way with one scale per (row, group of b columns).
 
-GEMM. y = x W^T: one memory-bound kernel quantizes x, then a Triton GEMM walks K one block at a time
+GEMM. y = x W^T: one memory-bound kernel quantizes x, then cuBLAS's block-scaled GEMM where it exists (torch's
+scaled_mm, CUDA 12.9+ on Hopper) and takes the shapes (see CUBLAS_ROWS), else a Triton GEMM that walks K one block at a time
 (BLOCK_K = b): each step's fp8 product, summed by the tensor cores, is multiplied by its two scales (of its
 rows of x, of its column block of W) and added to an fp32 accumulator. Applying the scales at every K block
 is what the format needs, and it also bounds the reduced-precision accumulation of Hopper's fp8 tensor
@@ -17,9 +18,9 @@ Paths. FP8 tensor cores need compute capability 8.9 (Ada, Hopper) or newer. Ther
 the Triton interpreter, the kernels run; elsewhere (older GPUs, CPU without TRITON_INTERPRET) the weight is
 dequantized and multiplied in the input's dtype; `fp8_path` says which and why (`python -m fastplug doctor`).
 
-FP8Linear: forward through the FP8 GEMM; backward gives dX only (an FP8 base is frozen), through the weight
-dequantized into a buffer shared by all layers (exact for the FP8 weight), or with dx_fp8=True through the
-FP8 GEMM on the stored weight (dY quantized per token group too: faster where it measures so, less exact).
+FP8Linear: forward through the FP8 GEMM; backward gives dX only (an FP8 base is frozen): through cuBLAS's
+FP8 GEMM (dY quantized per token group too: 1.6x faster, less exact) where it runs, else through the weight
+dequantized into a buffer shared by all layers (exact for the FP8 weight); dx_fp8 forces one or the other.
 
 Model code holds an FP8 weight as an `fp8_parameter`: frozen integer-typed Parameters over the FP8 bytes and
 the scales' bits (dtype conversions of the model leave them alone), which the fused LoRA blocks also read.
@@ -188,6 +189,16 @@ def _fp8_gemm(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _transpose_bytes(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dst [C, R] = src [R, C]^T for one-byte elements (both contiguous), one tile a program."""
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rr < R)[:, None] & (rc < C)[None, :]
+    tile = tl.load(src_ptr + rr.to(tl.int64)[:, None] * C + rc[None, :], mask=mask)
+    tl.store(dst_ptr + rc.to(tl.int64)[None, :] * R + rr[:, None], tile, mask=mask)
+
+
 # ------------------------------------------------------------------------------------- paths, checks
 
 
@@ -220,8 +231,11 @@ def fp8_path(device: str | torch.device, op: str = "fp8_block_matmul") -> str:
     device = torch.device(device)
     if device.type == "cuda" and triton_available():
         reason = _cuda_reason(device)
+        if reason is None and op not in _MATMUL_OPS:
+            return "Triton (compiled for the GPU)"
         if reason is None:
-            return "Triton FP8 block-scaled GEMM" if op in _MATMUL_OPS else "Triton (compiled for the GPU)"
+            return ("cuBLAS block-scaled FP8 GEMM (torch scaled_mm) where K (and N for dX) are multiples of 512, "
+                    "else Triton's" if _cublas_blockwise(device) else "Triton FP8 block-scaled GEMM")
     else:
         path = kernel_path(device)
         if path.startswith("Triton"):
@@ -327,17 +341,27 @@ def quantize_weight_blockwise_reference(w: torch.Tensor, block: int = 128) -> tu
 
 def quantize_activation(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_fp8 like x, scale [..., ceil(K/group)] fp32) of x [..., K]: one scale per row and group of `group`
-    columns. The scale is a view of a [groups, rows] buffer, the layout the GEMM reads fastest."""
+    columns. The scale is a view of a [groups, rows] buffer, the layout the GEMMs read fastest."""
     group = _check_block("group", group)
     _check_float("x", x)
     if not _kernels_run(x):
         return quantize_activation_reference(x, group)
-    x2 = rows_view(x)
-    M, K = x2.shape
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x.device)
-    s = torch.empty((cdiv(K, group), M), dtype=torch.float32, device=x.device).t()
-    _quantize_2d(x2, 1, group, q, s)
+    q, s = _quantize_rows(rows_view(x), group)
     return q.view(x.shape), s.view(*x.shape[:-1], s.shape[-1])
+
+
+def _quantize_rows(x2: torch.Tensor, group: int, rows_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_activation of x2 [M, K] into buffers of M rounded up to rows_multiple rows (the rows past M:
+    zeros with scale 1)."""
+    M, K = x2.shape
+    rows = cdiv(M, rows_multiple) * rows_multiple
+    q = torch.empty((rows, K), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((cdiv(K, group), rows), dtype=torch.float32, device=x2.device).t()
+    _quantize_2d(x2, 1, group, q, s)
+    if rows > M:
+        q[M:].view(torch.uint8).zero_()
+        s[M:].fill_(1.0)
+    return q, s
 
 
 def quantize_activation_reference(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,6 +462,85 @@ def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Te
     return out
 
 
+# cuBLAS's block-scaled FP8 GEMM (CUDA 12.9+, through torch.nn.functional.scaled_mm: activations in 1x128
+# groups, the weight in 128x128 blocks, the scales applied in the main loop). H100, 8192^3: 0.96 ms (1,148
+# TFLOP/s) against the Triton kernel's 1.58 ms; cuBLAS wants both operands K-contiguous, so dY W reads a
+# transposed copy of the FP8 weight, made per call in a shared buffer. Where it takes the shapes (K, and N
+# for dY W, multiples of 512: whole groups of four scale blocks, which cuBLAS reads as 16-byte vectors; the
+# rows padded to a multiple of CUBLAS_ROWS) it runs instead of the Triton GEMM.
+CUBLAS_ROWS = 16  # cuBLAS refused M = 5 and M = 8190 (CUBLAS_STATUS_NOT_SUPPORTED), so rows are padded
+
+
+def _cublas_takes(x2: torch.Tensor, block: int, contracted: int, other: int, input_grad: bool) -> bool:
+    """True when cuBLAS's block-scaled GEMM runs x2 [M, contracted] against a weight with `other` features."""
+    return (block == 128 and x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16)
+            and contracted % 512 == 0 and (other % 512 == 0 if input_grad else other % 128 == 0)
+            and _cublas_blockwise(x2.device))
+
+
+@functools.cache
+def _cublas_blockwise_on(index: int) -> bool:
+    scaled_mm = getattr(torch.nn.functional, "scaled_mm", None)
+    if (scaled_mm is None or not hasattr(torch.nn.functional, "ScalingType") or torch.version.hip is not None
+            or not torch.cuda.is_available()):
+        return False
+    device = torch.device("cuda", index)
+    if _cuda_reason(device) is not None:
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(CUBLAS_ROWS, 512, device=device, generator=gen).bfloat16()
+    w = torch.randn(256, 512, device=device, generator=gen).bfloat16()
+    try:  # a build or device without the kernel raises; a wrong layout would give wrong numbers
+        wq, ws = quantize_weight_blockwise(w)
+        y = _cublas_mm(_quantize_rows(x, 128, CUBLAS_ROWS), wq, ws, False, x.dtype)
+        ref = fp8_block_matmul_reference(x, wq, ws).float()
+        return bool(((y.float() - ref).norm() / ref.norm()) < 1e-2)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
+def _cublas_blockwise(device: torch.device) -> bool:
+    """Whether torch's scaled_mm runs cuBLAS's block-scaled FP8 GEMM on this device: tried once per device on
+    a small product against the reference maths."""
+    return _cublas_blockwise_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """W^T [K, N] of an FP8 weight W [N, K], in the shared buffer of its dtype (use at once)."""
+    N, K = w.shape
+    out = scratch((K, N), FP8_DTYPE, w.device)
+    _transpose_bytes[(cdiv(N, 64), cdiv(K, 64))](w.view(torch.uint8), out.view(torch.uint8), N, K,
+                                                 BLOCK_R=64, BLOCK_C=64, num_warps=4)
+    return out
+
+
+def _cublas_mm(aq: tuple, w: torch.Tensor, w_scale: torch.Tensor, input_grad: bool, dtype) -> torch.Tensor:
+    """a W^T (or a W) by cuBLAS for aq = (a, a_scale) from `_quantize_rows` (rows padded, scales row-minor):
+    [padded rows, out features] in dtype."""
+    F = torch.nn.functional
+    a, a_scale = aq
+    if input_grad:  # b = W [N, K] read K-contiguous: the transposed copy; its scales [N/128, K/128] row-minor
+        b, b_scale = _transposed(w).t(), w_scale.t().contiguous().t()
+    else:  # b = W^T [K, N], K-contiguous as stored; scales [K/128, N/128] row-minor as stored
+        b, b_scale = w.t(), w_scale.t()
+    return F.scaled_mm(a, b, a_scale, F.ScalingType.BlockWise1x128, b_scale, F.ScalingType.BlockWise128x128,
+                       output_dtype=dtype)
+
+
+def _cublas_project(x2, w, w_scale, input_grad: bool, *, bias=None, out=None, quantized: dict | None = None):
+    """`_project` / `_project_grad` through cuBLAS: x2 [M, Kx] @ W^T (or @ W), + bias, added into out."""
+    key = ("cublas", 128)
+    aq = None if quantized is None else quantized.get(key)
+    if aq is None:
+        aq = _quantize_rows(x2, 128, CUBLAS_ROWS)
+        if quantized is not None:
+            quantized[key] = aq
+    y = _cublas_mm(aq, w, w_scale, input_grad, x2.dtype)[: x2.shape[0]]
+    if bias is not None:
+        y = y.add_(bias.to(y.dtype))
+    return y if out is None else out.add_(y)
+
+
 def fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, block: int = 128,
     input_grad: bool = False, out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
@@ -486,6 +589,8 @@ def _dense_weight(w, w_scale, block: int, dtype: torch.dtype) -> torch.Tensor:
 def _project(x2, w, w_scale, block: int, *, bias=None, out=None, quantized: dict | None = None) -> torch.Tensor:
     """x2 @ W^T (+ bias) for x2 [M, K] in a float dtype, added into `out` when given. `quantized` caches x2's
     FP8 form per group size, for projections that share their input (q/k/v, gate/up)."""
+    if _kernels_run(x2) and _cublas_takes(x2, block, w.shape[1], w.shape[0], False):
+        return _cublas_project(x2, w, w_scale, False, bias=bias, out=out, quantized=quantized)
     if not _kernels_run(x2):
         dense = _dense_weight(w, w_scale, block, x2.dtype).t()
         if out is None:
@@ -504,9 +609,14 @@ def _project(x2, w, w_scale, block: int, *, bias=None, out=None, quantized: dict
     return _gemm_2d(xq[0], xq[1], w, w_scale, block, False, out, True, bias)
 
 
-def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool = False) -> torch.Tensor:
+def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool | None = None) -> torch.Tensor:
     """dy2 @ W (the input gradient of x W^T) for dy2 [M, N], added into `out` when given: through the weight
-    dequantized in dy2's dtype, or with fp8=True (and the kernels available) through the FP8 GEMM."""
+    dequantized in dy2's dtype, or with fp8=True (and the kernels available) through an FP8 GEMM, dy2 quantized
+    per token group. fp8=None: FP8 where cuBLAS's kernel takes the shapes (1.6x faster than the dequantized
+    weight on an H100), else the dequantized weight (the Triton GEMM reading W transposed measured 0.25x)."""
+    cublas = _kernels_run(dy2) and _cublas_takes(dy2, block, w.shape[0], w.shape[1], True)
+    if cublas and fp8 is not False:
+        return _cublas_project(dy2, w, w_scale, True, out=out)
     if fp8 and _kernels_run(dy2):
         dq, ds = quantize_activation(dy2, block)
         if out is None:
@@ -575,10 +685,11 @@ class FP8Linear(torch.autograd.Function):
 
 def fp8_linear(
     x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-    block: int = 128, dx_fp8: bool = False,
+    block: int = 128, dx_fp8: bool | None = None,
 ) -> torch.Tensor:
     """x W^T + bias for a frozen block-quantized W, differentiable in x (and bias): forward through the FP8
-    GEMM, dX through the dequantized weight (dx_fp8=True: through the FP8 GEMM, dY quantized per token group)."""
+    GEMM; dX through the dequantized weight (dx_fp8=False), through an FP8 GEMM with dY quantized per token
+    group (True), or (None) FP8 where cuBLAS's block-scaled kernel takes the shapes, else dequantized."""
     block = _check_block("block", block)
     _check_float("x", x)
     N, K = _check_weight(w_fp8, w_scale, block)
@@ -641,7 +752,7 @@ def fp8_project_grad(dy2, weight, *, out=None) -> torch.Tensor:
 
 @torch.library.custom_op(
     "fastplug::fp8_linear", mutates_args=(),
-    schema="(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int block, bool dx_fp8) -> Tensor",
+    schema="(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int block, bool? dx_fp8) -> Tensor",
 )
 def _fp8_linear_op(x, weight, scale, bias, block, dx_fp8):
     return _linear_forward(x, weight, scale, bias, block)
@@ -654,7 +765,7 @@ def _(x, weight, scale, bias, block, dx_fp8):
 
 @torch.library.custom_op(
     "fastplug::fp8_linear_input_grad", mutates_args=(),
-    schema="(Tensor dy, Tensor weight, Tensor scale, int block, bool dx_fp8) -> Tensor",
+    schema="(Tensor dy, Tensor weight, Tensor scale, int block, bool? dx_fp8) -> Tensor",
 )
 def _fp8_input_grad_op(dy, weight, scale, block, dx_fp8):
     return _linear_input_grad(dy, weight, scale, block, dx_fp8)

@@ -62,6 +62,34 @@ def test_gemm_against_the_same_maths_and_bf16(shape, m, tma):
     assert_close(dx, F8.dequantize_blockwise_reference(dq, ds, (1, 128), torch.float64) @ w64, torch.bfloat16, "dY W")
 
 
+@pytest.mark.parametrize("m", [1, 5, 77, 8190])
+@pytest.mark.parametrize("shape", [(14336, 4096), (4096, 14336), (1024, 512), (384, 1280)])
+def test_cublas_path_against_the_same_maths(shape, m):
+    """Where torch's scaled_mm has cuBLAS's block-scaled kernel (torch 2.10+, CUDA 12.9+, Hopper) it runs x W^T
+    (K a multiple of 512) and dY W (N too), rows padded to CUBLAS_ROWS; the same maths in float64 either way,
+    and (384, 1280) takes the Triton GEMM."""
+    n, k = shape
+    q, s = _quantized(n, k)
+    device = torch.device("cuda")
+    x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    dy = torch.randn(m, n, dtype=torch.bfloat16, device="cuda")
+    fwd_cublas = F8._cublas_takes(x, 128, k, n, False)
+    assert fwd_cublas == (F8._cublas_blockwise(device) and k % 512 == 0)
+    assert F8._cublas_takes(dy, 128, n, k, True) == (fwd_cublas and n % 512 == 0)
+    w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
+    y = F8.fp8_block_matmul(x, q, s)
+    xq, xs = F8.quantize_activation_reference(x)
+    assert_close(y, F8.dequantize_blockwise_reference(xq, xs, (1, 128), torch.float64) @ w64.t(), torch.bfloat16,
+                 f"x W^T cublas={fwd_cublas}")
+    dx = F8._project_grad(dy, q, s, 128, fp8=True)
+    dq, ds = F8.quantize_activation_reference(dy)
+    assert_close(dx, F8.dequantize_blockwise_reference(dq, ds, (1, 128), torch.float64) @ w64, torch.bfloat16, "dY W")
+    out = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+    expected = out.double() + dx.double()
+    assert_close(F8._project_grad(dy, q, s, 128, fp8=True, out=out), expected, torch.bfloat16, "dY W added into out")
+    assert torch.equal(F8._transposed(q).view(torch.uint8), q.view(torch.uint8).t())
+
+
 def test_fp8_linear_gradients_at_llama_8b_shapes():
     for n, k in SHAPES[:3]:
         q, s = _quantized(n, k)

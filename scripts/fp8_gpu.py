@@ -76,6 +76,23 @@ def bench(section, case, impl, fn, flops=None, nbytes=None, grad_to_none=None, n
     return ms
 
 
+def kernel_ms(fn, grad_to_none=(), reps: int = 5) -> float | None:
+    """Milliseconds of GPU kernels per call of fn (torch.profiler): the device's time, none of the host's."""
+    if SMOKE:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for t in grad_to_none:
+                t.grad = None
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3 / reps
+
+
 # -------------------------------------------------------------------------------------------- 1. checks
 
 
@@ -220,10 +237,30 @@ def _scaled_mm_rowwise(a, b):
     return aq, bq, sa, sb
 
 
+TRANSFORMERS_FP8_FILE = None  # --transformers-fp8-file
+
+
+def _transformers_fp8_module():
+    """transformers' fine-grained FP8 integration: the installed one, or (--transformers-fp8-file) the file of an
+    earlier version, whose Triton kernel is in the file (4.57's; 5.x fetches its kernel from the Hub, which a
+    machine without network cannot), imported inside the installed package so that its relative imports resolve."""
+    if TRANSFORMERS_FP8_FILE is None:
+        from transformers.integrations import finegrained_fp8
+
+        return finegrained_fp8
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("transformers.integrations._finegrained_fp8_file",
+                                                  TRANSFORMERS_FP8_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _transformers_rows(section, case, x, q, s, xq, xs, flops, ref):
-    """transformers' fine-grained FP8 kernel, in whichever form the installed version has."""
+    """transformers' fine-grained FP8 kernel, in whichever form the installed version (or the given file) has."""
     try:
-        from transformers.integrations import finegrained_fp8 as ff
+        ff = _transformers_fp8_module()
     except Exception as exc:
         record(section, case, "transformers fine-grained FP8", note=f"not importable: {exc}")
         return
@@ -318,12 +355,20 @@ def projections(quick: bool):
         flops = 2 * 2 * m * n * k
         w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
         y_err = rel(F8.fp8_linear(x, q, s), x.detach().double() @ w.double().t())
-        bench(section, case, "bf16 (F.linear, backward)", lambda: F.linear(x, w).backward(dy), flops, grad_to_none=[x])
-        bench(section, case, "fp8, dX through the dequantized W",
-              lambda: F8.fp8_linear(x, q, s, dx_fp8=False).backward(dy), flops, grad_to_none=[x],
-              note=f"y rel err vs the bf16 layer {y_err:.1e}")
-        bench(section, case, "fp8, dX on the FP8 GEMM (the default where cuBLAS runs)",
-              lambda: F8.fp8_linear(x, q, s, dx_fp8=True).backward(dy), flops, grad_to_none=[x])
+        variants = {
+            "bf16 (F.linear, backward)": lambda: F.linear(x, w).backward(dy),
+            "fp8, dX through the dequantized W": lambda: F8.fp8_linear(x, q, s, dx_fp8=False).backward(dy),
+            "fp8, dX on the FP8 GEMM (the default where cuBLAS runs)":
+                lambda: F8.fp8_linear(x, q, s, dx_fp8=True).backward(dy),
+        }
+        base_kernels = None
+        for impl, fn in variants.items():
+            kernels = kernel_ms(fn, [x])  # device time beside do_bench's wall time (which includes host gaps)
+            base_kernels = base_kernels or kernels
+            note = "" if kernels is None else f"kernels {kernels:.3f} ms ({base_kernels / kernels:.2f}x bf16's)"
+            if impl.startswith("fp8, dX through"):
+                note += f"; y rel err vs the bf16 layer {y_err:.1e}"
+            bench(section, case, impl, fn, flops, grad_to_none=[x], note=note)
         xd = x.detach()
         case = f"{k}->{n} fwd"
         with torch.no_grad():
@@ -425,7 +470,12 @@ def main() -> int:
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--steps", type=int, default=50, help="end-to-end steps per implementation")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timings")
+    parser.add_argument("--transformers-fp8-file", metavar="PATH",
+                        help="transformers/integrations/finegrained_fp8.py of a version with the Triton kernel in the "
+                             "file (4.57), for the comparison row where the installed version needs the Hub")
     args = parser.parse_args()
+    global TRANSFORMERS_FP8_FILE
+    TRANSFORMERS_FP8_FILE = args.transformers_fp8_file
     if SMOKE and not args.smoke:
         parser.error("no CUDA device: run with --smoke (and TRITON_INTERPRET=1) for a CPU check of the script")
     start = time.time()

@@ -340,6 +340,75 @@ def _gemv_4bit_rows_kernel(
 
 
 @triton.jit
+def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, TABLE_GATHER: tl.constexpr,
+                 BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr):
+    """table[the nibble at `shift` of every word] * xj: one element of each word's eight times x."""
+    nib = (words >> shift) & 15
+    if TABLE_GATHER:
+        w = tl.reshape(tl.gather(table, tl.reshape(nib, (BLOCK_N * NB * SUBW,)), 0), (BLOCK_N, NB, SUBW))
+    else:
+        w = tl.load(code_ptr + nib)
+    return w * xj[None, :, :]
+
+
+@triton.jit
+def _gemv_4bit_words_kernel(
+    x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+    N, KW, stride_os, split_words,
+    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, TABLE_GATHER: tl.constexpr,
+):
+    """One row of x times W, the packed weight read as 32-bit words (KW a row, K a multiple of 8): a word holds
+    elements 8i..8i+7, element 8i+j in byte j // 2 (little-endian), high nibble for even j. The bytes stay
+    packed in registers (a quarter of the registers `_gemv_4bit_rows_kernel` spends on them, so more
+    programs and more loads in flight per SM) and each of the eight nibbles is shifted out in turn. Tiles
+    [BLOCK_N, NB, SUBW] words; a sub-chunk of SUBW words lies in one quantization block."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    row_word = rn.to(tl.int64) * KW
+    jb = tl.arange(0, NB)
+    sub = jb[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NB, SUBW] word offsets in a chunk
+    start = pid_s * split_words
+    stop = tl.minimum(start + split_words, KW)
+    acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    if TABLE_GATHER:
+        table = tl.load(code_ptr + tl.arange(0, 16))
+    else:  # unused
+        table = tl.zeros((16,), dtype=tl.float32)
+    for c0 in range(start, stop, NB * SUBW):
+        cw = c0 + sub
+        words = tl.load(words_ptr + (row_word[:, None, None] + cw[None, :, :]),
+                        mask=nmask[:, None, None] & (cw < stop)[None, :, :], other=0)
+        first = c0 + jb * SUBW
+        blk = ((row_word[:, None] + first[None, :]) * 8) >> BLOCKSIZE_LOG2
+        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)  # [BLOCK_N, NB]
+        e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
+        xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
+        # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
+        x_c0, x_c1 = tl.split(tl.reshape(xv, (NB, SUBW, 2, 2, 2)))
+        x_c0b0, x_c0b1 = tl.split(x_c0)
+        x_c1b0, x_c1b1 = tl.split(x_c1)
+        x0, x4 = tl.split(x_c0b0)
+        x2, x6 = tl.split(x_c0b1)
+        x1, x5 = tl.split(x_c1b0)
+        x3, x7 = tl.split(x_c1b1)
+        part = _nibble_term(words, 4, x0, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 0, x1, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 12, x2, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 8, x3, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 20, x4, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 16, x5, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 28, x6, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        part += _nibble_term(words, 24, x7, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
+        acc += tl.sum(part, axis=2) * scale
+    total = tl.sum(acc, axis=1)  # [BLOCK_N]
+    tl.store(out_ptr + pid_s * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def _gemv_4bit_dot_kernel(
     x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     M, N, KB, stride_xm, stride_om, stride_os, split_bytes,
@@ -558,6 +627,7 @@ class GemvConfig(NamedTuple):
     x_split: bool
     dot: bool = False  # the tensor-core kernel (several rows of x)
     table_gather: bool = False  # CUDA-core kernel: the code table through tl.gather (the default at one row)
+    words: bool = False  # one row of x: `_gemv_4bit_words_kernel` (then `sub` counts 4-byte words)
 
 
 def _lowbit(n: int) -> int:
@@ -568,14 +638,23 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     """The tile for x [m, k] @ W[n, k]^T, or None when K is odd (rows straddle bytes: the general kernel).
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
     quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle.
-    `dot`: the tensor-core kernel (`_gemv_4bit_dot_kernel`) instead of the CUDA-core one (`_gemv_4bit_rows_kernel`)."""
+    `dot`: the tensor-core kernel (`_gemv_4bit_dot_kernel`) instead of the CUDA-core one (`_gemv_4bit_rows_kernel`);
+    `words`: one row of x on `_gemv_4bit_words_kernel` (the default there on a GPU, where K allows)."""
     if k % 2:
         return None
     kb = k // 2
-    sub = min(32, max(1, blocksize // 2), _lowbit(kb))
     dot = override.pop("dot", False)
-    if device.type == "cuda":  # H100 sweep at 1, 2 and 8 rows of x: tiles of 8 weight rows x 512 bytes led
-        block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
+    words_fit = m == 1 and not dot and k % 8 == 0 and blocksize >= 8
+    # H100, one row, 14336x4096 / 4096x14336 (CUDA graph over weight copies, bitsandbytes 29.3 / 30.0 us): words
+    # 27.3 / 28.4 us (8 rows x 1024 bytes, table through tl.gather), bytes 30.9 / 30.9 (8 x 512, tl.gather),
+    # bytes with global-load lookups 34.3 / 36.6; at two rows tl.gather and loads were level
+    words = override.pop("words", words_fit and device.type == "cuda")
+    if words and not words_fit:
+        raise ValueError("words=True takes one row of x, K a multiple of 8 and blocksize >= 8 (CUDA-core kernel)")
+    unit = 4 if words else 1  # bytes a unit of sub and chunk
+    sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
+    if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
+        block_n, chunk, warps = (16, 256, 4) if dot else (8, 1024 if words else 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
         block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1
@@ -583,14 +662,12 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     chunk = override.pop("chunk", chunk)
     if dot:  # tl.dot wants at least 16 along N and K
         block_n, chunk = max(block_n, 16), max(chunk, 8)
-    nb = max(1, chunk // sub)
+    nb = max(1, chunk // (sub * unit))
     programs = cdiv(n, block_n)
-    chunks = cdiv(kb, nb * sub)
+    chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
-    # one row of x: the table through tl.gather measured 5-10% faster on the H100 (33.0 / 33.3 us against 34.7 /
-    # 37.2 at 14336x4096 / 4096x14336); at two rows the two were level
     cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
-                     override.pop("table_gather", m == 1 and device.type == "cuda"))
+                     override.pop("table_gather", m == 1 and device.type == "cuda"), words)
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -604,13 +681,22 @@ def _default_config(m: int, n: int, k: int, blocksize: int, device: torch.device
 def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     """x2 [M, K] (unit stride in K, M <= GEMV_MAX_ROWS, K even) @ W^T by `_gemv_4bit_rows_kernel`."""
     M, (N, K) = x2.shape[0], u.packed.shape
-    kb = K // 2
+    data = u.packed.data
+    if cfg.words and data.data_ptr() % 4:  # bytes not at a word boundary: the byte-wise kernel
+        cfg = gemv_config(M, N, K, u.packed.blocksize, x2.device, table_gather=cfg.table_gather)
+    kb = K // (8 if cfg.words else 2)  # words or bytes a row
     chunk = cfg.nb * cfg.sub
     split_bytes = cdiv(cdiv(kb, chunk), cfg.split) * chunk  # whole chunks a split
     split = cdiv(kb, split_bytes)
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-    if cfg.dot and not (x2.is_cuda and x2.dtype == torch.float32):  # an fp32 tl.dot spills: the CUDA cores
+    if cfg.words:
+        words = data[: data.numel() // 4 * 4].view(torch.int32)
+        _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
+            x2, words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
+            BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, TABLE_GATHER=cfg.table_gather, num_warps=cfg.num_warps,
+        )
+    elif cfg.dot and not (x2.is_cuda and x2.dtype == torch.float32):  # an fp32 tl.dot spills: the CUDA cores
         _gemv_4bit_dot_kernel[(cdiv(N, cfg.block_n), split)](
             x2, *u.args, part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
             BLOCK_M=16, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,

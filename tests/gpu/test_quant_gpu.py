@@ -70,6 +70,18 @@ def test_gemv_tiles_cuda(rows, tile, dtype):
         assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv rows={rows} {cfg}")
 
 
+@pytest.mark.parametrize("tile", [dict(), dict(table_gather=True), dict(split=2, block_n=16, chunk=1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_words_cuda(tile, dtype):
+    """The word-wise kernel at one row of x, split-K included."""
+    for shape in ((4096, 14336), (14336, 4096), (512, 2048)):
+        p = quantized(*shape)
+        x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
+        ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
+        cfg = gemv_config(1, *shape, 64, x.device, dot=False, words=True, **tile)
+        assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv words {cfg}")
+
+
 class Block4bit(torch.nn.Module):
     def __init__(self, hidden, intermediate, kv):
         super().__init__()

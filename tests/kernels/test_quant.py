@@ -186,6 +186,24 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
         gemv_config(1, *shape, blocksize, x.device, block_m=2)
 
 
+@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
+    ("nf4", True, (11, 256), 64), ("fp4", True, (6, 320), 128), ("nf4", False, (9, 512), 256),
+    ("fp4", False, (5, 96), 32), ("nf4", True, (7, 136), 32),
+])
+@pytest.mark.parametrize("override", [dict(), dict(table_gather=True, split=2, block_n=2), dict(chunk=32, split=3)])
+def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
+    """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
+    gives the product of one row of x; it refuses more rows or a K that is not a multiple of 8."""
+    p = quantized(*shape, quant_type, double_quant, blocksize)
+    w = dequantize_4bit_reference(p, torch.float64)
+    x = torch.randn(1, shape[1])
+    cfg = gemv_config(1, shape[0], shape[1], blocksize, x.device, dot=False, words=True, **override)
+    assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv words {override}")
+    for m, k in ((2, shape[1]), (1, 300)):
+        with pytest.raises(ValueError, match="words=True takes one row"):
+            gemv_config(m, shape[0], k, blocksize, x.device, words=True)
+
+
 # ------------------------------------------------------------------- fused LoRA on 4-bit bases vs peft
 
 

@@ -645,16 +645,17 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     kb = k // 2
     dot = override.pop("dot", False)
     words_fit = m == 1 and not dot and k % 8 == 0 and blocksize >= 8
-    # H100, one row, 14336x4096 / 4096x14336 (CUDA graph over weight copies, bitsandbytes 29.3 / 30.0 us): words
-    # 27.3 / 28.4 us (8 rows x 1024 bytes, table through tl.gather), bytes 30.9 / 30.9 (8 x 512, tl.gather),
-    # bytes with global-load lookups 34.3 / 36.6; at two rows tl.gather and loads were level
+    # H100, one row, 14336x4096 / 4096x14336 (CUDA graph over weight copies, bitsandbytes 29.3-29.4 / 30.0-30.1
+    # us): words 28.0-28.5 / 29.2-29.3 us in two runs (8 rows x 512 bytes, table through tl.gather; 8 x 1024 was
+    # 27.3 / 28.4 in one and 35.4 / 34.5 in the other), bytes 30.9 / 30.9 (8 x 512, tl.gather), bytes with
+    # global-load lookups 34.3 / 36.6; at two rows tl.gather and loads were level
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
         raise ValueError("words=True takes one row of x, K a multiple of 8 and blocksize >= 8 (CUDA-core kernel)")
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
-        block_n, chunk, warps = (16, 256, 4) if dot else (8, 1024 if words else 512, 4)
+        block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
         block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1

@@ -130,6 +130,7 @@ class _Unpacked(NamedTuple):
     consts: dict  # BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED
     numel: int
     compiled: bool  # on CUDA with Triton: the kernels run compiled (otherwise `use_triton` decides per call)
+    words: torch.Tensor | None  # the packed bytes as int32 (the word-wise GEMV), None where they are not aligned
 
 
 _UNPACKED: dict[int, _Unpacked] = {}
@@ -150,9 +151,10 @@ def _unpacked(weight) -> _Unpacked:
         absmax2, code2, blocksize2, offset = p.nested
         log2_b2 = blocksize2.bit_length() - 1
     consts = dict(BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None)
+    words = p.data[: p.data.numel() // 4 * 4].view(torch.int32) if p.data.data_ptr() % 4 == 0 else None
     entry = _Unpacked(ref, weight.quant_state, weight.quant_state.absmax, weight.data_ptr(), p,
                       (p.data, p.absmax, p.code, absmax2, code2, offset), consts, p.shape[0] * p.shape[1],
-                      p.data.is_cuda and triton_available())
+                      p.data.is_cuda and triton_available(), words)
     _UNPACKED[key] = entry
     return entry
 
@@ -682,9 +684,8 @@ def _default_config(m: int, n: int, k: int, blocksize: int, device: torch.device
 def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     """x2 [M, K] (unit stride in K, M <= GEMV_MAX_ROWS, K even) @ W^T by `_gemv_4bit_rows_kernel`."""
     M, (N, K) = x2.shape[0], u.packed.shape
-    data = u.packed.data
-    if cfg.words and data.data_ptr() % 4:  # bytes not at a word boundary: the byte-wise kernel
-        cfg = gemv_config(M, N, K, u.packed.blocksize, x2.device, table_gather=cfg.table_gather)
+    if cfg.words and u.words is None:  # bytes not at a word boundary: the byte-wise kernel
+        cfg = gemv_config(M, N, K, u.packed.blocksize, x2.device, table_gather=cfg.table_gather, words=False)
     kb = K // (8 if cfg.words else 2)  # words or bytes a row
     chunk = cfg.nb * cfg.sub
     split_bytes = cdiv(cdiv(kb, chunk), cfg.split) * chunk  # whole chunks a split
@@ -692,9 +693,8 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
     if cfg.words:
-        words = data[: data.numel() // 4 * 4].view(torch.int32)
         _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
-            x2, words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
+            x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
             BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, TABLE_GATHER=cfg.table_gather, num_warps=cfg.num_warps,
         )
     elif cfg.dot and not (x2.is_cuda and x2.dtype == torch.float32):  # an fp32 tl.dot spills: the CUDA cores

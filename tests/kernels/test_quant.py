@@ -204,6 +204,20 @@ def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
             gemv_config(m, shape[0], k, blocksize, x.device, words=True)
 
 
+def test_gemv_words_on_bytes_off_a_word_boundary():
+    """Packed bytes that do not start at a 4-byte boundary (a view into a larger buffer) take the byte-wise
+    kernel, with the same product."""
+    p = quantized(11, 256)
+    buf = torch.empty(p.data.numel() + 1, dtype=torch.uint8)
+    buf[1:] = p.data.reshape(-1)
+    shifted = bnb.nn.Params4bit(buf[1:], requires_grad=False, quant_state=p.quant_state, bnb_quantized=True)
+    assert shifted.data_ptr() % 4
+    x = torch.randn(1, 256)
+    cfg = gemv_config(1, 11, 256, 64, x.device, words=True)
+    w = dequantize_4bit_reference(p, torch.float64)
+    assert_close(gemv_4bit(x, shifted, cfg), x.double() @ w.t(), torch.float32, "gemv off a word boundary")
+
+
 # ------------------------------------------------------------------- fused LoRA on 4-bit bases vs peft
 
 

@@ -1,7 +1,8 @@
 """cuda_graphs=True on CUDA: LoRA training through replayed decoder-layer graphs gives the losses and adapters
 of the same patched model run eagerly (bf16 base, peft's fp32 adapters, fused AdamW, gradient accumulation),
-with checkpointing on and off, for Llama and Gemma2 (fastplug's Triton attention with softcap and window);
-two forwards before one backward fall back to eager for the second and still give the right gradients."""
+with checkpointing on and off, for Llama (also on FP8 bases) and Gemma2 (fastplug's Triton attention with
+softcap and window); two forwards before one backward fall back to eager for the second and still give the
+right gradients."""
 
 import pytest
 import torch
@@ -36,16 +37,20 @@ def _adapters(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True)])
+@pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True),
+                                                   ("llama-fp8", True)])
 def test_graphed_layers_train_like_eager(family, checkpointing):
+    """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
+    dequantized dX elsewhere; the transposed-weight buffer inside the graphs)."""
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1000, (2, 256), generator=gen).cuda() for _ in range(12)]
     results = {}
     for graphs in (False, True):
-        model = _model(family)
+        model = _model(family.removesuffix("-fp8"))
         layer = model.get_base_model().model.layers[0]
         original = type(layer)
-        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing, cuda_graphs=graphs)
+        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing, cuda_graphs=graphs,
+                                      fp8=family.endswith("-fp8"))
         results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
         if graphs:
             assert handle.graphs.replays >= 8 * 4, handle.summary()  # steps 3..12 of 4 layers replayed

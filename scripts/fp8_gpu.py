@@ -4,7 +4,8 @@ float64, then timings, a markdown table last.
 1. checks: quantization bit-exact against torch, the GEMM (pointer and TMA loads, x W^T and dY W) against
    float64 and against the bf16 product, at Llama-8B shapes and off the 128 blocks;
 2. the block-scaled GEMM at 8192^3 (the Triton kernel on operands already in FP8, and fp8_block_matmul: bf16
-   in/out, the activation quantized, cuBLAS's block-scaled kernel where torch has it) against bf16 cuBLAS, torch._scaled_mm row-wise and transformers' fine-grained FP8 kernel when it loads;
+   in/out, the activation quantized, cuBLAS's block-scaled kernel where torch has it) against bf16 cuBLAS,
+   torch._scaled_mm row-wise and transformers' fine-grained FP8 kernel when it loads;
 3. a sweep of the GEMM's launch configurations (block sizes, warps, stages, TMA loads) at 8192^3: the best
    is printed and used for the rest of the run (set it as fastplug.kernels.fp8.GEMM_CONFIG);
 4. Llama-8B projections at M=8192 tokens (4096->14336, 14336->4096, 4096->6144): fwd + dX against bf16,

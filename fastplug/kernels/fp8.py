@@ -41,8 +41,8 @@ except ImportError:  # triton without host-side tensor descriptors: pointer load
     TensorDescriptor = None
 
 from ._utils import (
-    cdiv, check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, kernel_path, rows_view,
-    scratch, triton_available, use_triton,
+    cdiv, check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, kernel_path,
+    no_autocast, rows_view, scratch, triton_available, use_triton,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -669,7 +669,7 @@ class FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale, bias, block, dx_fp8):
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with no_autocast(x):
             y = _linear_forward(x, weight, scale, bias, block)
         keep_for_backward(ctx, (weight, scale))
         ctx.block, ctx.dx_fp8 = block, dx_fp8
@@ -678,7 +678,7 @@ class FP8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         weight, scale = kept_for_backward(ctx)
-        with torch.autocast(device_type=dy.device.type, enabled=False):
+        with no_autocast(dy):
             dx = _linear_input_grad(dy, weight, scale, ctx.block, ctx.dx_fp8) if ctx.needs_input_grad[0] else None
         db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
         return dx, None, None, db, None, None

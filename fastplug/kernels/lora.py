@@ -42,8 +42,8 @@ from torch.autograd.graph import increment_version
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ._utils import (
-    check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, promote_types, rows_view,
-    use_triton,
+    check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, no_autocast, promote_types,
+    rows_view, use_triton,
 )
 from .activations import ACTIVATIONS, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
@@ -495,11 +495,6 @@ def _param_grads(x2, xa, dys, dyb, projs, adapters: _Adapters | None, needs) -> 
     return grads
 
 
-def _no_autocast(x: torch.Tensor):
-    # Inputs are cast to one dtype up front; autocast must not re-cast the matmuls inside the function.
-    return torch.autocast(device_type=x.device.type, enabled=False)
-
-
 # -------------------------------------------------------------------------------- autograd functions
 
 
@@ -538,7 +533,7 @@ def _project(x, x2, scalings, params, stacked, rotary, joined: bool = False) -> 
     projs = _unflatten(_cast_params(params, x.dtype), scalings)
     outs = [_weight_shape(p.weight)[0] for p in projs]
     y = None
-    with _no_autocast(x):
+    with no_autocast(x):
         adapters = _group_adapters(originals, projs, stacked, x.dtype)
         if stacked is not None:
             y, xa = _forward_stacked(x2, stacked, adapters, projs)
@@ -555,7 +550,7 @@ def _project_grads(dys, x2, fwd: _Projected, stacked, rotary, need_x: bool, need
     """(dX [N, in] or None, grads in _flatten's order) of `_project`. rotary: None or (cos, sin, batch,
     head_dim). joined: dys side by side in one tensor, when the caller has them so."""
     projs, adapters = fwd.projs, fwd.adapters
-    with _no_autocast(x2):
+    with no_autocast(x2):
         if stacked is not None:
             dy = _side_by_side(dys, [_weight_shape(p.weight)[0] for p in projs], rotary, joined)
             return _grads_stacked(dy, x2, fwd.xa, stacked, adapters, fwd.originals, needs, need_x)
@@ -619,7 +614,7 @@ def _mlp(x, x2, activation, scalings, params, stacked, joined: bool = False) -> 
     gate_p, up_p, down_p = projs = _unflatten(_cast_params(params, x.dtype), scalings)
     down_adapters = _adapters([down_p])
     width = _weight_shape(gate_p.weight)[0]
-    with _no_autocast(x):
+    with no_autocast(x):
         gu_adapters = _group_adapters(originals, [gate_p, up_p], stacked, x.dtype)
         if stacked is not None:
             gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
@@ -639,7 +634,7 @@ def _mlp_grads(dy, x2, fwd: _MLPForward, stacked, activation, need_x: bool, need
     gate_p, up_p, down_p = fwd.projs
     gu_adapters, down_adapters = fwd.adapters
     gate, up = fwd.gate, fwd.up
-    with _no_autocast(x2):
+    with no_autocast(x2):
         # grad_h = dY W_down + s (dY B_down) A_down, in a buffer of our own...
         dyb_down = _dy_b([dy], [down_p], down_adapters)
         grad_h = _input_grad([dy], [down_p], down_adapters, dyb_down)

@@ -278,6 +278,32 @@ def _gemv_4bit_kernel(
 
 
 @triton.jit
+def _gemv_tile(N, KU, split, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr):
+    """What a GEMV program covers, K counted in units (bytes, or 4-byte words): its BLOCK_N rows and their mask,
+    each row's first unit, the [NB, SUB] unit offsets within a chunk, and its split's units [start, stop)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sub = tl.arange(0, NB)[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    start = tl.program_id(1) * split
+    return rn, rn < N, rn.to(tl.int64) * KU, sub, start, tl.minimum(start + split, KU)
+
+
+@triton.jit
+def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                ELEMS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
+                BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr):
+    """The chunk at unit c0 of each row: its units [BLOCK_N, NB, SUB] as stored (zeros past `stop`) and the
+    absmax [BLOCK_N, NB] of its sub-chunks of SUB units (ELEMS elements a unit), none straddling a block."""
+    cu = c0 + sub
+    units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]),
+                    mask=nmask[:, None, None] & (cu < stop)[None, :, :], other=0)
+    first = c0 + tl.arange(0, NB) * SUB  # each sub-chunk's first unit
+    blk = ((row_unit[:, None] + first[None, :]) * ELEMS) >> BLOCKSIZE_LOG2
+    scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
+                         offset_ptr, BLOCKSIZE2_LOG2, NESTED)
+    return units, scale
+
+
+@triton.jit
 def _gemv_4bit_rows_kernel(
     x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     N, KB, stride_xm, stride_om, stride_os, split_bytes,
@@ -293,24 +319,16 @@ def _gemv_4bit_rows_kernel(
     TABLE_GATHER: the 16 values are looked up with tl.gather from a register copy of the table (shared memory on
     sm_90: one 32-bit LDS a value instead of a 64-bit address and a global load; 14% fewer instructions in
     the loop when compiled for sm_90 by Triton 3.9), else by global loads from the (L1-resident) table."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    row_byte = rn.to(tl.int64) * KB  # [BLOCK_N]
+    rn, nmask, row_byte, sub, start, stop = _gemv_tile(N, KB, split_bytes, BLOCK_N, NB, SUB)
     jb = tl.arange(0, NB)
-    sub = jb[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NB, SUB] byte offsets in a chunk
-    start = pid_s * split_bytes
-    stop = tl.minimum(start + split_bytes, KB)
     rm = tl.arange(0, M_POW2)
     acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
     if TABLE_GATHER:
         table = tl.load(code_ptr + tl.arange(0, 16))
     for c0 in range(start, stop, NB * SUB):
-        cb = c0 + sub
-        cmask = cb < stop
-        packed = tl.load(data_ptr + (row_byte[:, None, None] + cb[None, :, :]),
-                         mask=nmask[:, None, None] & cmask[None, :, :], other=0).to(tl.int32)
+        packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
+                                    offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+        packed = packed.to(tl.int32)
         if TABLE_GATHER:
             flat = tl.reshape(packed, (BLOCK_N * NB * SUB,))
             w_hi = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, NB, SUB))
@@ -318,10 +336,6 @@ def _gemv_4bit_rows_kernel(
         else:
             w_hi = tl.load(code_ptr + (packed >> 4))
             w_lo = tl.load(code_ptr + (packed & 15))
-        first = c0 + jb * SUB  # each sub-chunk's first byte
-        blk = ((row_byte[:, None] + first[None, :]) * 2) >> BLOCKSIZE_LOG2
-        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)  # [BLOCK_N, NB]
         for m in tl.static_range(M):
             xrow = x_ptr + m * stride_xm
             if X_SPLIT:  # one contiguous (vectorized) load of 2 * SUB elements a sub-chunk, split in registers
@@ -329,15 +343,16 @@ def _gemv_4bit_rows_kernel(
                 xv = tl.load(xrow + e, mask=e < stop * 2, other=0.0).to(tl.float32)
                 x_even, x_odd = tl.split(tl.reshape(xv, (NB, SUB, 2)))
             else:
-                x_even = tl.load(xrow + cb * 2, mask=cmask, other=0.0).to(tl.float32)
-                x_odd = tl.load(xrow + cb * 2 + 1, mask=cmask, other=0.0).to(tl.float32)
+                e = (c0 + sub) * 2  # each byte's even element
+                x_even = tl.load(xrow + e, mask=e < stop * 2, other=0.0).to(tl.float32)
+                x_odd = tl.load(xrow + e + 1, mask=e < stop * 2, other=0.0).to(tl.float32)
             part = tl.sum(w_hi * x_even[None, :, :] + w_lo * x_odd[None, :, :], axis=2) * scale  # [BLOCK_N, NB]
             if M == 1:
                 acc += part[None, :, :]
             else:
                 acc = tl.where((rm == m)[:, None, None], acc + part[None, :, :], acc)
     total = tl.sum(acc, axis=2)  # [M_POW2, BLOCK_N]
-    out = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    out = out_ptr + tl.program_id(1) * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
 
 
@@ -365,28 +380,16 @@ def _gemv_4bit_words_kernel(
     packed in registers (a quarter of the registers `_gemv_4bit_rows_kernel` spends on them, so more
     programs and more loads in flight per SM) and each of the eight nibbles is shifted out in turn. Tiles
     [BLOCK_N, NB, SUBW] words; a sub-chunk of SUBW words lies in one quantization block."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    row_word = rn.to(tl.int64) * KW
+    rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
     jb = tl.arange(0, NB)
-    sub = jb[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NB, SUBW] word offsets in a chunk
-    start = pid_s * split_words
-    stop = tl.minimum(start + split_words, KW)
     acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
     if TABLE_GATHER:
         table = tl.load(code_ptr + tl.arange(0, 16))
     else:  # unused
         table = tl.zeros((16,), dtype=tl.float32)
     for c0 in range(start, stop, NB * SUBW):
-        cw = c0 + sub
-        words = tl.load(words_ptr + (row_word[:, None, None] + cw[None, :, :]),
-                        mask=nmask[:, None, None] & (cw < stop)[None, :, :], other=0)
-        first = c0 + jb * SUBW
-        blk = ((row_word[:, None] + first[None, :]) * 8) >> BLOCKSIZE_LOG2
-        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)  # [BLOCK_N, NB]
+        words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
+                                   offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
         e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
         xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
         # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
@@ -407,7 +410,7 @@ def _gemv_4bit_words_kernel(
         part += _nibble_term(words, 24, x7, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
         acc += tl.sum(part, axis=2) * scale
     total = tl.sum(acc, axis=1)  # [BLOCK_N]
-    tl.store(out_ptr + pid_s * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
+    tl.store(out_ptr + tl.program_id(1) * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit
@@ -423,26 +426,14 @@ def _gemv_4bit_dot_kernel(
     SUB] tile of x (rows past M masked) by one tl.dot, fp32 accumulation. DOT_F32: fp32 operands, for the
     interpreter, whose 16-bit dot is not exact (on a GPU an fp32 dot of this shape spills: fp32 x takes the
     CUDA-core kernel there)."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    row_byte = rn.to(tl.int64) * KB
+    rn, nmask, row_byte, sub, start, stop = _gemv_tile(N, KB, split_bytes, BLOCK_N, NB, SUB)
     rm = tl.arange(0, BLOCK_M)
-    jb = tl.arange(0, NB)
-    sub = jb[:, None] * SUB + tl.arange(0, SUB)[None, :]
     ek = tl.arange(0, 2 * NB * SUB)
-    start = pid_s * split_bytes
-    stop = tl.minimum(start + split_bytes, KB)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c0 in range(start, stop, NB * SUB):
-        cb = c0 + sub
-        packed = tl.load(data_ptr + (row_byte[:, None, None] + cb[None, :, :]),
-                         mask=nmask[:, None, None] & (cb < stop)[None, :, :], other=0).to(tl.int32)
-        first = c0 + jb * SUB
-        blk = ((row_byte[:, None] + first[None, :]) * 2) >> BLOCKSIZE_LOG2
-        scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, BLOCKSIZE2_LOG2, NESTED)[:, :, None]
+        packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
+                                    offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+        packed, scale = packed.to(tl.int32), scale[:, :, None]
         w_hi = tl.load(code_ptr + (packed >> 4)) * scale
         w_lo = tl.load(code_ptr + (packed & 15)) * scale
         w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, 2 * NB * SUB))  # element order within the chunk
@@ -453,7 +444,7 @@ def _gemv_4bit_dot_kernel(
             acc += tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(xt, tl.trans(w.to(xt.dtype)))
-    out = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
+    out = out_ptr + tl.program_id(1) * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & nmask[None, :])
 
 

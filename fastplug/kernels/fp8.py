@@ -528,18 +528,26 @@ def _cublas_mm(aq: tuple, w: torch.Tensor, w_scale: torch.Tensor, input_grad: bo
                        output_dtype=dtype)
 
 
-def _cublas_project(x2, w, w_scale, input_grad: bool, *, bias=None, out=None, quantized: dict | None = None):
-    """`_project` / `_project_grad` through cuBLAS: x2 [M, Kx] @ W^T (or @ W), + bias, added into out."""
-    key = ("cublas", 128)
-    aq = None if quantized is None else quantized.get(key)
-    if aq is None:
-        aq = _quantize_rows(x2, 128, CUBLAS_ROWS)
-        if quantized is not None:
-            quantized[key] = aq
-    y = _cublas_mm(aq, w, w_scale, input_grad, x2.dtype)[: x2.shape[0]]
-    if bias is not None:
-        y = y.add_(bias.to(y.dtype))
-    return y if out is None else out.add_(y)
+def _fp8_product(aq: tuple, m: int, w, w_scale, block: int, input_grad: bool, dtype, cublas: bool, *,
+                 bias=None, out=None) -> torch.Tensor:
+    """a W^T (or a W) (+ bias) for aq = (a, a_scale) from `_quantize_rows` (its first m rows; more when padded),
+    in dtype or added into `out`: by cuBLAS's block-scaled GEMM (`cublas`, where `_cublas_takes`), else by the
+    Triton GEMM."""
+    if cublas:
+        y = _cublas_mm(aq, w, w_scale, input_grad, dtype)[:m]
+        if bias is not None:
+            y = y.add_(bias.to(y.dtype))
+        return y if out is None else out.add_(y)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty((m, w.shape[1] if input_grad else w.shape[0]), dtype=dtype, device=aq[0].device)
+    return _gemm_2d(aq[0][:m], aq[1][:m], w, w_scale, block, input_grad, out, accumulate, bias)
+
+
+def _quantize_operand(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2's FP8 form for `_fp8_product`: rows padded to CUBLAS_ROWS on a device where cuBLAS's kernel runs."""
+    padded = x2.is_cuda and block == 128 and _cublas_blockwise(x2.device)
+    return _quantize_rows(x2, block, CUBLAS_ROWS if padded else 1)
 
 
 def fp8_gemm(
@@ -596,18 +604,13 @@ def _project(x2, w, w_scale, block: int, *, bias=None, out=None, quantized: dict
             return x2 @ dense if bias is None else torch.addmm(bias.to(x2.dtype), x2, dense)
         out.addmm_(x2, dense)
         return out if bias is None else out.add_(bias)
-    if _cublas_takes(x2, block, w.shape[1], w.shape[0], False):
-        return _cublas_project(x2, w, w_scale, False, bias=bias, out=out, quantized=quantized)
-    if quantized is None or block not in quantized:
-        xq = quantize_activation(x2, block)
+    xq = None if quantized is None else quantized.get(block)
+    if xq is None:
+        xq = _quantize_operand(x2, block)
         if quantized is not None:
             quantized[block] = xq
-    else:
-        xq = quantized[block]
-    if out is None:
-        out = torch.empty((x2.shape[0], w.shape[0]), dtype=x2.dtype, device=x2.device)
-        return _gemm_2d(xq[0], xq[1], w, w_scale, block, False, out, False, bias)
-    return _gemm_2d(xq[0], xq[1], w, w_scale, block, False, out, True, bias)
+    cublas = _cublas_takes(x2, block, w.shape[1], w.shape[0], False)
+    return _fp8_product(xq, x2.shape[0], w, w_scale, block, False, x2.dtype, cublas, bias=bias, out=out)
 
 
 def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool | None = None) -> torch.Tensor:
@@ -615,17 +618,13 @@ def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool | None = N
     dequantized in dy2's dtype, or with fp8=True (and the kernels available) through an FP8 GEMM, dy2 quantized
     per token group. fp8=None: FP8 where cuBLAS's kernel takes the shapes (1.6x faster than the dequantized
     weight on an H100), else the dequantized weight (the Triton GEMM reading W transposed measured 0.25x)."""
-    cublas = _kernels_run(dy2) and _cublas_takes(dy2, block, w.shape[0], w.shape[1], True)
-    if cublas and fp8 is not False:
-        return _cublas_project(dy2, w, w_scale, True, out=out)
-    if fp8 and _kernels_run(dy2):
-        dq, ds = quantize_activation(dy2, block)
-        if out is None:
-            out = torch.empty((dy2.shape[0], w.shape[1]), dtype=dy2.dtype, device=dy2.device)
-            return _gemm_2d(dq, ds, w, w_scale, block, True, out, False, None)
-        return _gemm_2d(dq, ds, w, w_scale, block, True, out, True, None)
-    dense = _dense_weight(w, w_scale, block, dy2.dtype)
-    return dy2 @ dense if out is None else out.addmm_(dy2, dense)
+    kernels = _kernels_run(dy2)
+    cublas = kernels and _cublas_takes(dy2, block, w.shape[0], w.shape[1], True)
+    if fp8 is False or not kernels or (fp8 is None and not cublas):
+        dense = _dense_weight(w, w_scale, block, dy2.dtype)
+        return dy2 @ dense if out is None else out.addmm_(dy2, dense)
+    return _fp8_product(_quantize_operand(dy2, block), dy2.shape[0], w, w_scale, block, True, dy2.dtype, cublas,
+                        out=out)
 
 
 def fp8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *,

@@ -6,6 +6,11 @@ reversible. `enable(model, mode)` turns checkpointing on; with "offload" every d
 `_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes `offload_checkpoint`;
 with "auto" an `AutoCheckpointing` leaves as many layers unchecked as the GPU's memory holds.
 
+In every mode the last decoder layer runs unchecked (`leave_last_layer_unchecked`): its recompute would be
+the first thing backward does, right after the loss, so checkpointing it only repeats its forward. Its
+activations then live through the loss instead of being rebuilt just after it, which is the same peak
+wherever the layer's own backward needs more transient memory than the loss does.
+
 How "offload" works: transformers calls `layer._gradient_checkpointing_func(partial(forward, layer, **kw),
 hidden_states)`. The forward runs without autograd; its input is copied to pinned CPU memory on a side CUDA
 stream (overlapping the next layer's compute) and the GPU copy is released. In backward the input comes
@@ -95,6 +100,19 @@ def install_offload(model: nn.Module) -> int:
     return len(layers)
 
 
+def leave_last_layer_unchecked(model: nn.Module) -> bool:
+    """Turn checkpointing off on the last decoder layer when it is on (see the module docstring); True if it
+    did. Call it after whatever turned checkpointing on (the Trainer enables it on every layer)."""
+    layers = decoder_layers(decoder_stack(model)) or decoder_layers(model)
+    if len(layers) < 2 or getattr(layers[-1], _FLAG, False) is not True:
+        return False
+    setattr(layers[-1], _FLAG, False)
+    return True
+
+
+LAST_LAYER_NOTE = "; the last layer unchecked"  # words for summaries
+
+
 def enable(model: nn.Module, mode, memory_budget: float = 0.9):
     """Turn checkpointing on (mode True, "offload" or "auto"); returns words for the patch summary, or for
     "auto" the AutoCheckpointing (its str is those words; `remove()` it before restoring a snapshot), which
@@ -103,9 +121,10 @@ def enable(model: nn.Module, mode, memory_budget: float = 0.9):
         enable_native(model)
     if mode == "auto":  # one per model: enabling again (FastModel.for_training) keeps the measured plan
         return vars(model).get(_AUTO) or AutoCheckpointing(model, memory_budget)
+    last = LAST_LAYER_NOTE if leave_last_layer_unchecked(model) else ""
     if mode == "offload" and install_offload(model):
-        return "offload (layer inputs in pinned CPU memory)"
-    return "on (non-reentrant)" if mode != "offload" else "on (non-reentrant; offload needs CUDA)"
+        return f"offload (layer inputs in pinned CPU memory{last})"
+    return f"on (non-reentrant{last})" if mode != "offload" else f"on (non-reentrant; offload needs CUDA{last})"
 
 
 # ------------------------------------------------------------------------------------------------- auto
@@ -132,8 +151,8 @@ class AutoCheckpointing:
     output, per token). After the first optimizer step (so that its states are allocated) the peak so far is
     the base: weights, optimizer states, checkpointed inputs, one layer's recompute, the loss, and the one
     measured layer. From then on as many more layers run unchecked as fit under `fraction` of the device's
-    memory, for the tokens of each batch (all checkpointed when even the measured layer does not fit). On
-    CPU every layer stays checkpointed."""
+    memory, for the tokens of each batch (all checkpointed when even the measured layer does not fit). The
+    last layer is never checkpointed, as in the other modes. On CPU every other layer stays checkpointed."""
 
     def __init__(self, model: nn.Module, fraction: float = 0.9):
         self.layers = decoder_layers(model)
@@ -149,15 +168,17 @@ class AutoCheckpointing:
         self._model = weakref.ref(model)
         vars(model)[_AUTO] = self
         self._hooks = [decoder_stack(model).register_forward_pre_hook(self._before_forward, with_kwargs=True)]
+        self._set_unchecked(0)
         if self.layers:
             first = self.layers[0]
             self._hooks += [first.register_forward_pre_hook(self._layer_start), first.register_forward_hook(self._layer_end)]
 
     def __str__(self) -> str:
         n = len(self.layers)
+        checked = sum(getattr(layer, _FLAG, False) is True for layer in self.layers)
         if self.room is None:
-            return f"auto: all {n} layers checkpointed until the first training step is measured"
-        return (f"auto: {n - self.unchecked} of {n} layers checkpointed "
+            return f"auto: {checked} of {n} layers checkpointed until the first training step is measured"
+        return (f"auto: {checked} of {n} layers checkpointed "
                 f"({self.bytes_per_token / 2**10:.1f} KiB per token per unchecked layer)")  # fmt: skip
 
     def remove(self) -> None:
@@ -169,9 +190,10 @@ class AutoCheckpointing:
             del vars(model)[_AUTO]
 
     def _set_unchecked(self, k: int) -> None:
+        """The first k layers unchecked, and the last one (see `leave_last_layer_unchecked`)."""
         self.unchecked = k
         for i, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = i >= k
+            layer.gradient_checkpointing = k <= i < len(self.layers) - 1
 
     def _before_forward(self, module, args, kwargs) -> None:
         if not (module.training and torch.is_grad_enabled()) or not self.layers:

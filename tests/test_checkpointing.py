@@ -36,6 +36,29 @@ def test_native_checkpointing_is_turned_on_and_restored_exactly():
     assert _checkpointing_attributes(model) == before
 
 
+def test_last_layer_runs_unchecked_and_computes_the_same():
+    """Checkpointing the last layer would only repeat its forward (its recompute comes right after the loss):
+    it runs once a step, the other layers twice, and the gradients are those of every layer checkpointed."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    inputs = batch()
+    layers = checkpointing.decoder_layers(model)
+    calls = []
+    for i, layer in enumerate(layers):  # on the MLP: a recompute calls the layer's forward, not its __call__
+        layer.mlp.register_forward_pre_hook(lambda module, args, i=i: calls.append(i))
+    with patch_model(model, gradient_checkpointing=True) as handle:
+        model.train()
+        assert [layer.gradient_checkpointing for layer in layers] == [True, True, False]
+        assert "the last layer unchecked" in handle.summary()
+        loss, grads = _step(model, inputs)
+        assert sorted(calls) == [0, 0, 1, 1, 2], "layers 0 and 1 recomputed in backward, the last one not"
+        layers[-1].gradient_checkpointing = True
+        all_loss, all_grads = _step(model, inputs)
+    assert torch.equal(loss, all_loss)
+    assert grads.keys() == all_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], all_grads[name]), name
+
+
 def test_offload_without_cuda_falls_back_with_a_warning():
     if torch.cuda.is_available():
         pytest.skip("the fallback is for machines without CUDA")

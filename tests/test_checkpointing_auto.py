@@ -1,6 +1,6 @@
 """gradient_checkpointing="auto": checkpoint only as many layers as memory needs, measured at the first step.
 
-On CPU there is no device memory to measure: every layer stays checkpointed. The planning is checked with
+On CPU there is no device memory to measure: every layer but the last (never checkpointed) stays checkpointed. The planning is checked with
 torch.cuda's memory counters replaced by a fake device of a chosen size.
 """
 
@@ -52,14 +52,14 @@ def test_cpu_keeps_every_layer_checkpointed_and_trains_like_unpatched():
     ref = tiny_model("llama", num_hidden_layers=3)
     ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with fastplug.patch_model(model, gradient_checkpointing="auto") as handle:
-        assert "auto: all 3 layers checkpointed" in handle.summary()
+        assert "auto: 2 of 3 layers checkpointed until" in handle.summary()
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
         model.train(), ref.train()
         torch.manual_seed(0)
         losses = [_step(model, opts[0], 9) for _ in range(3)]
         torch.manual_seed(0)
         ref_losses = [_step(ref, opts[1], 9) for _ in range(3)]
-        assert _flags(handle) == [True, True, True]
+        assert _flags(handle) == [True, True, False]
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     assert not checkpointing_on(model), "restore turns checkpointing off again"
 
@@ -78,12 +78,12 @@ def test_plan_leaves_unchecked_what_fits(monkeypatch):
         torch.manual_seed(0)
         first = _step(model, opt, tokens)
         assert handle.checkpointing.bytes_per_token == SAVED_PER_TOKEN
-        assert _flags(handle) == [False, True, True, True, True], "layer 0 ran unchecked to be measured"
+        assert _flags(handle) == [False, True, True, True, False], "layer 0 ran unchecked to be measured"
         second = _step(model, opt, tokens)
-        assert _flags(handle) == [False, False, False, True, True]
-        assert "auto: 2 of 5 layers checkpointed" in handle.summary()
+        assert _flags(handle) == [False, False, False, True, False]
+        assert "auto: 1 of 5 layers checkpointed" in handle.summary()
         _step(model, opt, 2 * tokens)  # twice the tokens: only the measured layer's share fits... and one more
-        assert _flags(handle) == [False, False, True, True, True]
+        assert _flags(handle) == [False, False, True, True, False]
     assert _flags(handle) == [True] * 5 or not checkpointing_on(model)
     assert vars(handle.checkpointing)["_hooks"] == [], "restore removes auto's hooks"
     # the mixed checkpointed / unchecked steps compute what the plain model computes
@@ -93,9 +93,9 @@ def test_plan_leaves_unchecked_what_fits(monkeypatch):
     assert [first, second] == pytest.approx([_step(ref, ref_opt, tokens) for _ in range(2)], rel=1e-4)
 
 
-@pytest.mark.parametrize("budget, unchecked", [(0.01, 0), (0.5, 5)])
-def test_memory_budget_bounds_the_plan(monkeypatch, budget, unchecked):
-    # a device of 10 base peaks: a budget under the base checkpoints every layer, a roomy one none
+@pytest.mark.parametrize("budget, unchecked, checked", [(0.01, 0, 4), (0.5, 5, 0)])
+def test_memory_budget_bounds_the_plan(monkeypatch, budget, unchecked, checked):
+    # a device of 10 base peaks: a budget under the base checkpoints every layer but the last, a roomy one none
     device = FakeDevice(monkeypatch, total=10 * BASE_PEAK)
     model = tiny_model("llama", num_hidden_layers=5)
     with fastplug.patch_model(model, gradient_checkpointing="auto", memory_budget=budget) as handle:
@@ -105,7 +105,7 @@ def test_memory_budget_bounds_the_plan(monkeypatch, budget, unchecked):
         _step(model, opt, 4)
         _step(model, opt, 4)
         assert handle.checkpointing.unchecked == unchecked
-        assert f"auto: {5 - unchecked} of 5 layers checkpointed" in handle.summary()
+        assert f"auto: {checked} of 5 layers checkpointed" in handle.summary()
 
 
 def test_bad_mode_is_a_value_error():

@@ -82,10 +82,11 @@ class FastKernels(TrainerCallback):
         self.handle = None
         self.summary: str | None = None
         self.offloaded_layers = 0
+        self.last_layer_unchecked = False
         self._liger = False
         self._args_before: dict | None = None  # checkpointing arguments we changed, to put back
         self._checkpointing_snapshot = None
-        self._offload_snapshot = None  # layers' checkpointing functions before "offload" replaced them
+        self._layers_snapshot = None  # layers' checkpointing flags/functions as the Trainer turned them on
         self._tokens = _TokenCounter()
         self._window_start: float | None = None
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
@@ -127,9 +128,12 @@ class FastKernels(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._patch(model)
-        if self.options.gradient_checkpointing == "offload" and model is not None and self._offload_snapshot is None:
-            self._offload_snapshot = checkpointing.snapshot(unwrap(model))
-            self.offloaded_layers = checkpointing.install_offload(unwrap(model))
+        if (self.options.gradient_checkpointing and model is not None and self._layers_snapshot is None
+                and checkpointing.is_enabled(unwrap(model))):  # the Trainer turned it on, on every layer
+            self._layers_snapshot = checkpointing.snapshot(unwrap(model))
+            self.last_layer_unchecked = checkpointing.leave_last_layer_unchecked(unwrap(model))
+            if self.options.gradient_checkpointing == "offload":
+                self.offloaded_layers = checkpointing.install_offload(unwrap(model))
         if model is not None:
             self._tokens.attach(model)
         self._tokens.take()
@@ -150,6 +154,8 @@ class FastKernels(TrainerCallback):
             mode = "offload" if self.offloaded_layers else "non-reentrant"
             if self.options.gradient_checkpointing == "offload" and not self.offloaded_layers:
                 mode += " (offload needs CUDA)"
+            if self.last_layer_unchecked:
+                mode += checkpointing.LAST_LAYER_NOTE
             lines.append(f"  gradient checkpointing: on, {mode}")
         return "\n".join(lines)
 
@@ -179,9 +185,10 @@ class FastKernels(TrainerCallback):
             if self.handle.graphs is not None:  # how far the graphs served, before restore() drops them
                 logging.getLogger("fastplug").info("fastplug %s", self.handle.graphs)
             self.handle.restore()
-        if self._offload_snapshot is not None:
-            checkpointing.restore(self._offload_snapshot)
-            self._offload_snapshot = None
+        if self._layers_snapshot is not None:
+            checkpointing.restore(self._layers_snapshot)
+            self._layers_snapshot = None
+            self.last_layer_unchecked, self.offloaded_layers = False, 0
         if self._args_before is not None:
             for name, value in self._args_before.items():
                 setattr(args, name, value)

@@ -96,15 +96,16 @@ class FastKernelsMixin:
 class _Checkpointing(TrainerCallback):
     """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
 
-    Trainer.train() turns checkpointing on from its arguments; "offload" then swaps each layer's checkpoint
-    function, in on_step_begin because TRL's DPO re-enables plain checkpointing after every reference pass.
+    Trainer.train() turns checkpointing on from its arguments, on every layer; at each step's begin the last
+    layer is left unchecked (`checkpointing.leave_last_layer_unchecked`) and "offload" swaps each layer's
+    checkpoint function, there because TRL's DPO re-enables plain checkpointing after every reference pass.
     """
 
     def __init__(self, mode):
         self.mode = mode
         self._args_before = None  # the arguments we changed, to put back
         self._model_before = None  # the model's checkpointing state before training
-        self._offload_before = None
+        self._layers_before = None  # the layers' checkpointing state as the trainer turned it on
 
     def ask_trainer(self, args, model) -> None:
         names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
@@ -121,23 +122,26 @@ class _Checkpointing(TrainerCallback):
     def describe(self, args) -> str:
         if not any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing")):
             return "off"
+        last = checkpointing.LAST_LAYER_NOTE.replace(";", ",")
         if self.mode == "offload":
             where = "layer inputs in pinned CPU memory" if torch.cuda.is_available() else "offload needs CUDA: plain"
-            return f"on, offload ({where})"
-        return "on" + (", turned on by fastplug" if self._args_before is not None else "")
+            return f"on, offload ({where}){last}"
+        return "on" + (", turned on by fastplug" if self._args_before is not None else "") + last
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if self.mode != "offload" or model is None or not checkpointing.is_enabled(unwrap(model)):
+        if not self.mode or model is None or not checkpointing.is_enabled(unwrap(model)):
             return
-        if self._offload_before is None:
-            self._offload_before = checkpointing.snapshot(unwrap(model))
-        checkpointing.install_offload(unwrap(model))
+        if self._layers_before is None:
+            self._layers_before = checkpointing.snapshot(unwrap(model))
+        checkpointing.leave_last_layer_unchecked(unwrap(model))
+        if self.mode == "offload":
+            checkpointing.install_offload(unwrap(model))
 
     def restore(self, args) -> None:
-        for state in (self._offload_before, self._model_before):
+        for state in (self._layers_before, self._model_before):
             if state is not None:
                 checkpointing.restore(state)
-        self._offload_before = self._model_before = None
+        self._layers_before = self._model_before = None
         for name, value in (self._args_before or {}).items():
             setattr(args, name, value)
         self._args_before = None

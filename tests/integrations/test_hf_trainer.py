@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fastplug import FastKernels
+from fastplug import FastKernels, checkpointing
 from fastplug.patching import active_handle
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
@@ -33,11 +33,13 @@ class _WatchPatch(TrainerCallback):
     def __init__(self):
         self.patched_steps = []
         self.frozen_steps = []  # whether Python's collector skipped the objects alive at patch time
+        self.checkpointed = []  # per step: which decoder layers run checkpointed
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         handle = active_handle(model)
         self.patched_steps.append(handle is not None and handle.counts.get("attention") == 2)
         self.frozen_steps.append(gc.get_freeze_count() > 0)
+        self.checkpointed.append([layer.gradient_checkpointing for layer in checkpointing.decoder_layers(model)])
 
 
 def _run(tmp_path, callbacks, model=None, args=None, **kwargs):
@@ -70,6 +72,7 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert watch.frozen_steps == [True, True] and gc.get_freeze_count() == 0, "frozen for the run only"
     assert any("tokens_per_second" in h for h in history)
     assert "attention: 2" in fast.summary and "gradient checkpointing: on" in fast.summary
+    assert "the last layer unchecked" in fast.summary and watch.checkpointed == [[True, False]] * 2
     assert active_handle(model) is None and not _has_instance_forward(model)
     assert not checkpointing_on(model), "the checkpointing FastKernels turned on is turned off again"
 

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from ._utils import cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, rows_view, use_triton
+from ._utils import (
+    cdiv, check_dtype, check_same_device, check_shape, made_by_autograd, next_power_of_2, rows_view, use_triton,
+)
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -304,10 +306,8 @@ class GatedActivation(torch.autograd.Function):
 def _reusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether backward may overwrite gate and up with their gradients: both made by autograd ops (a leaf's
     data, or a view of it, must never become its own gradient), in storages of their own."""
-    for t in (gate, up):
-        if t.grad_fn is None or (t._base is not None and t._base.grad_fn is None):
-            return False
-    return gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+    return (made_by_autograd(gate) and made_by_autograd(up)
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
 
 
 def _gated_activation(gate, up, activation: str, reuse_inputs: bool):

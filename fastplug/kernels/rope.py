@@ -18,10 +18,11 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from ._utils import (
-    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, next_power_of_2, promote_types,
-    use_triton,
+    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, made_by_autograd, next_power_of_2,
+    owned_gradient, promote_types, use_triton,
 )
 
 MAX_HEAD_DIM = 512
@@ -252,28 +253,50 @@ def _output_dtypes(q, k, cos) -> tuple[torch.dtype, torch.dtype]:
 
 class RotaryEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, q, k, cos, sin, inplace):
         keep_for_backward(ctx, (cos, sin))
-        ctx.input_dtypes = (q.dtype, k.dtype)
-        return _rope_launch(q, k, cos, sin, *_output_dtypes(q, k, cos), False)
+        ctx.input_dtypes, ctx.inplace = (q.dtype, k.dtype), inplace
+        if not inplace:
+            return _rope_launch(q, k, cos, sin, *_output_dtypes(q, k, cos), False)
+        _rope_launch(q, k, cos, sin, q.dtype, k.dtype, False, out=(q, k))
+        # Autograd cannot mark two views modified in one Function (q and k are usually transposed views):
+        # the outputs alias q and k instead, and the bumped version makes any other saver of them raise.
+        increment_version((q, k))
+        return q, k
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = kept_for_backward(ctx)
-        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True)
-        return grad_q, grad_k, None, None
+        out = None
+        if ctx.inplace and owned_gradient(grad_q, ctx.input_dtypes[0]) and owned_gradient(grad_k, ctx.input_dtypes[1]):
+            out = (grad_q, grad_k)  # the gradients arrive in buffers nothing else holds: un-rotate them there
+        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True, out=out)
+        return grad_q, grad_k, None, None, None
 
 
 # ------------------------------------------------------------------------------------------- public API
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D)."""
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+         inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D).
+
+    inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them), and
+    backward un-rotates the incoming gradients in their buffers when nothing else holds those: no memory
+    above the inputs, for q and k that nothing reads afterwards, such as fresh projection outputs. Another
+    autograd node that saved q or k raises at its backward instead of reading rotated values. Ignored (new
+    buffers, as without it) for leaves that require grad and views of them, for cos/sin that would promote
+    q's dtype, for q or k not dense in their last dim, and on the reference path and under torch.compile."""
     _check_inputs(q, k, cos, sin)
     # The kernel gives no gradient for cos/sin; the rare caller that trains them gets the torch path.
     if not use_triton(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:
         return rope_reference(q, k, cos, sin)
     if torch.compiler.is_compiling():
         return _rope_op(q, k, cos, sin)
-    return RotaryEmbedding.apply(q, k, cos, sin)
+    return RotaryEmbedding.apply(q, k, cos, sin, inplace and _rotatable_in_place(q, k, cos))
+
+
+def _rotatable_in_place(q, k, cos) -> bool:
+    return (all(t.stride(-1) == 1 and made_by_autograd(t) for t in (q, k))
+            and _output_dtypes(q, k, cos) == (q.dtype, k.dtype))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from ..checkpointing import decoder_stack
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
 from . import fast_attention, stacking
-from .projections import fused_projections, step_projections, unfused_notes
+from .projections import fused_projections, outputs_private, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -77,9 +77,11 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
-        if not rotated:
-            rotate = rope if use_rope else _family_module(self).apply_rotary_pos_emb
-            query, key = rotate(query, key, cos, sin)
+        if not rotated and use_rope:  # in place: q and k are fresh projection (or q/k-norm) outputs
+            producers = (self.q_proj, self.k_proj, *((self.q_norm, self.k_norm) if has_qk_norm else ()))
+            query, key = rope(query, key, cos, sin, inplace=outputs_private(*producers))
+        elif not rotated:
+            query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
 
         if past_key_values is not None:  # training with use_cache: the cache still records the keys
             key, value = past_key_values.update(key, value, self.layer_idx)

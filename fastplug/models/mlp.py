@@ -8,12 +8,11 @@ its sigmoid gate lives in the MoE block, which stays as it is.
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks
 
 from ..kernels.activations import geglu, swiglu
 from ..kernels.lora import lora_mlp
 from . import stacking
-from .projections import fused_projections, step_projections, unfused_notes
+from .projections import fused_projections, outputs_private, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -41,20 +40,13 @@ def _gated(gate, up, activation: str, reuse_inputs: bool):
     return geglu(gate, up, approximate="tanh" if activation == "gelu_tanh" else "none", reuse_inputs=reuse_inputs)
 
 
-def _outputs_private(*modules: nn.Module) -> bool:
-    """Whether no forward hook sees these modules' outputs (one that keeps them would read gradients after
-    the backward that reuses their buffers). Their submodules count too: a peft layer with its adapters off
-    returns its base layer's output itself."""
-    return not (_global_forward_hooks or any(sub._forward_hooks for m in modules for sub in m.modules()))
-
-
 def _mlp_forward(activation: str, use_lora: bool):
     def forward(self, x):
         projs = step_projections(self.gate_proj, self.up_proj, self.down_proj) if use_lora else None
         if projs is not None:
             return lora_mlp(x, *projs, activation=activation, stacked=stacking.stacked_base(self, projs[:2]))
         # the projections' outputs feed the activation alone: its backward writes their gradients into them
-        reuse = _outputs_private(self.gate_proj, self.up_proj)
+        reuse = outputs_private(self.gate_proj, self.up_proj)
         return self.down_proj(_gated(self.gate_proj(x), self.up_proj(x), activation, reuse))
 
     return forward

@@ -10,6 +10,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks
 
 from ..kernels.lora import LoRAProjection
 from .peft_lora import lora_projection, unfused_reason
@@ -57,6 +58,13 @@ def step_projections(*modules: nn.Module) -> list[LoRAProjection] | None:
     if torch.is_grad_enabled():
         _STEP_VIEWS[modules[0]] = (_adapter_state(modules), projs)
     return projs
+
+
+def outputs_private(*modules: nn.Module) -> bool:
+    """Whether no forward hook sees these modules' outputs, so that an op may reuse their buffers (one that
+    keeps them would read other values later). Their submodules count too: a peft layer with its adapters
+    off returns its base layer's output itself."""
+    return not (_global_forward_hooks or any(sub._forward_hooks for m in modules for sub in m.modules()))
 
 
 def unfused_notes(owner: nn.Module, names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:

@@ -157,7 +157,7 @@ def test_patched_mlp_reuses_the_projection_outputs_only_when_no_hook_sees_them()
     sees the outputs the backward would overwrite."""
     from torch import nn
 
-    from fastplug.models.mlp import _outputs_private
+    from fastplug.models.projections import outputs_private
 
     class Wrapped(nn.Module):  # a peft-like layer whose output can be its inner layer's own
         def __init__(self):
@@ -165,11 +165,32 @@ def test_patched_mlp_reuses_the_projection_outputs_only_when_no_hook_sees_them()
             self.base_layer = nn.Linear(4, 4)
 
     gate, up = Wrapped(), nn.Linear(4, 4)
-    assert _outputs_private(gate, up)
+    assert outputs_private(gate, up)
     handle = gate.base_layer.register_forward_hook(lambda *_: None)
-    assert not _outputs_private(gate, up)
+    assert not outputs_private(gate, up)
     handle.remove()
     handle = nn.modules.module.register_module_forward_hook(lambda *_: None)
-    assert not _outputs_private(gate, up)
+    assert not outputs_private(gate, up)
     handle.remove()
-    assert _outputs_private(gate, up)
+    assert outputs_private(gate, up)
+
+
+def test_patched_attention_rotates_in_place_only_when_no_hook_sees_the_projections(monkeypatch):
+    """Without LoRA the patched attention rotates q and k in the projections' own buffers; a forward hook
+    that keeps q_proj's output turns that off, so what it kept is still the projection."""
+    from fastplug.models import attention
+
+    asked = []
+    rope = attention.rope
+    monkeypatch.setattr(attention, "rope", lambda *a, inplace: asked.append(inplace) or rope(*a, inplace=inplace))
+    model = _model("llama")
+    attn = model.model.layers[0].self_attn
+    with patch_model(model, gradient_checkpointing=False):
+        model.train()
+        model(**_batch()).loss.backward()
+        kept = []
+        attn.q_proj.register_forward_hook(lambda module, args, out: kept.append((args[0].detach(), out)))
+        model(**_batch()).loss.backward()
+    assert asked == [True, True, False, True], "layer 0's hook turns it off for layer 0 alone"
+    x, q = kept[0]
+    assert torch.equal(q, torch.nn.functional.linear(x, attn.q_proj.weight, attn.q_proj.bias))

@@ -25,6 +25,9 @@ def test_micro_quick_on_cpu_writes_csv_with_agreeing_outputs(tmp_path, capsys):
         fast = next(r for r in rows if r["op"] == op and r["impl"] == "fastplug")
         assert float(fast["ms"]) > 0, fast
         assert float(fast["rel err out"]) < 2e-2 and float(fast["rel err grads"]) < 2e-2, fast
+    for op in ("swiglu", "geglu", "rope"):  # reusing their inputs, on fresh copies as inside a model
+        reuse = next(r for r in rows if r["op"] == op and r["impl"] == "fastplug_inplace")
+        assert float(reuse["rel err out"]) < 2e-2 and float(reuse["rel err grads"]) < 2e-2, reuse
     assert "| op | shape | impl |" in out
     assert {r["timing"] for r in rows if r.get("ms")} == {"cpu"}
 

@@ -14,6 +14,13 @@ implementation that cannot be captured (something syncs) falls back to `launch` 
 `launch` is `triton.testing.do_bench` of eager calls (grads set to None, L2 flushed between calls): what a
 training step sees when the host is the bottleneck. On CPU (the --quick smoke run): a plain median of 3 calls.
 `--profile` adds, per op and implementation, the top CUDA kernels of a few steps (torch.profiler).
+
+`fastplug_inplace` (RoPE, SwiGLU, GeGLU): the ops that reuse their inputs' buffers, run as inside a model.
+Leaves cannot be reused (their data would change), so this implementation's inputs are fresh autograd
+outputs (clones of the leaves) and its output gradients come from a consumer node that hands them over,
+as attention's or down_proj's backward does; making both is neither timed (time of making and running,
+minus time of making alone) nor counted in the peak. Liger's rows reach the same figures by writing into
+the leaves and the caller's grad outputs.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cr
        "attention_causal", "attention_gemma2", "attention_gemma2_8k", "attention_varlen", "moe_grouped_gemm", "moe_layer")
 # sdpa / flex / triton (fastplug's kernel without the dispatcher): the attention rows only
 # grouped_mm: torch._grouped_mm (the moe rows; their eager is a per-expert loop / transformers' default experts)
-IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "grouped_mm", "fastplug")
+IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "grouped_mm", "fastplug", "fastplug_inplace")
 TIMINGS = ("graph", "launch")
 COLUMNS = ("op", "shape", "impl", "ms", "timing", "peak MiB", "rel err out", "rel err grads", "speedup vs compile",
            "note")
@@ -52,6 +59,8 @@ class Case:
     shape: str
     leaves: list  # tensors whose .grad the backward fills
     impls: dict = field(default_factory=dict)  # name -> fn() returning a tensor or tuple of tensors
+    # name -> fn(*inputs): implementations that reuse their inputs, run on fresh copies (module docstring)
+    in_model: dict = field(default_factory=dict)
 
 
 def _randn(*shape, device, dtype, scale=1.0, requires_grad=False):
@@ -132,6 +141,7 @@ def _glu_case(op, M, N, device, dtype, eager_fn, fast_fn, liger_name) -> Case:
     case.impls["eager"] = lambda: eager_fn(gate, up)
     case.impls["compile"] = _compiled(lambda: eager_fn(gate, up))
     case.impls["fastplug"] = lambda: fast_fn(gate, up)
+    case.in_model["fastplug_inplace"] = lambda g, u: fast_fn(g, u, reuse_inputs=True)
     liger_fn = _liger(liger_name)
     if liger_fn is not None:
         case.impls["liger"] = lambda: liger_fn.apply(gate, up)
@@ -150,7 +160,7 @@ def case_geglu(M, N, device, dtype) -> Case:
     return _glu_case(
         "geglu", M, N, device, dtype,
         lambda g, u: F.gelu(g, approximate="tanh") * u,
-        lambda g, u: geglu(g, u, approximate="tanh"),
+        lambda g, u, **kw: geglu(g, u, approximate="tanh", **kw),
         "LigerGELUMulFunction",
     )
 
@@ -180,6 +190,7 @@ def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
     case.impls["eager"] = lambda: apply_rotary_pos_emb(*views(), cos, sin)
     case.impls["compile"] = _compiled(lambda: apply_rotary_pos_emb(*views(), cos, sin))
     case.impls["fastplug"] = lambda: rope(*views(), cos, sin)
+    case.in_model["fastplug_inplace"] = lambda q, k: rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin, inplace=True)
     liger_fn = _liger("liger_rotary_pos_emb")
     if liger_fn is not None:
         case.impls["liger"] = lambda: liger_fn(*views(), cos, sin)
@@ -521,16 +532,49 @@ def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
     return statistics.median(before.elapsed_time(after) for before, after in events) / unroll
 
 
-def peak_mib(fn, leaves, device) -> float | None:
-    """Extra memory of one fwd+bwd over what is already held (inputs, grad outputs), grads freed first."""
+class _HandOver(torch.autograd.Function):
+    """Stands for the consumer of an op's outputs in a model: its backward hands over gradient buffers that
+    nothing else holds (taken out of `box`), as attention's or a projection's backward makes them."""
+
+    @staticmethod
+    def forward(ctx, box, *outs):
+        ctx.box = box
+        return outs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        grads, ctx.box[:] = list(ctx.box), []
+        return None, *grads
+
+
+def _in_model_step(fn, leaves, grad_outputs):
+    """(make, run): make() gives fresh autograd copies of the leaves and owned copies of the grad outputs;
+    run(made) is the fwd+bwd step on them, gradients reaching the leaves through the copies."""
+
+    def make():
+        return [t.clone() for t in leaves], [g.clone() if g is not None else None for g in grad_outputs]
+
+    def run(made):
+        inputs, box = made
+        outs = as_tuple(fn(*inputs))
+        _HandOver.apply(box, *outs).backward()
+        return outs
+
+    return make, run
+
+
+def peak_mib(fn, leaves, device, make=None) -> float | None:
+    """Extra memory of one fwd+bwd over what is already held (inputs, grad outputs), grads freed first;
+    with `make`, fn(make()) where what make() returns counts as held."""
     if device.type != "cuda":
         return None
     set_grads_none(leaves)
     gc.collect()
     torch.cuda.synchronize()
+    made = make() if make is not None else None
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    fn()
+    fn(made) if make is not None else fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
@@ -580,12 +624,12 @@ def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=F
     ref_grads = [t.grad.detach().clone() for t in case.leaves]
 
     for impl in impls:
-        fn = case.impls.get(impl)
-        if fn is None and impl != "liger":  # an implementation this op does not have (sdpa for RMSNorm ...)
+        fn, in_model = case.impls.get(impl), case.in_model.get(impl)
+        if fn is None and in_model is None and impl != "liger":  # one this op does not have (sdpa for RMSNorm ...)
             continue
         row = {"op": case.op, "shape": case.shape, "impl": impl}
         rows.append(row)
-        if fn is None:
+        if fn is None and in_model is None:
             row["note"] = "not available (liger_kernel not importable)" if impl == "liger" else "not available"
             continue
         try:
@@ -594,17 +638,26 @@ def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=F
                 for t, p in zip(case.leaves, pristine):
                     t.copy_(p)
             set_grads_none(case.leaves)
-            outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
+            if in_model is not None:
+                make, run = _in_model_step(in_model, case.leaves, grad_outputs)
+                outs = run(make())
+            else:
+                outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
             row["rel err out"] = max(rel_err(o, r) for o, r in zip(outs, ref_outs))
             row["rel err grads"] = max(rel_err(t.grad, r) for t, r in zip(case.leaves, ref_grads))
             del outs
-            my_grads = [g.clone() if g is not None else None for g in grad_outputs]
-            step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
-            row["ms"], row["timing"], timing_note = time_step(step, case.leaves, device, timing, warmup_ms, rep_ms)
-            row["peak MiB"] = peak_mib(step, case.leaves, device)
+            if in_model is not None:
+                step = lambda: run(make())  # noqa: E731
+                ms, row["timing"], timing_note = time_step(step, case.leaves, device, timing, warmup_ms, rep_ms)
+                row["ms"] = ms - time_step(make, case.leaves, device, timing, warmup_ms, rep_ms)[0]
+                row["peak MiB"] = peak_mib(run, case.leaves, device, make=make)
+            else:
+                my_grads = [g.clone() if g is not None else None for g in grad_outputs]
+                step = lambda: _fwd_bwd(fn, my_grads)  # noqa: E731
+                row["ms"], row["timing"], timing_note = time_step(step, case.leaves, device, timing, warmup_ms, rep_ms)
+                row["peak MiB"] = peak_mib(step, case.leaves, device)
             if profile:
                 row["kernels"] = kernel_table(step, case.leaves)
-            del my_grads
             worst = max(row["rel err out"], row["rel err grads"])
             notes = [timing_note] if timing_note else []
             if not worst <= SUSPICIOUS_REL_ERR:
@@ -653,7 +706,7 @@ def main(argv=None) -> int:
         if not args.quick:
             parser.error("without a GPU only --quick runs (tiny shapes, eager and fastplug)")
         # torch.compile needs a C++ toolchain on CPU and Liger needs CUDA: only eager and fastplug here.
-        impls = [i for i in impls if i in ("eager", "fastplug")]
+        impls = [i for i in impls if i in ("eager", "fastplug", "fastplug_inplace")]
         if args.profile:
             print("--profile needs CUDA (torch.profiler CUDA kernels): skipped on CPU", flush=True)
     profile = args.profile and device.type == "cuda"

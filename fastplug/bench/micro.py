@@ -17,10 +17,9 @@ training step sees when the host is the bottleneck. On CPU (the --quick smoke ru
 
 `fastplug_inplace` (RoPE, SwiGLU, GeGLU): the ops that reuse their inputs' buffers, run as inside a model.
 Leaves cannot be reused (their data would change), so this implementation's inputs are fresh autograd
-outputs (clones of the leaves) and its output gradients come from a consumer node that hands them over,
-as attention's or down_proj's backward does; making both is neither timed (time of making and running,
-minus time of making alone) nor counted in the peak. Liger's rows reach the same figures by writing into
-the leaves and the caller's grad outputs.
+outputs (clones of the leaves, as projection outputs are); making them is neither timed (time of making
+and running, minus time of making alone) nor counted in the peak. Liger's rows reach their figures by
+writing into the leaves and into the caller's grad outputs.
 """
 
 from __future__ import annotations
@@ -532,32 +531,20 @@ def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
     return statistics.median(before.elapsed_time(after) for before, after in events) / unroll
 
 
-class _HandOver(torch.autograd.Function):
-    """Stands for the consumer of an op's outputs in a model: its backward hands over gradient buffers that
-    nothing else holds (taken out of `box`), as attention's or a projection's backward makes them."""
-
-    @staticmethod
-    def forward(ctx, box, *outs):
-        ctx.box = box
-        return outs[0].new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _):
-        grads, ctx.box[:] = list(ctx.box), []
-        return None, *grads
-
-
 def _in_model_step(fn, leaves, grad_outputs):
-    """(make, run): make() gives fresh autograd copies of the leaves and owned copies of the grad outputs;
-    run(made) is the fwd+bwd step on them, gradients reaching the leaves through the copies."""
+    """(make, run): make() gives fresh autograd copies of the leaves and copies of the grad outputs; run(made)
+    is the fwd+bwd step on them, gradients reaching the leaves through the copies. run takes the inputs out
+    of `made`: as inside a model, only autograd holds them then (a buffer the caller still held could not
+    become the leaf's gradient without a copy)."""
 
     def make():
         return [t.clone() for t in leaves], [g.clone() if g is not None else None for g in grad_outputs]
 
     def run(made):
-        inputs, box = made
+        inputs, grads = made
         outs = as_tuple(fn(*inputs))
-        _HandOver.apply(box, *outs).backward()
+        inputs.clear()
+        torch.autograd.backward(outs, grads)
         return outs
 
     return make, run

@@ -177,17 +177,3 @@ def made_by_autograd(t: torch.Tensor) -> bool:
     one, nor a tensor autograd does not track."""
     return t.grad_fn is not None and (t._base is None or t._base.grad_fn is not None)
 
-
-def owned_gradient(g: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    """Whether a backward may write into the incoming gradient g: nothing else holds g or shares its storage
-    (a node that hands one gradient to two inputs, such as an add, shares it; so does a caller that keeps
-    the gradient it passed to backward), it is dense in its last dim (no broadcast strides) and in `dtype`.
-    A view (SDPA's backward returns dq as a transpose) shares its base's storage, so it never qualifies:
-    whether anything else holds that base cannot be told from here."""
-    if g is None or g.dtype != dtype or g.stride(-1) != 1 or 0 in g.stride():
-        return False
-    try:
-        storage_users = torch._C._storage_Use_Count(g.untyped_storage()._cdata)
-    except (AttributeError, RuntimeError):
-        return False
-    return g._use_count() == 1 and storage_users == 2  # g itself, and the storage object just made

@@ -22,7 +22,7 @@ from torch.autograd.graph import increment_version
 
 from ._utils import (
     cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, made_by_autograd, next_power_of_2,
-    owned_gradient, promote_types, use_triton,
+    promote_types, use_triton,
 )
 
 MAX_HEAD_DIM = 512
@@ -266,11 +266,10 @@ class RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
+        # New buffers, also in place: whether anything else holds an incoming gradient (an add hands one to
+        # both its inputs) cannot be told reliably from here, and writing into a shared one would be wrong.
         cos, sin = kept_for_backward(ctx)
-        out = None
-        if ctx.inplace and owned_gradient(grad_q, ctx.input_dtypes[0]) and owned_gradient(grad_k, ctx.input_dtypes[1]):
-            out = (grad_q, grad_k)  # the gradients arrive in buffers nothing else holds: un-rotate them there
-        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True, out=out)
+        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True)
         return grad_q, grad_k, None, None, None
 
 
@@ -279,12 +278,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D).
 
-    inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them), and
-    backward un-rotates the incoming gradients in their buffers when nothing else holds those: no memory
-    above the inputs, for q and k that nothing reads afterwards, such as fresh projection outputs. Another
-    autograd node that saved q or k raises at its backward instead of reading rotated values. Ignored (new
-    buffers, as without it) for leaves that require grad and views of them, for cos/sin that would promote
-    q's dtype, for q or k not dense in their last dim, and on the reference path and under torch.compile."""
+    inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them): no
+    forward memory above the inputs, for q and k that nothing reads afterwards, such as fresh projection
+    outputs. Another autograd node that saved q or k raises at its backward instead of reading rotated
+    values. Ignored (new buffers, as without it) for leaves and views of leaves, for cos/sin that would
+    promote q's dtype, for q or k not dense in their last dim, and on the reference path and under
+    torch.compile. The backward's gradients are new buffers either way."""
     _check_inputs(q, k, cos, sin)
     # The kernel gives no gradient for cos/sin; the rare caller that trains them gets the torch path.
     if not use_triton(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:

@@ -107,3 +107,11 @@ def test_rope_head_dims_and_cos_forms(heads_q, heads_k, head_dim, rot_dim, cos_f
     sin = torch.randn(shape, device="cuda").bfloat16()
     q, k = _hf_qk(batch, heads_q, heads_k, tokens, head_dim, torch.bfloat16)
     check_rope(q, k, cos, sin, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_inplace_on_cuda(dtype):
+    """The CPU test of in-place RoPE (buffers reused, values and gradients) with CUDA tensors."""
+    from tests.kernels.test_rope import test_inplace_rotates_fresh_projections_in_their_buffers
+
+    test_inplace_rotates_fresh_projections_in_their_buffers(dtype, device="cuda")

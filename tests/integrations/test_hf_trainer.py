@@ -62,6 +62,9 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     model = tiny_model("llama")
     watch = _WatchPatch()
     fast = FastKernels()
+    # A process may have frozen objects itself (the GPU image's Python starts with some frozen): fastplug
+    # then leaves its policy alone, and either way the count after the run is the count before it.
+    frozen_before = gc.get_freeze_count()
     _, history, losses, eval_losses = _run(tmp_path, [fast, watch], model=model)
     _, _, ref_losses, ref_eval = _run(tmp_path, [], model=tiny_model("llama"))
 
@@ -69,7 +72,7 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert_close(losses, ref_losses, torch.float32, "training losses")
     assert_close(eval_losses, ref_eval, torch.float32, "eval losses (eval takes the original forward)")
     assert watch.patched_steps == [True, True]
-    assert watch.frozen_steps == [True, True] and gc.get_freeze_count() == 0, "frozen for the run only"
+    assert watch.frozen_steps == [True, True] and gc.get_freeze_count() == frozen_before, "frozen for the run only"
     assert any("tokens_per_second" in h for h in history)
     assert "attention: 2" in fast.summary and "gradient checkpointing: on" in fast.summary
     assert "the last layer unchecked" in fast.summary and watch.checkpointed == [[True, False]] * 2

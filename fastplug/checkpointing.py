@@ -127,6 +127,47 @@ def enable(model: nn.Module, mode, memory_budget: float = 0.9):
     return f"on (non-reentrant{last})" if mode != "offload" else f"on (non-reentrant; offload needs CUDA{last})"
 
 
+class TrainerCheckpointing:
+    """The checkpointing mode of the options, on layers a trainer (HF Trainer, TRL) turned checkpointing on
+    for: True leaves the last layer unchecked, "offload" also parks layer inputs on the host, "auto" plans
+    per batch (AutoCheckpointing). `reapply()` after the trainer turned it on again (TRL's DPO does around
+    each reference pass); `undo()` puts the layers back as the trainer had set them."""
+
+    def __init__(self, model: nn.Module, mode, memory_budget: float = 0.9):
+        self.model, self.mode = model, mode
+        self._snapshot = snapshot(model)
+        self.auto = AutoCheckpointing(model, memory_budget) if mode == "auto" else None
+        self.last_unchecked = self.offloaded = 0
+        self.reapply()
+
+    def reapply(self) -> None:
+        if self.auto is not None:
+            self.auto.reapply()
+            return
+        self.last_unchecked = leave_last_layer_unchecked(self.model) or self.last_unchecked
+        if self.mode == "offload":
+            self.offloaded = install_offload(self.model)
+
+    def checkpointed_layers(self) -> int:
+        return sum(getattr(layer, _FLAG, False) is True for layer in decoder_layers(self.model))
+
+    def __str__(self) -> str:
+        if self.auto is not None:
+            return str(self.auto)
+        notes = []
+        if self.mode == "offload":
+            notes.append("layer inputs in pinned CPU memory" if self.offloaded else "offload needs CUDA")
+        if self.last_unchecked:
+            notes.append("the last layer unchecked")
+        name = "offload" if self.offloaded else "non-reentrant"
+        return f"{name} ({'; '.join(notes)})" if notes else name
+
+    def undo(self) -> None:
+        if self.auto is not None:
+            self.auto.remove()
+        restore(self._snapshot)
+
+
 # ------------------------------------------------------------------------------------------------- auto
 def decoder_stack(model: nn.Module) -> nn.Module:
     """The module that runs the decoder layers (transformers' `get_decoder()`), else the model: every forward
@@ -188,6 +229,10 @@ class AutoCheckpointing:
         model = self._model()
         if model is not None and vars(model).get(_AUTO) is self:
             del vars(model)[_AUTO]
+
+    def reapply(self) -> None:
+        """Set the layers' flags to the current plan again (after something turned them all on)."""
+        self._set_unchecked(self.unchecked)
 
     def _set_unchecked(self, k: int) -> None:
         """The first k layers unchecked, and the last one (see `leave_last_layer_unchecked`)."""

@@ -81,12 +81,10 @@ class FastKernels(TrainerCallback):
         self.options = KernelOptions.build(options, **overrides)
         self.handle = None
         self.summary: str | None = None
-        self.offloaded_layers = 0
-        self.last_layer_unchecked = False
+        self.layers = None  # checkpointing.TrainerCheckpointing while training, once the Trainer turned it on
         self._liger = False
         self._args_before: dict | None = None  # checkpointing arguments we changed, to put back
         self._checkpointing_snapshot = None
-        self._layers_snapshot = None  # layers' checkpointing flags/functions as the Trainer turned them on
         self._tokens = _TokenCounter()
         self._window_start: float | None = None
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
@@ -128,12 +126,10 @@ class FastKernels(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._patch(model)
-        if (self.options.gradient_checkpointing and model is not None and self._layers_snapshot is None
+        if (self.options.gradient_checkpointing and model is not None and self.layers is None
                 and checkpointing.is_enabled(unwrap(model))):  # the Trainer turned it on, on every layer
-            self._layers_snapshot = checkpointing.snapshot(unwrap(model))
-            self.last_layer_unchecked = checkpointing.leave_last_layer_unchecked(unwrap(model))
-            if self.options.gradient_checkpointing == "offload":
-                self.offloaded_layers = checkpointing.install_offload(unwrap(model))
+            self.layers = checkpointing.TrainerCheckpointing(
+                unwrap(model), self.options.gradient_checkpointing, self.options.memory_budget)
         if model is not None:
             self._tokens.attach(model)
         self._tokens.take()
@@ -151,12 +147,7 @@ class FastKernels(TrainerCallback):
             lines.append(f"  kernel path: {kernel_path_of(model)}")
         enabled = any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
         if enabled:
-            mode = "offload" if self.offloaded_layers else "non-reentrant"
-            if self.options.gradient_checkpointing == "offload" and not self.offloaded_layers:
-                mode += " (offload needs CUDA)"
-            if self.last_layer_unchecked:
-                mode += checkpointing.LAST_LAYER_NOTE
-            lines.append(f"  gradient checkpointing: on, {mode}")
+            lines.append(f"  gradient checkpointing: on, {self.layers or 'non-reentrant'}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------------------------------- logging
@@ -171,6 +162,8 @@ class FastKernels(TrainerCallback):
             extra["tokens_per_second"] = round(tokens / elapsed, 1)
         if torch.cuda.is_available():
             extra["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        if self.layers is not None and self.layers.auto is not None:  # how many layers "auto" checkpoints now
+            extra["checkpointed_layers"] = self.layers.checkpointed_layers()
         logs.update(extra)
         if state.log_history:  # the Trainer stored a copy of `logs` before calling us
             state.log_history[-1].update(extra)
@@ -185,10 +178,9 @@ class FastKernels(TrainerCallback):
             if self.handle.graphs is not None:  # how far the graphs served, before restore() drops them
                 logging.getLogger("fastplug").info("fastplug %s", self.handle.graphs)
             self.handle.restore()
-        if self._layers_snapshot is not None:
-            checkpointing.restore(self._layers_snapshot)
-            self._layers_snapshot = None
-            self.last_layer_unchecked, self.offloaded_layers = False, 0
+        if self.layers is not None:
+            self.layers.undo()
+            self.layers = None
         if self._args_before is not None:
             for name, value in self._args_before.items():
                 setattr(args, name, value)

@@ -42,7 +42,7 @@ class FastKernelsMixin:
         self.fast_kernels = KernelOptions.build(fast_kernels)
         self.fast_kernel_handles = []
         self.fast_kernels_summary = ""
-        self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing)
+        self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing, self.fast_kernels.memory_budget)
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
         super().__init__(*args, **kwargs)
         # After TRL's set-up (PEFT wrapping, fused LM head, reference model), before the optimizer exists.
@@ -96,16 +96,17 @@ class FastKernelsMixin:
 class _Checkpointing(TrainerCallback):
     """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
 
-    Trainer.train() turns checkpointing on from its arguments, on every layer; at each step's begin the last
-    layer is left unchecked (`checkpointing.leave_last_layer_unchecked`) and "offload" swaps each layer's
-    checkpoint function, there because TRL's DPO re-enables plain checkpointing after every reference pass.
+    Trainer.train() turns checkpointing on from its arguments, on every layer; at each step's begin the
+    options' mode is applied to the layers again (`checkpointing.TrainerCheckpointing`: the last layer
+    unchecked, "offload", "auto"), there because TRL's DPO re-enables plain checkpointing after every
+    reference pass.
     """
 
-    def __init__(self, mode):
-        self.mode = mode
+    def __init__(self, mode, memory_budget: float = 0.9):
+        self.mode, self.memory_budget = mode, memory_budget
         self._args_before = None  # the arguments we changed, to put back
         self._model_before = None  # the model's checkpointing state before training
-        self._layers_before = None  # the layers' checkpointing state as the trainer turned it on
+        self.layers = None  # checkpointing.TrainerCheckpointing once the trainer turned checkpointing on
 
     def ask_trainer(self, args, model) -> None:
         names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
@@ -126,22 +127,24 @@ class _Checkpointing(TrainerCallback):
         if self.mode == "offload":
             where = "layer inputs in pinned CPU memory" if torch.cuda.is_available() else "offload needs CUDA: plain"
             return f"on, offload ({where}){last}"
+        if self.mode == "auto":
+            return "on, auto (the layers memory needs, planned at the first training step)"
         return "on" + (", turned on by fastplug" if self._args_before is not None else "") + last
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if not self.mode or model is None or not checkpointing.is_enabled(unwrap(model)):
             return
-        if self._layers_before is None:
-            self._layers_before = checkpointing.snapshot(unwrap(model))
-        checkpointing.leave_last_layer_unchecked(unwrap(model))
-        if self.mode == "offload":
-            checkpointing.install_offload(unwrap(model))
+        if self.layers is None:
+            self.layers = checkpointing.TrainerCheckpointing(unwrap(model), self.mode, self.memory_budget)
+        else:
+            self.layers.reapply()
 
     def restore(self, args) -> None:
-        for state in (self._layers_before, self._model_before):
-            if state is not None:
-                checkpointing.restore(state)
-        self._layers_before = self._model_before = None
+        if self.layers is not None:
+            self.layers.undo()
+        if self._model_before is not None:
+            checkpointing.restore(self._model_before)
+        self.layers = self._model_before = None
         for name, value in (self._args_before or {}).items():
             setattr(args, name, value)
         self._args_before = None

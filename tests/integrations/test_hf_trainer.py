@@ -80,6 +80,23 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert not checkpointing_on(model), "the checkpointing FastKernels turned on is turned off again"
 
 
+def test_trainer_auto_checkpointing_plans_the_layers_and_is_undone(tmp_path):
+    """FastKernels(gradient_checkpointing="auto") runs AutoCheckpointing on the layers the Trainer turned
+    checkpointing on for (on CPU: every layer but the last stays checkpointed), reports the count in the
+    logs, and leaves no hook behind."""
+    model = tiny_model("llama", num_hidden_layers=3)
+    watch = _WatchPatch()
+    fast = FastKernels(gradient_checkpointing="auto")
+    _, history, losses, _ = _run(tmp_path, [fast, watch], model=model)
+    _, _, ref_losses, _ = _run(tmp_path, [], model=tiny_model("llama", num_hidden_layers=3))
+    assert_close(losses, ref_losses, torch.float32, "training losses")
+    assert "gradient checkpointing: on, auto: 2 of 3 layers checkpointed" in fast.summary
+    assert watch.checkpointed == [[True, True, False]] * 2
+    assert [h["checkpointed_layers"] for h in history if "loss" in h] == [2, 2]
+    assert fast.layers is None and not checkpointing_on(model)
+    assert not checkpointing.decoder_stack(model)._forward_pre_hooks, "auto's hook is removed"
+
+
 def test_trainer_with_lora_matches(tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -209,3 +209,31 @@ def test_sft_packed_padding_free_matches_trl(tmp_path, mode):
     trainer = run(FastSFTTrainer)
     assert "fastplug attention" in trainer.fast_kernels_summary
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
+
+
+class LayerFlags(TrainerCallback):
+    """Records at each step which decoder layers run checkpointed."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append([layer.gradient_checkpointing for layer in checkpointing.decoder_layers(model)])
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_sft_checkpointing_modes_apply_to_the_layers_and_are_undone(tmp_path, mode):
+    """The options' mode runs on the layers TRL turned checkpointing on for: the last layer unchecked, and
+    "auto" planning them (on CPU it keeps the others checkpointed); afterwards the model is as before."""
+    from fastplug import KernelOptions
+
+    model = tiny_lora_llama()
+    flags = LayerFlags()
+    args = SFTConfig(**common_args(tmp_path), gradient_checkpointing=False)
+    trainer = FastSFTTrainer(model=model, args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER,
+                             callbacks=[flags], fast_kernels=KernelOptions(gradient_checkpointing=mode))
+    assert ("auto" in trainer.fast_kernels_summary) == (mode == "auto")
+    trainer.train()
+    assert flags.steps == [[True, False]] * STEPS
+    assert not checkpointing.is_enabled(model) and not args.gradient_checkpointing
+    assert not checkpointing.decoder_stack(model)._forward_pre_hooks, "auto's hook is removed"

@@ -9,6 +9,7 @@ non-reentrant checkpointing, pre-packed rows of `--seq` random token ids):
   trainer_fastkernels    the same with callbacks=[FastKernels()]
   trainer_compile, trainer_compile_fastkernels   both with TrainingArguments(torch_compile=True)
   trainer_fastkernels_graphs, trainer_compile_fastkernels_graphs   FastKernels(cuda_graphs=True)
+  trainer_fastkernels_auto   FastKernels(gradient_checkpointing="auto")
   lightning              L.Trainer(strategy="auto"), the model's own checkpointing on
   lightning_fastkernels  L.Trainer(strategy="fastkernels")
 
@@ -35,11 +36,12 @@ from .e2e import (
 )
 
 RUNS = ("sft", "fast_sft", "sft_packed", "fast_sft_packed", "trainer", "trainer_fastkernels", "trainer_compile",
-        "trainer_compile_fastkernels", "trainer_fastkernels_graphs", "trainer_compile_fastkernels_graphs", "lightning",
-        "lightning_fastkernels")
+        "trainer_compile_fastkernels", "trainer_fastkernels_graphs", "trainer_compile_fastkernels_graphs",
+        "trainer_fastkernels_auto", "lightning", "lightning_fastkernels")
 BASELINE = {"fast_sft": "sft", "fast_sft_packed": "sft_packed", "trainer_fastkernels": "trainer",
             "trainer_compile_fastkernels": "trainer_compile", "trainer_fastkernels_graphs": "trainer",
-            "trainer_compile_fastkernels_graphs": "trainer_compile", "lightning_fastkernels": "lightning"}
+            "trainer_compile_fastkernels_graphs": "trainer_compile", "trainer_fastkernels_auto": "trainer",
+            "lightning_fastkernels": "lightning"}
 MODEL = "llama"
 COLUMNS = ("run", "batch x seq", "tok/s", "vs baseline", "peak GiB", "step ms", "losses (first 3)", "note")
 
@@ -185,10 +187,9 @@ def _timing_callback(timer: StepTimer, device):
     return Timing()
 
 
-def run_trainer(spec: dict, device, fast: bool, compiled: bool, graphs: bool = False) -> dict:
+def run_trainer(spec: dict, device, fast: bool, compiled: bool, options: dict | None = None) -> dict:
     """transformers' Trainer on e2e's peft model (adapters in fp32, bf16 autocast), the default collator and
-    optimizer (fused AdamW); fast adds callbacks=[FastKernels()] (graphs: FastKernels(cuda_graphs=True)),
-    compiled sets torch_compile=True."""
+    optimizer (fused AdamW); fast adds callbacks=[FastKernels(**options)], compiled sets torch_compile=True."""
     import torch
     from transformers import Trainer, TrainingArguments
 
@@ -200,7 +201,7 @@ def run_trainer(spec: dict, device, fast: bool, compiled: bool, graphs: bool = F
     if fast:
         from ..callbacks import FastKernels
 
-        callbacks.append(FastKernels(cuda_graphs=graphs))
+        callbacks.append(FastKernels(**(options or {})))
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)
     _train(trainer, timer)
     note = _counts_note([callbacks[-1].handle]) if fast else "model's own checkpointing and loss"
@@ -291,8 +292,9 @@ def worker_main(spec_json: str, result_path: str) -> int:
         if run in ("sft", "fast_sft", "sft_packed", "fast_sft_packed"):
             result = run_sft(spec, device, fast=run.startswith("fast"), packed=run.endswith("packed"))
         elif run.startswith("trainer"):
+            options = {"graphs": dict(cuda_graphs=True), "auto": dict(gradient_checkpointing="auto")}
             result = run_trainer(spec, device, fast="fastkernels" in run, compiled="compile" in run,
-                                 graphs=run.endswith("graphs"))
+                                 options=options.get(run.rpartition("_")[2]))
         else:
             result = run_lightning(spec, device, fast=run == "lightning_fastkernels")
         print(f"step ms: {result['all_step_ms']}\nlosses: {result['losses']}", flush=True)

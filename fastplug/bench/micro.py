@@ -19,7 +19,7 @@ training step sees when the host is the bottleneck. On CPU (the --quick smoke ru
 Leaves cannot be reused (their data would change), so this implementation's inputs are fresh autograd
 outputs (clones of the leaves, as projection outputs are); making them is neither timed (time of making
 and running, minus time of making alone) nor counted in the peak. Liger's rows reach their figures by
-writing into the leaves and into the caller's grad outputs.
+writing into the leaves (and, for RoPE, into the caller's grad outputs).
 """
 
 from __future__ import annotations
@@ -540,12 +540,14 @@ def _in_model_step(fn, leaves, grad_outputs):
     def make():
         return [t.clone() for t in leaves], [g.clone() if g is not None else None for g in grad_outputs]
 
-    def run(made):
+    def run(made, keep_outputs=False):
+        """The step; keep_outputs: copies of the outputs as forward left them (backward may reuse them)."""
         inputs, grads = made
         outs = as_tuple(fn(*inputs))
         inputs.clear()
+        kept = [o.detach().clone() for o in outs] if keep_outputs else None
         torch.autograd.backward(outs, grads)
-        return outs
+        return kept
 
     return make, run
 
@@ -627,7 +629,7 @@ def measure_case(case: Case, impls, device, timing, warmup_ms, rep_ms, profile=F
             set_grads_none(case.leaves)
             if in_model is not None:
                 make, run = _in_model_step(in_model, case.leaves, grad_outputs)
-                outs = run(make())
+                outs = run(make(), keep_outputs=True)
             else:
                 outs = _fwd_bwd(fn, [g.clone() if g is not None else None for g in grad_outputs])
             row["rel err out"] = max(rel_err(o, r) for o, r in zip(outs, ref_outs))

@@ -262,14 +262,16 @@ class RotaryEmbedding(torch.autograd.Function):
         # Autograd cannot mark two views modified in one Function (q and k are usually transposed views):
         # the outputs alias q and k instead, and the bumped version makes any other saver of them raise.
         increment_version((q, k))
+        ctx.save_for_backward(q, k)  # the buffers backward writes the gradients into (recomputed when checkpointed)
         return q, k
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        # New buffers, also in place: whether anything else holds an incoming gradient (an add hands one to
-        # both its inputs) cannot be told reliably from here, and writing into a shared one would be wrong.
         cos, sin = kept_for_backward(ctx)
-        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True)
+        out = ctx.saved_tensors if ctx.inplace else None
+        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, *ctx.input_dtypes, True, out=out)
+        if out is not None:  # a graph kept for another backward that saved q_rot or k_rot fails loudly there
+            increment_version(out)
         return grad_q, grad_k, None, None, None
 
 
@@ -278,12 +280,14 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D).
 
-    inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them): no
-    forward memory above the inputs, for q and k that nothing reads afterwards, such as fresh projection
-    outputs. Another autograd node that saved q or k raises at its backward instead of reading rotated
+    inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them), and
+    backward writes q's and k's gradients into those same buffers: no memory above the inputs, for q and k
+    that nothing else reads, and q_rot/k_rot that only their consumer reads (attention, which is done with
+    them when this backward runs), such as fresh projection outputs. Another autograd node that saved q or
+    k, or saved q_rot or k_rot in a graph kept for a second backward, raises instead of reading other
     values. Ignored (new buffers, as without it) for leaves and views of leaves, for cos/sin that would
     promote q's dtype, for q or k not dense in their last dim, and on the reference path and under
-    torch.compile. The backward's gradients are new buffers either way."""
+    torch.compile."""
     _check_inputs(q, k, cos, sin)
     # The kernel gives no gradient for cos/sin; the rare caller that trains them gets the torch path.
     if not use_triton(q, k, cos, sin) or cos.requires_grad or sin.requires_grad:

@@ -77,9 +77,12 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
-        if not rotated and use_rope:  # in place: q and k are fresh projection (or q/k-norm) outputs
+        if not rotated and use_rope:
+            # In place: q and k are fresh projection (or q/k-norm) outputs, and q_rot/k_rot feed the attention
+            # alone, unless a cache keeps the keys (backward would write their gradients there).
             producers = (self.q_proj, self.k_proj, *((self.q_norm, self.k_norm) if has_qk_norm else ()))
-            query, key = rope(query, key, cos, sin, inplace=outputs_private(*producers))
+            inplace = past_key_values is None and outputs_private(*producers)
+            query, key = rope(query, key, cos, sin, inplace=inplace)
         elif not rotated:
             query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
 

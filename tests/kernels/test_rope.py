@@ -179,26 +179,65 @@ def test_bad_input_raises_value_error_naming_the_argument():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_inplace_rotates_fresh_projections_in_their_buffers(dtype, device="cpu"):
     """As attention calls it: q and k are fresh projection outputs viewed [B, H, T, D]. The rotated values
-    land in their buffers, and values and gradients equal the float64 reference."""
+    land in their buffers, so do the gradients in backward, and both equal the float64 reference."""
     torch.manual_seed(0)
     B, T, Hq, Hk, D = 2, 7, 4, 2, 32
     q_src = torch.randn(B, T, Hq, D, device=device).to(dtype).requires_grad_()
     k_src = torch.randn(B, T, Hk, D, device=device).to(dtype).requires_grad_()
     cos, sin = (t.to(device) for t in _cos_sin(B, T, D, dtype, "broadcast"))
-    q, k = q_src.clone().transpose(1, 2), k_src.clone().transpose(1, 2)
-    q_ptr, k_ptr = q.data_ptr(), k.data_ptr()
+    q, k = q_src.clone().transpose(1, 2), k_src.clone().transpose(1, 2)  # clone: its backward passes grads on
+    buffers = (q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr())
     q_rot, k_rot = rope(q, k, cos, sin, inplace=True)
-    assert (q_rot.data_ptr(), k_rot.data_ptr()) == (q_ptr, k_ptr)
+    assert (q_rot.untyped_storage().data_ptr(), k_rot.untyped_storage().data_ptr()) == buffers
+    rotated = (q_rot.detach().clone(), k_rot.detach().clone())
     grad_q, grad_k = torch.randn_like(q_rot), torch.randn_like(k_rot)
     torch.autograd.backward((q_rot, k_rot), (grad_q, grad_k))
 
     q64, k64 = q_src.detach().double().requires_grad_(), k_src.detach().double().requires_grad_()
     ref_q, ref_k = rope_reference(q64.transpose(1, 2), k64.transpose(1, 2), cos.double(), sin.double())
     torch.autograd.backward((ref_q, ref_k), (grad_q.double(), grad_k.double()))
-    assert_close(q_rot, ref_q, dtype, "q_rot")
-    assert_close(k_rot, ref_k, dtype, "k_rot")
+    assert_close(rotated[0], ref_q, dtype, "q_rot")
+    assert_close(rotated[1], ref_k, dtype, "k_rot")
     assert_close(q_src.grad, q64.grad, dtype, "dq")
     assert_close(k_src.grad, k64.grad, dtype, "dk")
+    assert (q_src.grad.untyped_storage().data_ptr(), k_src.grad.untyped_storage().data_ptr()) == buffers
+
+
+def test_inplace_under_checkpointing_matches_new_buffers():
+    """A checkpointed attention block (non-reentrant, as transformers runs layers): the recompute rotates its
+    own projections in place again, and the gradients equal those of rope without inplace."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    B, T, H, D = 2, 6, 2, 16
+    x = torch.randn(B, T, 32, requires_grad=True)
+    wq, wk, wv = (torch.randn(32, H * D, requires_grad=True) for _ in range(3))
+    cos, sin = _cos_sin(B, T, D, torch.float32, "broadcast")
+
+    def block(x, inplace):
+        q, k, v = ((x @ w).view(B, T, H, D).transpose(1, 2) for w in (wq, wk, wv))
+        q, k = rope(q, k, cos, sin, inplace=inplace)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    grad = torch.randn(B, H, T, D)
+    params = [x, wq, wk, wv]
+    plain = torch.autograd.grad(block(x, False), params, grad)
+    for run in (lambda: block(x, True), lambda: checkpoint(block, x, True, use_reentrant=False)):
+        for got, ref in zip(torch.autograd.grad(run(), params, grad), plain):
+            assert_close(got, ref.double(), torch.float32, "grad")
+
+
+def test_inplace_makes_a_kept_graph_fail_loudly():
+    """A graph kept for a second backward still holds q_rot, which the first backward overwrote with dq:
+    the second backward raises instead of reading it."""
+    x = torch.randn(1, 5, 2, 16, requires_grad=True)
+    w = torch.randn(1, 2, 5, 16, requires_grad=True)
+    cos, sin = _cos_sin(1, 5, 16, torch.float32)
+    q_rot, k_rot = rope((x * 2).transpose(1, 2), (x * 3).transpose(1, 2), cos, sin, inplace=True)
+    loss = (q_rot * w).sum() + k_rot.sum()  # the product saves q_rot for w's gradient
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified inplace|modified by an inplace operation"):
+        loss.backward()
 
 
 def test_inplace_is_ignored_for_leaves_and_makes_other_savers_fail_loudly():

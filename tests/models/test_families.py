@@ -177,7 +177,8 @@ def test_patched_mlp_reuses_the_projection_outputs_only_when_no_hook_sees_them()
 
 def test_patched_attention_rotates_in_place_only_when_no_hook_sees_the_projections(monkeypatch):
     """Without LoRA the patched attention rotates q and k in the projections' own buffers; a forward hook
-    that keeps q_proj's output turns that off, so what it kept is still the projection."""
+    that keeps q_proj's output turns that off, so what it kept is still the projection, and so does a KV
+    cache (it keeps the rotated keys, where backward would write their gradients)."""
     from fastplug.models import attention
 
     asked = []
@@ -187,10 +188,12 @@ def test_patched_attention_rotates_in_place_only_when_no_hook_sees_the_projectio
     attn = model.model.layers[0].self_attn
     with patch_model(model, gradient_checkpointing=False):
         model.train()
-        model(**_batch()).loss.backward()
+        model(**_batch(), use_cache=False).loss.backward()
         kept = []
         attn.q_proj.register_forward_hook(lambda module, args, out: kept.append((args[0].detach(), out)))
-        model(**_batch()).loss.backward()
-    assert asked == [True, True, False, True], "layer 0's hook turns it off for layer 0 alone"
+        model(**_batch(), use_cache=False).loss.backward()
+        assert asked == [True, True, False, True], "layer 0's hook turns it off for layer 0 alone"
+        model(**_batch(), use_cache=True).loss.backward()
+        assert asked[4:] == [False, False], "a cache keeps the keys"
     x, q = kept[0]
     assert torch.equal(q, torch.nn.functional.linear(x, attn.q_proj.weight, attn.q_proj.bias))

@@ -104,13 +104,13 @@ def leave_last_layer_unchecked(model: nn.Module) -> bool:
     """Turn checkpointing off on the last decoder layer when it is on (see the module docstring); True if it
     did. Call it after whatever turned checkpointing on (the Trainer enables it on every layer)."""
     layers = decoder_layers(decoder_stack(model)) or decoder_layers(model)
-    if len(layers) < 2 or getattr(layers[-1], _FLAG, False) is not True:
+    if not layers or getattr(layers[-1], _FLAG, False) is not True:
         return False
     setattr(layers[-1], _FLAG, False)
     return True
 
 
-LAST_LAYER_NOTE = "; the last layer unchecked"  # words for summaries
+LAST_LAYER_WORDS = "the last layer unchecked"  # for summaries
 
 
 def enable(model: nn.Module, mode, memory_budget: float = 0.9):
@@ -121,7 +121,7 @@ def enable(model: nn.Module, mode, memory_budget: float = 0.9):
         enable_native(model)
     if mode == "auto":  # one per model: enabling again (FastModel.for_training) keeps the measured plan
         return vars(model).get(_AUTO) or AutoCheckpointing(model, memory_budget)
-    last = LAST_LAYER_NOTE if leave_last_layer_unchecked(model) else ""
+    last = f"; {LAST_LAYER_WORDS}" if leave_last_layer_unchecked(model) else ""
     if mode == "offload" and install_offload(model):
         return f"offload (layer inputs in pinned CPU memory{last})"
     return f"on (non-reentrant{last})" if mode != "offload" else f"on (non-reentrant; offload needs CUDA{last})"
@@ -158,7 +158,7 @@ class TrainerCheckpointing:
         if self.mode == "offload":
             notes.append("layer inputs in pinned CPU memory" if self.offloaded else "offload needs CUDA")
         if self.last_unchecked:
-            notes.append("the last layer unchecked")
+            notes.append(LAST_LAYER_WORDS)
         name = "offload" if self.offloaded else "non-reentrant"
         return f"{name} ({'; '.join(notes)})" if notes else name
 

@@ -101,16 +101,25 @@ def install_offload(model: nn.Module) -> int:
 
 
 def leave_last_layer_unchecked(model: nn.Module) -> bool:
-    """Turn checkpointing off on the last decoder layer when it is on (see the module docstring); True if it
-    did. Call it after whatever turned checkpointing on (the Trainer enables it on every layer)."""
+    """Turn checkpointing off on the last decoder layer (see the module docstring); False when the model has
+    none. Call it after whatever turned checkpointing on (the Trainer enables it on every layer)."""
     layers = decoder_layers(decoder_stack(model)) or decoder_layers(model)
-    if not layers or getattr(layers[-1], _FLAG, False) is not True:
-        return False
-    setattr(layers[-1], _FLAG, False)
-    return True
+    if layers:
+        setattr(layers[-1], _FLAG, False)
+    return bool(layers)
 
 
-LAST_LAYER_WORDS = "the last layer unchecked"  # for summaries
+def apply_mode(model: nn.Module, mode) -> str:
+    """Mode True or "offload" on a model whose layers checkpointing is on for: the last layer unchecked and,
+    with "offload", the others' inputs parked on the host; returns words for summaries."""
+    notes = []
+    offloaded = mode == "offload" and install_offload(model)
+    if mode == "offload":
+        notes.append("layer inputs in pinned CPU memory" if offloaded else "offload needs CUDA")
+    if leave_last_layer_unchecked(model):
+        notes.append("the last layer unchecked")
+    name = "offload" if offloaded else "non-reentrant"
+    return f"{name} ({'; '.join(notes)})" if notes else name
 
 
 def enable(model: nn.Module, mode, memory_budget: float = 0.9):
@@ -121,46 +130,29 @@ def enable(model: nn.Module, mode, memory_budget: float = 0.9):
         enable_native(model)
     if mode == "auto":  # one per model: enabling again (FastModel.for_training) keeps the measured plan
         return vars(model).get(_AUTO) or AutoCheckpointing(model, memory_budget)
-    last = f"; {LAST_LAYER_WORDS}" if leave_last_layer_unchecked(model) else ""
-    if mode == "offload" and install_offload(model):
-        return f"offload (layer inputs in pinned CPU memory{last})"
-    return f"on (non-reentrant{last})" if mode != "offload" else f"on (non-reentrant; offload needs CUDA{last})"
+    return f"on, {apply_mode(model, mode)}"
 
 
 class TrainerCheckpointing:
     """The checkpointing mode of the options, on layers a trainer (HF Trainer, TRL) turned checkpointing on
-    for: True leaves the last layer unchecked, "offload" also parks layer inputs on the host, "auto" plans
-    per batch (AutoCheckpointing). `reapply()` after the trainer turned it on again (TRL's DPO does around
-    each reference pass); `undo()` puts the layers back as the trainer had set them."""
+    for: `apply_mode` for True and "offload", AutoCheckpointing for "auto". `reapply()` after the trainer
+    turned it on again (TRL's DPO does around each reference pass); `undo()` puts the layers back as the
+    trainer had set them."""
 
     def __init__(self, model: nn.Module, mode, memory_budget: float = 0.9):
         self.model, self.mode = model, mode
         self._snapshot = snapshot(model)
         self.auto = AutoCheckpointing(model, memory_budget) if mode == "auto" else None
-        self.last_unchecked = self.offloaded = 0
         self.reapply()
 
     def reapply(self) -> None:
         if self.auto is not None:
             self.auto.reapply()
-            return
-        self.last_unchecked = leave_last_layer_unchecked(self.model) or self.last_unchecked
-        if self.mode == "offload":
-            self.offloaded = install_offload(self.model)
-
-    def checkpointed_layers(self) -> int:
-        return sum(getattr(layer, _FLAG, False) is True for layer in decoder_layers(self.model))
+        else:
+            self._words = apply_mode(self.model, self.mode)
 
     def __str__(self) -> str:
-        if self.auto is not None:
-            return str(self.auto)
-        notes = []
-        if self.mode == "offload":
-            notes.append("layer inputs in pinned CPU memory" if self.offloaded else "offload needs CUDA")
-        if self.last_unchecked:
-            notes.append(LAST_LAYER_WORDS)
-        name = "offload" if self.offloaded else "non-reentrant"
-        return f"{name} ({'; '.join(notes)})" if notes else name
+        return str(self.auto) if self.auto is not None else self._words
 
     def undo(self) -> None:
         if self.auto is not None:
@@ -214,9 +206,12 @@ class AutoCheckpointing:
             first = self.layers[0]
             self._hooks += [first.register_forward_pre_hook(self._layer_start), first.register_forward_hook(self._layer_end)]
 
+    def checkpointed(self) -> int:
+        """How many layers run checkpointed now."""
+        return sum(getattr(layer, _FLAG, False) is True for layer in self.layers)
+
     def __str__(self) -> str:
-        n = len(self.layers)
-        checked = sum(getattr(layer, _FLAG, False) is True for layer in self.layers)
+        n, checked = len(self.layers), self.checkpointed()
         if self.room is None:
             return f"auto: {checked} of {n} layers checkpointed until the first training step is measured"
         return (f"auto: {checked} of {n} layers checkpointed "

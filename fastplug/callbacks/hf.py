@@ -163,7 +163,7 @@ class FastKernels(TrainerCallback):
         if torch.cuda.is_available():
             extra["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         if self.layers is not None and self.layers.auto is not None:  # how many layers "auto" checkpoints now
-            extra["checkpointed_layers"] = self.layers.checkpointed_layers()
+            extra["checkpointed_layers"] = self.layers.auto.checkpointed()
         logs.update(extra)
         if state.log_history:  # the Trainer stored a copy of `logs` before calling us
             state.log_history[-1].update(extra)

@@ -123,7 +123,7 @@ class _Checkpointing(TrainerCallback):
     def describe(self, args) -> str:
         if not any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing")):
             return "off"
-        last = f", {checkpointing.LAST_LAYER_WORDS}"
+        last = ", the last layer unchecked"
         if self.mode == "offload":
             where = "layer inputs in pinned CPU memory" if torch.cuda.is_available() else "offload needs CUDA: plain"
             return f"on, offload ({where}){last}"

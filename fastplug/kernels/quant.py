@@ -20,6 +20,8 @@ bitsandbytes is never imported: a weight is recognised by its `quant_state`.
 from __future__ import annotations
 
 import functools
+import re
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -29,7 +31,7 @@ import triton.language as tl
 
 from . import _utils
 from ._utils import (
-    cdiv, check_dtype, next_power_of_2, num_sms, rows_view, scratch, triton_available, use_triton,
+    cdiv, check_dtype, interpreter_enabled, next_power_of_2, num_sms, rows_view, scratch, triton_available, use_triton,
 )
 
 INSTALL_HINT = 'pip install "fastplug[qlora]"'
@@ -40,6 +42,10 @@ GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster tha
 # 4096x14336, bf16, triton's do_bench: the default tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191,
 # dequantize + matmul 0.114.
 GEMV_KERNEL_ROWS = 4
+# How the word-wise GEMV looks its 16 table values up: global loads (L1), tl.gather (shared memory, a barrier a
+# call) or a warp shuffle (registers; inline PTX, so compiled CUDA only).
+LOOKUP_LOAD, LOOKUP_GATHER, LOOKUP_SHFL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+LOOKUPS = {"load": LOOKUP_LOAD, "gather": LOOKUP_GATHER, "shfl": LOOKUP_SHFL}
 
 # The tables bitsandbytes defines for its two 4-bit types (NF4: quantiles of N(0, 1); FP4: 1 sign,
 # 2 exponent, 1 mantissa bit, in bit-pattern order, divided by its largest magnitude).
@@ -304,38 +310,71 @@ def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_p
 
 
 @triton.jit
+def _lookup_table(code_ptr, units, LOOKUP: tl.constexpr):
+    """What `_table_values` looks the 16 values up in. For LOOKUP_SHFL it is this thread's share of the table,
+    table[lane % 16], for every element of `units` (the packed int32 units of the loop's step, so that it is made in
+    the layout the shuffles run in: made before the loop, or by a tl.load, Triton 3.6 gave it another layout and
+    moved it between threads; `shuffle_layouts_agree` checks). The lane id and the load are one inline PTX block,
+    which nothing makes Triton re-lay out, and which ptxas computes once a step for all of a thread's elements.
+    Otherwise the table, made before the loop."""
+    if LOOKUP == LOOKUP_SHFL:
+        table_addr = (code_ptr + tl.zeros(units.shape, dtype=tl.int32)).to(tl.int64, bitcast=True)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, 15; mul.wide.u32 a, l, 4; "
+            "add.s64 a, a, $2; ld.global.nc.b32 $0, [a]; }",
+            "=r,r,l", [units.to(tl.int32), table_addr], dtype=tl.int32, is_pure=True, pack=1)
+    elif LOOKUP == LOOKUP_GATHER:
+        return tl.load(code_ptr + tl.arange(0, 16))
+    else:  # unused
+        return tl.zeros((16,), dtype=tl.float32)
+
+
+@triton.jit
+def _table_values(index, code_ptr, table, LOOKUP: tl.constexpr):
+    """The table's values at the low 4 bits of `index` (int32; higher bits are ignored), as fp32.
+    LOOKUP_SHFL: a warp shuffle from the lane that holds the value (lanes 16-31 repeat 0-15, and the shuffle
+    reads only the index's low 5 bits, so no mask either): registers only, no shared memory, no barrier.
+    LOOKUP_GATHER: tl.gather, which Triton lowers to a store of the table to shared memory, a barrier and one
+    load a value. LOOKUP_LOAD: a global load a value from the L1-resident table."""
+    if LOOKUP == LOOKUP_SHFL:
+        bits = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                         [table, index], dtype=tl.int32, is_pure=True, pack=1)
+        return bits.to(tl.float32, bitcast=True)
+    elif LOOKUP == LOOKUP_GATHER:
+        return tl.reshape(tl.gather(table, tl.reshape(index & 15, (index.numel,)), 0), index.shape)
+    else:
+        return tl.load(code_ptr + (index & 15))
+
+
+@triton.jit
 def _gemv_4bit_rows_kernel(
     x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     N, KB, stride_xm, stride_om, stride_os, split_bytes,
     M: tl.constexpr, M_POW2: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
     NESTED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, X_SPLIT: tl.constexpr,
-    TABLE_GATHER: tl.constexpr,
+    LOOKUP: tl.constexpr,
 ):
     """out[s, m, n] = sum over the bytes [s * split_bytes, (s + 1) * split_bytes) of row n (KB bytes a row, K even)
     of x[m, k] W[n, k], for BLOCK_N rows and all M rows of x. A tile is [BLOCK_N, NB, SUB] packed bytes, SUB
     contiguous bytes per sub-chunk (a wide vector load per thread); a sub-chunk never straddles a quantization
     block (SUB divides blocksize / 2 and KB), so its scale is applied once, to its partial dot product. Both
     nibbles are decoded (high: element 2i, low: 2i + 1) and multiplied by the even and odd elements of x.
-    TABLE_GATHER: the 16 values are looked up with tl.gather from a register copy of the table (shared memory on
-    sm_90: one 32-bit LDS a value instead of a 64-bit address and a global load; 14% fewer instructions in
-    the loop when compiled for sm_90 by Triton 3.9), else by global loads from the (L1-resident) table."""
+    LOOKUP: how the 16 values are looked up (`_table_values`)."""
     rn, nmask, row_byte, sub, start, stop = _gemv_tile(N, KB, split_bytes, BLOCK_N, NB, SUB)
     jb = tl.arange(0, NB)
     rm = tl.arange(0, M_POW2)
     acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
-    if TABLE_GATHER:
-        table = tl.load(code_ptr + tl.arange(0, 16))
+    table = _lookup_table(code_ptr, sub, LOOKUP)  # shfl: remade from each step's bytes below
     for c0 in range(start, stop, NB * SUB):
         packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                     offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
         packed = packed.to(tl.int32)
-        if TABLE_GATHER:
-            flat = tl.reshape(packed, (BLOCK_N * NB * SUB,))
-            w_hi = tl.reshape(tl.gather(table, flat >> 4, 0), (BLOCK_N, NB, SUB))
-            w_lo = tl.reshape(tl.gather(table, flat & 15, 0), (BLOCK_N, NB, SUB))
+        if LOOKUP == LOOKUP_SHFL:
+            lut = _lookup_table(code_ptr, packed, LOOKUP)
         else:
-            w_hi = tl.load(code_ptr + (packed >> 4))
-            w_lo = tl.load(code_ptr + (packed & 15))
+            lut = table
+        w_hi = _table_values(packed >> 4, code_ptr, lut, LOOKUP)
+        w_lo = _table_values(packed, code_ptr, lut, LOOKUP)
         for m in tl.static_range(M):
             xrow = x_ptr + m * stride_xm
             if X_SPLIT:  # one contiguous (vectorized) load of 2 * SUB elements a sub-chunk, split in registers
@@ -357,15 +396,9 @@ def _gemv_4bit_rows_kernel(
 
 
 @triton.jit
-def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, TABLE_GATHER: tl.constexpr,
-                 BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr):
+def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, LOOKUP: tl.constexpr):
     """table[the nibble at `shift` of every word] * xj: one element of each word's eight times x."""
-    nib = (words >> shift) & 15
-    if TABLE_GATHER:
-        w = tl.reshape(tl.gather(table, tl.reshape(nib, (BLOCK_N * NB * SUBW,)), 0), (BLOCK_N, NB, SUBW))
-    else:
-        w = tl.load(code_ptr + nib)
-    return w * xj[None, :, :]
+    return _table_values(words >> shift, code_ptr, table, LOOKUP) * xj[None, :, :]
 
 
 @triton.jit
@@ -373,7 +406,7 @@ def _gemv_4bit_words_kernel(
     x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     N, KW, stride_os, split_words,
     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, TABLE_GATHER: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
 ):
     """One row of x times W, the packed weight read as 32-bit words (KW a row, K a multiple of 8): a word holds
     elements 8i..8i+7, element 8i+j in byte j // 2 (little-endian), high nibble for even j. The bytes stay
@@ -382,14 +415,15 @@ def _gemv_4bit_words_kernel(
     [BLOCK_N, NB, SUBW] words; a sub-chunk of SUBW words lies in one quantization block."""
     rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
     jb = tl.arange(0, NB)
-    acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-    if TABLE_GATHER:
-        table = tl.load(code_ptr + tl.arange(0, 16))
-    else:  # unused
-        table = tl.zeros((16,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
+    table = _lookup_table(code_ptr, sub, LOOKUP)  # shfl: remade from each step's words below
     for c0 in range(start, stop, NB * SUBW):
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+        if LOOKUP == LOOKUP_SHFL:
+            lut = _lookup_table(code_ptr, words, LOOKUP)
+        else:
+            lut = table
         e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
         xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
         # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
@@ -400,16 +434,16 @@ def _gemv_4bit_words_kernel(
         x2, x6 = tl.split(x_c0b1)
         x1, x5 = tl.split(x_c1b0)
         x3, x7 = tl.split(x_c1b1)
-        part = _nibble_term(words, 4, x0, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 0, x1, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 12, x2, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 8, x3, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 20, x4, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 16, x5, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 28, x6, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        part += _nibble_term(words, 24, x7, code_ptr, table, TABLE_GATHER, BLOCK_N, NB, SUBW)
-        acc += tl.sum(part, axis=2) * scale
-    total = tl.sum(acc, axis=1)  # [BLOCK_N]
+        part = _nibble_term(words, 4, x0, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 0, x1, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 12, x2, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 8, x3, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 20, x4, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 16, x5, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 28, x6, code_ptr, lut, LOOKUP)
+        part += _nibble_term(words, 24, x7, code_ptr, lut, LOOKUP)
+        acc += part * scale[:, :, None]
+    total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
     tl.store(out_ptr + tl.program_id(1) * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -619,7 +653,7 @@ class GemvConfig(NamedTuple):
     num_warps: int
     x_split: bool
     dot: bool = False  # the tensor-core kernel (several rows of x)
-    table_gather: bool = False  # CUDA-core kernel: the code table through tl.gather (the default at one row)
+    lookup: str = "load"  # CUDA-core kernels: how the 16 table values are looked up, a key of LOOKUPS
     words: bool = False  # one row of x: `_gemv_4bit_words_kernel` (then `sub` counts 4-byte words)
 
 
@@ -632,23 +666,25 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
     quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle.
     `dot`: the tensor-core kernel (`_gemv_4bit_dot_kernel`) instead of the CUDA-core one (`_gemv_4bit_rows_kernel`);
-    `words`: one row of x on `_gemv_4bit_words_kernel` (the default there on a GPU, where K allows)."""
+    `words`: one row of x on `_gemv_4bit_words_kernel` (the default there on a GPU, where K allows);
+    `lookup`: "shfl" (the default where the kernels run compiled on a GPU), "gather" or "load"."""
     if k % 2:
         return None
     kb = k // 2
     dot = override.pop("dot", False)
     words_fit = m == 1 and not dot and k % 8 == 0 and blocksize >= 8
-    # H100, one row, 14336x4096 / 4096x14336 (CUDA graph over weight copies, bitsandbytes 29.3-29.4 / 30.0-30.1
-    # us): words 28.0-28.5 / 29.2-29.3 us in two runs (8 rows x 512 bytes, table through tl.gather; 8 x 1024 was
-    # 27.3 / 28.4 in one and 35.4 / 34.5 in the other), bytes 30.9 / 30.9 (8 x 512, tl.gather), bytes with
-    # global-load lookups 34.3 / 36.6; at two rows tl.gather and loads were level
+    # H100, one row, CUDA graph over weight copies (`python -m fastplug.bench.qlora --gemv-sweep` reruns it):
+    # 14336x4096 / 4096x14336 with bitsandbytes at 29.4 / 30.0 us: words + shuffle 24.4-25.3 / 25.7-26.3 us over
+    # the best tiles (4-16 rows x 512-1024 bytes; 4 x 1024 with 4 warps is within 4% of the best on every shape
+    # from 512x2048 to 14336x4096), with tl.gather 26.8 / 29.2; Triton's pipeliner (num_stages 2-4) was 5-40%
+    # slower. At two and four rows the byte-wise kernel with the shuffle was 3-7% faster than with tl.gather.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
         raise ValueError("words=True takes one row of x, K a multiple of 8 and blocksize >= 8 (CUDA-core kernel)")
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
-        block_n, chunk, warps = (16, 256, 4) if dot else (8, 512, 4)
+        block_n, chunk, warps = (16, 256, 4) if dot else (4, 1024, 4) if words else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
         block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1
@@ -660,8 +696,13 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     programs = cdiv(n, block_n)
     chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
+    compiled = device.type == "cuda" and not interpreter_enabled()
+    lookup = override.pop("lookup", "shfl" if compiled else "load")
+    if lookup not in LOOKUPS or (lookup == "shfl" and not compiled):
+        raise ValueError(f"lookup must be one of {sorted(LOOKUPS)} ('shfl' is inline PTX: compiled CUDA only); "
+                         f"got {lookup!r} on {device.type}")
     cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
-                     override.pop("table_gather", m == 1 and device.type == "cuda"), words)
+                     lookup, words)
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -676,34 +717,64 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     """x2 [M, K] (unit stride in K, M <= GEMV_MAX_ROWS, K even) @ W^T by `_gemv_4bit_rows_kernel`."""
     M, (N, K) = x2.shape[0], u.packed.shape
     if cfg.words and u.words is None:  # bytes not at a word boundary: the byte-wise kernel
-        cfg = gemv_config(M, N, K, u.packed.blocksize, x2.device, table_gather=cfg.table_gather, words=False)
+        cfg = gemv_config(M, N, K, u.packed.blocksize, x2.device, lookup=cfg.lookup, words=False)
     kb = K // (8 if cfg.words else 2)  # words or bytes a row
     chunk = cfg.nb * cfg.sub
     split_bytes = cdiv(cdiv(kb, chunk), cfg.split) * chunk  # whole chunks a split
     split = cdiv(kb, split_bytes)
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
-    if cfg.words:
-        _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
-            x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
-            BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, TABLE_GATHER=cfg.table_gather, num_warps=cfg.num_warps,
-        )
-    elif cfg.dot and not (x2.is_cuda and x2.dtype == torch.float32):  # an fp32 tl.dot spills: the CUDA cores
+    if cfg.dot and not cfg.words and not (x2.is_cuda and x2.dtype == torch.float32):  # fp32 tl.dot spills
         _gemv_4bit_dot_kernel[(cdiv(N, cfg.block_n), split)](
             x2, *u.args, part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
             BLOCK_M=16, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
             DOT_F32=not x2.is_cuda, num_warps=cfg.num_warps,
         )
     else:
-        _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
-            x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
-            M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split,
-            TABLE_GATHER=cfg.table_gather, num_warps=cfg.num_warps,
-        )
+        lookup = cfg.lookup
+        while True:
+            if cfg.words:
+                compiled = _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
+                    x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
+                    BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup], num_warps=cfg.num_warps,
+                )
+            else:
+                compiled = _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
+                    x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
+                    M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
+                    X_SPLIT=cfg.x_split, LOOKUP=LOOKUPS[lookup], num_warps=cfg.num_warps,
+                )
+            if lookup != "shfl" or shuffle_layouts_agree(compiled):
+                break
+            lookup = "gather"  # the shuffle would read other lanes' tables: run again, correctly
     if split > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(M * N, block),)](part, out, M * N, SPLIT=split, BLOCK=block, num_warps=4)
     return out
+
+
+_SHUFFLE_CHECKED: dict[str, bool] = {}
+
+
+def shuffle_layouts_agree(compiled) -> bool:
+    """Whether a compiled GEMV reads each lane's id in the layout its table shuffles run in. The shuffle reads
+    the lane that holds table[index % 16]; were the per-lane table moved between threads by a layout conversion
+    that Triton is free to insert, it would read another value. Triton 3.6 did so for a table made before the
+    loop, so it is now made from each step's packed units, in their layout; this checks the compiled IR once a
+    kernel (a kernel that fails it warns and runs with tl.gather)."""
+    key = compiled.hash
+    if key not in _SHUFFLE_CHECKED:
+        lane, shuffle = set(), set()
+        for line in compiled.asm["ttgir"].splitlines():
+            if "elementwise_inline_asm" in line:
+                layouts = set(re.findall(r"tensor<[^,>]*, (#[\w.]+(?:<[^>]*>)?)", line.split(" : ", 1)[-1]))
+                (lane if "%laneid" in line else shuffle if "shfl.sync" in line else set()).update(layouts)
+        ok = len(lane) == 1 and lane == shuffle
+        if not ok:
+            warnings.warn("fastplug: this Triton build moved the 4-bit GEMV's per-lane table between threads; "
+                          "the GEMV runs with tl.gather lookups instead (correct, slower)", stacklevel=3)
+        _SHUFFLE_CHECKED[key] = ok
+    return _SHUFFLE_CHECKED[key]
 
 
 def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:

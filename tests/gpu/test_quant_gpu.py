@@ -58,10 +58,12 @@ def test_gemv_cuda(rows, shape, blocksize):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("tile", [dict(dot=False), dict(dot=False, table_gather=True), dict(dot=True)])
+@pytest.mark.parametrize("tile", [dict(dot=False), dict(dot=False, lookup="gather"), dict(dot=False, lookup="load"),
+                                  dict(dot=True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_tiles_cuda(rows, tile, dtype):
-    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles), split-K included (512 rows)."""
+    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles), split-K included (512 rows). The
+    default lookup is the warp shuffle: a layout conversion of its per-lane table would show here."""
     for shape in ((4096, 14336), (512, 2048)):
         p = quantized(*shape)
         x = torch.randn(rows, shape[1], dtype=dtype, device="cuda")
@@ -70,7 +72,8 @@ def test_gemv_tiles_cuda(rows, tile, dtype):
         assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv rows={rows} {cfg}")
 
 
-@pytest.mark.parametrize("tile", [dict(), dict(table_gather=True), dict(split=2, block_n=16, chunk=1024)])
+@pytest.mark.parametrize("tile", [dict(), dict(lookup="gather"), dict(lookup="load"), dict(split=2, block_n=16, chunk=1024),
+                                  dict(block_n=16, chunk=256, num_warps=2), dict(block_n=2, chunk=1024, num_warps=8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_words_cuda(tile, dtype):
     """The word-wise kernel at one row of x, split-K included."""

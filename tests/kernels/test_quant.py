@@ -16,6 +16,7 @@ bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
+from fastplug.kernels import quant  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
     dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked, gemv_4bit,
     gemv_config, require_bitsandbytes,
@@ -168,7 +169,7 @@ def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize
 ])
 @pytest.mark.parametrize("override", [
     dict(dot=False, x_split=False), dict(dot=False, split=3), dict(dot=False, split=2, block_n=2, chunk=32),
-    dict(dot=False, block_n=1, chunk=64), dict(dot=False, table_gather=True, split=2),
+    dict(dot=False, block_n=1, chunk=64), dict(dot=False, lookup="gather", split=2),
     dict(dot=True), dict(dot=True, split=2, chunk=16, block_n=32),
 ])
 def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
@@ -190,7 +191,7 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
     ("nf4", True, (11, 256), 64), ("fp4", True, (6, 320), 128), ("nf4", False, (9, 512), 256),
     ("fp4", False, (5, 96), 32), ("nf4", True, (7, 136), 32),
 ])
-@pytest.mark.parametrize("override", [dict(), dict(table_gather=True, split=2, block_n=2), dict(chunk=32, split=3)])
+@pytest.mark.parametrize("override", [dict(), dict(lookup="gather", split=2, block_n=2), dict(chunk=32, split=3)])
 def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
     gives the product of one row of x; it refuses more rows or a K that is not a multiple of 8."""
@@ -202,6 +203,38 @@ def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     for m, k in ((2, shape[1]), (1, 300)):
         with pytest.raises(ValueError, match="words=True takes one row"):
             gemv_config(m, shape[0], k, blocksize, x.device, words=True)
+
+
+def test_gemv_shuffle_lookup_needs_compiled_cuda():
+    """The warp-shuffle lookup is inline PTX: off a compiled GPU it is refused by name, and never the default."""
+    assert gemv_config(1, 11, 256, 64, torch.device("cpu")).lookup != "shfl"
+    with pytest.raises(ValueError, match="'shfl' is inline PTX"):
+        gemv_config(1, 11, 256, 64, torch.device("cpu"), lookup="shfl")
+    with pytest.raises(ValueError, match="lookup must be one of"):
+        gemv_config(1, 11, 256, 64, torch.device("cpu"), lookup="smem")
+
+
+def test_shuffle_layout_check():
+    """The check of a compiled shuffle GEMV: the lane ids read in the layout the shuffles run in pass; a table
+    made in one layout and shuffled in another (what Triton 3.6 compiled for a table made before the loop) fails,
+    with a warning."""
+    from types import SimpleNamespace
+
+    def ir(lane_layout, shuffle_layout):
+        return SimpleNamespace(hash=f"{lane_layout}-{shuffle_layout}", asm={"ttgir": "\n".join([
+            f'%lane = tt.elementwise_inline_asm "mov.u32 $0, %laneid;" {{pure = true}} %u : tensor<8x16xi32, '
+            f'{lane_layout}> -> tensor<8x16xi32, {lane_layout}> loc(#loc1)',
+            f'%b = ttg.convert_layout %t : tensor<8x16xi32, {lane_layout}> -> tensor<8x16xi32, {shuffle_layout}>',
+            f'%bits = tt.elementwise_inline_asm "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;" {{pure = true}} '
+            f'%b, %i : tensor<8x16xi32, {shuffle_layout}>, tensor<8x16xi32, {shuffle_layout}> -> tensor<8x16xi32, '
+            f'{shuffle_layout}> loc(#loc2)',
+        ])})
+
+    assert quant.shuffle_layouts_agree(ir("#blocked1", "#blocked1"))
+    with pytest.warns(UserWarning, match="tl.gather lookups instead"):
+        assert not quant.shuffle_layouts_agree(ir("#blocked1", "#blocked3"))
+    with pytest.warns(UserWarning):
+        assert not quant.shuffle_layouts_agree(ir("#blocked1", "#ttg.slice<{dim = 0, parent = #blocked1}>"))
 
 
 def test_gemv_words_on_bytes_off_a_word_boundary():

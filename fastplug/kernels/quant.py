@@ -20,6 +20,7 @@ bitsandbytes is never imported: a weight is recognised by its `quant_state`.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import warnings
 import weakref
@@ -185,6 +186,27 @@ def _block_scale(blk, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOC
 
 
 @triton.jit
+def _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2: tl.constexpr,
+                     NESTED: tl.constexpr):
+    """`_block_scale` with its loads in inline PTX (0 where not `valid`), so that it takes the layout of its use
+    instead of one of its own and a trip through shared memory; `offset` is the nested offset, loaded once."""
+    valid = valid.to(tl.int32)
+    if NESTED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b32 q; .reg .b64 a; .reg .f32 c, s; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; "
+            "@p ld.global.nc.u8 q, [$1]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, $2; @p ld.global.nc.f32 c, [a]; "
+            "@p ld.global.nc.f32 s, [$3]; @p fma.rn.f32 $0, c, s, $5; }",
+            "=f,l,l,l,r,f",
+            [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
+             (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
+             tl.zeros(blk.shape, dtype=tl.float32) + offset],
+            dtype=tl.float32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.f32 $0, [$1]; }", "=f,l,r",
+        [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _dequant_4bit_kernel(
     data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, numel,
     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr,
@@ -296,16 +318,27 @@ def _gemv_tile(N, KU, split, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.co
 @triton.jit
 def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                 ELEMS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr):
+                BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PTX: tl.constexpr = False, offset=0.0,
+                EVEN: tl.constexpr = False):
     """The chunk at unit c0 of each row: its units [BLOCK_N, NB, SUB] as stored (zeros past `stop`) and the
-    absmax [BLOCK_N, NB] of its sub-chunks of SUB units (ELEMS elements a unit), none straddling a block."""
+    absmax [BLOCK_N, NB] of its sub-chunks of SUB units (ELEMS elements a unit), none straddling a block.
+    EVEN: every row and unit of the tile exists, so the loads need no mask (and become 16-byte vectors: a mask
+    against a runtime `stop` keeps Triton from proving four units alike). The packed weight is read once a call:
+    its loads are marked evict-first, to keep x and the scales in cache (H100: 2-10% faster)."""
     cu = c0 + sub
-    units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]),
-                    mask=nmask[:, None, None] & (cu < stop)[None, :, :], other=0)
     first = c0 + tl.arange(0, NB) * SUB  # each sub-chunk's first unit
+    if EVEN:
+        units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]), eviction_policy="evict_first")
+        valid = tl.full((row_unit.shape[0], NB), 1, tl.int1)
+    else:
+        units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]),
+                        mask=nmask[:, None, None] & (cu < stop)[None, :, :], other=0, eviction_policy="evict_first")
+        valid = nmask[:, None] & (first < stop)[None, :]
     blk = ((row_unit[:, None] + first[None, :]) * ELEMS) >> BLOCKSIZE_LOG2
-    scale = _block_scale(blk, nmask[:, None] & (first < stop)[None, :], absmax_ptr, absmax2_ptr, code2_ptr,
-                         offset_ptr, BLOCKSIZE2_LOG2, NESTED)
+    if PTX:  # `offset`: *offset_ptr, loaded once by the caller
+        scale = _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED)
+    else:
+        scale = _block_scale(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED)
     return units, scale
 
 
@@ -402,11 +435,26 @@ def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, LOOKUP: tl.con
 
 
 @triton.jit
+def _x_of_words(x_ptr, word, valid):
+    """x[8w .. 8w + 7] as eight fp32 tensors for the words `word` (bf16 x, 16-byte aligned; zeros where not
+    `valid`): one 16-byte load a word in inline PTX. A tl.load would get a layout of its own and be moved to the
+    words' layout through shared memory behind two barriers a step; this takes the layout of its use."""
+    addr = (x_ptr + word * 8).to(tl.int64, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 a, b, c, d; setp.ne.b32 p, $9, 0; mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; "
+        "mov.b32 d, 0; @p ld.global.nc.v4.b32 {a, b, c, d}, [$8]; shl.b32 $0, a, 16; and.b32 $1, a, 0xffff0000; "
+        "shl.b32 $2, b, 16; and.b32 $3, b, 0xffff0000; shl.b32 $4, c, 16; and.b32 $5, c, 0xffff0000; "
+        "shl.b32 $6, d, 16; and.b32 $7, d, 0xffff0000; }",
+        "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [addr, valid.to(tl.int32)], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
 def _gemv_4bit_words_kernel(
     x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
     N, KW, stride_os, split_words,
     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
+    PTX: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One row of x times W, the packed weight read as 32-bit words (KW a row, K a multiple of 8): a word holds
     elements 8i..8i+7, element 8i+j in byte j // 2 (little-endian), high nibble for even j. The bytes stay
@@ -417,23 +465,29 @@ def _gemv_4bit_words_kernel(
     jb = tl.arange(0, NB)
     acc = tl.zeros((BLOCK_N, NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
     table = _lookup_table(code_ptr, sub, LOOKUP)  # shfl: remade from each step's words below
-    for c0 in range(start, stop, NB * SUBW):
+    offset = 0.0
+    if PTX and NESTED:
+        offset = tl.load(offset_ptr)
+    for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # H100: 3-10% faster than 1 or 4
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
-                                   offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+                                   offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
         if LOOKUP == LOOKUP_SHFL:
             lut = _lookup_table(code_ptr, words, LOOKUP)
         else:
             lut = table
-        e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
-        xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
-        # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
-        x_c0, x_c1 = tl.split(tl.reshape(xv, (NB, SUBW, 2, 2, 2)))
-        x_c0b0, x_c0b1 = tl.split(x_c0)
-        x_c1b0, x_c1b1 = tl.split(x_c1)
-        x0, x4 = tl.split(x_c0b0)
-        x2, x6 = tl.split(x_c0b1)
-        x1, x5 = tl.split(x_c1b0)
-        x3, x7 = tl.split(x_c1b1)
+        if PTX:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, (c0 + sub < stop) | EVEN)
+        else:
+            e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
+            xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
+            # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
+            x_c0, x_c1 = tl.split(tl.reshape(xv, (NB, SUBW, 2, 2, 2)))
+            x_c0b0, x_c0b1 = tl.split(x_c0)
+            x_c1b0, x_c1b1 = tl.split(x_c1)
+            x0, x4 = tl.split(x_c0b0)
+            x2, x6 = tl.split(x_c0b1)
+            x1, x5 = tl.split(x_c1b0)
+            x3, x7 = tl.split(x_c1b1)
         part = _nibble_term(words, 4, x0, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 0, x1, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 12, x2, code_ptr, lut, LOOKUP)
@@ -661,6 +715,13 @@ def _lowbit(n: int) -> int:
     return n & -n
 
 
+def _words_warps(programs: int, device: torch.device) -> int:
+    """Warps a program of the word-wise GEMV: the power of two (1-4) that puts about 28 warps a SM in flight
+    (H100: 1 for 14336x4096, 4 for 4096x14336, each the best of 1, 2 and 4)."""
+    want = 28 * num_sms(device) / programs
+    return 1 << min(2, max(0, round(math.log2(max(want, 1.0)))))
+
+
 def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:
     """The tile for x [m, k] @ W[n, k]^T, or None when K is odd (rows straddle bytes: the general kernel).
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
@@ -673,18 +734,19 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     kb = k // 2
     dot = override.pop("dot", False)
     words_fit = m == 1 and not dot and k % 8 == 0 and blocksize >= 8
-    # H100, one row, CUDA graph over weight copies (`python -m fastplug.bench.qlora --gemv-sweep` reruns it):
-    # 14336x4096 / 4096x14336 with bitsandbytes at 29.4 / 30.0 us: words + shuffle 24.4-25.3 / 25.7-26.3 us over
-    # the best tiles (4-16 rows x 512-1024 bytes; 4 x 1024 with 4 warps is within 4% of the best on every shape
-    # from 512x2048 to 14336x4096), with tl.gather 26.8 / 29.2; Triton's pipeliner (num_stages 2-4) was 5-40%
-    # slower. At two and four rows the byte-wise kernel with the shuffle was 3-7% faster than with tl.gather.
+    # H100, one row, CUDA graph over weight copies (`python -m fastplug.bench.qlora --gemv-sweep` reruns it),
+    # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
+    # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
+    # word loads where the tile fills the weight, evict-first on the weight and the loop unrolled twice, 19.4 / 20.1
+    # at 4 rows x 512 bytes with 1 / 4 warps: the best warps keep about 28 warps a SM in flight (`_words_warps`).
+    # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
         raise ValueError("words=True takes one row of x, K a multiple of 8 and blocksize >= 8 (CUDA-core kernel)")
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
-        block_n, chunk, warps = (16, 256, 4) if dot else (4, 1024, 4) if words else (8, 512, 4)
+        block_n, chunk, warps = (16, 256, 4) if dot else (4, 512, None) if words else (8, 512, 4)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
         block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1
@@ -694,6 +756,8 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
         block_n, chunk = max(block_n, 16), max(chunk, 8)
     nb = max(1, chunk // (sub * unit))
     programs = cdiv(n, block_n)
+    if warps is None:
+        warps = _words_warps(programs, device)
     chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
     compiled = device.type == "cuda" and not interpreter_enabled()
@@ -736,7 +800,9 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
             if cfg.words:
                 compiled = _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
                     x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
-                    BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup], num_warps=cfg.num_warps,
+                    BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup],
+                    PTX=lookup == "shfl" and x2.data_ptr() % 16 == 0, EVEN=N % cfg.block_n == 0 and kb % chunk == 0,
+                    num_warps=cfg.num_warps,
                 )
             else:
                 compiled = _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](

@@ -189,12 +189,13 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
 
 @pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
     ("nf4", True, (11, 256), 64), ("fp4", True, (6, 320), 128), ("nf4", False, (9, 512), 256),
-    ("fp4", False, (5, 96), 32), ("nf4", True, (7, 136), 32),
+    ("fp4", False, (5, 96), 32), ("nf4", True, (7, 136), 32), ("nf4", True, (16, 512), 64),
 ])
 @pytest.mark.parametrize("override", [dict(), dict(lookup="gather", split=2, block_n=2), dict(chunk=32, split=3)])
 def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
-    gives the product of one row of x; it refuses more rows or a K that is not a multiple of 8."""
+    gives the product of one row of x, with tiles that fill the weight (no masks: 16 x 512) or not; it refuses
+    more rows or a K that is not a multiple of 8."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_4bit_reference(p, torch.float64)
     x = torch.randn(1, shape[1])

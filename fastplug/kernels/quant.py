@@ -436,7 +436,7 @@ def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, LOOKUP: tl.con
 
 @triton.jit
 def _x_of_words(x_ptr, word, valid):
-    """x[8w .. 8w + 7] as eight fp32 tensors for the words `word` (bf16 x, 16-byte aligned; zeros where not
+    """x[8w .. 8w + 7] as eight fp32 tensors for the words `word` (x bf16 and 16-byte aligned; zeros where not
     `valid`): one 16-byte load a word in inline PTX. A tl.load would get a layout of its own and be moved to the
     words' layout through shared memory behind two barriers a step; this takes the layout of its use."""
     addr = (x_ptr + word * 8).to(tl.int64, bitcast=True)
@@ -801,7 +801,8 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
                 compiled = _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
                     x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
                     BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup],
-                    PTX=lookup == "shfl" and x2.data_ptr() % 16 == 0, EVEN=N % cfg.block_n == 0 and kb % chunk == 0,
+                    PTX=lookup == "shfl" and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0,
+                    EVEN=N % cfg.block_n == 0 and kb % chunk == 0,
                     num_warps=cfg.num_warps,
                 )
             else:

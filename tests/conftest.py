@@ -26,3 +26,21 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmul_precision():
+    """Each test starts with the process's fp32 matmul precision: TrainingArguments(bf16=True) turns TF32 on for
+    the whole process (transformers' `enable_tf32`), and fp32 tolerances of later tests in the same process then
+    failed on CUDA (attention patch vs transformers: 8.8e-5 against 5e-5). torch >= 2.9 has a new API (and
+    raises on reading the legacy flags once it was used), which transformers then uses alone."""
+    backends = torch.backends
+    if hasattr(backends, "fp32_precision"):
+        saved = backends.fp32_precision
+        yield
+        if backends.fp32_precision != saved:
+            backends.fp32_precision = saved
+    else:
+        saved = backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
+        yield
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved

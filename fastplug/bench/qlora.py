@@ -286,8 +286,8 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
 
 
 _SWEEP_ROWS = [dict(dot=False, block_n=bn, chunk=ch, num_warps=nw, lookup=lookup, words=words)
-               for bn in (2, 4, 8, 16) for ch in (256, 512, 1024) for nw in (2, 4, 8) for lookup in ("gather", "shfl")
-               for words in (False, True) if 16 <= bn * ch // (32 * nw) <= 64]
+               for bn in (2, 4, 8, 16) for ch in (256, 512, 1024) for nw in (1, 2, 4, 8)
+               for lookup in ("gather", "shfl") for words in (False, True) if 16 <= bn * ch // (32 * nw) <= 64]
 _SWEEP_DOT = [dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
               for bn in (16, 32) for ch in (64, 128, 256, 512) for nw in (4, 8) if 8 <= bn * ch // (32 * nw) <= 64]
 

@@ -43,8 +43,9 @@ GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster tha
 # 4096x14336, bf16, triton's do_bench: the default tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191,
 # dequantize + matmul 0.114.
 GEMV_KERNEL_ROWS = 4
-# How the word-wise GEMV looks its 16 table values up: global loads (L1), tl.gather (shared memory, a barrier a
-# call) or a warp shuffle (registers; inline PTX, so compiled CUDA only).
+# How the CUDA-core GEMVs look their 16 table values up: global loads (L1), tl.gather (shared memory, two
+# barriers a call) or a warp shuffle (registers; inline PTX, so compiled CUDA only; the word-wise kernel then also
+# loads x and the block scales by inline PTX). See `_table_values`.
 LOOKUP_LOAD, LOOKUP_GATHER, LOOKUP_SHFL = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 LOOKUPS = {"load": LOOKUP_LOAD, "gather": LOOKUP_GATHER, "shfl": LOOKUP_SHFL}
 

@@ -74,8 +74,9 @@ def test_gemv_tiles_cuda(rows, tile, dtype):
         assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv rows={rows} {cfg}")
 
 
-@pytest.mark.parametrize("tile", [dict(), dict(lookup="gather"), dict(lookup="load"), dict(split=2, block_n=16, chunk=1024),
-                                  dict(block_n=16, chunk=256, num_warps=2), dict(block_n=2, chunk=1024, num_warps=8)])
+@pytest.mark.parametrize("tile", [dict(), dict(lookup="gather"), dict(lookup="load"),
+                                  dict(split=2, block_n=16, chunk=1024), dict(block_n=16, chunk=256, num_warps=2),
+                                  dict(block_n=2, chunk=1024, num_warps=8)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_words_cuda(tile, dtype):
     """The word-wise kernel at one row of x, split-K included; the shuffle's per-lane table passes the layout

@@ -81,13 +81,31 @@ def test_gemv_tiles_cuda(rows, tile, dtype):
 def test_gemv_words_cuda(tile, dtype):
     """The word-wise kernel at one row of x, split-K included; the shuffle's per-lane table passes the layout
     check (a warning there would mean this Triton moved it and the GEMV fell back to tl.gather)."""
-    warnings.filterwarnings("error", message="fastplug: this Triton build")
-    for shape in ((4096, 14336), (14336, 4096), (512, 2048), (4096, 4104)):
-        p = quantized(*shape)
-        x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
-        ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
-        cfg = gemv_config(1, *shape, 64, x.device, dot=False, words=True, **tile)
-        assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv words {cfg}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastplug: this Triton build")
+        for shape in ((4096, 14336), (14336, 4096), (512, 2048), (4096, 4104)):
+            p = quantized(*shape)
+            x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
+            ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
+            cfg = gemv_config(1, *shape, 64, x.device, dot=False, words=True, **tile)
+            assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv words {cfg}")
+
+
+@pytest.mark.parametrize("quant_type,double_quant,blocksize", [
+    ("fp4", False, 64), ("nf4", False, 128), ("nf4", True, 256), ("fp4", True, 32),
+])
+def test_gemv_words_formats_cuda(quant_type, double_quant, blocksize):
+    """The default one-row path (shuffle lookups, x and scales by inline PTX) for both 4-bit types, plain and
+    nested absmax, several blocksizes; and x 2 bytes off a 16-byte boundary, which takes tl.load for x."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastplug: this Triton build")
+        for shape in ((2048, 8192), (1000, 2056)):
+            p = quantized(*shape, quant_type, double_quant, blocksize)
+            w = dequantize_4bit_reference(p, torch.float64)
+            buf = torch.randn(1, shape[1] + 1, dtype=torch.bfloat16, device="cuda")
+            for x in (buf[:, : shape[1]], buf[:, 1:]):
+                assert_close(gemv_4bit(x, p), x.double() @ w.t(), torch.bfloat16,
+                             f"{quant_type} nested={double_quant} blocksize={blocksize} x at +{x.data_ptr() % 16}")
 
 
 class Block4bit(torch.nn.Module):

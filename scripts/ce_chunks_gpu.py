@@ -10,7 +10,6 @@ torch.compile's figure for the same op: `python -m fastplug.bench micro --ops cr
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import os
 import sys
@@ -18,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from fastplug.bench.micro import _graph_ms, kernel_table  # noqa: E402
+from fastplug.bench.micro import _graph_ms, kernel_table, peak_mib  # noqa: E402
 
 ce = importlib.import_module("fastplug.kernels.cross_entropy")  # the package's `cross_entropy` is the function
 
@@ -34,6 +33,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     torch.manual_seed(0)
+    device = torch.device("cuda")
     hidden = torch.randn(args.rows, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(args.vocab, args.hidden, device="cuda") * args.hidden**-0.5).bfloat16().requires_grad_()
     labels = torch.randint(0, args.vocab, (args.rows,), device="cuda")
@@ -42,23 +42,12 @@ def main() -> int:
     def step():
         ce.fused_linear_cross_entropy(hidden, weight, labels).backward()
 
-    def peak_mib() -> float:
-        for t in leaves:
-            t.grad = None
-        gc.collect()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-
     defaults = ce.LOGITS_CHUNK_BYTES, ce.ROW_PROGRAMS_PER_SM
     rows = []
     for chunk_mib in args.chunks_mib:
         for programs in args.programs_per_sm:
             ce.LOGITS_CHUNK_BYTES, ce.ROW_PROGRAMS_PER_SM = chunk_mib * 2**20, programs
-            rows.append((chunk_mib, programs, _graph_ms(step, leaves, 50, 400), peak_mib()))
+            rows.append((chunk_mib, programs, _graph_ms(step, leaves, 50, 400), peak_mib(step, leaves, device)))
             print(f"chunk {chunk_mib} MiB, {programs} row programs/SM: {rows[-1][2]:.2f} ms, {rows[-1][3]:.0f} MiB",
                   flush=True)
     ce.LOGITS_CHUNK_BYTES, ce.ROW_PROGRAMS_PER_SM = defaults

@@ -176,4 +176,3 @@ def made_by_autograd(t: torch.Tensor) -> bool:
     view of one. Never a leaf (a parameter's or a caller's data would become something else) or a view of
     one, nor a tensor autograd does not track."""
     return t.grad_fn is not None and (t._base is None or t._base.grad_fn is not None)
-

@@ -364,6 +364,16 @@ def _lookup_table(code_ptr, units, LOOKUP: tl.constexpr):
 
 
 @triton.jit
+def _step_table(code_ptr, units, table, LOOKUP: tl.constexpr):
+    """The table for one loop step of a GEMV: the shuffle's per-lane table is remade from the step's packed
+    units (so that it has their layout, see `_lookup_table`); the others use `table`, made before the loop."""
+    if LOOKUP == LOOKUP_SHFL:
+        return _lookup_table(code_ptr, units, LOOKUP)
+    else:
+        return table
+
+
+@triton.jit
 def _table_values(index, code_ptr, table, LOOKUP: tl.constexpr):
     """The table's values at the low 4 bits of `index` (int32; higher bits are ignored), as fp32.
     LOOKUP_SHFL: a warp shuffle from the lane that holds the value (lanes 16-31 repeat 0-15, and the shuffle
@@ -398,15 +408,12 @@ def _gemv_4bit_rows_kernel(
     jb = tl.arange(0, NB)
     rm = tl.arange(0, M_POW2)
     acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
-    table = _lookup_table(code_ptr, sub, LOOKUP)  # shfl: remade from each step's bytes below
+    table = _lookup_table(code_ptr, sub, LOOKUP)
     for c0 in range(start, stop, NB * SUB):
         packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                     offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
         packed = packed.to(tl.int32)
-        if LOOKUP == LOOKUP_SHFL:
-            lut = _lookup_table(code_ptr, packed, LOOKUP)
-        else:
-            lut = table
+        lut = _step_table(code_ptr, packed, table, LOOKUP)
         w_hi = _table_values(packed >> 4, code_ptr, lut, LOOKUP)
         w_lo = _table_values(packed, code_ptr, lut, LOOKUP)
         for m in tl.static_range(M):
@@ -465,17 +472,14 @@ def _gemv_4bit_words_kernel(
     rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
     jb = tl.arange(0, NB)
     acc = tl.zeros((BLOCK_N, NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
-    table = _lookup_table(code_ptr, sub, LOOKUP)  # shfl: remade from each step's words below
+    table = _lookup_table(code_ptr, sub, LOOKUP)
     offset = 0.0
     if PTX and NESTED:
         offset = tl.load(offset_ptr)
     for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # H100: 4-10% faster than 1; 3 and 4 slower
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
-        if LOOKUP == LOOKUP_SHFL:
-            lut = _lookup_table(code_ptr, words, LOOKUP)
-        else:
-            lut = table
+        lut = _step_table(code_ptr, words, table, LOOKUP)
         if PTX:
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, (c0 + sub < stop) | EVEN)
         else:

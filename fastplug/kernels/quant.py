@@ -457,21 +457,48 @@ def _x_of_words(x_ptr, word, valid):
 
 
 @triton.jit
-def _gemv_4bit_words_kernel(
-    x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    N, KW, stride_os, split_words,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
-    PTX: tl.constexpr, EVEN: tl.constexpr,
-):
-    """One row of x times W, the packed weight read as 32-bit words (KW a row, K a multiple of 8): a word holds
-    elements 8i..8i+7, element 8i+j in byte j // 2 (little-endian), high nibble for even j. The bytes stay
-    packed in registers (a quarter of the registers `_gemv_4bit_rows_kernel` spends on them, so more
-    programs and more loads in flight per SM) and each of the eight nibbles is shifted out in turn. Tiles
-    [BLOCK_N, NB, SUBW] words; a sub-chunk of SUBW words lies in one quantization block."""
-    rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
+def _eight_of_words(ptr, c0, stop, jb, NB: tl.constexpr, SUBW: tl.constexpr):
+    """ptr[8w .. 8w + 7] as eight fp32 [NB, SUBW] tensors for the words w = c0 + sub (zeros from `stop` on), by one
+    tl.load of the chunk, split apart in registers: element j = 4a + 2b + c of a word, split off c, then b, then a."""
+    e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
+    v = tl.load(ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
+    c0_, c1_ = tl.split(tl.reshape(v, (NB, SUBW, 2, 2, 2)))
+    c0b0, c0b1 = tl.split(c0_)
+    c1b0, c1b1 = tl.split(c1_)
+    v0, v4 = tl.split(c0b0)
+    v2, v6 = tl.split(c0b1)
+    v1, v5 = tl.split(c1b0)
+    v3, v7 = tl.split(c1b1)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _normed(x, nw, rstd, offset, NORM: tl.constexpr, dt: tl.constexpr):
+    """x (fp32 of dtype dt) RMS-normalised and scaled, rounded as the unfused norm rounds: NORM 1 Llama
+    (the normalised x rounded to dt, times the weight), 2 Gemma (times offset + weight in fp32); 0 x itself."""
+    if NORM == 1:
+        return ((x * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
+    elif NORM == 2:
+        return (x * rstd * (offset + nw)).to(dt).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                    row_word, nmask, start, stop, rstd, nw_ptr, norm_offset,
+                    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+                    NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr,
+                    EVEN: tl.constexpr, NORM: tl.constexpr = 0):
+    """fp32 [BLOCK_N]: x . W[n] over the words [start, stop) of the rows whose first words are `row_word`, the
+    packed weight read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
+    (little-endian), high nibble for even j. The bytes stay packed in registers and each of the eight nibbles is
+    shifted out in turn; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words inside one quantization block.
+    NORM (`_normed`): x is RMS-normalised on the fly with rstd and the norm weight nw_ptr (the decode step's
+    fused norm); PTX then needs nw in bf16 too."""
+    sub = tl.arange(0, NB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]
     jb = tl.arange(0, NB)
-    acc = tl.zeros((BLOCK_N, NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
+    dt: tl.constexpr = x_ptr.dtype.element_ty
+    acc = tl.zeros((row_word.shape[0], NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
     table = _lookup_table(code_ptr, sub, LOOKUP)
     offset = 0.0
     if PTX and NESTED:
@@ -481,18 +508,23 @@ def _gemv_4bit_words_kernel(
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
         lut = _step_table(code_ptr, words, table, LOOKUP)
         if PTX:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, (c0 + sub < stop) | EVEN)
+            valid = (c0 + sub < stop) | EVEN
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, valid)
+            if NORM:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _x_of_words(nw_ptr, c0 + sub, valid)
         else:
-            e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
-            xv = tl.load(x_ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
-            # the eight elements of each word apart: j = 4a + 2b + c, split off c, then b, then a
-            x_c0, x_c1 = tl.split(tl.reshape(xv, (NB, SUBW, 2, 2, 2)))
-            x_c0b0, x_c0b1 = tl.split(x_c0)
-            x_c1b0, x_c1b1 = tl.split(x_c1)
-            x0, x4 = tl.split(x_c0b0)
-            x2, x6 = tl.split(x_c0b1)
-            x1, x5 = tl.split(x_c1b0)
-            x3, x7 = tl.split(x_c1b1)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, jb, NB, SUBW)
+            if NORM:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _eight_of_words(nw_ptr, c0, stop, jb, NB, SUBW)
+        if NORM:
+            x0 = _normed(x0, w0, rstd, norm_offset, NORM, dt)
+            x1 = _normed(x1, w1, rstd, norm_offset, NORM, dt)
+            x2 = _normed(x2, w2, rstd, norm_offset, NORM, dt)
+            x3 = _normed(x3, w3, rstd, norm_offset, NORM, dt)
+            x4 = _normed(x4, w4, rstd, norm_offset, NORM, dt)
+            x5 = _normed(x5, w5, rstd, norm_offset, NORM, dt)
+            x6 = _normed(x6, w6, rstd, norm_offset, NORM, dt)
+            x7 = _normed(x7, w7, rstd, norm_offset, NORM, dt)
         part = _nibble_term(words, 4, x0, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 0, x1, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 12, x2, code_ptr, lut, LOOKUP)
@@ -502,7 +534,23 @@ def _gemv_4bit_words_kernel(
         part += _nibble_term(words, 28, x6, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 24, x7, code_ptr, lut, LOOKUP)
         acc += part * scale[:, :, None]
-    total = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+    return tl.sum(tl.sum(acc, axis=2), axis=1)
+
+
+@triton.jit
+def _gemv_4bit_words_kernel(
+    x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
+    N, KW, stride_os, split_words,
+    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
+    PTX: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One row of x times W (KW words a row, K a multiple of 8) by `_words_row_sums`: fewer registers than
+    `_gemv_4bit_rows_kernel` spends on bytes, so more programs and more loads in flight per SM."""
+    rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
+    total = _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
+                            nmask, start, stop, 0.0, x_ptr, 0.0, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW,
+                            LOOKUP, PTX, EVEN)
     tl.store(out_ptr + tl.program_id(1) * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
 
 

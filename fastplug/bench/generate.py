@@ -40,7 +40,7 @@ COLUMNS = ["model", "impl", "batch", "new_tokens", "tok_per_s", "decode_tok_per_
            "error"]
 
 
-def _build(shape: dict, device: str, model: str = "llama"):
+def _build(shape: dict, device: str, model: str = "llama", nf4: bool = False):
     import torch
     import transformers
 
@@ -55,9 +55,25 @@ def _build(shape: dict, device: str, model: str = "llama"):
             model = getattr(transformers, model_name)(config)
     finally:
         torch.set_default_dtype(default)
+    if nf4:
+        model = _nf4(model, device)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def _nf4(model, device: str):
+    """The model reloaded with 4-bit NF4 bases (double quantization, bf16 compute), as QLoRA users load it."""
+    import tempfile
+
+    import torch
+    import transformers
+
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        return type(model).from_pretrained(tmp, quantization_config=config, dtype=model.dtype, device_map=device)
 
 
 def _with_lora(model):
@@ -248,6 +264,8 @@ def main(argv=None) -> int:
                         help="model:batch:impl+impl;... (overrides --models/--batches/--impls), e.g. "
                              "'llama:1:fastplug+transformers;gemma2:1:fastplug'")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
+    parser.add_argument("--nf4", action="store_true",
+                        help="4-bit NF4 bases (bitsandbytes, double quantization): QLoRA models")
     parser.add_argument("--profile", action="store_true", help="print kernel tables of the decode steps")
     parser.add_argument("--kernels", action="store_true", help="time the decode GEMV's configurations")
     parser.add_argument("--out", default="bench_out", help="folder for generate.csv")
@@ -275,10 +293,10 @@ def main(argv=None) -> int:
         if args.kernels and device == "cuda" and not args.tiny:
             _kernels(name)
         shape = TINY if args.tiny else MODELS[name][3]
-        model = _build(shape, device, name)
+        model = _build(shape, device, name, args.nf4)
         wanted = [(b, impls) for n, b, impls in plan if n == name]
         lora_model = None
-        print(f"generate bench: {'tiny' if args.tiny else MODELS[name][0]}, {device}, "
+        print(f"generate bench: {'tiny' if args.tiny else MODELS[name][0]}{', NF4' if args.nf4 else ''}, {device}, "
               f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, prompt {args.prompt}, greedy, no EOS",
               flush=True)
         for batch, impls in wanted:
@@ -292,7 +310,7 @@ def main(argv=None) -> int:
                 row = dict(model=name, impl=impl, batch=batch, new_tokens=new)
                 try:
                     if impl == "fastplug_lora" and lora_model is None:
-                        lora_model = _with_lora(_build(shape, device, name))
+                        lora_model = _with_lora(_build(shape, device, name, args.nf4))
                     row.update(_run(impl, lora_model if impl == "fastplug_lora" else model, ids, mask, new, device,
                                     args.repeats))
                 except Exception as error:  # one failing setting must not hide the others

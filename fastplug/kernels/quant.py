@@ -473,31 +473,17 @@ def _eight_of_words(ptr, c0, stop, jb, NB: tl.constexpr, SUBW: tl.constexpr):
 
 
 @triton.jit
-def _normed(x, nw, rstd, offset, NORM: tl.constexpr, dt: tl.constexpr):
-    """x (fp32 of dtype dt) RMS-normalised and scaled, rounded as the unfused norm rounds: NORM 1 Llama
-    (the normalised x rounded to dt, times the weight), 2 Gemma (times offset + weight in fp32); 0 x itself."""
-    if NORM == 1:
-        return ((x * rstd).to(dt).to(tl.float32) * nw).to(dt).to(tl.float32)
-    elif NORM == 2:
-        return (x * rstd * (offset + nw)).to(dt).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                    row_word, nmask, start, stop, rstd, nw_ptr, norm_offset,
+                    row_word, nmask, start, stop,
                     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
                     NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr,
-                    EVEN: tl.constexpr, NORM: tl.constexpr = 0):
+                    EVEN: tl.constexpr):
     """fp32 [BLOCK_N]: x . W[n] over the words [start, stop) of the rows whose first words are `row_word`, the
     packed weight read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
     (little-endian), high nibble for even j. The bytes stay packed in registers and each of the eight nibbles is
-    shifted out in turn; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words inside one quantization block.
-    NORM (`_normed`): x is RMS-normalised on the fly with rstd and the norm weight nw_ptr (the decode step's
-    fused norm); PTX then needs nw in bf16 too."""
+    shifted out in turn; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words inside one quantization block."""
     sub = tl.arange(0, NB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]
     jb = tl.arange(0, NB)
-    dt: tl.constexpr = x_ptr.dtype.element_ty
     acc = tl.zeros((row_word.shape[0], NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
     table = _lookup_table(code_ptr, sub, LOOKUP)
     offset = 0.0
@@ -508,23 +494,9 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
         lut = _step_table(code_ptr, words, table, LOOKUP)
         if PTX:
-            valid = (c0 + sub < stop) | EVEN
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, valid)
-            if NORM:
-                w0, w1, w2, w3, w4, w5, w6, w7 = _x_of_words(nw_ptr, c0 + sub, valid)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, (c0 + sub < stop) | EVEN)
         else:
             x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, jb, NB, SUBW)
-            if NORM:
-                w0, w1, w2, w3, w4, w5, w6, w7 = _eight_of_words(nw_ptr, c0, stop, jb, NB, SUBW)
-        if NORM:
-            x0 = _normed(x0, w0, rstd, norm_offset, NORM, dt)
-            x1 = _normed(x1, w1, rstd, norm_offset, NORM, dt)
-            x2 = _normed(x2, w2, rstd, norm_offset, NORM, dt)
-            x3 = _normed(x3, w3, rstd, norm_offset, NORM, dt)
-            x4 = _normed(x4, w4, rstd, norm_offset, NORM, dt)
-            x5 = _normed(x5, w5, rstd, norm_offset, NORM, dt)
-            x6 = _normed(x6, w6, rstd, norm_offset, NORM, dt)
-            x7 = _normed(x7, w7, rstd, norm_offset, NORM, dt)
         part = _nibble_term(words, 4, x0, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 0, x1, code_ptr, lut, LOOKUP)
         part += _nibble_term(words, 12, x2, code_ptr, lut, LOOKUP)
@@ -549,7 +521,7 @@ def _gemv_4bit_words_kernel(
     `_gemv_4bit_rows_kernel` spends on bytes, so more programs and more loads in flight per SM."""
     rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
     total = _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
-                            nmask, start, stop, 0.0, x_ptr, 0.0, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW,
+                            nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW,
                             LOOKUP, PTX, EVEN)
     tl.store(out_ptr + tl.program_id(1) * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
 

@@ -322,8 +322,9 @@ def _gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2):
-    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes."""
+def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2, packed: bool = False):
+    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes
+    (`packed`: 4-bit weights, decoded in the tile)."""
     # H100, Llama-1B and Gemma2-2B projections in a CUDA graph (python -m fastplug.bench.generate --kernels):
     # one row: 8 rows x 512 columns per step reads 1.4-3.0 TB/s (qkv/o up to the LM head); long rows (the down
     # projection, K >= 4096) gain ~10% from 1024 columns and 8 warps. 8 rows: 16 x 32 x 256 tiles (the gated
@@ -333,9 +334,9 @@ def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2):
         if k >= 4096:
             return False, 1, block_n, 1024, 8
         return False, 1, block_n, min(512, max(16, next_power_of_2(k))), 4
-    # fp32 tiles are twice as wide in bytes: 256 columns overflow an H100's shared memory (280 KB needed with
-    # the pipelined 4-bit decode) where 64 fit.
-    return True, 16, 32, min(256 if itemsize <= 2 else 64, max(16, next_power_of_2(k))), 4
+    # The pipeliner stages the 4-bit decode's per-element table and scale loads in shared memory: 256 columns
+    # overflow an H100's (bf16 239 KB, fp32 280 KB needed; found at batch 8 of Llama-1B NF4), 64 fit.
+    return True, 16, 32, min(64 if packed or itemsize > 2 else 256, max(16, next_power_of_2(k))), 4
 
 
 def gemv(
@@ -454,7 +455,8 @@ def gemv(
     if not use_triton(x, weights[0]):
         return _write(out, gemv_reference(x, weights, norm=norm, biases=biases, lora=lora, activation=activation,
                                           residual=residual, out_dtype=out_dtype, softcap=softcap))
-    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size())
+    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size(),
+                                                                      packs is not None)
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
     tile = _words_tile(x, entries, ns, k, act >= 0, words)

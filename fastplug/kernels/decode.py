@@ -35,7 +35,8 @@ import triton.language as tl
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
 from .quant import (
-    LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit_reference, gemv_config, is_4bit,
+    LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference, gemv_config,
+    is_4bit,
     shuffle_layouts_agree,
 )
 
@@ -322,9 +323,8 @@ def _gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2, packed: bool = False):
-    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes
-    (`packed`: 4-bit weights, decoded in the tile)."""
+def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2):
+    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes."""
     # H100, Llama-1B and Gemma2-2B projections in a CUDA graph (python -m fastplug.bench.generate --kernels):
     # one row: 8 rows x 512 columns per step reads 1.4-3.0 TB/s (qkv/o up to the LM head); long rows (the down
     # projection, K >= 4096) gain ~10% from 1024 columns and 8 warps. 8 rows: 16 x 32 x 256 tiles (the gated
@@ -334,9 +334,9 @@ def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2, packed: b
         if k >= 4096:
             return False, 1, block_n, 1024, 8
         return False, 1, block_n, min(512, max(16, next_power_of_2(k))), 4
-    # The pipeliner stages the 4-bit decode's per-element table and scale loads in shared memory: 256 columns
-    # overflow an H100's (bf16 239 KB, fp32 280 KB needed; found at batch 8 of Llama-1B NF4), 64 fit.
-    return True, 16, 32, min(64 if packed or itemsize > 2 else 256, max(16, next_power_of_2(k))), 4
+    # fp32 tiles are twice as wide in bytes: 256 columns overflow an H100's shared memory (280 KB needed with
+    # the pipelined 4-bit decode) where 64 fit.
+    return True, 16, 32, min(256 if itemsize <= 2 else 64, max(16, next_power_of_2(k))), 4
 
 
 def gemv(
@@ -455,8 +455,13 @@ def gemv(
     if not use_triton(x, weights[0]):
         return _write(out, gemv_reference(x, weights, norm=norm, biases=biases, lora=lora, activation=activation,
                                           residual=residual, out_dtype=out_dtype, softcap=softcap))
-    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size(),
-                                                                      packs is not None)
+    if packs and m > 1:
+        # Several rows: dequantized (into new buffers, one launch a weight) and read dense. H100, 2 and 8 rows,
+        # Llama-8B and -1B widths: 20-70x faster than decoding the 4-bit tiles (whose per-element table and
+        # scale loads the pipeliner stages in shared memory; 256 columns of them overflowed it at batch 8 of
+        # Llama-1B NF4), 0.4-2.5x bitsandbytes.
+        weights, entries, packs = [dequantize_4bit(w, dtype=dtype) for w in weights], None, None
+    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size())
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
     tile = _words_tile(x, entries, ns, k, act >= 0, words)

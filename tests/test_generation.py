@@ -363,10 +363,11 @@ def test_generation_config_and_batch_buckets(llama):
                        out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_gemv_word_wise_path_matches_decoded_tiles(dtype):
-    """decode_kernels.gemv at one row of x on 4-bit weights, read as 32-bit words (the path the decode step takes
-    on a GPU), equals the decoded-tile path within the rounding of the weight (products of the unrounded weight
+@pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (1, torch.bfloat16), (3, torch.float32),
+                                        (8, torch.bfloat16)])
+def test_decode_gemv_word_wise_path_matches_decoded_tiles(rows, dtype):
+    """decode_kernels.gemv on 4-bit weights read as 32-bit words (the path the decode step takes on a GPU, 1-8
+    rows of x) equals the decoded-tile path within the rounding of the weight (products of the unrounded weight
     there): q/k/v with the Llama and the Gemma norm, bias and LoRA; gate/up with the activation; down with an
     in-place residual; NF4 nested and FP4 plain, blocksizes 64 and 128, several chunks of K."""
     bnb = pytest.importorskip("bitsandbytes")
@@ -380,16 +381,16 @@ def test_decode_gemv_word_wise_path_matches_decoded_tiles(dtype):
     torch.manual_seed(0)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     for k, nested, quant_type, blocksize in ((64, True, "nf4", 64), (1024, False, "fp4", 128), (520, True, "nf4", 64)):
-        x = torch.randn(1, k, dtype=dtype)
+        x = torch.randn(rows, k, dtype=dtype)
         qkv = [packed(n, k, nested, quant_type, blocksize) for n in (48, 16, 12)]
-        lora = (torch.randn(1, 8, dtype=dtype), [torch.randn(48, 4, dtype=dtype), None, torch.randn(12, 4, dtype=dtype)],
-                [2.0, 0.0, 0.5])
+        lora = (torch.randn(rows, 8, dtype=dtype),
+                [torch.randn(48, 4, dtype=dtype), None, torch.randn(12, 4, dtype=dtype)], [2.0, 0.0, 0.5])
         nw = (torch.rand(k) + 0.5).to(dtype)
         cases = [(qkv, dict(norm=(nw, 1e-6, 0.0), biases=[torch.randn(n, dtype=dtype) for n in (48, 16, 12)],
                             lora=lora)),
                  (qkv, dict(norm=(nw, 1e-6, 1.0))),
                  ([packed(32, k, nested, quant_type, blocksize) for _ in range(2)], dict(activation="silu")),
-                 ([packed(64, k, nested, quant_type, blocksize)], dict(residual=torch.randn(1, 64, dtype=dtype)))]
+                 ([packed(64, k, nested, quant_type, blocksize)], dict(residual=torch.randn(rows, 64, dtype=dtype)))]
         for weights, kw in cases:
             tiles = gemv(x, weights, words=False, **kw).float()
             if "residual" in kw:  # in place, as the decode step's o/down projections
@@ -399,5 +400,5 @@ def test_decode_gemv_word_wise_path_matches_decoded_tiles(dtype):
                 out = gemv(x, weights, words=True, **kw)
             err = ((out.float() - tiles).norm() / tiles.norm()).item()
             assert err < tol, (k, quant_type, sorted(kw), err)
-    with pytest.raises(ValueError, match="one row"):
-        gemv(torch.randn(2, 64), [packed(16, 64, True, "nf4", 64)], words=True)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        gemv(torch.randn(9, 64), [packed(16, 64, True, "nf4", 64)], words=True)

@@ -43,6 +43,7 @@ from .quant import (
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_SEGMENTS = 3
 MAX_ROWS = 16  # the GEMV's dot path pads rows to 16; more rows go through cuBLAS
+WORDS_MAX_ROWS = 8  # rows of x the word-wise 4-bit loop takes (accumulators per thread grow with them)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -111,20 +112,23 @@ def _w4_tile(data_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2: tl.const
 
 
 @triton.jit
-def _gemv_acc_words(x_ptr, words_ptr, q4_row, n, n_mask, K, BLOCKSIZE_LOG2: tl.constexpr,
+def _gemv_acc_words(x_ptr, stride_xm, M, words_ptr, q4_row, n, n_mask, K, BLOCKSIZE_LOG2: tl.constexpr,
                     BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, WORDS_NB: tl.constexpr,
-                    WORDS_SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
-    """x W[n]^T for one row of x on a 4-bit weight read as 32-bit words (`quant._words_row_sums`: the one-row
-    GEMV's loop, table by warp shuffle where compiled): fp32 [1, BLOCK_N]. The weight is not rounded to x's
-    dtype first (the tile path rounds it, as a dequantization would)."""
+                    WORDS_SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant._words_row_sums`: the GEMV's word-wise loop,
+    table by warp shuffle where compiled, each nibble looked up once for all rows): fp32 [BLOCK_M, BLOCK_N]. The
+    weight is not rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
     absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(q4_row, NESTED)
     kw = K // 8
     if EVEN:  # whole chunks of 128 words or more a row: the 16-byte word loads are aligned (Triton cannot see it)
         kw = tl.multiple_of(kw, 16)
     total = _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                             n.to(tl.int64) * kw, n_mask, 0, kw, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, WORDS_NB,
-                            WORDS_SUBW, LOOKUP, PTX, EVEN)
-    return total[None, :]
+                            WORDS_SUBW, LOOKUP, PTX, EVEN, M, stride_xm, BLOCK_M)
+    if BLOCK_M == 1:
+        total = total[None, :]
+    return total
 
 
 @triton.jit
@@ -227,8 +231,9 @@ def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
     n_mask = n < N
     if WORDS_NB > 0:
         tl.static_assert(not HAS_NORM, "the word-wise path takes x normalised already")
-        acc = _gemv_acc_words(x_ptr, w_ptr, q4_row, n, n_mask, K, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED,
-                              WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+        acc = _gemv_acc_words(x_ptr, stride_xm, tl.sum(m_mask.to(tl.int32), axis=0), w_ptr, q4_row, n, n_mask, K,
+                              BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN,
+                              BLOCK_M)
     elif USE_DOT:
         acc = _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
                             n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PRECISION,
@@ -365,11 +370,12 @@ def gemv(
     out_dtype: torch.float32 for logits; softcap: tanh(y / cap) * cap, rounded like transformers.
     The weights may instead all be bitsandbytes 4-bit weights of one format (`packed_reason`), decoded from
     their packed bytes in the kernel and rounded to x's dtype (the dtype the whole product then runs in).
-    With one row of x (the decode step at batch 1) they are read as 32-bit words instead, the one-row GEMV's loop
-    (`words`: None picks it where the kernels run compiled on CUDA and the format allows; True asks for it),
+    With up to WORDS_MAX_ROWS rows of x (the decode step) they are read as 32-bit words instead, the 4-bit GEMV's
+    loop (`words`: None picks it where the kernels run compiled on CUDA and the format allows; True asks for it),
     products of the unrounded weight in fp32, x normalised first by one more launch: a 16-byte load per thread
-    and a warp-shuffle table, where the decoded tile takes a byte load, a table load and a scale per element
-    (H100, Llama-8B widths: 10x faster, 1.4-1.6x bitsandbytes' GEMV).
+    and a warp-shuffle table, each nibble looked up once for all rows, where the decoded tile takes a byte load,
+    a table load and a scale per element (H100, Llama-8B widths, one row: 10x faster, 1.4-1.6x bitsandbytes'
+    GEMV). More rows, or weights the loop cannot read, are dequantized and read dense.
     """
     weights = list(weights)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
@@ -455,16 +461,15 @@ def gemv(
     if not use_triton(x, weights[0]):
         return _write(out, gemv_reference(x, weights, norm=norm, biases=biases, lora=lora, activation=activation,
                                           residual=residual, out_dtype=out_dtype, softcap=softcap))
-    if packs and m > 1:
-        # Several rows: dequantized (into new buffers, one launch a weight) and read dense. H100, 2 and 8 rows,
-        # Llama-8B and -1B widths: 20-70x faster than decoding the 4-bit tiles (whose per-element table and
-        # scale loads the pipeliner stages in shared memory; 256 columns of them overflowed it at batch 8 of
-        # Llama-1B NF4), 0.4-2.5x bitsandbytes.
+    tile = _words_tile(x, entries, ns, k, act >= 0, words)
+    if packs and tile is None and m > 1:
+        # Dequantized (into new buffers, one launch a weight) and read dense. H100, 2 and 8 rows, Llama-8B and
+        # -1B widths: 20-70x faster than decoding the 4-bit tiles (whose per-element table and scale loads the
+        # pipeliner stages in shared memory; 256 columns of them overflowed it at batch 8 of Llama-1B NF4).
         weights, entries, packs = [dequantize_4bit(w, dtype=dtype) for w in weights], None, None
     use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size())
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
-    tile = _words_tile(x, entries, ns, k, act >= 0, words)
     if tile is not None and norm is not None:
         # normalised once, by one more launch: fused, every program of the word-wise loop would redo the norm's
         # conversions for its rows (H100, gate/up 2 x 14336 x 4096: 93 us fused, 37 us for the product alone)
@@ -475,9 +480,12 @@ def gemv(
         seg_w, strides, q4 = [p.data for p in packs], [0] * len(packs), _packed_table(entries)
         q4_consts = entries[0].consts
         if tile is not None:
-            seg_w, block_n, warps = [e.words for e in entries], tile.block_n, tile.num_warps
+            # several rows of x: at least 4 warps, to keep each thread's accumulators (rows x words) few
+            seg_w, block_n, use_dot = [e.words for e in entries], tile.block_n, False
+            block_m, warps = next_power_of_2(m), tile.num_warps if m == 1 else max(4, tile.num_warps)
+            aligned = x.data_ptr() % 16 == 0 and (m == 1 or x.stride(0) % 8 == 0)
             consts = dict(WORDS_NB=tile.nb, WORDS_SUBW=tile.sub, LOOKUP=LOOKUPS[tile.lookup],
-                          PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and x.data_ptr() % 16 == 0,
+                          PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned,
                           EVEN=all(n % block_n == 0 for n in ns) and k // 8 % (tile.nb * tile.sub) == 0)
     else:
         seg_w, strides, q4 = weights, [w.stride(0) for w in weights], x
@@ -510,12 +518,12 @@ def gemv(
 
 
 def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
-    """The word-wise tile (a quant.GemvConfig) for one row of x on 4-bit weights, or None for the decoded
-    tiles. `words`: None where compiled on CUDA and the weights allow, True asks for it (an error where they
-    do not), False never."""
-    if words is False or entries is None or x.shape[0] != 1:
+    """The word-wise tile (a quant.GemvConfig, sized as for one row) for up to WORDS_MAX_ROWS rows of x on 4-bit
+    weights, or None. `words`: None where compiled on CUDA and the weights allow, True asks for it (an error
+    where they do not), False never."""
+    if words is False or entries is None or x.shape[0] > WORDS_MAX_ROWS:
         if words:
-            raise ValueError("words=True takes one row of x and 4-bit weights")
+            raise ValueError(f"words=True takes at most {WORDS_MAX_ROWS} rows of x and 4-bit weights")
         return None
     if words is None and not (x.is_cuda and not interpreter_enabled()):
         return None

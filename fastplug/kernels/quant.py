@@ -437,9 +437,17 @@ def _gemv_4bit_rows_kernel(
 
 
 @triton.jit
-def _nibble_term(words, shift: tl.constexpr, xj, code_ptr, table, LOOKUP: tl.constexpr):
-    """table[the nibble at `shift` of every word] * xj: one element of each word's eight times x."""
-    return _table_values(words >> shift, code_ptr, table, LOOKUP) * xj[None, :, :]
+def _eight_terms(words, x0, x1, x2, x3, x4, x5, x6, x7, code_ptr, table, LOOKUP: tl.constexpr):
+    """sum over j of table[element j of each word] * xj, the xj broadcast against `words` by the caller."""
+    part = _table_values(words >> 4, code_ptr, table, LOOKUP) * x0
+    part += _table_values(words, code_ptr, table, LOOKUP) * x1
+    part += _table_values(words >> 12, code_ptr, table, LOOKUP) * x2
+    part += _table_values(words >> 8, code_ptr, table, LOOKUP) * x3
+    part += _table_values(words >> 20, code_ptr, table, LOOKUP) * x4
+    part += _table_values(words >> 16, code_ptr, table, LOOKUP) * x5
+    part += _table_values(words >> 28, code_ptr, table, LOOKUP) * x6
+    part += _table_values(words >> 24, code_ptr, table, LOOKUP) * x7
+    return part
 
 
 @triton.jit
@@ -457,12 +465,17 @@ def _x_of_words(x_ptr, word, valid):
 
 
 @triton.jit
-def _eight_of_words(ptr, c0, stop, jb, NB: tl.constexpr, SUBW: tl.constexpr):
-    """ptr[8w .. 8w + 7] as eight fp32 [NB, SUBW] tensors for the words w = c0 + sub (zeros from `stop` on), by one
-    tl.load of the chunk, split apart in registers: element j = 4a + 2b + c of a word, split off c, then b, then a."""
+def _eight_of_words(ptr, c0, stop, jb, mask, NB: tl.constexpr, SUBW: tl.constexpr, ROWS: tl.constexpr):
+    """ptr[8w .. 8w + 7] as eight fp32 tensors for the words w = c0 + sub (zeros from `stop` on, and where not
+    `mask`), by one tl.load of the chunk, split apart in registers: element j = 4a + 2b + c of a word, split off c,
+    then b, then a. ROWS 0: ptr is a pointer, [NB, SUBW] tensors; else ptr is [ROWS, 1, 1] (rows of x)."""
     e = c0 * 8 + jb[:, None] * (8 * SUBW) + tl.arange(0, 8 * SUBW)[None, :]
-    v = tl.load(ptr + e, mask=e < stop * 8, other=0.0).to(tl.float32)
-    c0_, c1_ = tl.split(tl.reshape(v, (NB, SUBW, 2, 2, 2)))
+    v = tl.load(ptr + e, mask=(e < stop * 8) & mask, other=0.0).to(tl.float32)
+    if ROWS:
+        v = tl.reshape(v, (ROWS, NB, SUBW, 2, 2, 2))
+    else:
+        v = tl.reshape(v, (NB, SUBW, 2, 2, 2))
+    c0_, c1_ = tl.split(v)
     c0b0, c0b1 = tl.split(c0_)
     c1b0, c1b1 = tl.split(c1_)
     v0, v4 = tl.split(c0b0)
@@ -477,14 +490,21 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
                     row_word, nmask, start, stop,
                     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
                     NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr,
-                    EVEN: tl.constexpr):
-    """fp32 [BLOCK_N]: x . W[n] over the words [start, stop) of the rows whose first words are `row_word`, the
-    packed weight read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
+                    EVEN: tl.constexpr, M=1, stride_xm=0, BLOCK_M: tl.constexpr = 1):
+    """x . W[n] in fp32 over the words [start, stop) of the rows whose first words are `row_word`: [BLOCK_N] for
+    one row of x (BLOCK_M 1), else [BLOCK_M, BLOCK_N] for its M rows (stride_xm apart; 8-element aligned for
+    PTX). The packed weight is read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
     (little-endian), high nibble for even j. The bytes stay packed in registers and each of the eight nibbles is
-    shifted out in turn; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words inside one quantization block."""
+    shifted out and looked up once for all rows of x; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words
+    inside one quantization block. Rows of x are a leading dimension of the words' own layout (the words are
+    expanded to it before the lookups: expanding the looked-up values instead cost 8 layout conversions a step)."""
     sub = tl.arange(0, NB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]
     jb = tl.arange(0, NB)
-    acc = tl.zeros((row_word.shape[0], NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
+    rm = tl.arange(0, BLOCK_M)
+    if BLOCK_M == 1:
+        acc = tl.zeros((row_word.shape[0], NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
+    else:
+        acc = tl.zeros((BLOCK_M, row_word.shape[0], NB, SUBW), dtype=tl.float32)
     table = _lookup_table(code_ptr, sub, LOOKUP)
     offset = 0.0
     if PTX and NESTED:
@@ -492,21 +512,34 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
     for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # H100: 4-10% faster than 1; 3 and 4 slower
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
-        lut = _step_table(code_ptr, words, table, LOOKUP)
-        if PTX:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, (c0 + sub < stop) | EVEN)
+        valid = (c0 + sub < stop) | EVEN
+        if BLOCK_M == 1:
+            lut = _step_table(code_ptr, words, table, LOOKUP)
+            if PTX:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, valid)
+            else:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, jb, True, NB, SUBW, 0)
+            acc += _eight_terms(words, x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :],
+                                x4[None, :, :], x5[None, :, :], x6[None, :, :], x7[None, :, :], code_ptr, lut,
+                                LOOKUP) * scale[:, :, None]
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, jb, NB, SUBW)
-        part = _nibble_term(words, 4, x0, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 0, x1, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 12, x2, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 8, x3, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 20, x4, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 16, x5, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 28, x6, code_ptr, lut, LOOKUP)
-        part += _nibble_term(words, 24, x7, code_ptr, lut, LOOKUP)
-        acc += part * scale[:, :, None]
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+            words = tl.expand_dims(words, 0)
+            lut = _step_table(code_ptr, words, table, LOOKUP)
+            row = (rm < M)[:, None, None]
+            if PTX:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(
+                    x_ptr, (c0 + sub)[None, :, :] + rm[:, None, None] * (stride_xm // 8), valid[None, :, :] & row)
+            else:
+                x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr + rm[:, None, None] * stride_xm, c0, stop, jb,
+                                                                 row, NB, SUBW, BLOCK_M)
+            acc += _eight_terms(words, x0[:, None, :, :], x1[:, None, :, :], x2[:, None, :, :], x3[:, None, :, :],
+                                x4[:, None, :, :], x5[:, None, :, :], x6[:, None, :, :], x7[:, None, :, :], code_ptr,
+                                lut, LOOKUP) * scale[None, :, :, None]
+    if BLOCK_M == 1:
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)
+    else:
+        total = tl.sum(tl.sum(acc, axis=3), axis=2)
+    return total
 
 
 @triton.jit

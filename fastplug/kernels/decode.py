@@ -281,10 +281,12 @@ def _gemv_kernel(
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         g = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, q4_ptr, bias0, lb0, r0, xo0,
                           s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
-                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+                          WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
         u = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, q4_ptr + 5, bias1, lb1, r1,
                           xo1, s1, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
-                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+                          WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
         p, _ = _gate_factor(g, ACT)
         out = g * p * u
         cols = n

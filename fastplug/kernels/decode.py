@@ -35,15 +35,14 @@ import triton.language as tl
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
 from .quant import (
-    LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference, gemv_config,
-    is_4bit,
-    shuffle_layouts_agree,
+    GEMV_MAX_ROWS, LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference,
+    gemv_config, is_4bit, shuffle_layouts_agree,
 )
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
 MAX_SEGMENTS = 3
 MAX_ROWS = 16  # the GEMV's dot path pads rows to 16; more rows go through cuBLAS
-WORDS_MAX_ROWS = 8  # rows of x the word-wise 4-bit loop takes (accumulators per thread grow with them)
+WORDS_MAX_ROWS = GEMV_MAX_ROWS  # rows of x the word-wise 4-bit loop takes (accumulators per thread grow with them)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -482,9 +481,8 @@ def gemv(
         seg_w, strides, q4 = [p.data for p in packs], [0] * len(packs), _packed_table(entries)
         q4_consts = entries[0].consts
         if tile is not None:
-            # several rows of x: at least 4 warps, to keep each thread's accumulators (rows x words) few
             seg_w, block_n, use_dot = [e.words for e in entries], tile.block_n, False
-            block_m, warps = next_power_of_2(m), tile.num_warps if m == 1 else max(4, tile.num_warps)
+            block_m, warps = next_power_of_2(m), tile.num_warps
             aligned = x.data_ptr() % 16 == 0 and (m == 1 or x.stride(0) % 8 == 0)
             consts = dict(WORDS_NB=tile.nb, WORDS_SUBW=tile.sub, LOOKUP=LOOKUPS[tile.lookup],
                           PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned,
@@ -520,8 +518,7 @@ def gemv(
 
 
 def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
-    """The word-wise tile (a quant.GemvConfig, sized as for one row) for up to WORDS_MAX_ROWS rows of x on 4-bit
-    weights, or None. `words`: None where compiled on CUDA and the weights allow, True asks for it (an error
+    """The word-wise tile (a quant.GemvConfig) for up to WORDS_MAX_ROWS rows of x on 4-bit weights, or None. `words`: None where compiled on CUDA and the weights allow, True asks for it (an error
     where they do not), False never."""
     if words is False or entries is None or x.shape[0] > WORDS_MAX_ROWS:
         if words:
@@ -535,7 +532,7 @@ def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
             raise ValueError("words=True takes K a multiple of 8, blocksize >= 8 and word-aligned packed bytes")
         return None
     # as many programs as row blocks (gate/up: one per block of both)
-    return gemv_config(1, ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
+    return gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
 
 
 _SHUFFLE_OK: dict[tuple, bool] = {}

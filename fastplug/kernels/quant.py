@@ -37,11 +37,11 @@ from ._utils import (
 
 INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
-# Rows of x the default GEMV tile takes (the CUDA-core kernel's work grows with each row of x); more rows, up to
-# GEMV_MAX_ROWS, take dequantize + matmul unless a tile is given (the tensor-core tile, `gemv_config(dot=True)`,
-# costs about the same at 8 rows as at 1 by design, but has not been timed on a GPU yet). H100, 14336x4096 and
-# 4096x14336, bf16, triton's do_bench: the default tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191,
-# dequantize + matmul 0.114.
+# Rows of x the byte-wise default tile takes (its work grows with each row of x); more rows, up to GEMV_MAX_ROWS,
+# take dequantize + matmul unless a tile is given or the word-wise kernel reads the weight (it looks each nibble up
+# once for all rows: up to GEMV_MAX_ROWS). H100, 14336x4096 and 4096x14336, bf16, triton's do_bench: the byte-wise
+# tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191, dequantize + matmul 0.114; the word-wise loop at 8
+# rows about 0.06 (in the decode kernels, CUDA graph).
 GEMV_KERNEL_ROWS = 4
 # How the CUDA-core GEMVs look their 16 table values up: global loads (L1), tl.gather (shared memory, two
 # barriers a call) or a warp shuffle (registers; inline PTX, so compiled CUDA only; the word-wise kernel then also
@@ -545,18 +545,25 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
 @triton.jit
 def _gemv_4bit_words_kernel(
     x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    N, KW, stride_os, split_words,
+    M, N, KW, stride_xm, stride_om, stride_os, split_words,
     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
     BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
-    PTX: tl.constexpr, EVEN: tl.constexpr,
+    PTX: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """One row of x times W (KW words a row, K a multiple of 8) by `_words_row_sums`: fewer registers than
-    `_gemv_4bit_rows_kernel` spends on bytes, so more programs and more loads in flight per SM."""
+    """M rows of x (at most BLOCK_M) times W (KW words a row, K a multiple of 8) by `_words_row_sums`: fewer
+    registers than `_gemv_4bit_rows_kernel` spends on bytes, so more programs and more loads in flight per SM,
+    and each nibble looked up once for all rows of x."""
     rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
     total = _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
                             nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW,
-                            LOOKUP, PTX, EVEN)
-    tl.store(out_ptr + tl.program_id(1) * stride_os + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
+                            LOOKUP, PTX, EVEN, M, stride_xm, BLOCK_M)
+    out = out_ptr + tl.program_id(1) * stride_os
+    if BLOCK_M == 1:
+        tl.store(out + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
+    else:
+        rm = tl.arange(0, BLOCK_M)
+        tl.store(out + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -785,13 +792,13 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     A sub-chunk is at most 32 bytes (a 16-byte vector for each of two threads) and lies inside one
     quantization block and one row; split-K only when the rows alone would leave the GPU's SMs idle.
     `dot`: the tensor-core kernel (`_gemv_4bit_dot_kernel`) instead of the CUDA-core one (`_gemv_4bit_rows_kernel`);
-    `words`: one row of x on `_gemv_4bit_words_kernel` (the default there on a GPU, where K allows);
+    `words`: `_gemv_4bit_words_kernel` (the default on a GPU where K allows, up to GEMV_MAX_ROWS rows of x);
     `lookup`: "shfl" (the default where the kernels run compiled on a GPU), "gather" or "load"."""
     if k % 2:
         return None
     kb = k // 2
     dot = override.pop("dot", False)
-    words_fit = m == 1 and not dot and k % 8 == 0 and blocksize >= 8
+    words_fit = m <= GEMV_MAX_ROWS and not dot and k % 8 == 0 and blocksize >= 8
     # H100, one row, CUDA graph over weight copies (`python -m fastplug.bench.qlora --gemv-sweep` reruns it),
     # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
     # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
@@ -800,7 +807,8 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
-        raise ValueError("words=True takes one row of x, K a multiple of 8 and blocksize >= 8 (CUDA-core kernel)")
+        raise ValueError(f"words=True takes at most {GEMV_MAX_ROWS} rows of x, K a multiple of 8 and blocksize >= 8 "
+                         "(CUDA-core kernel)")
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
@@ -814,8 +822,8 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
         block_n, chunk = max(block_n, 16), max(chunk, 8)
     nb = max(1, chunk // (sub * unit))
     programs = cdiv(n, block_n)
-    if warps is None:
-        warps = _words_warps(programs, device)
+    if warps is None:  # several rows of x: at least 4 warps, to keep each thread's accumulators (rows x words) few
+        warps = _words_warps(programs, device) if m == 1 else max(4, _words_warps(programs, device))
     chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
     compiled = device.type == "cuda" and not interpreter_enabled()
@@ -856,11 +864,12 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
         lookup = cfg.lookup
         while True:
             if cfg.words:
+                aligned = x2.data_ptr() % 16 == 0 and (M == 1 or x2.stride(0) % 8 == 0)
                 compiled = _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
-                    x2, u.words, *u.args[1:], part, N, kb, M * N, split_bytes, **u.consts,
+                    x2, u.words, *u.args[1:], part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
                     BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup],
-                    PTX=lookup == "shfl" and x2.dtype == torch.bfloat16 and x2.data_ptr() % 16 == 0,
-                    EVEN=N % cfg.block_n == 0 and kb % chunk == 0,
+                    PTX=lookup == "shfl" and x2.dtype == torch.bfloat16 and aligned,
+                    EVEN=N % cfg.block_n == 0 and kb % chunk == 0, BLOCK_M=next_power_of_2(M),
                     num_warps=cfg.num_warps,
                 )
             else:
@@ -932,11 +941,14 @@ def gemv_4bit(x: torch.Tensor, weight, config: GemvConfig | None = None) -> torc
         raise ValueError(f"x must be on {p.data.device} like weight; got {x.device}")
     x2 = rows_view(x)
     M, (N, K) = x2.shape[0], p.shape
-    if M > (GEMV_KERNEL_ROWS if config is None else GEMV_MAX_ROWS) or not use_triton(x2):
+    cfg = config
+    if cfg is None and 0 < M <= GEMV_MAX_ROWS:
+        cfg = _default_config(M, N, K, p.blocksize, x2.device)
+    words = cfg is not None and cfg.words and u.words is not None
+    if M > (GEMV_MAX_ROWS if config is not None or words else GEMV_KERNEL_ROWS) or not use_triton(x2):
         return (x2 @ dequantize_4bit(weight, dtype=x.dtype).t()).view(*x.shape[:-1], N)
     if M == 0:
         return x2.new_empty((0, N)).view(*x.shape[:-1], N)
-    cfg = config if config is not None else _default_config(M, N, K, p.blocksize, x2.device)
     out = _gemv_general(x2, u) if cfg is None else _gemv_rows(x2, u, cfg)
     return out.view(*x.shape[:-1], N)
 

@@ -61,11 +61,12 @@ def test_gemv_cuda(rows, shape, blocksize):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("tile", [dict(dot=False), dict(dot=False, lookup="gather"), dict(dot=False, lookup="load"),
-                                  dict(dot=True)])
+                                  dict(dot=False, words=False), dict(dot=True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_tiles_cuda(rows, tile, dtype):
-    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles), split-K included (512 rows). The
-    default lookup is the warp shuffle: a layout conversion of its per-lane table would show here."""
+    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles; dot=False is the word-wise kernel where K
+    allows, words=False the byte-wise one), split-K included (512 rows). The default lookup is the warp shuffle: a
+    layout conversion of its per-lane table would show here."""
     for shape in ((4096, 14336), (512, 2048)):
         p = quantized(*shape)
         x = torch.randn(rows, shape[1], dtype=dtype, device="cuda")

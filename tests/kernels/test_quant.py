@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft")
 from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels import quant  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked, gemv_4bit,
+    GEMV_MAX_ROWS, dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked, gemv_4bit,
     gemv_config, require_bitsandbytes,
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
@@ -194,15 +194,17 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
 @pytest.mark.parametrize("override", [dict(), dict(lookup="gather", split=2, block_n=2), dict(chunk=32, split=3)])
 def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
-    gives the product of one row of x, with tiles that fill the weight (no masks: 16 x 512) or not; it refuses
-    more rows or a K that is not a multiple of 8."""
+    gives the product of one row of x and of several (each nibble looked up once for all), with tiles that fill
+    the weight (no masks: 16 x 512) or not; it refuses more than GEMV_MAX_ROWS rows or a K that is not a multiple
+    of 8."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_4bit_reference(p, torch.float64)
-    x = torch.randn(1, shape[1])
-    cfg = gemv_config(1, shape[0], shape[1], blocksize, x.device, dot=False, words=True, **override)
-    assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv words {override}")
-    for m, k in ((2, shape[1]), (1, 300)):
-        with pytest.raises(ValueError, match="words=True takes one row"):
+    for m in (1, 3):
+        x = torch.randn(m, shape[1])
+        cfg = gemv_config(m, shape[0], shape[1], blocksize, x.device, dot=False, words=True, **override)
+        assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv words {m} rows {override}")
+    for m, k in ((GEMV_MAX_ROWS + 1, shape[1]), (1, 300)):
+        with pytest.raises(ValueError, match="words=True takes at most"):
             gemv_config(m, shape[0], k, blocksize, x.device, words=True)
 
 

@@ -226,7 +226,7 @@ def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, WORDS_NB: tl.constexpr, WORDS_SUBW: tl.constexpr,
                   LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
     """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA).
-    WORDS_NB > 0: one row of x on 4-bit weights, by `_gemv_acc_words` (w_ptr: the packed bytes as int32)."""
+    WORDS_NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words` (w_ptr: the packed bytes as int32)."""
     n_mask = n < N
     if WORDS_NB > 0:
         tl.static_assert(not HAS_NORM, "the word-wise path takes x normalised already")
@@ -518,8 +518,9 @@ def gemv(
 
 
 def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
-    """The word-wise tile (a quant.GemvConfig) for up to WORDS_MAX_ROWS rows of x on 4-bit weights, or None. `words`: None where compiled on CUDA and the weights allow, True asks for it (an error
-    where they do not), False never."""
+    """The word-wise tile (a quant.GemvConfig) for up to WORDS_MAX_ROWS rows of x on 4-bit weights, or None.
+    `words`: None where compiled on CUDA and the weights allow, True asks for it (an error where they do not),
+    False never."""
     if words is False or entries is None or x.shape[0] > WORDS_MAX_ROWS:
         if words:
             raise ValueError(f"words=True takes at most {WORDS_MAX_ROWS} rows of x and 4-bit weights")

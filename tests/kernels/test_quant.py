@@ -19,8 +19,7 @@ from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, 
 from fastplug.kernels import quant  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
     GEMV_MAX_ROWS, dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked,
-    gemv_4bit,
-    gemv_config, require_bitsandbytes,
+    gemv_4bit, gemv_config, require_bitsandbytes,
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402

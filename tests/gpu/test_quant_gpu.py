@@ -177,3 +177,36 @@ def test_llama_1b_4bit_mlp_and_qkv():
     grads = torch.autograd.grad(ys, [xb] + _adapters(qkv), gs)
     for got, ref in zip((*ys, *grads), (*ys64, *ref_grads)):
         assert_close(got, ref, torch.bfloat16, "qkv output/grad")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_decode_gemv_word_wise_cuda(rows):
+    """The decode kernels' GEMV on 4-bit weights at 1-8 rows of bf16 x (the word-wise loop: shuffle lookups, x
+    and scales by inline PTX) against the same launch on the dequantized weights: q/k/v with the norm and LoRA,
+    gate/up with the activation, down with an in-place residual. A shuffle-layout warning is an error here."""
+    from fastplug.kernels.decode import gemv
+
+    torch.manual_seed(rows)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastplug: this Triton build")
+        h, inter = 1024, 4096
+        qkv = [quantized(n, h) for n in (h, 256, 256)]
+        x = torch.randn(rows, h, dtype=torch.bfloat16, device="cuda")
+        xi = torch.randn(rows, inter, dtype=torch.bfloat16, device="cuda")
+        lora = (torch.randn(rows, 16, dtype=torch.bfloat16, device="cuda"),
+                [torch.randn(h, 8, dtype=torch.bfloat16, device="cuda"), None,
+                 torch.randn(256, 8, dtype=torch.bfloat16, device="cuda")], [0.5, 0.0, 2.0])
+        norm = (torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5, 1e-6, 0.0)
+        down = [quantized(h, inter)]
+        residual = torch.randn(rows, h, dtype=torch.bfloat16, device="cuda")
+        for x_in, weights, kw in ((x, qkv, dict(norm=norm, lora=lora)),
+                                  (x, [quantized(inter, h) for _ in range(2)], dict(activation="silu")),
+                                  (xi, down, dict(residual=residual))):
+            dense = [dequantize_4bit(w, dtype=torch.bfloat16) for w in weights]
+            ref = gemv(x_in, dense, **kw).float()
+            if "residual" in kw:
+                out = residual.clone()
+                gemv(x_in, weights, **{**kw, "residual": out}, out=out)
+            else:
+                out = gemv(x_in, weights, **kw)
+            assert rel_err(out.float(), ref) < 2e-2, (rows, sorted(kw), rel_err(out.float(), ref))

@@ -238,26 +238,28 @@ def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora, kern
     assert rows_seen == [28] * 14 + ([] if kernels else [4] * 14 * 4)
 
 
+def packed_4bit(out, k, nested, quant_type, blocksize=64):
+    """A bitsandbytes 4-bit weight [out, k] on the CPU (normal values scaled by 1/8)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    w = bnb.nn.Params4bit(torch.randn(out, k) / 8, requires_grad=False, quant_type=quant_type,
+                          compress_statistics=nested, blocksize=blocksize)
+    return w._quantize("cpu")
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_decode_gemv_reads_4bit_weights_as_their_dequantization(rows):
     """decode_kernels.gemv on packed weights (NF4 double-quantized, FP4 plain) gives, bit for bit in fp32, what
     it gives on their dequantized matrices: q/k/v with norm, bias and LoRA; gate/up with the activation;
     down with the residual. Mixed dense and 4-bit weights are refused."""
-    bnb = pytest.importorskip("bitsandbytes")
     from fastplug.kernels.decode import gemv
     from fastplug.kernels.quant import dequantize_4bit_reference
-
-    def packed(out, nested, quant_type):
-        w = bnb.nn.Params4bit(torch.randn(out, 64) / 8, requires_grad=False, quant_type=quant_type,
-                              compress_statistics=nested, blocksize=64)
-        return w._quantize("cpu")
 
     torch.manual_seed(rows)
     x = torch.randn(rows, 64)
     for nested, quant_type in ((True, "nf4"), (False, "fp4")):
-        qkv = [packed(n, nested, quant_type) for n in (48, 16, 16)]
-        gate_up = [packed(32, nested, quant_type) for _ in range(2)]
-        down = [packed(64, nested, quant_type)]
+        qkv = [packed_4bit(n, 64, nested, quant_type) for n in (48, 16, 16)]
+        gate_up = [packed_4bit(32, 64, nested, quant_type) for _ in range(2)]
+        down = [packed_4bit(64, 64, nested, quant_type)]
         lora = (torch.randn(rows, 8), [torch.randn(48, 4), None, torch.randn(16, 4)], [2.0, 0.0, 0.5])
         cases = [(qkv, dict(norm=(torch.rand(64) + 0.5, 1e-6, 0.0), biases=[torch.randn(n) for n in (48, 16, 16)],
                             lora=lora)),
@@ -367,30 +369,26 @@ def test_generation_config_and_batch_buckets(llama):
                                         (8, torch.bfloat16)])
 def test_decode_gemv_word_wise_path_matches_decoded_tiles(rows, dtype):
     """decode_kernels.gemv on 4-bit weights read as 32-bit words (the path the decode step takes on a GPU, 1-8
-    rows of x) equals the decoded-tile path within the rounding of the weight (products of the unrounded weight
-    there): q/k/v with the Llama and the Gemma norm, bias and LoRA; gate/up with the activation; down with an
-    in-place residual; NF4 nested and FP4 plain, blocksizes 64 and 128, several chunks of K."""
-    bnb = pytest.importorskip("bitsandbytes")
+    rows of x) equals the path without it (decoded tiles at one row, the dequantized weights at more) within the
+    rounding of the weight (products of the unrounded weight there): q/k/v with the Llama and the Gemma norm,
+    bias and LoRA; gate/up with the activation; down with an in-place residual; NF4 nested and FP4 plain,
+    blocksizes 64 and 128, several chunks of K."""
     from fastplug.kernels.decode import gemv
-
-    def packed(out, k, nested, quant_type, blocksize):
-        w = bnb.nn.Params4bit(torch.randn(out, k) / 8, requires_grad=False, quant_type=quant_type,
-                              compress_statistics=nested, blocksize=blocksize)
-        return w._quantize("cpu")
 
     torch.manual_seed(0)
     tol = 2e-6 if dtype == torch.float32 else 2e-2
     for k, nested, quant_type, blocksize in ((64, True, "nf4", 64), (1024, False, "fp4", 128), (520, True, "nf4", 64)):
         x = torch.randn(rows, k, dtype=dtype)
-        qkv = [packed(n, k, nested, quant_type, blocksize) for n in (48, 16, 12)]
+        qkv = [packed_4bit(n, k, nested, quant_type, blocksize) for n in (48, 16, 12)]
         lora = (torch.randn(rows, 8, dtype=dtype),
                 [torch.randn(48, 4, dtype=dtype), None, torch.randn(12, 4, dtype=dtype)], [2.0, 0.0, 0.5])
         nw = (torch.rand(k) + 0.5).to(dtype)
         cases = [(qkv, dict(norm=(nw, 1e-6, 0.0), biases=[torch.randn(n, dtype=dtype) for n in (48, 16, 12)],
                             lora=lora)),
                  (qkv, dict(norm=(nw, 1e-6, 1.0))),
-                 ([packed(32, k, nested, quant_type, blocksize) for _ in range(2)], dict(activation="silu")),
-                 ([packed(64, k, nested, quant_type, blocksize)], dict(residual=torch.randn(rows, 64, dtype=dtype)))]
+                 ([packed_4bit(32, k, nested, quant_type, blocksize) for _ in range(2)], dict(activation="silu")),
+                 ([packed_4bit(64, k, nested, quant_type, blocksize)],
+                  dict(residual=torch.randn(rows, 64, dtype=dtype)))]
         for weights, kw in cases:
             tiles = gemv(x, weights, words=False, **kw).float()
             if "residual" in kw:  # in place, as the decode step's o/down projections
@@ -401,4 +399,4 @@ def test_decode_gemv_word_wise_path_matches_decoded_tiles(rows, dtype):
             err = ((out.float() - tiles).norm() / tiles.norm()).item()
             assert err < tol, (k, quant_type, sorted(kw), err)
     with pytest.raises(ValueError, match="at most 8 rows"):
-        gemv(torch.randn(9, 64), [packed(16, 64, True, "nf4", 64)], words=True)
+        gemv(torch.randn(9, 64), [packed_4bit(16, 64, True, "nf4", 64)], words=True)

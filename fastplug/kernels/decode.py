@@ -36,7 +36,7 @@ from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use
 from .activations import _gate_factor
 from .quant import (
     GEMV_MAX_ROWS, LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference,
-    gemv_config, is_4bit, shuffle_layouts_agree,
+    gemv_config, is_4bit, launch_checked,
 )
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -511,9 +511,7 @@ def gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, next_power_of_2(max(ranks))),
         num_warps=warps,
     )
-    if tile is not None and tile.lookup == "shfl" and not _shuffle_agrees(args, grid, consts):
-        consts.update(LOOKUP=LOOKUPS["gather"], PTX=False)  # the shuffle would read other lanes' tables
-    _gemv_kernel[grid](*args, **consts)
+    launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
     return out
 
 
@@ -534,19 +532,6 @@ def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
         return None
     # as many programs as row blocks (gate/up: one per block of both)
     return gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
-
-
-_SHUFFLE_OK: dict[tuple, bool] = {}
-
-
-def _shuffle_agrees(args, grid, consts) -> bool:
-    """Whether the word-wise decode kernel of these constexprs reads its per-lane table in the shuffles' layout
-    (`quant.shuffle_layouts_agree`), checked on the compiled kernel before its first launch: an in-place
-    residual (the decode step's o/down projections) cannot be launched twice."""
-    key = (tuple(sorted(consts.items())), *(a.dtype for a in args if torch.is_tensor(a)))
-    if key not in _SHUFFLE_OK:
-        _SHUFFLE_OK[key] = shuffle_layouts_agree(_gemv_kernel.warmup(*args, grid=grid, **consts))
-    return _SHUFFLE_OK[key]
 
 
 def _packed_format(entry) -> tuple:

@@ -863,26 +863,20 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
             DOT_F32=not x2.is_cuda, num_warps=cfg.num_warps,
         )
     else:
-        lookup = cfg.lookup
-        while True:
-            if cfg.words:
-                aligned = x2.data_ptr() % 16 == 0 and (M == 1 or x2.stride(0) % 8 == 0)
-                compiled = _gemv_4bit_words_kernel[(cdiv(N, cfg.block_n), split)](
-                    x2, u.words, *u.args[1:], part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
-                    BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub, LOOKUP=LOOKUPS[lookup],
-                    PTX=lookup == "shfl" and x2.dtype == torch.bfloat16 and aligned,
-                    EVEN=N % cfg.block_n == 0 and kb % chunk == 0, BLOCK_M=next_power_of_2(M),
-                    num_warps=cfg.num_warps,
-                )
-            else:
-                compiled = _gemv_4bit_rows_kernel[(cdiv(N, cfg.block_n), split)](
-                    x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
-                    M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
-                    X_SPLIT=cfg.x_split, LOOKUP=LOOKUPS[lookup], num_warps=cfg.num_warps,
-                )
-            if lookup != "shfl" or shuffle_layouts_agree(compiled):
-                break
-            lookup = "gather"  # the shuffle would read other lanes' tables: run again, correctly
+        if cfg.words:
+            kernel, fallback = _gemv_4bit_words_kernel, dict(LOOKUP=LOOKUPS["gather"], PTX=False)
+            args = (x2, u.words, *u.args[1:], part, M, N, kb, x2.stride(0), N, M * N, split_bytes)
+            aligned = x2.data_ptr() % 16 == 0 and (M == 1 or x2.stride(0) % 8 == 0)
+            consts = dict(BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub,
+                          PTX=cfg.lookup == "shfl" and x2.dtype == torch.bfloat16 and aligned,
+                          EVEN=N % cfg.block_n == 0 and kb % chunk == 0, BLOCK_M=next_power_of_2(M))
+        else:
+            kernel, fallback = _gemv_4bit_rows_kernel, dict(LOOKUP=LOOKUPS["gather"])
+            args = (x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes)
+            consts = dict(M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
+                          X_SPLIT=cfg.x_split)
+        launch_checked(kernel, (cdiv(N, cfg.block_n), split), args,
+                       dict(**u.consts, **consts, LOOKUP=LOOKUPS[cfg.lookup], num_warps=cfg.num_warps), fallback)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(M * N, block),)](part, out, M * N, SPLIT=split, BLOCK=block, num_warps=4)
@@ -890,6 +884,21 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
 
 
 _SHUFFLE_CHECKED: dict[str, bool] = {}
+_LAUNCH_CHECKED: dict[tuple, bool] = {}
+
+
+def launch_checked(kernel, grid, args, consts: dict, fallback: dict) -> None:
+    """kernel[grid](*args, **consts); a shuffle-lookup kernel (LOOKUP_SHFL) is first compiled by `kernel.warmup`
+    and checked by `shuffle_layouts_agree`, once per kernel, constexprs and argument dtypes, and launched with
+    `fallback` merged into its constexprs (tl.gather lookups) where it fails: checked before the launch, since a
+    kernel that adds into its output in place (the decode step's residual) cannot be launched again."""
+    if consts.get("LOOKUP") == LOOKUP_SHFL:
+        key = (kernel, tuple(sorted(consts.items())), *(a.dtype for a in args if torch.is_tensor(a)))
+        if key not in _LAUNCH_CHECKED:
+            _LAUNCH_CHECKED[key] = shuffle_layouts_agree(kernel.warmup(*args, grid=grid, **consts))
+        if not _LAUNCH_CHECKED[key]:
+            consts = {**consts, **fallback}
+    kernel[grid](*args, **consts)
 
 
 def shuffle_layouts_agree(compiled) -> bool:
@@ -908,7 +917,7 @@ def shuffle_layouts_agree(compiled) -> bool:
         ok = len(lane) == 1 and lane == shuffle
         if not ok:
             warnings.warn("fastplug: this Triton build moved the 4-bit GEMV's per-lane table between threads; "
-                          "the GEMV runs with tl.gather lookups instead (correct, slower)", stacklevel=3)
+                          "the GEMV runs with tl.gather lookups instead (correct, slower)", stacklevel=4)
         _SHUFFLE_CHECKED[key] = ok
     return _SHUFFLE_CHECKED[key]
 

@@ -20,7 +20,6 @@ bitsandbytes is never imported: a weight is recognised by its `quant_state`.
 from __future__ import annotations
 
 import functools
-import math
 import re
 import warnings
 import weakref
@@ -782,10 +781,12 @@ def _lowbit(n: int) -> int:
 
 
 def _words_warps(programs: int, device: torch.device) -> int:
-    """Warps a program of the word-wise GEMV: the power of two (1-4) that puts about 28 warps a SM in flight
-    (H100: 1 for 14336x4096, 4 for 4096x14336, each the best of 1, 2 and 4)."""
-    want = 28 * num_sms(device) / programs
-    return 1 << min(2, max(0, round(math.log2(max(want, 1.0)))))
+    """Warps a program of the word-wise GEMV at one row of x: 1 (each thread holds the same words of 4 rows, so x
+    is loaded and converted once for them: the fewest instructions a nibble) where one-warp programs still put 9 or
+    more warps on each SM, else 4. H100, NF4, CUDA graph over weight copies (2026-11-24), 1 / 2 / 4 warps in us:
+    8192x2048 6.89 / 8.75 / 7.86, 6144x4096 9.71 / 10.61 / 11.68, 14336x4096 19.36 / 20.43 / 20.43 (one warp);
+    4096x4096 8.07 / 8.36 / 7.56, 4096x14336 22.88 / 22.71 / 20.16, 2048x8192 11.42 / 11.54 / 9.60 (four)."""
+    return 1 if programs >= 9 * num_sms(device) else 4
 
 
 def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:
@@ -804,7 +805,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
     # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
     # word loads where the tile fills the weight, evict-first on the weight and the loop unrolled twice, 19.4 / 20.1
-    # at 4 rows x 512 bytes with 1 / 4 warps: the best warps keep about 28 warps a SM in flight (`_words_warps`).
+    # at 4 rows x 512 bytes with 1 / 4 warps (`_words_warps`).
     # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
@@ -824,7 +825,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     nb = max(1, chunk // (sub * unit))
     programs = cdiv(n, block_n)
     if warps is None:  # several rows of x: at least 4 warps, to keep each thread's accumulators (rows x words) few
-        warps = _words_warps(programs, device) if m == 1 else max(4, _words_warps(programs, device))
+        warps = _words_warps(programs, device) if m == 1 else 4
     chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
     compiled = device.type == "cuda" and not interpreter_enabled()

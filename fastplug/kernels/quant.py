@@ -347,7 +347,7 @@ def _lookup_table(code_ptr, units, LOOKUP: tl.constexpr):
     """What `_table_values` looks the 16 values up in. For LOOKUP_SHFL it is this thread's share of the table,
     table[lane % 16], for every element of `units` (the packed int32 units of the loop's step, so that it is made in
     the layout the shuffles run in: made before the loop, or by a tl.load, Triton 3.6 gave it another layout and
-    moved it between threads; `shuffle_layouts_agree` checks). The lane id and the load are one inline PTX block,
+    moved it between threads; `layouts_agree` checks). The lane id and the load are one inline PTX block,
     which nothing makes Triton re-lay out, and which ptxas computes once a step for all of a thread's elements.
     Otherwise the table, made before the loop."""
     if LOOKUP == LOOKUP_SHFL:
@@ -485,6 +485,37 @@ def _eight_of_words(ptr, c0, stop, jb, mask, NB: tl.constexpr, SUBW: tl.constexp
 
 
 @triton.jit
+def _word_scales(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, offset, BLOCKSIZE_LOG2: tl.constexpr,
+                 BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+    """The fp32 absmax of each word's block `blk` [BLOCK_N, W]. In inline PTX where the tile is whole (EVEN), a
+    block holds 32+ elements and the tile gives each thread 4+ words, each thread's 4 consecutive words share a
+    block, so one load (chain) serves four words: the 16-byte word loads give every thread 4 consecutive words,
+    which `layouts_agree` checks in the compiled kernel."""
+    if PTX and EVEN and BLOCKSIZE_LOG2 >= 5 and blk.numel >= 4 * tl.extra.cuda.num_threads():
+        valid = valid.to(tl.int32)
+        if NESTED:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b32 q; .reg .b64 a; .reg .f32 c, s, r; setp.ne.b32 p, $16, 0; mov.b32 r, 0; "
+                "@p ld.global.nc.u8 q, [$4]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, $8; "
+                "@p ld.global.nc.f32 c, [a]; @p ld.global.nc.f32 s, [$12]; @p fma.rn.f32 r, c, s, $20; "
+                "mov.b32 $0, r; mov.b32 $1, r; mov.b32 $2, r; mov.b32 $3, r; }",
+                "=f,=f,=f,=f,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,f,f,f,f",
+                [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
+                 (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
+                 tl.zeros(blk.shape, dtype=tl.float32) + offset],
+                dtype=tl.float32, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .f32 r; setp.ne.b32 p, $8, 0; mov.b32 r, 0; @p ld.global.nc.f32 r, [$4]; "
+            "mov.b32 $0, r; mov.b32 $1, r; mov.b32 $2, r; mov.b32 $3, r; }",
+            "=f,=f,=f,=f,l,l,l,l,r,r,r,r", [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid],
+            dtype=tl.float32, is_pure=True, pack=4)
+    elif PTX:
+        return _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED)
+    else:
+        return _block_scale(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED)
+
+
+@triton.jit
 def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                     row_word, nmask, start, stop,
                     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
@@ -494,17 +525,66 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
     one row of x (BLOCK_M 1), else [BLOCK_M, BLOCK_N] for its M rows (stride_xm apart; 8-element aligned for
     PTX). The packed weight is read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
     (little-endian), high nibble for even j. The bytes stay packed in registers and each of the eight nibbles is
-    shifted out and looked up once for all rows of x; tiles [BLOCK_N, NB, SUBW] words, a sub-chunk of SUBW words
-    inside one quantization block. Rows of x are a leading dimension of the words' own layout (the words are
+    shifted out and looked up once for all rows of x, NB * SUBW words of each row a step."""
+    if BLOCK_M == 1:
+        total = _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+                                 row_word, nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB * SUBW,
+                                 LOOKUP, PTX, EVEN)
+    else:
+        total = _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
+                              nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW, LOOKUP, PTX,
+                              EVEN, M, stride_xm, BLOCK_M)
+    return total
+
+
+@triton.jit
+def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word, nmask,
+                     start, stop, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+                     W: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+    """`_words_row_sums` for one row of x, on [BLOCK_N, W] tiles of words, each word scaled by its block's absmax.
+    The tile is 2-D so that its only contiguous axis is the words': Triton then gives each thread 4 consecutive
+    words of each of its rows, and x is loaded once for them. (A 3-D [rows, sub-chunks, words] tile left Triton 3.6
+    a tie between rows and sub-chunks, which it broke by spreading rows over threads: 4x the x loads and
+    conversions, 127 registers.)"""
+    sub = tl.arange(0, W)
+    acc = tl.zeros((row_word.shape[0], W), dtype=tl.float32)  # summed over words once, after the loop
+    table = _lookup_table(code_ptr, sub, LOOKUP)
+    offset = 0.0
+    if PTX and NESTED:
+        offset = tl.load(offset_ptr)
+    for c0 in tl.range(start, stop, W, loop_unroll_factor=2):  # H100: 4-10% faster than 1; 3 and 4 slower
+        cu = c0 + sub
+        woff = row_word[:, None] + cu[None, :]
+        wvalid = nmask[:, None] & (cu < stop)[None, :]
+        if EVEN:
+            words = tl.load(words_ptr + woff, eviction_policy="evict_first")
+        else:
+            words = tl.load(words_ptr + woff, mask=wvalid, other=0, eviction_policy="evict_first")
+        scale = _word_scales((woff * 8) >> BLOCKSIZE_LOG2, wvalid | EVEN, absmax_ptr, absmax2_ptr, code2_ptr,
+                             offset_ptr, offset, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, EVEN)
+        lut = _step_table(code_ptr, words, table, LOOKUP)
+        if PTX:  # [1, W] each, like the one-sub-chunk split below
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, cu[None, :], ((cu < stop) | EVEN)[None, :])
+        else:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, tl.arange(0, 1), True, 1, W, 0)
+        acc += _eight_terms(words, x0, x1, x2, x3, x4, x5, x6, x7, code_ptr, lut, LOOKUP) * scale
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word, nmask,
+                  start, stop, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
+                  NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
+                  M, stride_xm, BLOCK_M: tl.constexpr):
+    """`_words_row_sums` for M (2..BLOCK_M) rows of x, on tiles [BLOCK_N, NB, SUBW] of words, a sub-chunk of SUBW
+    words inside one quantization block. Rows of x are a leading dimension of the words' own layout (the words are
     expanded to it before the lookups: expanding the looked-up values instead cost 8 layout conversions a step).
-    One row keeps the 3-D form: the 4-D one with a single row compiled to 1820 instructions a loop against 1113."""
+    Here each thread holds one word of a sub-chunk and Triton 3.6 and 3.9 agree; the 2-D tile of
+    `_words_one_x_row` compiled to 20-50% more instructions a step with rows of x (H100 decode at 2-8 rows)."""
     sub = tl.arange(0, NB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]
     jb = tl.arange(0, NB)
     rm = tl.arange(0, BLOCK_M)
-    if BLOCK_M == 1:
-        acc = tl.zeros((row_word.shape[0], NB, SUBW), dtype=tl.float32)  # summed over words once, after the loop
-    else:
-        acc = tl.zeros((BLOCK_M, row_word.shape[0], NB, SUBW), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, row_word.shape[0], NB, SUBW), dtype=tl.float32)
     table = _lookup_table(code_ptr, sub, LOOKUP)
     offset = 0.0
     if PTX and NESTED:
@@ -513,33 +593,19 @@ def _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_p
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
         valid = (c0 + sub < stop) | EVEN
-        if BLOCK_M == 1:
-            lut = _step_table(code_ptr, words, table, LOOKUP)
-            if PTX:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, c0 + sub, valid)
-            else:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr, c0, stop, jb, True, NB, SUBW, 0)
-            acc += _eight_terms(words, x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :],
-                                x4[None, :, :], x5[None, :, :], x6[None, :, :], x7[None, :, :], code_ptr, lut,
-                                LOOKUP) * scale[:, :, None]
+        words = tl.expand_dims(words, 0)
+        lut = _step_table(code_ptr, words, table, LOOKUP)
+        row = (rm < M)[:, None, None]
+        if PTX:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(
+                x_ptr, (c0 + sub)[None, :, :] + rm[:, None, None] * (stride_xm // 8), valid[None, :, :] & row)
         else:
-            words = tl.expand_dims(words, 0)
-            lut = _step_table(code_ptr, words, table, LOOKUP)
-            row = (rm < M)[:, None, None]
-            if PTX:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(
-                    x_ptr, (c0 + sub)[None, :, :] + rm[:, None, None] * (stride_xm // 8), valid[None, :, :] & row)
-            else:
-                x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr + rm[:, None, None] * stride_xm, c0, stop, jb,
-                                                                 row, NB, SUBW, BLOCK_M)
-            acc += _eight_terms(words, x0[:, None, :, :], x1[:, None, :, :], x2[:, None, :, :], x3[:, None, :, :],
-                                x4[:, None, :, :], x5[:, None, :, :], x6[:, None, :, :], x7[:, None, :, :], code_ptr,
-                                lut, LOOKUP) * scale[None, :, :, None]
-    if BLOCK_M == 1:
-        total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    else:
-        total = tl.sum(tl.sum(acc, axis=3), axis=2)
-    return total
+            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr + rm[:, None, None] * stride_xm, c0, stop, jb,
+                                                             row, NB, SUBW, BLOCK_M)
+        acc += _eight_terms(words, x0[:, None, :, :], x1[:, None, :, :], x2[:, None, :, :], x3[:, None, :, :],
+                            x4[:, None, :, :], x5[:, None, :, :], x6[:, None, :, :], x7[:, None, :, :], code_ptr,
+                            lut, LOOKUP) * scale[None, :, :, None]
+    return tl.sum(tl.sum(acc, axis=3), axis=2)
 
 
 @triton.jit
@@ -774,19 +840,27 @@ class GemvConfig(NamedTuple):
     dot: bool = False  # the tensor-core kernel (several rows of x)
     lookup: str = "load"  # CUDA-core kernels: how the 16 table values are looked up, a key of LOOKUPS
     words: bool = False  # `_gemv_4bit_words_kernel`, 1-GEMV_MAX_ROWS rows of x (then `sub` counts 4-byte words)
+    maxnreg: int | None = None  # registers a thread at most (ptxas), to fit more programs on each SM
 
 
 def _lowbit(n: int) -> int:
     return n & -n
 
 
-def _words_warps(programs: int, device: torch.device) -> int:
-    """Warps a program of the word-wise GEMV at one row of x: 1 (each thread holds the same words of 4 rows, so x
-    is loaded and converted once for them: the fewest instructions a nibble) where one-warp programs still put 9 or
-    more warps on each SM, else 4. H100, NF4, CUDA graph over weight copies (2026-11-24), 1 / 2 / 4 warps in us:
-    8192x2048 6.89 / 8.75 / 7.86, 6144x4096 9.71 / 10.61 / 11.68, 14336x4096 19.36 / 20.43 / 20.43 (one warp);
-    4096x4096 8.07 / 8.36 / 7.56, 4096x14336 22.88 / 22.71 / 20.16, 2048x8192 11.42 / 11.54 / 9.60 (four)."""
-    return 1 if programs >= 9 * num_sms(device) else 4
+def _one_row_tile(n: int, kw: int, device: torch.device) -> tuple[int, int, int]:
+    """(rows a program, warps, bytes a row a step) of the word-wise GEMV at one row of x. Each thread holds 4
+    consecutive words of each of the program's rows (`_words_one_x_row`), and a program's warps split K (a step
+    is 512 bytes a warp). 4 rows a program where that still gives 23+ programs (warps) an SM, else 2 (x is then
+    loaded for 2 rows, but twice the warps are in flight); warps along K, the fewest (up to 4, whole steps of the
+    row) that put 23+ warps on each SM. H100, NF4, CUDA graph over weight copies (2026-11-24), rows / warps in us:
+    14336x4096 4/1 18.8 (2/1 ... 4/4 19.2-19.4); 8192x2048 2/1 7.4 (4/1 8.0); 4096x4096 2/2 7.9 (2/1 7.6, 4/4
+    8.8); 2048x8192 2/4 7.9 (4/4 8.2, 4/2 10.5); 4096x14336 2/2 20.8 (2/1 20.5, 4/2 20.6); 512x2048 2/2 2.6."""
+    target = 23 * num_sms(device)
+    block_n = 4 if n // 4 >= target else 2
+    warps = 1
+    while warps < 4 and cdiv(n, block_n) * warps < target and kw % (256 * warps) == 0:
+        warps *= 2
+    return block_n, warps, 512 * warps
 
 
 def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:
@@ -805,7 +879,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
     # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
     # word loads where the tile fills the weight, evict-first on the weight and the loop unrolled twice, 19.4 / 20.1
-    # at 4 rows x 512 bytes with 1 / 4 warps (`_words_warps`).
+    # at 4 rows x 512 bytes with 1 / 4 warps; 18.8 / 20.8 with `_one_row_tile`.
     # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
@@ -814,7 +888,9 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
-        block_n, chunk, warps = (16, 256, 4) if dot else (4, 512, None) if words else (8, 512, 4)
+        block_n, chunk, warps = (16, 256, 4) if dot else (4, 512, 4) if words else (8, 512, 4)
+        if words and m == 1:
+            block_n, warps, chunk = _one_row_tile(n, kb // 4, device)
         target = 4 * num_sms(device)
     else:  # the interpreter: few, wide programs (its cost is per program and per op)
         block_n, chunk, warps, target = (16 if dot else 8), 128, 4, 1
@@ -824,8 +900,6 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
         block_n, chunk = max(block_n, 16), max(chunk, 8)
     nb = max(1, chunk // (sub * unit))
     programs = cdiv(n, block_n)
-    if warps is None:  # several rows of x: at least 4 warps, to keep each thread's accumulators (rows x words) few
-        warps = _words_warps(programs, device) if m == 1 else 4
     chunks = cdiv(kb // unit, nb * sub)
     split = override.pop("split", min(chunks, max(1, target // programs)) if programs < target // 2 else 1)
     compiled = device.type == "cuda" and not interpreter_enabled()
@@ -834,7 +908,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
         raise ValueError(f"lookup must be one of {sorted(LOOKUPS)} ('shfl' is inline PTX: compiled CUDA only); "
                          f"got {lookup!r} on {device.type}")
     cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
-                     lookup, words)
+                     lookup, words, override.pop("maxnreg", None))
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -876,6 +950,8 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
             args = (x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes)
             consts = dict(M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
                           X_SPLIT=cfg.x_split)
+        if cfg.maxnreg:
+            consts["maxnreg"] = cfg.maxnreg
         launch_checked(kernel, (cdiv(N, cfg.block_n), split), args,
                        dict(**u.consts, **consts, LOOKUP=LOOKUPS[cfg.lookup], num_warps=cfg.num_warps), fallback)
     if split > 1:
@@ -890,35 +966,46 @@ _LAUNCH_CHECKED: dict[tuple, bool] = {}
 
 def launch_checked(kernel, grid, args, consts: dict, fallback: dict) -> None:
     """kernel[grid](*args, **consts); a shuffle-lookup kernel (LOOKUP_SHFL) is first compiled by `kernel.warmup`
-    and checked by `shuffle_layouts_agree`, once per kernel, constexprs and argument dtypes, and launched with
+    and checked by `layouts_agree`, once per kernel, constexprs and argument dtypes, and launched with
     `fallback` merged into its constexprs (tl.gather lookups) where it fails: checked before the launch, since a
     kernel that adds into its output in place (the decode step's residual) cannot be launched again."""
     if consts.get("LOOKUP") == LOOKUP_SHFL:
         key = (kernel, tuple(sorted(consts.items())), *(a.dtype for a in args if torch.is_tensor(a)))
         if key not in _LAUNCH_CHECKED:
-            _LAUNCH_CHECKED[key] = shuffle_layouts_agree(kernel.warmup(*args, grid=grid, **consts))
+            _LAUNCH_CHECKED[key] = layouts_agree(kernel.warmup(*args, grid=grid, **consts))
         if not _LAUNCH_CHECKED[key]:
             consts = {**consts, **fallback}
     kernel[grid](*args, **consts)
 
 
-def shuffle_layouts_agree(compiled) -> bool:
-    """Whether a compiled GEMV reads each lane's id in the layout its table shuffles run in. The shuffle reads
-    the lane that holds table[index % 16]; were the per-lane table moved between threads by a layout conversion
-    that Triton is free to insert, it would read another value. Triton 3.6 did so for a table made before the
-    loop, so it is now made from each step's packed units, in their layout; this checks the compiled IR once a
-    kernel (a kernel that fails it warns and runs with tl.gather)."""
+def layouts_agree(compiled) -> bool:
+    """Whether a compiled GEMV's inline PTX runs in the layouts it was written for, checked once a kernel in its
+    IR (a kernel that fails warns and runs with tl.gather lookups, without inline PTX):
+    - the lane ids are read in the layout its table shuffles run in. The shuffle reads the lane that holds
+      table[index % 16]; were the per-lane table moved between threads by a layout conversion that Triton is free
+      to insert, it would read another value (Triton 3.6 did so for a table made before the loop, so it is made
+      from each step's packed units, in their layout);
+    - each 4-element pack of inline PTX (one scale load for 4 consecutive words) takes 4 consecutive elements of
+      the fastest axis: a blocked layout with a multiple of 4 elements a thread along it."""
     key = compiled.hash
     if key not in _SHUFFLE_CHECKED:
-        lane, shuffle = set(), set()
-        for line in compiled.asm["ttgir"].splitlines():
+        ir = compiled.asm["ttgir"]
+        blocked = {name: (list(map(int, per.split(","))), int(order.split(",")[0]))
+                   for name, per, order in re.findall(
+                       r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", ir, re.M)}
+        lane, shuffle, packs_ok = set(), set(), True
+        for line in ir.splitlines():
             if "elementwise_inline_asm" in line:
                 layouts = set(re.findall(r"tensor<[^,>]*, (#[\w.]+(?:<[^>]*>)?)", line.split(" : ", 1)[-1]))
                 (lane if "%laneid" in line else shuffle if "shfl.sync" in line else set()).update(layouts)
-        ok = len(lane) == 1 and lane == shuffle
+                if "packed_element = 4" in line:
+                    packs_ok &= all(name in blocked and blocked[name][0][blocked[name][1]] % 4 == 0
+                                    for name in layouts)
+        ok = (len(lane) == 1 and lane == shuffle or not lane | shuffle) and packs_ok
         if not ok:
-            warnings.warn("fastplug: this Triton build moved the 4-bit GEMV's per-lane table between threads; "
-                          "the GEMV runs with tl.gather lookups instead (correct, slower)", stacklevel=4)
+            warnings.warn("fastplug: this Triton build laid out the 4-bit GEMV's inline PTX in another way than it "
+                          "was written for; the GEMV runs with tl.gather lookups instead (correct, slower)",
+                          stacklevel=4)
         _SHUFFLE_CHECKED[key] = ok
     return _SHUFFLE_CHECKED[key]
 

@@ -233,11 +233,32 @@ def test_shuffle_layout_check():
             f'{shuffle_layout}> loc(#loc2)',
         ])})
 
-    assert quant.shuffle_layouts_agree(ir("#blocked1", "#blocked1"))
+    assert quant.layouts_agree(ir("#blocked1", "#blocked1"))
     with pytest.warns(UserWarning, match="tl.gather lookups instead"):
-        assert not quant.shuffle_layouts_agree(ir("#blocked1", "#blocked3"))
+        assert not quant.layouts_agree(ir("#blocked1", "#blocked3"))
     with pytest.warns(UserWarning):
-        assert not quant.shuffle_layouts_agree(ir("#blocked1", "#ttg.slice<{dim = 0, parent = #blocked1}>"))
+        assert not quant.layouts_agree(ir("#blocked1", "#ttg.slice<{dim = 0, parent = #blocked1}>"))
+
+
+def test_pack4_layout_check():
+    """A 4-element pack of inline PTX (one scale load for 4 consecutive words) passes in a layout with 4
+    consecutive elements a thread along the fastest axis, and fails, with a warning, in one with 1 or 2."""
+    from types import SimpleNamespace
+
+    def ir(size_per_thread):
+        return SimpleNamespace(hash=f"pack4-{size_per_thread}", asm={"ttgir": "\n".join([
+            f"#blocked = #ttg.blocked<{{sizePerThread = [{size_per_thread}], threadsPerWarp = [1, 32], "
+            "warpsPerCTA = [1, 1], order = [1, 0]}>",
+            '%s = tt.elementwise_inline_asm "ld.global.nc.f32 r, [$4];" {constraints = "=f,=f,=f,=f,l,l,l,l", '
+            "packed_element = 4 : i32, pure = true} %a : tensor<4x128xi64, #blocked> -> tensor<4x128xf32, "
+            "#blocked> loc(#loc1)",
+        ])})
+
+    assert quant.layouts_agree(ir("1, 4"))
+    assert quant.layouts_agree(ir("2, 8"))
+    for bad in ("1, 1", "4, 2"):
+        with pytest.warns(UserWarning, match="tl.gather lookups instead"):
+            assert not quant.layouts_agree(ir(bad))
 
 
 def test_gemv_words_on_bytes_off_a_word_boundary():

@@ -848,19 +848,24 @@ def _lowbit(n: int) -> int:
 
 
 def _one_row_tile(n: int, kw: int, device: torch.device) -> tuple[int, int, int]:
-    """(rows a program, warps, bytes a row a step) of the word-wise GEMV at one row of x. Each thread holds 4
-    consecutive words of each of the program's rows (`_words_one_x_row`), and a program's warps split K (a step
-    is 512 bytes a warp). 4 rows a program where that still gives 23+ programs (warps) an SM, else 2 (x is then
-    loaded for 2 rows, but twice the warps are in flight); warps along K, the fewest (up to 4, whole steps of the
-    row) that put 23+ warps on each SM. H100, NF4, CUDA graph over weight copies (2026-11-24), rows / warps in us:
-    14336x4096 4/1 18.8 (2/1 ... 4/4 19.2-19.4); 8192x2048 2/1 7.4 (4/1 8.0); 4096x4096 2/2 7.9 (2/1 7.6, 4/4
-    8.8); 2048x8192 2/4 7.9 (4/4 8.2, 4/2 10.5); 4096x14336 2/2 20.8 (2/1 20.5, 4/2 20.6); 512x2048 2/2 2.6."""
-    target = 23 * num_sms(device)
-    block_n = 4 if n // 4 >= target else 2
-    warps = 1
-    while warps < 4 and cdiv(n, block_n) * warps < target and kw % (256 * warps) == 0:
-        warps *= 2
-    return block_n, warps, 512 * warps
+    """(rows a program, warps, bytes a row a step) of the word-wise GEMV at one row of x. Each thread holds 4 rows
+    of 8 consecutive words a step (`_words_one_x_row`: x loaded once for the 4 rows, 64 words in flight with the
+    loop unrolled twice; 128 registers) and a program's warps split K. Where that leaves fewer than 7 programs an
+    SM: warps along K while whole steps fill a row, then 2 rows a program. H100, NF4, CUDA graph over weight
+    copies (2026-11-24), us, against 4 words a thread (each a warp, 4 rows unless named):
+    14336x4096 16.7 (18.8); 4096x14336 19.3 (2 rows 20.0, 2 warps 20.6); 8192x2048 6.7 (2 rows 7.4);
+    6144x4096 8.8 (2 rows 10.2); 4096x4096 7.3 (2 rows, 2 warps 7.7); 2048x8192 2 warps 7.4 (2 rows, 4 warps
+    7.8; one warp 9.8); 2048x2048 2 rows 3.6; 512x2048 2 rows 2.7 (4 rows 3.4)."""
+    step = 256 if kw % 256 == 0 else 128  # words a warp a step
+    block_n, warps = 4, 1
+    while cdiv(n, block_n) * warps < 7 * num_sms(device):
+        if kw % (2 * step * warps) == 0:
+            warps *= 2
+        elif block_n > 2:
+            block_n //= 2
+        else:
+            break
+    return block_n, warps, 4 * step * warps
 
 
 def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **override) -> GemvConfig | None:

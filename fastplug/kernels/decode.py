@@ -531,7 +531,11 @@ def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
             raise ValueError("words=True takes K a multiple of 8, blocksize >= 8 and word-aligned packed bytes")
         return None
     # as many programs as row blocks (gate/up: one per block of both)
-    return gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
+    tile = gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
+    if glu and x.shape[0] == 1:  # a program holds rows of both weights: half the words a step, the same registers
+        tile = gemv_config(1, ns[0], k, blocksize, x.device, words=True, block_n=tile.block_n,
+                           num_warps=tile.num_warps, chunk=tile.nb * tile.sub * 2)
+    return tile
 
 
 def _packed_format(entry) -> tuple:

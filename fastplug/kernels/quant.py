@@ -542,8 +542,8 @@ def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_
                      start, stop, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
                      W: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
     """`_words_row_sums` for one row of x, on [BLOCK_N, W] tiles of words, each word scaled by its block's absmax.
-    The tile is 2-D so that its only contiguous axis is the words': Triton then gives each thread 4 consecutive
-    words of each of its rows, and x is loaded once for them. (A 3-D [rows, sub-chunks, words] tile left Triton 3.6
+    The tile is 2-D so that its only contiguous axis is the words': Triton then gives each thread groups of 4
+    consecutive words (16-byte vectors) of each of its rows, and x is loaded once for them. (A 3-D [rows, sub-chunks, words] tile left Triton 3.6
     a tie between rows and sub-chunks, which it broke by spreading rows over threads: 4x the x loads and
     conversions, 127 registers.)"""
     sub = tl.arange(0, W)
@@ -884,7 +884,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
     # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
     # word loads where the tile fills the weight, evict-first on the weight and the loop unrolled twice, 19.4 / 20.1
-    # at 4 rows x 512 bytes with 1 / 4 warps; 18.8 / 20.8 with `_one_row_tile`.
+    # at 4 rows x 512 bytes with 1 / 4 warps; 16.7 / 19.3 with the 2-D tile of `_one_row_tile`.
     # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:

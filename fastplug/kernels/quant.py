@@ -840,7 +840,6 @@ class GemvConfig(NamedTuple):
     dot: bool = False  # the tensor-core kernel (several rows of x)
     lookup: str = "load"  # CUDA-core kernels: how the 16 table values are looked up, a key of LOOKUPS
     words: bool = False  # `_gemv_4bit_words_kernel`, 1-GEMV_MAX_ROWS rows of x (then `sub` counts 4-byte words)
-    maxnreg: int | None = None  # registers a thread at most (ptxas), to fit more programs on each SM
 
 
 def _lowbit(n: int) -> int:
@@ -913,7 +912,7 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
         raise ValueError(f"lookup must be one of {sorted(LOOKUPS)} ('shfl' is inline PTX: compiled CUDA only); "
                          f"got {lookup!r} on {device.type}")
     cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
-                     lookup, words, override.pop("maxnreg", None))
+                     lookup, words)
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -955,8 +954,6 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
             args = (x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes)
             consts = dict(M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
                           X_SPLIT=cfg.x_split)
-        if cfg.maxnreg:
-            consts["maxnreg"] = cfg.maxnreg
         launch_checked(kernel, (cdiv(N, cfg.block_n), split), args,
                        dict(**u.consts, **consts, LOOKUP=LOOKUPS[cfg.lookup], num_warps=cfg.num_warps), fallback)
     if split > 1:

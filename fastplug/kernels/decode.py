@@ -533,8 +533,7 @@ def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
     # as many programs as row blocks (gate/up: one per block of both)
     tile = gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
     if glu and x.shape[0] == 1:  # a program holds rows of both weights: half the words a step, the same registers
-        tile = gemv_config(1, ns[0], k, blocksize, x.device, words=True, block_n=tile.block_n,
-                           num_warps=tile.num_warps, chunk=tile.nb * tile.sub * 2)
+        tile = tile._replace(nb=max(1, tile.nb // 2))
     return tile
 
 

@@ -185,25 +185,48 @@ def _block_scale(blk, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOC
     return tl.load(absmax_ptr + blk, mask=mask, other=0.0).to(tl.float32)
 
 
+def _scale_ptx(nested: bool, pack: int) -> tuple[tl.constexpr, tl.constexpr]:
+    """The inline PTX (and its constraints) of `_block_scale_ptx` for `pack` elements an instance: one load (chain)
+    for the pack's first element, its value written to all `pack` outputs. Operands: the outputs $0.., then each
+    input's `pack` elements (absmax, code2 and absmax2 addresses, valid, offset; or absmax address, valid)."""
+    arg = [f"${pack * (i + 1)}" for i in range(5 if nested else 2)]
+    if nested:
+        absmax, code2, absmax2, valid, offset = arg
+        load = (f"@p ld.global.nc.u8 q, [{absmax}]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, {code2}; "
+                f"@p ld.global.nc.f32 c, [a]; @p ld.global.nc.f32 s, [{absmax2}]; @p fma.rn.f32 r, c, s, {offset};")
+        regs, inputs = ".reg .b32 q; .reg .b64 a; .reg .f32 c, s, r;", "l" * 3 + "r" + "f"
+    else:
+        absmax, valid = arg
+        load, regs, inputs = f"@p ld.global.nc.f32 r, [{absmax}];", ".reg .f32 r;", "lr"
+    copies = " ".join(f"mov.b32 ${i}, r;" for i in range(pack))
+    asm = f"{{ .reg .pred p; {regs} setp.ne.b32 p, {valid}, 0; mov.b32 r, 0; {load} {copies} }}"
+    return tl.constexpr(asm), tl.constexpr(",".join(["=f"] * pack + [c for c in inputs for _ in range(pack)]))
+
+
+_SCALE_PTX_NESTED, _SCALE_CONSTRAINTS_NESTED = _scale_ptx(True, 1)
+_SCALE_PTX_FLAT, _SCALE_CONSTRAINTS_FLAT = _scale_ptx(False, 1)
+_SCALE_PTX_NESTED4, _SCALE_CONSTRAINTS_NESTED4 = _scale_ptx(True, 4)
+_SCALE_PTX_FLAT4, _SCALE_CONSTRAINTS_FLAT4 = _scale_ptx(False, 4)
+
+
 @triton.jit
 def _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2: tl.constexpr,
-                     NESTED: tl.constexpr):
+                     NESTED: tl.constexpr, PACK4: tl.constexpr = False):
     """`_block_scale` with its loads in inline PTX (0 where not `valid`), so that it takes the layout of its use
-    instead of one of its own and a trip through shared memory; `offset` is the nested offset, loaded once."""
+    instead of one of its own and a trip through shared memory; `offset` is the nested offset, loaded once.
+    PACK4: one load for each 4 consecutive elements of a thread, which must share a block (`_word_scales`)."""
     valid = valid.to(tl.int32)
     if NESTED:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b32 q; .reg .b64 a; .reg .f32 c, s; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; "
-            "@p ld.global.nc.u8 q, [$1]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, $2; @p ld.global.nc.f32 c, [a]; "
-            "@p ld.global.nc.f32 s, [$3]; @p fma.rn.f32 $0, c, s, $5; }",
-            "=f,l,l,l,r,f",
-            [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
-             (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
-             tl.zeros(blk.shape, dtype=tl.float32) + offset],
-            dtype=tl.float32, is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.f32 $0, [$1]; }", "=f,l,r",
-        [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid], dtype=tl.float32, is_pure=True, pack=1)
+        args = [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
+                (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
+                tl.zeros(blk.shape, dtype=tl.float32) + offset]
+        return tl.inline_asm_elementwise(_SCALE_PTX_NESTED4 if PACK4 else _SCALE_PTX_NESTED,
+                                         _SCALE_CONSTRAINTS_NESTED4 if PACK4 else _SCALE_CONSTRAINTS_NESTED, args,
+                                         dtype=tl.float32, is_pure=True, pack=4 if PACK4 else 1)
+    return tl.inline_asm_elementwise(_SCALE_PTX_FLAT4 if PACK4 else _SCALE_PTX_FLAT,
+                                     _SCALE_CONSTRAINTS_FLAT4 if PACK4 else _SCALE_CONSTRAINTS_FLAT,
+                                     [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid], dtype=tl.float32,
+                                     is_pure=True, pack=4 if PACK4 else 1)
 
 
 @triton.jit
@@ -491,26 +514,10 @@ def _word_scales(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, off
     block holds 32+ elements and the tile gives each thread 4+ words, each thread's 4 consecutive words share a
     block, so one load (chain) serves four words: the 16-byte word loads give every thread 4 consecutive words,
     which `layouts_agree` checks in the compiled kernel."""
-    if PTX and EVEN and BLOCKSIZE_LOG2 >= 5 and blk.numel >= 4 * tl.extra.cuda.num_threads():
-        valid = valid.to(tl.int32)
-        if NESTED:
-            return tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b32 q; .reg .b64 a; .reg .f32 c, s, r; setp.ne.b32 p, $16, 0; mov.b32 r, 0; "
-                "@p ld.global.nc.u8 q, [$4]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, $8; "
-                "@p ld.global.nc.f32 c, [a]; @p ld.global.nc.f32 s, [$12]; @p fma.rn.f32 r, c, s, $20; "
-                "mov.b32 $0, r; mov.b32 $1, r; mov.b32 $2, r; mov.b32 $3, r; }",
-                "=f,=f,=f,=f,l,l,l,l,l,l,l,l,l,l,l,l,r,r,r,r,f,f,f,f",
-                [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
-                 (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
-                 tl.zeros(blk.shape, dtype=tl.float32) + offset],
-                dtype=tl.float32, is_pure=True, pack=4)
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .f32 r; setp.ne.b32 p, $8, 0; mov.b32 r, 0; @p ld.global.nc.f32 r, [$4]; "
-            "mov.b32 $0, r; mov.b32 $1, r; mov.b32 $2, r; mov.b32 $3, r; }",
-            "=f,=f,=f,=f,l,l,l,l,r,r,r,r", [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid],
-            dtype=tl.float32, is_pure=True, pack=4)
-    elif PTX:
-        return _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED)
+    if PTX:
+        pack4: tl.constexpr = EVEN and BLOCKSIZE_LOG2 >= 5 and blk.numel >= 4 * tl.extra.cuda.num_threads()
+        return _block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED,
+                                pack4)
     else:
         return _block_scale(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED)
 
@@ -543,9 +550,9 @@ def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_
                      W: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
     """`_words_row_sums` for one row of x, on [BLOCK_N, W] tiles of words, each word scaled by its block's absmax.
     The tile is 2-D so that its only contiguous axis is the words': Triton then gives each thread groups of 4
-    consecutive words (16-byte vectors) of each of its rows, and x is loaded once for them. (A 3-D [rows, sub-chunks, words] tile left Triton 3.6
-    a tie between rows and sub-chunks, which it broke by spreading rows over threads: 4x the x loads and
-    conversions, 127 registers.)"""
+    consecutive words (16-byte vectors) of each of its rows, and x is loaded once for them. (A 3-D [rows,
+    sub-chunks, words] tile left Triton 3.6 a tie between rows and sub-chunks, which it broke by spreading rows
+    over threads: 4x the x loads and conversions, 127 registers.)"""
     sub = tl.arange(0, W)
     acc = tl.zeros((row_word.shape[0], W), dtype=tl.float32)  # summed over words once, after the loop
     table = _lookup_table(code_ptr, sub, LOOKUP)
@@ -962,7 +969,7 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     return out
 
 
-_SHUFFLE_CHECKED: dict[str, bool] = {}
+_LAYOUTS_CHECKED: dict[str, bool] = {}
 _LAUNCH_CHECKED: dict[tuple, bool] = {}
 
 
@@ -990,11 +997,10 @@ def layouts_agree(compiled) -> bool:
     - each 4-element pack of inline PTX (one scale load for 4 consecutive words) takes 4 consecutive elements of
       the fastest axis: a blocked layout with a multiple of 4 elements a thread along it."""
     key = compiled.hash
-    if key not in _SHUFFLE_CHECKED:
+    if key not in _LAYOUTS_CHECKED:
         ir = compiled.asm["ttgir"]
-        blocked = {name: (list(map(int, per.split(","))), int(order.split(",")[0]))
-                   for name, per, order in re.findall(
-                       r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", ir, re.M)}
+        blocked = {name: (list(map(int, per.split(","))), int(order.split(",")[0])) for name, per, order in re.findall(
+            r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", ir, re.M)}
         lane, shuffle, packs_ok = set(), set(), True
         for line in ir.splitlines():
             if "elementwise_inline_asm" in line:
@@ -1008,8 +1014,8 @@ def layouts_agree(compiled) -> bool:
             warnings.warn("fastplug: this Triton build laid out the 4-bit GEMV's inline PTX in another way than it "
                           "was written for; the GEMV runs with tl.gather lookups instead (correct, slower)",
                           stacklevel=4)
-        _SHUFFLE_CHECKED[key] = ok
-    return _SHUFFLE_CHECKED[key]
+        _LAYOUTS_CHECKED[key] = ok
+    return _LAYOUTS_CHECKED[key]
 
 
 def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:

@@ -4,11 +4,13 @@ model's config to "fastplug", see fast_attention.py) or, with attention=False, t
 
 What differs between families is only which extra arguments reach the attention function (sliding window,
 softcap): `Family.attention_extra_kwargs`. Everything else is the shared structure of transformers'
-Llama-derived attention forwards (transformers 5.17 to 5.23).
+Llama-derived attention forwards (transformers 5.17 to 5.24).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -42,6 +44,25 @@ def attention_function(attn: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[implementation]
 
 
+# What a decoder layer calls its KV cache: transformers 5.24 renamed `past_key_values` to `cache` (the old name
+# kept as a deprecated alias). Both are accepted from callers; the original forward is called with its own.
+CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(cls: type) -> str | None:
+    """The name under which `cls.forward` takes the KV cache, read from its signature (decorators that rename
+    keywords wrap with functools.wraps, which inspect.signature follows); None when it takes neither."""
+    parameters = inspect.signature(cls.forward).parameters
+    return next((name for name in CACHE_KEYWORDS if name in parameters), None)
+
+
+def pop_cache(kwargs: dict):
+    """The KV cache a caller passed under either name (removed from kwargs), or None."""
+    found = [kwargs.pop(name) for name in CACHE_KEYWORDS if name in kwargs]
+    return next((cache for cache in found if cache is not None), None)
+
+
 def _project_qkv(self, hidden_states, use_lora: bool, rotary):
     """(q, k, v, rotated): the fused QKV node applies RoPE itself (rotary = (cos, sin, head_dim)) when given."""
     projs = step_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
@@ -57,12 +78,13 @@ def _project_out(self, attn_output, use_lora: bool):
 
 
 def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kwargs):
-        if past_key_values is not None and not torch.is_grad_enabled():
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        cache = pop_cache(kwargs)
+        if cache is not None and not torch.is_grad_enabled():
             # Generation / cached inference: transformers' own forward, cache handling and all.
             return type(self).forward(
                 self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                past_key_values=past_key_values, **kwargs,
+                **{cache_keyword(type(self)): cache}, **kwargs,
             )
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -81,13 +103,13 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
             # In place: q and k are fresh projection (or q/k-norm) outputs, and q_rot/k_rot feed the attention
             # alone, unless a cache keeps the keys (backward would write their gradients there).
             producers = (self.q_proj, self.k_proj, *((self.q_norm, self.k_norm) if has_qk_norm else ()))
-            inplace = past_key_values is None and outputs_private(*producers)
+            inplace = cache is None and outputs_private(*producers)
             query, key = rope(query, key, cos, sin, inplace=inplace)
         elif not rotated:
             query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
 
-        if past_key_values is not None:  # training with use_cache: the cache still records the keys
-            key, value = past_key_values.update(key, value, self.layer_idx)
+        if cache is not None:  # training with use_cache: the cache still records the keys
+            key, value = cache.update(key, value, self.layer_idx)
 
         attn_output, attn_weights = attention_function(self)(
             self,
@@ -117,6 +139,8 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     family_module = _family_module(module)
     missing += [f for f in ("eager_attention_forward", "apply_rotary_pos_emb") if not hasattr(family_module, f)]
+    if cache_keyword(type(module)) is None:
+        missing.append(f"KV cache argument ({' or '.join(CACHE_KEYWORDS)}) in its forward")
     if missing:
         return Skip("attention", f"not the expected attention structure (no {', '.join(missing)})")
     if hasattr(module, "q_norm") != hasattr(module, "k_norm"):

@@ -9,12 +9,14 @@ the head in an FSDP unit of its own) and sets up its backward in the post-forwar
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
 from torch import nn
 
 from ..kernels.cross_entropy import fused_linear_cross_entropy
+from .attention import CACHE_KEYWORDS
 from .rules import MatchContext, Patch, Skip, is_fsdp, own_class
 
 
@@ -73,13 +75,20 @@ def _moe_aux_loss(model, outputs, attention_mask):
     return balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
-def _output(moe: bool, **fields):
+def _cache_field(output_class) -> str:
+    """The output's KV-cache field by its own declaration (transformers 5.24 renamed past_key_values to cache)."""
+    names = {f.name for f in dataclasses.fields(output_class)}
+    return next(name for name in CACHE_KEYWORDS if name in names)
+
+
+def _output(moe: bool, decoder_outputs, **fields):
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    if moe:
-        return MoeCausalLMOutputWithPast(**fields)
-    fields.pop("aux_loss"), fields.pop("router_logits")
-    return CausalLMOutputWithPast(**fields)
+    output_class = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+    if not moe:
+        fields.pop("aux_loss"), fields.pop("router_logits")
+    fields[_cache_field(output_class)] = getattr(decoder_outputs, _cache_field(type(decoder_outputs)), None)
+    return output_class(**fields)
 
 
 def _causal_lm_forward(moe: bool):
@@ -88,7 +97,6 @@ def _causal_lm_forward(moe: bool):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
         inputs_embeds=None,
         labels=None,
         use_cache=None,
@@ -105,7 +113,7 @@ def _causal_lm_forward(moe: bool):
         if not fused:
             return type(self).forward(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                 logits_to_keep=logits_to_keep, **kwargs,
             )
         kwargs.pop("return_dict", None)  # the original's @can_return_tuple consumes it too
@@ -116,7 +124,7 @@ def _causal_lm_forward(moe: bool):
             kwargs["output_router_logits"] = router_logits_wanted
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
         )
         hidden = outputs.last_hidden_state
         ignore_index = kwargs.get("ignore_index", -100)
@@ -136,10 +144,10 @@ def _causal_lm_forward(moe: bool):
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return _output(
             moe,
+            outputs,
             loss=loss,
             aux_loss=aux_loss,
             logits=None,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
             router_logits=getattr(outputs, "router_logits", None),

@@ -49,6 +49,17 @@ class KernelOptions:
     freeze_gc: bool | None = None
 
     def __post_init__(self):
+        # Switches must be real bools: a truthy string (rope="no") or a number would turn a kernel on silently.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise TypeError(
+                    f"fastplug option {f.name} must be True or False; got {value!r} ({type(value).__name__})"
+                )
+            if f.type in ("bool | None", bool | None) and value is not None and not isinstance(value, bool):
+                raise TypeError(
+                    f"fastplug option {f.name} must be True, False or None; got {value!r} ({type(value).__name__})"
+                )
         if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (
             0 < self.memory_budget <= 1
         ):

@@ -57,7 +57,7 @@ def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _ce_rows(
-    logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr, scale_stride,
+    logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr, scale_stride,
     n_rows, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -66,13 +66,15 @@ def _ce_rows(
 
     loss_row = lse - (1 - eps) * z_label - eps * mean(z) + z_loss * lse^2, z = softcap(logit_scale * x).
     grad_ptr may equal logits_ptr: each element is read before the same program overwrites it.
+    A label outside [0, V) that is not ignore_index gives a NaN row and is written to bad_label_ptr (any one
+    of them when several are: the launcher only asks whether one is there).
 
     A persistent grid, and pass 2 walks the row backwards, starting with the blocks pass 1 loaded last and
     so the likeliest still in L2 (a 128K bf16 vocab row is 250 KB).
     """
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row * stride
         _ce_row(
-            row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr,
+            row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr,
             scale_stride, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
             HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, BLOCK,
         )
@@ -80,7 +82,7 @@ def _ce_rows(
 
 @triton.jit
 def _ce_row(
-    row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, scale_ptr, scale_stride,
+    row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr, scale_stride,
     n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
@@ -114,8 +116,10 @@ def _ce_row(
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         lse = m + tl.log(s)
 
-        # A label outside [0, V) gives NaN rather than reading out of bounds or a silently wrong loss.
+        # A label outside [0, V) gives NaN rather than reading out of bounds, and is reported to the launcher.
         in_range = (label >= 0) & (label < n_cols)
+        if (label < 0) | (label >= n_cols):
+            tl.store(bad_label_ptr, label)
         z_label = _final_logits(tl.load(in_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
         z_label = tl.where(in_range, z_label, float("nan"))
         if HAS_SMOOTHING:
@@ -184,10 +188,11 @@ def _row_block(n_cols: int) -> tuple[int, int]:
     return block, max(1, min(16, block // 512))
 
 
-def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) -> None:
+def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, bad_label) -> None:
     """Row kernel over 2-D `logits` (unit last stride); `grad` None computes the loss only.
 
     grad_scale: fp32 tensor with one value per row, or a single value for every row.
+    bad_label: `_no_bad_label(...)`, where the kernel writes a label out of range; `_check_bad_label` reads it.
     """
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -198,11 +203,53 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig) 
     n_programs = min(n_rows, num_sms(logits.device) * ROW_PROGRAMS_PER_SM)
     _ce_rows[(n_programs,)](
         logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
-        labels, loss_rows, grad_scale, scale_stride,
+        labels, loss_rows, bad_label, grad_scale, scale_stride,
         n_rows, n_cols, cfg.ignore_index, cfg.logit_scale, cfg.softcap or 1.0, cfg.label_smoothing, cfg.z_loss,
         HAS_SOFTCAP=cfg.softcap is not None, HAS_SMOOTHING=cfg.label_smoothing > 0, HAS_Z_LOSS=cfg.z_loss > 0,
         WRITE_GRAD=write_grad, BLOCK=block, num_warps=num_warps,
     )
+
+
+def _no_bad_label(ignore_index: int, device) -> torch.Tensor:
+    # ignore_index is the "none" value: a row whose label equals it never reports.
+    return torch.full((1,), ignore_index, dtype=torch.int64, device=device)
+
+
+def _label_error(label: int, n_cols: int, ignore_index: int) -> IndexError:
+    # The words of torch's (and so transformers') own error first, then what was expected.
+    return IndexError(
+        f"Target {label} is out of bounds: labels must lie in [0, {n_cols}) (the vocabulary) or equal "
+        f"ignore_index ({ignore_index})"
+    )
+
+
+def _check_bad_label(bad_label: torch.Tensor, n_cols: int, ignore_index: int) -> None:
+    """Raise if the kernel saw a label out of range, without a host sync where one would cost.
+
+    CPU: read it and raise IndexError now. CUDA (and while torch.compile traces): torch._assert_async, which
+    stops at the next point the host waits for the GPU anyway (loss.item(), the Trainer's logging) with a
+    device-side assert, as torch's own cross_entropy does on CUDA; a sync per step to raise the IndexError
+    there would stall the GPU behind Python. The loss is NaN meanwhile.
+    """
+    if bad_label.device.type == "cpu" and not torch.compiler.is_compiling():
+        label = int(bad_label[0])
+        if label != ignore_index:
+            raise _label_error(label, n_cols, ignore_index)
+        return
+    torch._assert_async(
+        bad_label[0] == ignore_index,
+        f"fastplug cross-entropy: a label is out of bounds (outside [0, {n_cols}) and not ignore_index {ignore_index})",
+    )
+
+
+def _check_label_range(labels: torch.Tensor, n_cols: int, ignore_index: int) -> None:
+    """`_check_bad_label` for the torch references: the same test made with torch ops."""
+    labels = labels.reshape(-1)
+    if labels.numel() == 0:
+        return
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_cols))
+    first_bad = labels[bad.to(torch.int8).argmax()].to(torch.int64)
+    _check_bad_label(torch.where(bad.any(), first_bad, ignore_index).reshape(1), n_cols, ignore_index)
 
 
 def _scale_grad(grad: torch.Tensor | None, grad_output: torch.Tensor) -> None:
@@ -264,7 +311,9 @@ class _CrossEntropy(torch.autograd.Function):
             grad_scale = torch.ones(1, dtype=torch.float32, device=x.device)
         grad = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         loss_rows = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        _launch_rows(x, grad, labels, loss_rows, grad_scale, cfg)
+        bad_label = _no_bad_label(cfg.ignore_index, x.device)
+        _launch_rows(x, grad, labels, loss_rows, grad_scale, cfg, bad_label)
+        _check_bad_label(bad_label, x.shape[1], cfg.ignore_index)
 
         ctx.grad_logits, ctx.logits_shape, ctx.reduction = grad, logits.shape, cfg.reduction
         if cfg.reduction == "none":
@@ -300,6 +349,8 @@ def cross_entropy(
     softcap: Gemma2's final_logit_softcapping (z = softcap * tanh(logits / softcap)) applied first.
     z_loss adds z_loss * logsumexp(z)^2 per non-ignored row. "mean" divides by the non-ignored count
     (a batch with every label ignored gives 0). The loss has the logits' dtype; the maths runs in fp32.
+    A label outside [0, V) other than ignore_index raises IndexError("Target ... is out of bounds") on CPU;
+    on CUDA a device-side assert stops the run at its next host sync (no sync of its own; see _check_bad_label).
     """
     check_dtype("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -335,6 +386,7 @@ def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, los
     write_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
     buf = torch.empty(min(chunk_rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
     per_row_scale = grad_scale.numel() > 1
+    bad_label = _no_bad_label(cfg.ignore_index, hidden.device)
     first = True
     for start, end in chunks:
         h = hidden[start:end]
@@ -345,7 +397,8 @@ def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, los
             torch.addmm(bias, h, weight.t(), out=logits)
         scale = grad_scale[start:end] if per_row_scale else grad_scale
         # In place: the chunk's logits become its dlogits (the buffer is ours).
-        _launch_rows(logits, logits if write_grad else None, labels[start:end], loss_rows[start:end], scale, cfg)
+        _launch_rows(logits, logits if write_grad else None, labels[start:end], loss_rows[start:end], scale, cfg,
+                     bad_label)  # fmt: skip
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
@@ -358,6 +411,7 @@ def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, los
         first = False
     if grad_weight is not None and first:
         grad_weight.zero_()
+    _check_bad_label(bad_label, weight.shape[0], cfg.ignore_index)
 
 
 def _loss_and_grads(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale, needs):
@@ -447,8 +501,8 @@ def fused_linear_cross_entropy(
 
     hidden [..., H], weight [V, H], labels [...] already shifted (one per hidden row). With
     num_items_in_batch the summed loss is divided by it (transformers' gradient-accumulation loss);
-    otherwise the semantics are those of `cross_entropy` (a label outside [0, V) gives NaN). The loss is
-    fp32 (reduction "none": [N] rows).
+    otherwise the semantics are those of `cross_entropy`, out-of-range labels included. The loss is fp32
+    (reduction "none": [N] rows).
     """
     check_dtype("hidden", hidden)
     check_dtype("weight", weight)
@@ -544,6 +598,7 @@ def _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, r
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     labels = labels.reshape(-1).to(z.device)
+    _check_label_range(labels, z.shape[-1], ignore_index)
     valid = labels != ignore_index
     lse = torch.logsumexp(z, dim=-1)
     z_label = z.gather(1, torch.where(valid, labels, 0).long().unsqueeze(1)).squeeze(1)

@@ -132,18 +132,26 @@ def test_cross_entropy_reference_is_torch_cross_entropy():
             assert_close(ours, torchs, torch.float32, f"{reduction}, smoothing {smoothing}")
 
 
-def test_cross_entropy_out_of_range_label_gives_nan():
-    logits = torch.randn(4, 50)
-    loss = cross_entropy(logits, torch.tensor([1, 2, 50, 3]), reduction="none")
-    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+@pytest.mark.parametrize("bad", [300, 999, -5, -1])
+@pytest.mark.parametrize("fn", [cross_entropy, cross_entropy_reference])
+def test_cross_entropy_out_of_range_label_raises_like_torch(fn, bad):
+    logits = torch.randn(29, 300)
+    labels = _labels(29, 300, [0, 7, 8])
+    labels[21] = bad
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE)  # the words users know
+    for reduction in REDUCTIONS:
+        with pytest.raises(IndexError, match=rf"Target {bad} is out of bounds.*\[0, 300\).*ignore_index \(-100\)"):
+            fn(logits, labels, reduction=reduction)
 
 
-def test_fused_out_of_range_label_gives_nan():
-    # Checked on the device, not the host: a host sync per step would stall training.
-    hidden, weight = torch.randn(6, 32), torch.randn(50, 32)
-    loss = fused_linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 2, 3, 4, 50]), reduction="none")
-    assert torch.isnan(loss[5]) and torch.isfinite(loss[:5]).all()
-    assert torch.isnan(fused_linear_cross_entropy(hidden, weight, torch.tensor([0, 1, 2, 3, 4, 50])))
+def test_another_ignore_index_makes_minus_100_out_of_bounds():
+    logits, labels = torch.randn(6, 40), torch.randint(0, 40, (6,))
+    labels[[1, 4]] = -1
+    assert torch.isfinite(cross_entropy(logits, labels, ignore_index=-1))
+    labels[2] = -100
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        cross_entropy(logits, labels, ignore_index=-1)
 
 
 # ------------------------------------------------------------------------------------ fused linear head
@@ -206,6 +214,30 @@ def test_fused_num_items_in_batch_and_no_grad(reduction):
     ref = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), labels, bias=bias.double(),
                                                num_items_in_batch=91)
     assert_close(loss, ref, torch.float32)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("row, bad", [(0, 1000), (44, -7), (30, 5000)])
+def test_fused_out_of_range_label_raises_in_any_chunk(row, bad, reduction):
+    # 45 rows of V=1000 fp32: 6 chunks; the bad label in the first, the last or a middle one, among ignored rows
+    hidden, weight, _ = _fused_inputs(45, 24, 1000, torch.float32, bias=False)
+    labels = _labels(45, 1000, _many_ignored(45)[:-3])
+    labels[row] = bad
+    for fn in (fused_linear_cross_entropy, fused_linear_cross_entropy_reference):
+        with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+            fn(hidden, weight, labels, reduction=reduction)
+    assert hidden.grad is None and weight.grad is None
+
+
+def test_fused_out_of_range_label_raises_under_torch_compile():
+    # Through the registered operator (what torch.compile traces): its implementation checks, the trace stays whole.
+    hidden, weight, _ = _fused_inputs(10, 16, 40, torch.float32, bias=False)
+    loss_fn = torch.compile(lambda h, w, y: fused_linear_cross_entropy(h, w, y), fullgraph=True, backend="aot_eager")
+    labels = torch.randint(0, 40, (10,))
+    assert torch.isfinite(loss_fn(hidden, weight, labels))
+    labels[3] = 40
+    with pytest.raises(IndexError, match="Target 40 is out of bounds"):
+        loss_fn(hidden, weight, labels)
 
 
 def test_gradient_accumulation_matches_one_big_batch():

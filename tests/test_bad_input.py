@@ -78,3 +78,34 @@ def test_none_only_where_none_means_something():
         KernelOptions(rope=None)
     options = KernelOptions(rope=False, freeze_gc=True, stack_projections=False, gradient_checkpointing="auto")
     assert options.rope is False and options.gradient_checkpointing == "auto"
+
+
+# ------------------------------------------------------------------------------------------ FP8 restore
+
+
+def _frozen_bf16_llama():
+    model = tiny_model("llama", seed=torch.randint(0, 1000, ()).item()).to(torch.bfloat16)
+    return model.requires_grad_(False)
+
+
+def test_fp8_restore_gives_back_the_frozen_base_exactly_by_default(recwarn):
+    model = _frozen_bf16_llama()
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    handle = fastplug.patch_model(model, fp8=True, gradient_checkpointing=False)
+    assert handle.counts["fp8_linear"] == 14
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch()).loss)
+    handle.restore()
+    for name, p in model.named_parameters():
+        assert p is before[name][0] and torch.equal(p, before[name][1]), name
+    assert not [w for w in recwarn if "FP8" in str(w.message)]
+
+
+def test_lossy_fp8_restore_is_an_explicit_choice_that_warns():
+    model = _frozen_bf16_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handle = fastplug.patch_model(model, fp8=True, fp8_keep_original=False, gradient_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"14 frozen linear weights dequantized from FP8.*fp8_keep_original=True"):
+        handle.restore()
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == 14 and all(".layers." in n for n in changed)

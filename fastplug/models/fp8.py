@@ -8,9 +8,10 @@ along), its forward becomes `fp8_linear`, and the original Parameter's storage i
 object itself is kept for restore). The fused LoRA blocks read the FP8 weight directly (`peft_lora` accepts
 these layers as bases).
 
-restore() puts the original Parameter objects back, their values dequantized from FP8 (lossy: the weights
-come back rounded to the FP8 grid), or bit-exact from a copy kept in CPU memory with fp8_keep_original=True;
-on the device and in the dtype the model has by then.
+restore() puts the original Parameter objects back, on the device and in the dtype the model has by then, with
+their values bit-exact from a copy kept in CPU memory (fp8_keep_original=True, the default: a restored model is
+the model that was patched), or with fp8_keep_original=False dequantized from FP8 (lossy: rounded to the FP8
+grid), which restore() then says in a warning.
 
 Layers that transformers loaded in FP8 (fine-grained FP8 checkpoints: its `FP8Linear`, weight plus
 `weight_scale_inv`) take fastplug's kernel the same way: their forward is replaced on the instance and their
@@ -26,6 +27,7 @@ activation scales).
 from __future__ import annotations
 
 import types
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -113,7 +115,7 @@ class FP8Conversion:
     taken_over: int = 0
     original_bytes: int = 0  # the bf16 (fp16, fp32) weights released
     fp8_bytes: int = 0  # their FP8 copies with their scales
-    keep_original: bool = False
+    keep_original: bool = True
     device: torch.device | None = None
     skipped: list = field(default_factory=list)  # (path, reason)
     _undo: list = field(default_factory=list)
@@ -121,6 +123,16 @@ class FP8Conversion:
     def undo(self) -> None:
         while self._undo:
             self._undo.pop()()
+
+    def _warn_lossy(self) -> None:
+        # Restore is exact everywhere else in fastplug: a lossy one must not pass unnoticed.
+        if self.quantized and not self.keep_original:
+            warnings.warn(
+                f"fastplug: restore() gave back {self.quantized} frozen linear weights dequantized from FP8, not "
+                "their original values (fp8_keep_original=False; each element ~2.6% off). Patch with "
+                "fp8_keep_original=True (the default) for an exact restore.",
+                stacklevel=4,
+            )
 
     @property
     def layers(self) -> int:
@@ -130,7 +142,7 @@ class FP8Conversion:
         parts = []
         if self.quantized:
             back = ("restore() puts back the originals kept in CPU memory" if self.keep_original
-                    else "restore() puts back weights dequantized from FP8 (lossy)")
+                    else "restore() puts back weights dequantized from FP8 (lossy: fp8_keep_original=False)")
             parts.append(
                 f"{self.quantized} linear layers quantized to FP8 in {BLOCK}x{BLOCK} blocks: weights "
                 f"{_size(self.original_bytes)} -> {_size(self.fp8_bytes)} with scales, "
@@ -231,9 +243,10 @@ def _take_over(module: nn.Module, conversion: FP8Conversion) -> None:
     conversion.taken_over += 1
 
 
-def convert_to_fp8(model: nn.Module, keep_original: bool = False) -> FP8Conversion:
+def convert_to_fp8(model: nn.Module, keep_original: bool = True) -> FP8Conversion:
     """Put the decoder layers' frozen linears of this model instance on FP8 (see the module docstring)."""
     conversion = FP8Conversion(keep_original=keep_original)
+    conversion._undo.append(conversion._warn_lossy)  # runs last: after every weight is back
     candidates = list(_candidates(model))
     owners = _owners(model)
     converting: dict[int, int] = defaultdict(int)

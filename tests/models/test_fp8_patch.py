@@ -1,6 +1,7 @@
 """KernelOptions.fp8 on a tiny Llama: the decoder linears quantized at patch time under peft LoRA (fp32
 adapters on a bf16 base) match the unpatched model built on the dequantized weights, train, and restore
-(lossy by default, bit-exact with fp8_keep_original); transformers' fine-grained FP8 layers, built here as
+(bit-exact by default; dequantized from FP8, with a warning, under fp8_keep_original=False); transformers'
+fine-grained FP8 layers, built here as
 its FP8 loading builds them, take fastplug's kernel and are put back by restore()."""
 
 import copy
@@ -85,9 +86,10 @@ def test_fp8_lora_llama_matches_dequantized_model_trains_and_restores():
     exact = _fp8_inputs(_with_lora(_rounded_to_fp8(copy.deepcopy(base))))
     model = _with_lora(base)
     originals = {n: m.weight for n, m in _decoder_linears(model).items()}
-    handle = fastplug.patch_model(model, **OPTIONS)
+    handle = fastplug.patch_model(model, fp8_keep_original=False, **OPTIONS)
     assert handle.counts["fp8_linear"] == 14 and handle.counts["lora_fused"] == 4
     assert "14 linear layers quantized to FP8 in 128x128 blocks" in handle.summary() and "saved" in handle.summary()
+    assert "dequantized from FP8 (lossy: fp8_keep_original=False)" in handle.summary()
     assert all(is_fp8_linear(m) for m in _decoder_linears(model).values())
     assert all(p.numel() == 0 for p in originals.values())  # the bf16 storage is released
 
@@ -109,7 +111,8 @@ def test_fp8_lora_llama_matches_dequantized_model_trains_and_restores():
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.1, losses
 
-    handle.restore()
+    with pytest.warns(UserWarning, match="restore.. gave back 14 frozen linear weights dequantized from FP8"):
+        handle.restore()
     handle.restore()  # harmless
     ref_linears = _decoder_linears(ref)
     for name, m in _decoder_linears(model).items():
@@ -118,12 +121,12 @@ def test_fp8_lora_llama_matches_dequantized_model_trains_and_restores():
         torch.testing.assert_close(m.weight, ref_linears[name].weight, rtol=2**-7, atol=0)
 
 
-def test_keep_original_restores_bit_exact_and_trainable_weights_stay():
+def test_restore_is_bit_exact_by_default_and_trainable_weights_stay(recwarn):
     model = tiny_model("llama").to(torch.bfloat16)
     for name, p in model.named_parameters():
         p.requires_grad_(".mlp." in name)  # attention linears frozen, MLP linears trainable
     before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
-    handle = fastplug.patch_model(model, fp8_keep_original=True, **OPTIONS)
+    handle = fastplug.patch_model(model, **OPTIONS)
     assert handle.counts["fp8_linear"] == 8  # q/k/v/o of 2 layers
     summary = handle.summary()
     assert "originals kept in CPU memory" in summary and "trainable weight (FP8 bases are frozen)" in summary
@@ -131,6 +134,7 @@ def test_keep_original_restores_bit_exact_and_trainable_weights_stay():
     handle.restore()
     for name, p in model.named_parameters():
         assert p is before[name][0] and torch.equal(p, before[name][1]), name
+    assert not [w for w in recwarn if "FP8" in str(w.message)]
 
 
 def _transformers_fp8_model():

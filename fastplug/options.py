@@ -49,6 +49,10 @@ class KernelOptions:
     # restores at its end; off for patch_model and FastModel, whose patch may outlive the user's interest in
     # the model (a model dropped without restore() would stay frozen, GPU memory and all).
     freeze_gc: bool | None = None
+    # At patch time, check each kind of patch against the original modules on this model (a few random tokens
+    # through the first decoder layers, the LM-head loss and one cached decode step, in the model's dtype);
+    # a kind that disagrees is not installed, with a warning (fastplug/self_check.py).
+    self_check: bool = True
 
     def __post_init__(self):
         # Switches must be real bools: a truthy string (rope="no") or a number would turn a kernel on silently.

@@ -16,12 +16,13 @@ from collections import Counter
 import torch
 from torch import nn
 
-from . import checkpointing, host_gc, layer_graphs
+from . import checkpointing, host_gc, layer_graphs, self_check
 from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from .models.fp8 import convert_to_fp8
 from .models.peft_lora import watch_adapter_writes
 from .models.rules import own_class
 from .options import KernelOptions
+from .self_check import verify
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
 _warned_model_types: set[str] = set()
@@ -40,6 +41,36 @@ def active_handle(model: nn.Module) -> "PatchHandle | None":
     return handle if handle is not None and handle.is_active else None
 
 
+class _Installed:
+    """One patch on one module: installed and taken off again (by restore(), or by the self-check)."""
+
+    def __init__(self, path: str, module: nn.Module, patch: Patch):
+        self.path, self.module, self.patch = path, module, patch
+        self.bound = None  # the bound forward we installed
+        self.undo = None  # what the patch's switch returned
+        self.active = False
+
+    def install(self) -> None:
+        if self.active:
+            return
+        if self.patch.forward is not None:
+            self.bound = types.MethodType(self.patch.forward, self.module)
+            self.module.forward = self.bound  # nn.Module.__setattr__ stores a plain attribute in the instance __dict__
+        if self.patch.switch is not None:
+            self.undo = self.patch.switch()
+        self.active = True
+
+    def uninstall(self) -> None:
+        if not self.active:
+            return
+        if self.bound is not None and vars(self.module).get("forward") is self.bound:
+            del self.module.forward
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
+        self.active = False
+
+
 class PatchHandle:
     """What `patch_model` did to one model; `restore()` undoes all of it (a second call does nothing)."""
 
@@ -50,30 +81,40 @@ class PatchHandle:
         self.counts: dict[str, int] = {}
         self.skipped: list[tuple[str, str]] = []
         self.checkpointing: str | None = None
-        self._patched: list[tuple[nn.Module, object]] = []  # (module, the bound forward we installed)
+        self._records: list[_Installed] = []  # every patch applied, in order
         self._checkpointing_snapshot = None
-        self._lora_fused = 0
-        self._undo: list = []  # what the patches' `switch`es return, run in reverse by restore()
+        self._undo: list = []  # run in reverse by restore(): fp8's undo, the patches' removal, graphs, gc
         self.paths: list[tuple[str, str]] = []  # (module path, the implementation it takes)
         self._adapter_watch = None  # the forward pre-hook that keeps fused LoRA's adapter copies current
         self.fp8: str | None = None  # what the fp8 option did, for the summary
         self.graphs: layer_graphs.LayerGraphs | None = None
         self._fp8_layers = 0
+        self.check: self_check.Report | None = None
         self.is_active = False
 
     # -- applying
     def _apply(self, path: str, module: nn.Module, patch: Patch) -> None:
-        if patch.forward is not None:
-            bound = types.MethodType(patch.forward, module)
-            module.forward = bound  # nn.Module.__setattr__ stores a plain attribute in the instance __dict__
-            self._patched.append((module, bound))
-        if patch.switch is not None:
-            self._undo.append(patch.switch())
-        if patch.path_taken:
-            self.paths.append((path, patch.path_taken))
-        self._lora_fused += patch.lora_fused
+        record = _Installed(path, module, patch)
+        record.install()
+        self._records.append(record)
         for child, reason in patch.notes:
             self.skipped.append((f"{path}.{child}" if path else child, reason))
+
+    def _uninstall_all(self) -> None:
+        for record in reversed(self._records):
+            record.uninstall()
+
+    def _tally(self) -> None:
+        """counts, paths and the fused-LoRA count from the patches in place now."""
+        active = [r for r in self._records if r.active]
+        counts = Counter(r.patch.kind for r in active)
+        lora_fused = sum(r.patch.lora_fused for r in active)
+        if lora_fused:
+            counts["lora_fused"] = lora_fused
+        if self._fp8_layers:
+            counts["fp8_linear"] = self._fp8_layers
+        self.counts = dict(counts)
+        self.paths = [(r.path, r.patch.path_taken) for r in active if r.patch.path_taken]
 
     def _convert_fp8(self) -> None:
         """fp8=True: the decoder linears on FP8 weights, before the rules run (their fused LoRA views then see
@@ -87,7 +128,6 @@ class PatchHandle:
 
     def _patch_modules(self, outer: nn.Module) -> None:
         ctx = MatchContext(root=self.model, family=self.family, options=self.options)
-        counts: Counter = Counter()
         for path, module in self.model.named_modules():
             for rule in RULES:
                 result = rule(module, ctx)
@@ -100,15 +140,18 @@ class PatchHandle:
                     self.skipped.append((path or type(module).__name__, f"{result.kind}: {result.reason}"))
                 else:
                     self._apply(path, module, result)
-                    counts[result.kind] += 1
                 break
-        if self._lora_fused:
-            counts["lora_fused"] = self._lora_fused
-        if self._fp8_layers:
-            counts["fp8_linear"] = self._fp8_layers
+        self._undo.append(self._uninstall_all)
         if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
             self._adapter_watch = watch_adapter_writes(checkpointing.decoder_stack(self.model))
-        self.counts = dict(counts)
+        self._tally()
+
+    def _self_check(self) -> None:
+        """Keep only the kinds of patch that agree with the original modules on this model (self_check.py)."""
+        self.check = verify(self.model, self._records, self.options, self.family is not None)
+        for kind, why in self.check.declined:
+            self.skipped.append((kind, f"declined by the self-check: {why}"))
+        self._tally()
 
     def _enable_checkpointing(self) -> None:
         mode = self.options.gradient_checkpointing
@@ -134,10 +177,6 @@ class PatchHandle:
     def restore(self) -> None:
         if not self.is_active:
             return
-        for module, bound in reversed(self._patched):
-            if vars(module).get("forward") is bound:
-                del module.forward
-        self._patched.clear()
         while self._undo:
             self._undo.pop()()
         if self._adapter_watch is not None:
@@ -170,6 +209,8 @@ class PatchHandle:
             lines.append(f"  fp8: {self.fp8}")
         if self.graphs is not None:
             lines.append(f"  {self.graphs}")
+        if self.check is not None:
+            lines += self.check.lines()
         if self.paths:
             lines.append("  paths:")
             lines += [f"    {path}: {taken}" for path, taken in self.paths]
@@ -185,11 +226,23 @@ class PatchHandle:
 def patch_model(model: nn.Module, options: KernelOptions | None = None, **overrides) -> PatchHandle:
     """Patch this model instance (a PreTrainedModel or a peft PeftModel, on any device); returns the handle.
 
-    Patching an already patched model returns its active handle unchanged.
+    Patching an already patched model returns its active handle when the options are the same, and raises
+    ValueError when they differ (restore() first). Each kind of patch is checked against the original modules on
+    this model before it is kept (`self_check`, see fastplug/self_check.py).
     """
     options = KernelOptions.build(options, **overrides)
     existing = active_handle(model)
     if existing is not None:
+        if existing.options != options:
+            changed = [
+                f"{name}={getattr(options, name)!r} (patched with {getattr(existing.options, name)!r})"
+                for name in KernelOptions.field_names()
+                if getattr(options, name) != getattr(existing.options, name)
+            ]
+            raise ValueError(
+                "fastplug: this model is already patched with other options: " + ", ".join(changed)
+                + ". Call restore() on its handle (fastplug.patching.active_handle(model)) before patching again."
+            )
         return existing
     base = unwrap(model)
     handle = PatchHandle(base, options)
@@ -197,6 +250,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
         _warn_unknown(base)
     handle._convert_fp8()
     handle._patch_modules(model)
+    handle._self_check()
     handle._enable_checkpointing()
     handle._install_graphs()
     if options.freeze_gc:  # last: the patch's own objects are frozen too

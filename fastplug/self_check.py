@@ -1,0 +1,452 @@
+"""The patch-time self-check: each kind of patch is shown equal to the original modules on the user's own model
+before it is kept.
+
+transformers changes its modules every month (5.24 renamed the attention's cache argument, and a patched
+attention silently stopped filling the KV cache). So `patch_model` does not assume that a module computes
+what it computed last release: it runs a few random tokens through the first decoder layers and the LM head,
+once with the patches and once with the original modules, and compares
+
+- the training loss (labels given, train mode: the fused LM-head loss) and the gradients of the first layer's
+  input and of its trainable parameters (LoRA included: the adapters' B, zero in a fresh peft model, is given
+  random values for the check and put back bit for bit, so the fused LoRA forward is exercised);
+- the prompt's logits and one cached decode step's logits (eval mode, no grad: what `generate()` runs).
+
+Dropout is off during the check and the user's RNG is untouched (the tokens come from a private generator).
+A kind of patch whose addition makes the two disagree by more than the model dtype's bound, on two different
+batches, is taken off again everywhere and reported; the original modules keep running.
+
+The model is truncated to as many leading decoder layers as it takes to meet every variant of every patch
+(a kind and the path it takes, e.g. sliding-window and full attention), at most MAX_LAYERS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import torch
+from torch import nn
+
+TOKENS = 8  # prompt tokens; one more is decoded from the cache
+MAX_LAYERS = 8
+SEEDS = (1234, 4321)  # a kind is declined only when it disagrees on both batches (MoE routing near-ties)
+
+# Relative difference ||patched - original|| / ||original|| allowed between two correct implementations in the
+# model's dtype: a few times what fastplug's kernels and transformers' modules differ by when both are right
+# (fp32 accumulation against bf16 intermediates), far below what a changed computation gives (the unfilled
+# KV cache: 0.56; Llama's norm computed as Gemma's: ~1).
+BOUNDS = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+TF32_BOUND = 5e-3  # fp32 models on CUDA with TF32 matmuls allowed (the Trainer's tf32=True)
+
+
+def bound_for(dtype: torch.dtype, device: torch.device) -> float:
+    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return TF32_BOUND
+    return BOUNDS.get(dtype, BOUNDS[torch.float32])
+
+
+def versions() -> str:
+    """The library versions a disagreement is reported with."""
+    found = []
+    for name in ("transformers", "torch", "peft", "bitsandbytes"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+@dataclass
+class Outputs:
+    """What one run of the truncated model gives: named tensors to compare."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    worst: float  # the largest relative difference
+    where: str  # which compared tensor it was
+
+
+def compare(out: Outputs, ref: Outputs, bound: float) -> Verdict:
+    worst, where = 0.0, ""
+    for name, r in ref.tensors.items():
+        o = out.tensors.get(name)
+        if o is None or o.shape != r.shape:
+            return Verdict(False, float("inf"), f"{name} (missing or shape {None if o is None else tuple(o.shape)})")
+        o, r = o.double(), r.double()
+        if not torch.isfinite(o).all() and torch.isfinite(r).all():
+            return Verdict(False, float("inf"), f"{name} (not finite)")
+        scale = r.norm().item()
+        err = (o - r).norm().item() / scale if scale > 0 else (o - r).norm().item()
+        if err > worst:
+            worst, where = err, name
+    return Verdict(worst <= bound, worst, where)
+
+
+def why_not_checkable(model: nn.Module, layers: list[nn.Module]) -> str | None:
+    """None when the self-check can run on this model, else the reason."""
+    if not layers:
+        return "no decoder layers found"
+    if _layer_list(model, layers) is None:
+        return "the decoder layers are not one nn.ModuleList"
+    if not callable(getattr(model, "get_input_embeddings", None)) or model.get_input_embeddings() is None:
+        return "no input embeddings"
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type == "meta":
+        return "the model has no materialised weights (meta device)"
+    from .models.rules import is_fsdp
+
+    if any(is_fsdp(m) for m in model.modules()):
+        return "FSDP-sharded model (a partial forward would desynchronise the ranks)"
+    return None
+
+
+def _layer_list(model: nn.Module, layers: list[nn.Module]) -> nn.ModuleList | None:
+    first = layers[0]
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and any(child is first for child in module.children()):
+            return module
+    return None
+
+
+class Probe:
+    """Runs a model cut to its first `n_layers` decoder layers on a fixed random batch."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module]):
+        self.model = model
+        self.layers = layers
+        self.layer_list = _layer_list(model, layers)
+        embeddings = model.get_input_embeddings()
+        self.device = embeddings.weight.device
+        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.vocab = embeddings.weight.shape[0]
+        self.n_layers = 1
+
+    def bound(self) -> float:
+        return bound_for(self.dtype, self.device)
+
+    # -- the run
+    def run(self, seed: int) -> Outputs:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, self.vocab, (1, TOKENS + 1), generator=generator).to(self.device)
+        out = Outputs()
+        with self._truncated(), _quiet(self.model), self._random_lora_b(generator), _embedding_grad(self.model) as h0:
+            was_training = self.model.training
+            try:
+                self.model.train()
+                with torch.enable_grad():
+                    self._train_step(ids[:, :TOKENS], h0, out)
+                self.model.eval()
+                with torch.no_grad():
+                    self._decode_step(ids, out)
+            finally:
+                self.model.train(was_training)
+        return out
+
+    def _train_step(self, ids, h0, out: Outputs) -> None:
+        result = self.model(input_ids=ids, labels=ids, use_cache=False)
+        loss = getattr(result, "loss", None)
+        if loss is None:  # a model without an LM head: a fixed random projection of its output
+            hidden = result[0]
+            weights = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7)).to(hidden)
+            loss = (hidden.float() * weights.float()).sum()
+        params = {n: p for layer in self.layers[: self.n_layers] for n, p in _named_trainable(layer, self.layers)}
+        wanted = [h0[0], *params.values()]
+        grads = torch.autograd.grad(loss, wanted, allow_unused=True)
+        out.tensors["loss"] = loss.detach().float().reshape(1)
+        names = ["gradient of the first layer's input", *(f"gradient of {n}" for n in params)]
+        for name, grad in zip(names, grads):
+            if grad is not None:
+                out.tensors[name] = grad.detach()
+
+    def _decode_step(self, ids, out: Outputs) -> None:
+        from .models.attention import cache_keyword
+
+        prompt = self.model(input_ids=ids[:, :TOKENS], use_cache=True)
+        out.tensors["prompt logits (eval)"] = _first_output(prompt)
+        cache_name = cache_keyword(type(self.model))
+        cache = getattr(prompt, cache_name, None) if cache_name else None
+        if cache is None:
+            return
+        step = self.model(input_ids=ids[:, TOKENS:], use_cache=True, **{cache_name: cache})
+        out.tensors["decode-step logits (KV cache)"] = _first_output(step)
+
+    # -- what the run changes and puts back
+    @contextlib.contextmanager
+    def _truncated(self):
+        saved = self.layer_list._modules
+        self.layer_list._modules = OrderedDict(list(saved.items())[: self.n_layers])
+        try:
+            yield
+        finally:
+            self.layer_list._modules = saved
+
+    @contextlib.contextmanager
+    def _random_lora_b(self, generator: torch.Generator):
+        """peft initialises lora_B to zero, which would hide the fused LoRA forward: random values for the
+        check, the originals copied back (in place, so views and the fused path's copies follow)."""
+        saved = []
+        with torch.no_grad():
+            for layer in self.layers[: self.n_layers]:
+                for name, p in layer.named_parameters():
+                    if "lora_B" in name or "lora_embedding_B" in name:
+                        saved.append((p, p.detach().clone()))
+                        p.copy_(0.02 * torch.randn(p.shape, generator=generator).to(p))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, original in saved:
+                    p.copy_(original)
+
+
+def _named_trainable(layer: nn.Module, layers):
+    index = next(i for i, candidate in enumerate(layers) if candidate is layer)
+    return [(f"layers.{index}.{n}", p) for n, p in layer.named_parameters() if p.requires_grad]
+
+
+def _first_output(result) -> torch.Tensor:
+    logits = getattr(result, "logits", None)
+    return (logits if logits is not None else result[0]).detach().float()
+
+
+@contextlib.contextmanager
+def _embedding_grad(model: nn.Module):
+    """The embedding output made a leaf that requires grad (the first layer's input gradient), via a hook."""
+    holder: list[torch.Tensor] = []
+
+    def hook(module, args, output):
+        leaf = output.detach().requires_grad_(True)
+        holder[:] = [leaf]
+        return leaf
+
+    handle = model.get_input_embeddings().register_forward_hook(hook)
+    try:
+        yield holder
+    finally:
+        handle.remove()
+
+
+_NOISE_ATTRIBUTES = ("attention_dropout", "jitter_noise", "router_jitter_noise")
+
+
+@contextlib.contextmanager
+def _quiet(model: nn.Module):
+    """No dropout, no router jitter: both runs must see the same function."""
+    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    noisy = [
+        (m, name, getattr(m, name))
+        for m in model.modules()
+        for name in _NOISE_ATTRIBUTES
+        if isinstance(getattr(m, name, None), float) and getattr(m, name) > 0
+    ]
+    saved_p = [m.p for m in dropouts]
+    try:
+        for m in dropouts:
+            m.p = 0.0
+        for m, name, _ in noisy:
+            setattr(m, name, 0.0)
+        yield
+    finally:
+        for m, p in zip(dropouts, saved_p):
+            m.p = p
+        for m, name, value in noisy:
+            setattr(m, name, value)
+
+
+@dataclass
+class Report:
+    """What the self-check did, for summary()."""
+
+    ran: bool
+    reason: str = ""  # why it did not run
+    passed: list[str] = field(default_factory=list)
+    declined: list[tuple[str, str]] = field(default_factory=list)  # (kind, why)
+    worst: float = 0.0
+    where: str = ""
+    bound: float = 0.0
+    layers: int = 0
+    seconds: float = 0.0
+    dtype: str = ""
+    reused: bool = False  # the verdict of a model identical in structure, checked earlier in this process
+
+    def lines(self) -> list[str]:
+        if not self.ran:
+            return [f"  self-check: not run ({self.reason})"]
+        when = "verdict of an identical model checked earlier" if self.reused else f"{self.seconds:.2f} s"
+        head = (
+            f"  self-check ({self.dtype}, {TOKENS} tokens + 1 cached, {self.layers} layer(s), {when}): "
+            f"agree: {', '.join(self.passed) or 'nothing'}; largest difference {self.worst:.1e} ({self.where}), "
+            f"bound {self.bound:.0e}"
+        )
+        return [head] + [f"    declined {kind}: {why}" for kind, why in self.declined]
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - self.start
+
+
+def verify(model: nn.Module, records: list, options, known_family: bool) -> Report:
+    """Check the installed patches (`records`, in the order applied; each has .patch, .module, .path,
+    install() and uninstall()) against the original modules; take off every kind that disagrees."""
+    import warnings
+
+    from .checkpointing import decoder_layers
+
+    if not records:
+        return Report(ran=False, reason="nothing patched")
+    if not options.self_check:
+        return Report(ran=False, reason="off (self_check=False)")
+    layers = decoder_layers(model)
+    reason = why_not_checkable(model, layers)
+    probe = Probe(model, layers) if reason is None else None
+    if probe is not None:
+        layer_of = {id(m): i for i, layer in enumerate(layers) for m in layer.modules()}
+        first_layer: dict[tuple[str, str], int] = {}
+        for r in records:
+            index = layer_of.get(id(r.module), 0)
+            key = (r.patch.kind, r.patch.path_taken)
+            first_layer[key] = min(first_layer.get(key, index), index)
+        probe.n_layers = min(MAX_LAYERS, 1 + max(first_layer.values()))
+        in_scope = [r for r in records if layer_of.get(id(r.module), 0) < probe.n_layers]
+        key = (options, *_structure_key(model, probe, in_scope))
+        if key in _VERDICTS:
+            return _reuse(_VERDICTS[key], records)
+        timer = Timer(probe.device)
+        for r in reversed(in_scope):
+            r.uninstall()
+        try:
+            references = [probe.run(SEEDS[0])]
+        except Exception as exc:  # the model's own forward needs more than token ids (vision inputs, ...)
+            reason = f"the original model failed on random tokens: {type(exc).__name__}: {exc}"
+        for r in in_scope:
+            r.install()
+    if reason is not None:
+        report = Report(ran=False, reason=reason)
+        if not known_family:  # structural patches of an unknown family are kept only when shown equal
+            for kind in _kinds(records):
+                _decline(records, kind)
+                report.declined.append((kind, f"unknown family and the self-check cannot run ({reason})"))
+        return report
+
+    bound = probe.bound()
+
+    def agreement() -> Verdict:
+        verdict = _attempt(probe, SEEDS[0], references[0], bound)
+        if verdict.ok:
+            return verdict
+        if len(references) == 1:  # the second batch's reference, run with the original modules
+            active = [r for r in in_scope if r.active]
+            for r in reversed(active):
+                r.uninstall()
+            references.append(probe.run(SEEDS[1]))
+            for r in active:
+                r.install()
+        return _attempt(probe, SEEDS[1], references[1], bound)
+
+    verdict = agreement()
+    report = Report(ran=True, bound=bound, layers=probe.n_layers, dtype=str(probe.dtype).replace("torch.", ""))
+    if not verdict.ok:  # find the kinds responsible: add them back one at a time
+        for r in reversed(in_scope):
+            r.uninstall()
+        last_good = Verdict(True, 0.0, "")
+        for kind in _kinds(in_scope):
+            for r in in_scope:
+                if r.patch.kind == kind:
+                    r.install()
+            verdict = agreement()
+            if verdict.ok:
+                last_good = verdict
+                continue
+            where = next(r.path for r in in_scope if r.patch.kind == kind) or type(model).__name__
+            why = f"{verdict.where} differs by {verdict.worst:.2e} (bound {bound:.0e}) with {where} patched"
+            _decline(records, kind)
+            report.declined.append((kind, why))
+            warnings.warn(
+                f"fastplug: the patched {kind} disagrees with the original modules on this model: {why}; "
+                f"{versions()}. It is not installed: the original modules run. Please report this.",
+                stacklevel=4,
+            )
+        verdict = last_good
+    report.passed = [kind for kind in _kinds(records) if any(r.active for r in records if r.patch.kind == kind)]
+    report.worst, report.where, report.seconds = verdict.worst, verdict.where, timer.seconds()
+    _VERDICTS[key] = report
+    return report
+
+
+# Verdicts of this process, by model structure: patching a model identical in structure to one checked before
+# (same classes and the same functions behind them, config, dtype, device, options, patches and parameters, in
+# the layers the check runs) reuses its verdict instead of running the check again. Holds no tensors.
+_VERDICTS: dict[tuple, Report] = {}
+
+
+def forget() -> None:
+    """Drop the remembered verdicts (a test that changes fastplug's or transformers' code in place)."""
+    _VERDICTS.clear()
+
+
+def _structure_key(model: nn.Module, probe: Probe, in_scope: list) -> tuple:
+    import sys
+
+    from .models.attention import attention_function
+
+    classes = list(dict.fromkeys(type(m) for layer in probe.layers[: probe.n_layers] for m in layer.modules()))
+    classes.append(type(model))
+    functions = []
+    for cls in classes:  # the originals' code: their forwards and the functions their modules define
+        functions.append((cls.__qualname__, id(cls.forward)))
+        namespace = vars(sys.modules.get(cls.__module__, object))
+        functions += [(name, id(value)) for name, value in namespace.items() if callable(value)]
+    attentions = {type(m): m for layer in probe.layers[: probe.n_layers] for m in layer.modules() if hasattr(m, "q_proj")}
+    for module in attentions.values():
+        if hasattr(module, "config"):
+            with contextlib.suppress(Exception):
+                functions.append(("attention", id(attention_function(module))))
+    parameters = [
+        (name, p.dtype, tuple(p.shape), p.requires_grad, type(p).__name__)
+        for layer in probe.layers[: probe.n_layers]
+        for name, p in layer.named_parameters()
+    ]
+    patches = [(r.path, r.patch.kind, r.patch.path_taken, r.patch.lora_fused) for r in in_scope]
+    config = getattr(model, "config", None)
+    return (
+        type(model), config.to_json_string() if config is not None else "", probe.dtype, str(probe.device),
+        probe.n_layers, tuple(functions), tuple(parameters), tuple(patches),
+    )
+
+
+def _reuse(verdict: Report, records: list) -> Report:
+    for kind, _ in verdict.declined:
+        _decline(records, kind)
+    return dataclasses.replace(verdict, reused=True)
+
+
+def _kinds(records) -> list[str]:
+    return list(dict.fromkeys(r.patch.kind for r in records))
+
+
+def _decline(records, kind: str) -> None:
+    for r in reversed(records):
+        if r.patch.kind == kind:
+            r.uninstall()
+
+
+def _attempt(probe: Probe, seed: int, reference: Outputs, bound: float) -> Verdict:
+    try:
+        return compare(probe.run(seed), reference, bound)
+    except Exception as exc:  # a patched forward that raises where the original ran is a disagreement too
+        return Verdict(False, float("inf"), f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,152 @@
+"""The patch-time self-check: on by default, it keeps the patches that agree with the original modules on the
+user's own model and declines (with a warning, the originals running) the kinds that do not: simulated breaks
+of transformers' attention signature and of fastplug's own wiring."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from fastplug import self_check
+from fastplug.models import families
+from fastplug.patching import patch_model
+from tests.models.tiny import batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    """Each test sees its own code: remembered verdicts of identical models would hide a simulated break."""
+    self_check.forget()
+    yield
+    self_check.forget()
+
+
+def _lora_model(dtype=torch.float32, **overrides):
+    """What users train: a base in `dtype` with peft's fp32 adapters on every linear."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama", **overrides).to(dtype)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _greedy(model, prompt):
+    model.eval()
+    with torch.no_grad():
+        return model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+
+
+def _prompt():
+    return batch(batch_size=1, tokens=6)["input_ids"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_is_on_by_default_and_keeps_agreeing_patches(dtype):
+    model = _lora_model(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no decline warning
+        handle = patch_model(model)
+    report = handle.check
+    assert report.ran and not report.declined
+    assert {"attention", "mlp", "rms_norm", "lm_head_loss"} <= set(report.passed)
+    assert 0 < report.worst <= report.bound == self_check.BOUNDS[dtype]
+    assert "self-check" in handle.summary() and "declined" not in handle.summary()
+    assert handle.counts["attention"] == 2 and handle.counts["lora_fused"] > 0
+    handle.restore()
+
+
+def test_the_check_leaves_the_model_as_it_was():
+    """Adapters' B (given random values during the check), RNG, training mode and the layer list come back."""
+    model = _lora_model()
+    model.train()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
+    handle = patch_model(model)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+    assert len(model.base_model.model.model.layers) == 2
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    handle.restore()
+
+
+def _drop_the_cache(monkeypatch):
+    """fastplug's attention as it was before transformers 5.24: the cache, passed under a name it does not read,
+    never reaches it (the KV cache is never filled and generate() decodes wrong tokens)."""
+    import fastplug.models.attention as attention
+
+    monkeypatch.setattr(attention, "pop_cache", lambda kwargs: (kwargs.pop("cache", None), None)[1])
+
+
+def test_a_broken_attention_patch_is_declined_and_generation_stays_right(monkeypatch):
+    model = _lora_model()
+    reference = copy.deepcopy(model)
+    prompt = _prompt()
+    expected = _greedy(reference, prompt)
+
+    _drop_the_cache(monkeypatch)
+    unchecked = copy.deepcopy(reference)
+    with patch_model(unchecked, self_check=False):
+        assert not torch.equal(_greedy(unchecked, prompt), expected), "the simulated break changes the tokens"
+
+    with pytest.warns(UserWarning, match=r"patched attention disagrees.*decode-step logits.*transformers \d"):
+        handle = patch_model(model)
+    assert [kind for kind, _ in handle.check.declined] == ["attention"]
+    assert "attention" not in handle.counts and "declined by the self-check" in handle.summary()
+    assert {"mlp", "rms_norm", "lm_head_loss"} <= set(handle.check.passed)
+    assert all("forward" not in vars(m) for m in model.modules() if type(m).__name__ == "LlamaAttention")
+    assert torch.equal(_greedy(model, prompt), expected)
+    handle.restore()
+
+
+def test_a_changed_transformers_attention_signature_is_not_patched(monkeypatch):
+    """A future transformers whose attention takes the KV cache under a name fastplug does not know: the attention
+    patch is not installed (its structure check reads the forward's own signature); generation stays right."""
+    from transformers.models.llama import modeling_llama
+
+    from fastplug.models.attention import cache_keyword
+
+    original = modeling_llama.LlamaAttention.forward
+    name = cache_keyword(modeling_llama.LlamaAttention)
+
+    def renamed(self, hidden_states, position_embeddings=None, attention_mask=None, kv_store=None, **kwargs):
+        cache = kwargs.pop(name, kv_store)  # the decoder layer still passes the old name here
+        return original(self, hidden_states, position_embeddings, attention_mask, **{name: cache}, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", renamed)
+    cache_keyword.cache_clear()
+    model = _lora_model()
+    prompt = _prompt()
+    expected = _greedy(copy.deepcopy(model), prompt)
+    with patch_model(model) as handle:
+        assert "attention" not in handle.counts
+        assert any("KV cache argument" in reason for _, reason in handle.skipped)
+        assert torch.equal(_greedy(model, prompt), expected)
+    monkeypatch.undo()
+    cache_keyword.cache_clear()
+
+
+def test_a_wrong_norm_is_declined(monkeypatch):
+    """Llama's norm computed as Gemma's (1 + w): the check sees it, the norms keep transformers' forward."""
+    monkeypatch.setitem(families.FAMILIES, "llama", families.Family("llama", rms_norm_offset=1.0))
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="patched rms_norm disagrees"):
+        handle = patch_model(model)
+    assert [kind for kind, _ in handle.check.declined] == ["rms_norm"]
+    inputs = batch()
+    model.train(), reference.train()
+    torch.testing.assert_close(model(**inputs).loss, reference(**inputs).loss, rtol=1e-5, atol=1e-6)
+    handle.restore()
+
+
+def test_an_identical_model_reuses_the_verdict_and_the_option_turns_it_off():
+    first = patch_model(_lora_model())
+    second = patch_model(_lora_model())
+    assert not first.check.reused and second.check.reused
+    assert second.check.passed == first.check.passed
+    assert "identical model" in second.summary()
+    off = patch_model(_lora_model(), self_check=False)
+    assert not off.check.ran and "self_check=False" in off.summary()
+    for handle in (first, second, off):
+        handle.restore()

@@ -14,7 +14,9 @@ QLoRA training, and `gemv_4bit` (decode: a few rows of x times the packed weight
 A weight's fields are read once and cached per weight (`_unpacked`): a training step dequantizes each weight
 three times, and each read through a Params4bit's __torch_function__ costs the host microseconds.
 
-bitsandbytes is never imported: a weight is recognised by its `quant_state`.
+bitsandbytes is never imported: a weight is recognised by its `quant_state`, its layout by the state's flags, not
+by a version (the CPU inference layout of bitsandbytes >= 0.49 is read back into the standard one:
+`_from_cpu_layout`).
 """
 
 from __future__ import annotations
@@ -100,8 +102,6 @@ def _unpack(weight) -> Packed4bit:
     qs = weight.quant_state
     if qs.quant_type not in ("nf4", "fp4"):
         raise ValueError(f"weight.quant_state.quant_type must be 'nf4' or 'fp4'; got {qs.quant_type!r}")
-    if getattr(qs, "packing_format_for_cpu", False):
-        raise ValueError("weight is in bitsandbytes' CPU inference layout (packing_format_for_cpu); not supported")
     shape = tuple(qs.shape)
     if len(shape) != 2:
         raise ValueError(f"weight.quant_state.shape must be 2-D [out, in]; got {shape}")
@@ -110,6 +110,8 @@ def _unpack(weight) -> Packed4bit:
     data = weight.detach().reshape(-1)
     if data.dtype != torch.uint8:  # quant_storage other than uint8 (FSDP): the same bytes
         data = data.view(torch.uint8)
+    if getattr(qs, "packing_format_for_cpu", False):  # the flag, not a version: bitsandbytes < 0.49 has none
+        return _from_cpu_layout(data, qs, shape)
     numel = shape[0] * shape[1]
     if data.numel() < cdiv(numel, 2):
         raise ValueError(f"weight holds {data.numel()} bytes; {shape} needs {cdiv(numel, 2)}")
@@ -121,6 +123,44 @@ def _unpack(weight) -> Packed4bit:
         offset = qs.offset if isinstance(qs.offset, torch.Tensor) else torch.tensor(float(qs.offset))
         nested = (s2.absmax.float(), s2.code.float(), s2.blocksize, offset.float().to(data.device))
     return Packed4bit(data, qs.absmax, _table(qs.quant_type, data.device), qs.blocksize, shape, qs.dtype, nested)
+
+
+_CPU_BLOCK_N = 32  # rows a tile of bitsandbytes' CPU layout interleaves
+
+
+def _from_cpu_layout(data: torch.Tensor, qs, shape: tuple) -> Packed4bit:
+    """A weight in bitsandbytes' CPU inference layout, read back into the standard one as a copy (the weight is
+    left as it is: bitsandbytes' own forward keeps reading its layout).
+
+    bitsandbytes >= 0.49 rewrites a Linear4bit's weight in place at its first eval forward without grad on a CPU
+    with AVX512-BF16 (`packing_format_for_cpu` on the quant state): data [out, in / 2] where each tile of 32 rows
+    x 2 columns is 32 bytes, rows 0-15 in the low nibbles and 16-31 in the high ones; the absmax un-nested,
+    transposed to [in / blocksize, out] and rounded to bf16. Its own inverse re-quantizes the absmax (lossy),
+    so the weight is read here with the bf16 absmax its forward now computes with."""
+    out, k = shape
+    blocks = k // qs.blocksize if k % qs.blocksize == 0 else 0
+    if out % _CPU_BLOCK_N or k % 2 or not blocks or data.numel() != out * k // 2 or \
+            tuple(qs.absmax.shape) != (blocks, out) or getattr(qs, "nested", False):
+        raise ValueError(f"weight is in bitsandbytes' CPU inference layout (packing_format_for_cpu) with shape "
+                         f"{shape}, {data.numel()} bytes and absmax {tuple(qs.absmax.shape)}: not a layout fastplug "
+                         f"reads (it expects [out, in / 2] bytes, out % {_CPU_BLOCK_N} == 0, absmax [in / blocksize, "
+                         "out])")
+    tiles = data.reshape(out // _CPU_BLOCK_N, k // 2, _CPU_BLOCK_N)
+    nibbles = torch.cat([tiles & 15, tiles >> 4], -1).reshape(out // _CPU_BLOCK_N, k // 2, _CPU_BLOCK_N, 2)
+    nibbles = nibbles.transpose(1, 2).reshape(-1)  # row-major [out, in]
+    standard = (nibbles[0::2] << 4) | nibbles[1::2]
+    absmax = qs.absmax.t().reshape(-1).float()  # blocks row-major again (in % blocksize == 0 here)
+    dtype = getattr(qs, "original_dtype", None) or qs.dtype  # the repack sets dtype to bf16, keeps the original
+    return Packed4bit(standard, absmax, _table(qs.quant_type, data.device), qs.blocksize, shape, dtype, None)
+
+
+def layout_reason(weight) -> str | None:
+    """Why fastplug cannot read this quantized 4-bit weight as it is stored now (None: it can)."""
+    try:
+        _unpacked(weight)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 class _Unpacked(NamedTuple):

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
+from ..kernels.quant import layout_reason
 from .fp8 import is_fp8_linear
 
 
@@ -116,10 +117,11 @@ def _base_reason(module: nn.Module, what: str, quantized: bool) -> str | None:
     state = getattr(module.weight, "quant_state", None)
     if state is None:
         return f"{what} is 4-bit but not quantized yet (move it to its device)"
-    if getattr(state, "packing_format_for_cpu", False):
-        return f"{what} is in bitsandbytes' CPU inference layout"
     if state.quant_type not in ("nf4", "fp4"):
         return f"{what} has 4-bit type {state.quant_type!r}"
+    if getattr(state, "packing_format_for_cpu", False):  # bitsandbytes' CPU layout: read when it is the known one
+        reason = layout_reason(module.weight)
+        return f"{what}: {reason}" if reason else None
     return None
 
 

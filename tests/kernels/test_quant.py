@@ -24,6 +24,7 @@ from fastplug.kernels.quant import (  # noqa: E402
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
 from tests.helpers import assert_close, rel_err  # noqa: E402
+from tests.test_bnb_layouts import dequantize_float64  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV_OUT, RANK = 48, 40, 16, 4
 
@@ -303,8 +304,10 @@ def peft_4bit_block(bias=False):
 
 
 def _reference(layer):
-    """Float64 leaves of a peft 4-bit LoRA layer: the dequantized base, bias, A, B and the scaling."""
-    w = bnb_dequant(layer.base_layer.weight, torch.float64)
+    """Float64 leaves of a peft 4-bit LoRA layer: the dequantized base, bias, A, B and the scaling. The base is
+    dequantized from its bytes in float64, never by bitsandbytes: its CPU dequantization is wrong on AVX-512 CPUs
+    where blocks straddle rows (tests/test_bnb_layouts.py), and peft's output is judged as fastplug's is."""
+    w = dequantize_float64(layer.base_layer.weight)
     b = layer.base_layer.bias
     a, bb = (t.detach().double().requires_grad_() for t in (layer.lora_A.default.weight, layer.lora_B.default.weight))
     return w, None if b is None else b.detach().double(), a, bb, layer.scaling["default"]
@@ -320,8 +323,21 @@ def _grads(outputs, inputs, grads_out):
     return torch.autograd.grad(outputs, inputs, grads_out)
 
 
+@pytest.fixture
+def no_bnb_dequantize(monkeypatch):
+    """bitsandbytes' Python dequantization raises while a test builds its float64 reference."""
+    def refuse(*_, **__):
+        raise AssertionError("the float64 reference must not come from bitsandbytes' CPU dequantization")
+
+    def reference(layer):
+        with monkeypatch.context() as m:
+            m.setattr(bnb.functional, "dequantize_4bit", refuse)
+            return _reference(layer)
+    return reference
+
+
 @pytest.mark.parametrize("bias,stacked", [(False, False), (True, False), (False, True)])
-def test_fused_4bit_linear_and_qkv_match_peft(bias, stacked):
+def test_fused_4bit_linear_and_qkv_match_peft(bias, stacked, no_bnb_dequantize):
     """stacked: q/k/v dequantized together into one matrix for one GEMM (what a patched model does)."""
     block = peft_4bit_block(bias)
     names = ("q_proj", "k_proj", "v_proj")
@@ -330,7 +346,7 @@ def test_fused_4bit_linear_and_qkv_match_peft(bias, stacked):
     assert projs is not None and all(p.weight is l.base_layer.weight for p, l in zip(projs, layers))
     x = torch.randn(2, 5, HIDDEN, dtype=torch.bfloat16)
     x64 = x.double().requires_grad_()
-    refs = [_reference(l) for l in layers]
+    refs = [no_bnb_dequantize(l) for l in layers]
     ys64 = [_linear64(x64, r) for r in refs]
     gouts = [torch.randn_like(y, dtype=torch.bfloat16) for y in ys64]
     leaves64 = [x64] + [t for r in refs for t in r[2:4]]
@@ -354,16 +370,16 @@ def test_fused_4bit_linear_and_qkv_match_peft(bias, stacked):
 
     (o,) = fused_projections(block.o_proj)
     xo = torch.randn(3, HIDDEN, dtype=torch.bfloat16)
-    assert_close(lora_linear(xo, o), _linear64(xo.double(), _reference(block.o_proj)), torch.bfloat16, "o_proj")
+    assert_close(lora_linear(xo, o), _linear64(xo.double(), no_bnb_dequantize(block.o_proj)), torch.bfloat16, "o_proj")
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_fused_4bit_mlp_matches_peft(stacked):
+def test_fused_4bit_mlp_matches_peft(stacked, no_bnb_dequantize):
     block = peft_4bit_block()
     layers = [block.gate_proj, block.up_proj, block.down_proj]
     projs = fused_projections(*layers)
     x = torch.randn(2, 4, HIDDEN, dtype=torch.bfloat16)
-    refs = [_reference(l) for l in layers]
+    refs = [no_bnb_dequantize(l) for l in layers]
     x64 = x.double().requires_grad_()
     y64 = _linear64(F.silu(_linear64(x64, refs[0])) * _linear64(x64, refs[1]), refs[2])
     g = torch.randn_like(y64, dtype=torch.bfloat16)

@@ -260,6 +260,12 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     return handle
 
 
+def patch_for_run(model: nn.Module, options: KernelOptions, **overrides) -> PatchHandle:
+    """What the trainer adapters patch with: the model's active patch when it has one (a patch the user or FastModel
+    made keeps its options), else a new one with these."""
+    return active_handle(model) or patch_model(model, options, **overrides)
+
+
 def _warn_unknown(model: nn.Module) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
     if model_type in _warned_model_types:

@@ -55,7 +55,7 @@ def test_peft_model_is_unwrapped():
     model = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     handle = patch_model(model, gradient_checkpointing=False)
     assert handle.model is model.get_base_model()
-    assert active_handle(model) is handle and patch_model(model) is handle
+    assert active_handle(model) is handle and patch_model(model, gradient_checkpointing=False) is handle
     handle.restore()
     assert not _has_instance_forward(model)
 
@@ -82,6 +82,17 @@ def test_unknown_architecture_warns_and_trains(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         patch_model(model, gradient_checkpointing=False).restore()  # warned once per model type
+
+
+def test_patching_again_with_other_options_raises():
+    model = tiny_model("llama")
+    handle = patch_model(model, gradient_checkpointing=False)
+    assert patch_model(model, gradient_checkpointing=False) is handle, "the same options: the same handle"
+    with pytest.raises(ValueError, match=r"already patched with other options: rope=False \(patched with True\)"):
+        patch_model(model, rope=False, gradient_checkpointing=False)
+    handle.restore()
+    with patch_model(model, rope=False, gradient_checkpointing=False) as again:  # after restore() it may
+        assert again.options.rope is False
 
 
 def test_unknown_option_is_a_type_error():

@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 from .. import checkpointing
 from ..integrations.fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from ..options import KernelOptions
-from ..patching import kernel_path_of, patch_model, unwrap
+from ..patching import kernel_path_of, patch_for_run, unwrap
 
 LIGER_CONFLICT = (
     "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "
@@ -98,7 +98,7 @@ class FastKernels(TrainerCallback):
         if self.handle is not None:  # model_init replaced the model: the old one goes back to how it was
             self.handle.restore()
         # Checkpointing goes through the Trainer's arguments (below), not through patch_model.
-        self.handle = patch_model(model, self.options.scoped_to_run(), gradient_checkpointing=False)
+        self.handle = patch_for_run(model, self.options.scoped_to_run(), gradient_checkpointing=False)
 
     def _ask_trainer_for_checkpointing(self, args, model) -> None:
         if not self.options.gradient_checkpointing:

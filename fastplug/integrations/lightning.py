@@ -103,7 +103,7 @@ class FastKernelsMixin:
     def _patch_fast_kernels(self, fitting: bool) -> None:
         if self.fast_kernel_handles:
             return
-        from ..patching import patch_model
+        from ..patching import patch_for_run
 
         module = self.lightning_module
         models = find_transformers_models(module)
@@ -115,7 +115,7 @@ class FastKernelsMixin:
             return
         # Checkpointing only pays off when training; patch_model turns it on and restore() turns it off.
         options = self.fast_kernels if fitting else KernelOptions.build(self.fast_kernels, gradient_checkpointing=False)
-        self.fast_kernel_handles = [patch_model(model, options.scoped_to_run()) for _, model in models]
+        self.fast_kernel_handles = [patch_for_run(model, options.scoped_to_run()) for _, model in models]
         self._patched_paths = [path for path, _ in models]
 
 

@@ -25,7 +25,7 @@ from transformers import TrainerCallback
 
 from .. import checkpointing
 from ..callbacks.hf import LIGER_CONFLICT
-from ..patching import kernel_path_of, patch_model, unwrap
+from ..patching import kernel_path_of, patch_for_run, unwrap
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
@@ -82,7 +82,7 @@ class FastKernelsMixin:
         for role, model in models.items():
             model = self.accelerator.unwrap_model(model)
             # Checkpointing goes through the trainer's arguments (TRL toggles it around DPO's reference pass).
-            handle = patch_model(model, self.fast_kernels.scoped_to_run(), gradient_checkpointing=False)
+            handle = patch_for_run(model, self.fast_kernels.scoped_to_run(), gradient_checkpointing=False)
             self.fast_kernel_handles.append(handle)
             sections.append(
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"

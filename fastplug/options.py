@@ -17,7 +17,7 @@ class KernelOptions:
     layer_norm: bool = True
     rope: bool = True
     mlp: bool = True
-    cross_entropy: bool = True
+    cross_entropy: bool = True  # fused LM-head loss: out.logits is None in training with labels (models/lm_head.py)
     lora: bool = True
     attention: bool = True  # fastplug's attention (Triton flash kernel / SDPA dispatcher; varlen on packed rows)
     moe: bool = True  # MoE experts on the grouped GEMM kernels (LoRA on experts too), the fused router

@@ -109,3 +109,72 @@ def test_lossy_fp8_restore_is_an_explicit_choice_that_warns():
         handle.restore()
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert len(changed) == 14 and all(".layers." in n for n in changed)
+
+
+# ----------------------------------------------------------------------------- logits of the fused loss
+
+
+def _patched_and_reference():
+    seed = torch.randint(0, 1000, ()).item()
+    model, reference = tiny_model("llama", seed=seed), tiny_model("llama", seed=seed)
+    fastplug.patch_model(model, gradient_checkpointing=False)
+    return model.train(), reference.train()
+
+
+def test_fused_loss_leaves_logits_none_and_skip_logits_false_returns_them():
+    model, reference = _patched_and_reference()
+    inputs = batch(seed=torch.randint(0, 1000, ()).item())
+    expected = reference(**inputs)
+    fused = model(**inputs)
+    assert fused.logits is None and "logits" not in fused.keys()  # the documented choice: None, not a tensor
+    torch.testing.assert_close(fused.loss, expected.loss)
+    both = model(**inputs, skip_logits=False)  # asked for: the original forward, logits and loss
+    torch.testing.assert_close(both.logits, expected.logits)
+    torch.testing.assert_close(both.loss, expected.loss)
+    both.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_skip_logits_true_fuses_outside_training_and_is_checked():
+    model, reference = _patched_and_reference()
+    model.eval(), reference.eval()
+    inputs = batch(seed=torch.randint(0, 1000, ()).item())
+    with torch.no_grad():
+        expected = reference(**inputs)
+        assert model(**inputs).logits is not None  # eval: logits by default
+        fused = model(**inputs, skip_logits=True)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, expected.loss)
+    with pytest.raises(ValueError, match="skip_logits=True needs labels"):
+        model(input_ids=inputs["input_ids"], skip_logits=True)
+    with pytest.raises(TypeError, match="skip_logits must be True, False or None; got 'no'"):
+        model(**inputs, skip_logits="no")
+
+
+def test_trainer_evaluation_gets_logits_for_compute_metrics(tmp_path):
+    # Trainer evaluation runs the model in eval mode: the fused loss stays out of it, predictions are logits
+    from transformers import Trainer, TrainingArguments
+
+    data = batch(batch_size=6, tokens=10, seed=torch.randint(0, 1000, ()).item())
+    rows = [{k: v[i] for k, v in data.items()} for i in range(6)]
+    seen = []
+
+    def compute_metrics(prediction):
+        seen.append(torch.as_tensor(prediction.predictions))
+        labels = torch.as_tensor(prediction.label_ids)[:, 1:]
+        correct = (seen[-1][:, :-1].argmax(-1) == labels)[labels != -100]
+        return {"accuracy": correct.float().mean().item()}
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=3,
+                             max_steps=1, eval_strategy="steps", eval_steps=1, report_to=[], save_strategy="no",
+                             use_cpu=True, disable_tqdm=True, logging_steps=1)  # fmt: skip
+    model = tiny_model("llama")
+    trainer = Trainer(model=model, args=args, train_dataset=rows[:2], eval_dataset=rows,
+                      compute_metrics=compute_metrics, callbacks=[fastplug.FastKernels()])  # fmt: skip
+    trainer.train()
+    metrics = [h for h in trainer.state.log_history if "eval_accuracy" in h]
+    assert len(metrics) == 1 and len(seen) == 1 and seen[0].shape == (6, 10, VOCAB)
+    model.eval()  # restored by now, with the weights evaluation saw
+    with torch.no_grad():
+        expected = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
+    torch.testing.assert_close(seen[0], expected, rtol=1e-4, atol=1e-4)

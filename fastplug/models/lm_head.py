@@ -1,6 +1,13 @@
 """The causal-LM head: with labels in training, the loss comes from `fused_linear_cross_entropy` on the
-decoder's hidden states, and no [tokens, vocab] logits are ever made (logits=None is returned, as
-transformers' own fused paths do). Evaluation, generation and anything unusual take the original forward.
+decoder's hidden states, and no [tokens, vocab] logits are ever made. Evaluation, generation and anything
+unusual take the original forward.
+
+Logits, by choice: the fused loss returns `logits=None`, as transformers' and Liger's fused paths do. None
+rather than an object that raises when used, because code downstream tests for it (the Trainer's `if logits is
+not None`, ModelOutput.to_tuple() leaving None out, accelerate walking the outputs). A caller that wants the
+logits asks: `skip_logits=False` (the keyword of Liger and the Trainer) takes the original forward, logits and
+loss; so do calls without labels, model.eval() (Trainer evaluation and compute_metrics get logits), and
+patching with cross_entropy=False. `skip_logits=True` asks for the fused loss outside training too.
 
 The loss is computed inside a call of the head module (its patched forward takes `fused_loss=`), so that hooks
 on the head run around the weight read: FSDP2 gathers a sharded head in its pre-forward hook (accelerate puts
@@ -103,7 +110,13 @@ def _causal_lm_forward(moe: bool):
         logits_to_keep=0,
         **kwargs,
     ):
-        head = _fused_head(self) if labels is not None and self.training else None
+        skip_logits = kwargs.pop("skip_logits", None)
+        if skip_logits is not None and not isinstance(skip_logits, bool):
+            raise TypeError(f"skip_logits must be True, False or None; got {skip_logits!r}")
+        if skip_logits and labels is None:
+            raise ValueError("skip_logits=True needs labels: without them there is no loss to compute instead")
+        wants_fused = labels is not None and (self.training if skip_logits is None else skip_logits)
+        head = _fused_head(self) if wants_fused else None
         fused = (
             head is not None
             and isinstance(logits_to_keep, int) and logits_to_keep == 0

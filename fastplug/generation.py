@@ -37,7 +37,7 @@ from .kernels import decode as decode_kernels
 from .kernels._utils import interpreter_enabled
 from .kernels.activations import geglu, swiglu
 from .kernels.norms import rms_norm, rms_norm_reference
-from .kernels.quant import gemv_4bit, is_4bit, shape_4bit
+from .kernels.quant import gemv_4bit, is_4bit, shape_4bit, unpack
 from .kernels.rope import rope, rope_reference
 from .models.families import SUPPORTED_FAMILIES, family_of
 from .models.lm_head import _head_forward as _patched_head_forward
@@ -122,7 +122,7 @@ class _Proj:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the projection computes in: the weight's, or the one a 4-bit weight was quantized from."""
-        return self.weight.quant_state.dtype if self.packed else self.weight.dtype
+        return unpack(self.weight).dtype if self.packed else self.weight.dtype  # bnb's CPU repack changes quant_state.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is not None:

@@ -16,7 +16,8 @@ A kind of patch whose addition makes the two disagree by more than the model dty
 batches, is taken off again everywhere and reported; the original modules keep running.
 
 The model is truncated to as many leading decoder layers as it takes to meet every variant of every patch
-(a kind and the path it takes, e.g. sliding-window and full attention), at most MAX_LAYERS.
+(a kind and the path it takes) and every layer type of the config (sliding/full, linear/full attention), at
+most MAX_LAYERS.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Probe:
         self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         self.vocab = embeddings.weight.shape[0]
         self.n_layers = 1
+        self.decode = True  # one cached decode step; off when the original cannot decode when cut short
+        self.no_decode = ""  # why not
 
     def bound(self) -> float:
         return bound_for(self.dtype, self.device)
@@ -153,7 +156,8 @@ class Probe:
                     self._train_step(ids[:, :TOKENS], h0, out)
                 self.model.eval()
                 with torch.no_grad():
-                    self._decode_step(ids, out)
+                    if self.decode:
+                        self._decode_step(ids, out)
             finally:
                 self.model.train(was_training)
         return out
@@ -284,17 +288,19 @@ class Report:
     seconds: float = 0.0
     dtype: str = ""
     reused: bool = False  # the verdict of a model identical in structure, checked earlier in this process
+    no_decode: str = ""  # why no cached decode step was compared
 
     def lines(self) -> list[str]:
         if not self.ran:
             return [f"  self-check: not run ({self.reason})"]
         when = "verdict of an identical model checked earlier" if self.reused else f"{self.seconds:.2f} s"
         head = (
-            f"  self-check ({self.dtype}, {TOKENS} tokens + 1 cached, {self.layers} layer(s), {when}): "
+            f"  self-check ({self.dtype}, {TOKENS} tokens{'' if self.no_decode else ' + 1 cached'}, {self.layers} layer(s), {when}): "
             f"agree: {', '.join(self.passed) or 'nothing'}; largest difference {self.worst:.1e} ({self.where}), "
             f"bound {self.bound:.0e} (gradients x{GRADIENT_FACTOR})"
         )
-        return [head] + [f"    declined {kind}: {why}" for kind, why in self.declined]
+        notes = [f"    no cached decode step: the original failed it ({self.no_decode})"] if self.no_decode else []
+        return [head] + notes + [f"    declined {kind}: {why}" for kind, why in self.declined]
 
 
 class Timer:
@@ -329,7 +335,8 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
             index = layer_of.get(id(r.module), 0)
             key = (r.patch.kind, r.patch.path_taken)
             first_layer[key] = min(first_layer.get(key, index), index)
-        probe.n_layers = min(MAX_LAYERS, 1 + max(first_layer.values()))
+        first_of_type = _first_layer_of_each_type(model)  # hybrid stacks: one full-attention layer at least
+        probe.n_layers = min(MAX_LAYERS, 1 + max([*first_layer.values(), *first_of_type]))
         in_scope = [r for r in records if layer_of.get(id(r.module), 0) < probe.n_layers]
         key = (options, *_structure_key(model, probe, in_scope))
         if key in _VERDICTS:
@@ -339,8 +346,13 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
             r.uninstall()
         try:
             references = [probe.run(SEEDS[0])]
-        except Exception as exc:  # the model's own forward needs more than token ids (vision inputs, ...)
-            reason = f"the original model failed on random tokens: {type(exc).__name__}: {exc}"
+        except Exception as exc:
+            try:  # a model that cannot decode from its cache when cut short (linear-attention layers alone)
+                probe.decode = False
+                references = [probe.run(SEEDS[0])]
+                probe.no_decode = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # the model's own forward needs more than token ids (vision inputs, ...)
+                reason = f"the original model failed on random tokens: {type(exc).__name__}: {exc}"
         for r in in_scope:
             r.install()
     if reason is not None:
@@ -367,7 +379,8 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         return _attempt(probe, SEEDS[1], references[1], bound)
 
     verdict = agreement()
-    report = Report(ran=True, bound=bound, layers=probe.n_layers, dtype=str(probe.dtype).replace("torch.", ""))
+    report = Report(ran=True, bound=bound, layers=probe.n_layers, dtype=str(probe.dtype).replace("torch.", ""),
+                    no_decode=probe.no_decode)
     if not verdict.ok:  # find the kinds responsible: add them back one at a time
         for r in reversed(in_scope):
             r.uninstall()
@@ -441,6 +454,17 @@ def _reuse(verdict: Report, records: list) -> Report:
     for kind, _ in verdict.declined:
         _decline(records, kind)
     return dataclasses.replace(verdict, reused=True)
+
+
+def _first_layer_of_each_type(model: nn.Module) -> list[int]:
+    """Where each layer type of config.layer_types first appears (sliding/full attention, linear attention):
+    a cache of linear-attention layers alone cannot even say its length."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)):
+        return []
+    return [types.index(t) for t in dict.fromkeys(types)]
 
 
 def _kinds(records) -> list[str]:

@@ -151,3 +151,44 @@ def test_an_identical_model_reuses_the_verdict_and_the_option_turns_it_off():
     assert not off.check.ran and "self_check=False" in off.summary()
     for handle in (first, second, off):
         handle.restore()
+
+
+# Families transformers added in 2025-26 that fastplug has no Family entry for: only structural rules apply,
+# and the self-check is what stands between them and a silent change (issue 33, item 3).
+NEW_FAMILIES = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {"num_hidden_layers": 4}),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", {}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_unknown_families_keep_only_checked_patches(family, monkeypatch):
+    import transformers
+
+    import fastplug.patching
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models.tiny import _COMMON
+
+    config_name, model_name, extra = NEW_FAMILIES[family]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**_COMMON, **extra}))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    monkeypatch.setattr(fastplug.patching, "_warned_model_types", set())  # warned once per process
+    with pytest.warns(UserWarning, match="not a supported family"):
+        handle = patch_model(model)
+    report = handle.check
+    assert report.ran, report.reason
+    patched = {kind for kind in handle.counts if kind != "lora_fused"}
+    assert patched and patched <= set(report.passed), (patched, report.passed)
+    assert not report.declined
+    handle.restore()

@@ -2,6 +2,7 @@
 LM-head loss, FP8 restore, option types, the logits the fused loss skips, empty batches and meta models."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -178,3 +179,66 @@ def test_trainer_evaluation_gets_logits_for_compute_metrics(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=data["input_ids"], attention_mask=data["attention_mask"]).logits
     torch.testing.assert_close(seen[0], expected, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------- empty batches, empty rows, meta models
+
+
+@pytest.mark.parametrize("shape, what", [((0, 9), "an empty batch \\(0 rows\\)"), ((3, 0), "rows of length 0")])
+@pytest.mark.parametrize("training", [True, False])
+def test_empty_batches_and_rows_say_what_is_wrong(shape, what, training):
+    # Plain transformers fails reshaping inside attention ("cannot reshape tensor of 0 elements")
+    model = tiny_model("llama")
+    fastplug.patch_model(model, gradient_checkpointing=False)
+    model.train(training)
+    ids = torch.randint(1, VOCAB, shape)
+    with pytest.raises(ValueError, match=re.escape(f"input_ids has shape {tuple(shape)}: ") + what):
+        model(input_ids=ids, labels=ids)
+    embeds = torch.randn(*shape, 64)
+    with pytest.raises(ValueError, match=f"inputs_embeds has shape .*{what}"):
+        model(inputs_embeds=embeds)
+    ok = torch.randint(1, VOCAB, (2, 5))
+    assert torch.isfinite(model(input_ids=ok, labels=ok).loss)
+
+
+def _meta_llama():
+    from transformers import LlamaForCausalLM
+
+    from tests.models.tiny import tiny_config
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(tiny_config("llama"))
+
+
+def test_a_meta_model_patches_and_computes_once_loaded():
+    # The patches read the weights at call time: patch, then load (FSDP2's meta-device init does it in that order)
+    model = _meta_llama()
+    handle = fastplug.patch_model(model, gradient_checkpointing=False)
+    assert handle.counts["lm_head_loss"] == 1 and handle.counts["attention"] == 2
+    source = tiny_model("llama", seed=torch.randint(0, 1000, ()).item())
+    model.to_empty(device="cpu")
+    model.load_state_dict(source.state_dict())
+    model.model.rotary_emb.inv_freq.copy_(source.model.rotary_emb.inv_freq)  # a buffer left out of state_dict
+    inputs = batch(seed=torch.randint(0, 1000, ()).item())
+    model.train(), source.train()
+    torch.testing.assert_close(model(**inputs).loss, source(**inputs).loss)
+    handle.restore()
+
+
+def test_fp8_on_a_meta_model_asks_for_its_weights_first():
+    # Before: the meta weights were skipped, so the loaded model ran in bf16 with nothing but a summary line
+    model = _meta_llama().requires_grad_(False)
+    with pytest.raises(ValueError, match=r"fp8=True quantizes .* 21 of 21 parameters .* meta device .*Load them first"):
+        fastplug.patch_model(model, fp8=True)
+    assert not any("forward" in vars(m) for m in model.modules()) and fastplug.patching.active_handle(model) is None
+
+
+def test_weights_an_accelerate_hook_loads_are_not_missing():
+    from fastplug.models.fp8 import meta_parameters
+
+    model = _meta_llama()
+    for layer in model.model.layers:
+        layer._hf_hook = object()  # what accelerate's offload attaches: it brings the weights in at forward time
+    missing = meta_parameters(model)
+    assert missing and not [n for n in missing if ".layers." in n]
+    assert "model.embed_tokens.weight" in missing and "lm_head.weight" in missing

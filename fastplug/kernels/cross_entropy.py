@@ -502,7 +502,7 @@ def fused_linear_cross_entropy(
     hidden [..., H], weight [V, H], labels [...] already shifted (one per hidden row). With
     num_items_in_batch the summed loss is divided by it (transformers' gradient-accumulation loss);
     otherwise the semantics are those of `cross_entropy`, out-of-range labels included. The loss is fp32
-    (reduction "none": [N] rows).
+    (reduction "none": [N] rows). No rows at all give 0 and zero gradients, as rows that are all ignored do.
     """
     check_dtype("hidden", hidden)
     check_dtype("weight", weight)

@@ -243,8 +243,41 @@ def _take_over(module: nn.Module, conversion: FP8Conversion) -> None:
     conversion.taken_over += 1
 
 
+def meta_parameters(model: nn.Module) -> list[str]:
+    """Names of the parameters on the meta device that nothing will load: those under an accelerate hook (its
+    offload brings them in at forward time) do not count."""
+    found: list[str] = []
+
+    def walk(module: nn.Module, prefix: str, hooked: bool) -> None:
+        hooked = hooked or hasattr(module, "_hf_hook")
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta and not hooked:
+                found.append(prefix + name)
+        for name, child in module._modules.items():
+            if child is not None:
+                walk(child, f"{prefix}{name}.", hooked)
+
+    walk(model, "", False)
+    return found
+
+
+def _check_materialised(model: nn.Module) -> None:
+    # Other patches read the weights at call time and so survive loading after patching (FSDP2's meta-device
+    # init); FP8 quantizes the values now, and a meta weight skipped would stay bf16 once loaded, unnoticed.
+    names = meta_parameters(model)
+    if names:
+        total = sum(1 for _ in model.parameters())
+        raise ValueError(
+            f"fastplug: fp8=True quantizes the weights' values at patch time, but {len(names)} of {total} parameters "
+            f"of this {type(model).__name__} are on the meta device (e.g. {names[0]}): it was built without its "
+            "weights (torch.device('meta'), init_empty_weights). Load them first (from_pretrained, or to_empty() "
+            "and load_state_dict()), then patch; or patch with fp8=False."
+        )
+
+
 def convert_to_fp8(model: nn.Module, keep_original: bool = True) -> FP8Conversion:
     """Put the decoder layers' frozen linears of this model instance on FP8 (see the module docstring)."""
+    _check_materialised(model)  # before converting anything: raising later would strand FP8 layers unrestorable
     conversion = FP8Conversion(keep_original=keep_original)
     conversion._undo.append(conversion._warn_lossy)  # runs last: after every weight is back
     candidates = list(_candidates(model))

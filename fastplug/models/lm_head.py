@@ -98,6 +98,17 @@ def _output(moe: bool, decoder_outputs, **fields):
     return output_class(**fields)
 
 
+def _check_tokens(input_ids, inputs_embeds) -> None:
+    """An empty batch or rows without tokens: say so here (transformers fails later, reshaping in attention)."""
+    for name, tokens in (("input_ids", input_ids), ("inputs_embeds", inputs_embeds)):
+        if tokens is not None and tokens.dim() >= 2 and (tokens.shape[0] == 0 or tokens.shape[1] == 0):
+            what = "an empty batch (0 rows)" if tokens.shape[0] == 0 else "rows of length 0 (no tokens)"
+            raise ValueError(
+                f"fastplug: {name} has shape {tuple(tokens.shape)}: {what}; a causal LM needs at least one token "
+                "per row. Drop empty batches and empty rows from the data (its filter or collator)."
+            )
+
+
 def _causal_lm_forward(moe: bool):
     def forward(
         self,
@@ -110,6 +121,7 @@ def _causal_lm_forward(moe: bool):
         logits_to_keep=0,
         **kwargs,
     ):
+        _check_tokens(input_ids, inputs_embeds)
         skip_logits = kwargs.pop("skip_logits", None)
         if skip_logits is not None and not isinstance(skip_logits, bool):
             raise TypeError(f"skip_logits must be True, False or None; got {skip_logits!r}")

@@ -240,6 +240,20 @@ def test_fused_out_of_range_label_raises_under_torch_compile():
         loss_fn(hidden, weight, labels)
 
 
+@pytest.mark.parametrize("shape", [(0, 24), (3, 0, 24)])
+def test_fused_no_rows_gives_zero_like_all_ignored(shape):
+    # An empty batch reaching the op directly: a defined 0 and zero gradients, no launch on an empty grid
+    hidden = _leaf(torch.randn(*shape))
+    weight = _leaf(torch.randn(70, 24))
+    labels = torch.randint(0, 70, shape[:-1])
+    for reduction in REDUCTIONS:
+        loss = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+        assert loss.shape == (() if reduction != "none" else shape[:-1]) and loss.sum() == 0
+        loss.sum().backward()
+        assert hidden.grad.shape == hidden.shape and torch.equal(weight.grad, torch.zeros_like(weight))
+        hidden.grad = weight.grad = None
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     """Two half-batches divided by the whole batch's label count sum to the one-batch "mean" gradient."""
     n = 48

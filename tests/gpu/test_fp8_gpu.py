@@ -144,16 +144,24 @@ def test_patched_llama_with_lora_on_fp8_bases():
         for m in _decoder_linears(ref).values():
             m.weight.copy_(F8.dequantize_blockwise(*F8.quantize_weight_blockwise(m.weight)))
     ref, model = _with_lora(ref), _with_lora(base)
-    handle = fastplug.patch_model(model, fp8=True)
+    originals = {name: m.weight.detach().clone() for name, m in _decoder_linears(base).items()}
+    handle = fastplug.patch_model(model, fp8=True, fp8_keep_original=False)  # the lossy restore, asked for
     assert handle.counts["fp8_linear"] == 14 and handle.counts["lora_fused"] == 4, handle.summary()
     ids = torch.randint(0, 4096, (2, 512), device="cuda")
     loss, grads = _loss_and_grads(model, ids)
     ref_loss, ref_grads = _loss_and_grads(ref, ids)
     assert abs(loss - ref_loss) / ref_loss < 1e-2
     assert rel_err(grads, ref_grads) < 0.1
-    handle.restore()
+    with pytest.warns(UserWarning, match="dequantized from FP8"):
+        handle.restore()
     for name, m in _decoder_linears(model).items():
         torch.testing.assert_close(m.weight, _decoder_linears(ref)[name].weight, rtol=0, atol=0)
+    with torch.no_grad():  # the default keeps the originals: restore() gives them back bit for bit
+        for name, m in _decoder_linears(model).items():
+            m.weight.copy_(originals[name])
+    fastplug.patch_model(model, fp8=True).restore()
+    for name, m in _decoder_linears(model).items():
+        assert torch.equal(m.weight, originals[name]), name
 
 
 class _SameMathsLinear(nn.Module):

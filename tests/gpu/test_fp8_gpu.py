@@ -144,7 +144,7 @@ def test_patched_llama_with_lora_on_fp8_bases():
         for m in _decoder_linears(ref).values():
             m.weight.copy_(F8.dequantize_blockwise(*F8.quantize_weight_blockwise(m.weight)))
     ref, model = _with_lora(ref), _with_lora(base)
-    originals = {name: m.weight.detach().clone() for name, m in _decoder_linears(base).items()}
+    originals = {name: m.weight.detach().clone() for name, m in _decoder_linears(model).items()}
     handle = fastplug.patch_model(model, fp8=True, fp8_keep_original=False)  # the lossy restore, asked for
     assert handle.counts["fp8_linear"] == 14 and handle.counts["lora_fused"] == 4, handle.summary()
     ids = torch.randint(0, 4096, (2, 512), device="cuda")

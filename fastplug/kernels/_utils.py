@@ -9,6 +9,8 @@ import os
 
 import torch
 
+from . import state
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -97,7 +99,7 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-_PROMOTED: dict[tuple, torch.dtype] = {}
+_PROMOTED: dict[tuple, torch.dtype] = state.register_cache("utils.promoted", {})
 
 
 def promote_types(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -117,7 +119,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # One buffer per (device, dtype), grown to the largest request: layers dequantize their frozen base weight into
 # it just before the matmul that reads it, so a model holds one dense weight at a time, not one per layer.
-_SCRATCH: dict[tuple, torch.Tensor] = {}
+_SCRATCH: dict[tuple, torch.Tensor] = state.register_cache("utils.scratch", {})
 
 
 def scratch(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import state
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .activations import _gate_factor
 from .quant import (
@@ -558,7 +559,7 @@ def packed_reason(weights) -> str | None:
 
 # the addresses of absmax, code, absmax2, code2 and offset of each 4-bit weight (a graph replays its launches
 # with the table it captured: the same addresses give the same table, made once, on the device)
-_PACKED_TABLES: dict[tuple, torch.Tensor] = {}
+_PACKED_TABLES: dict[tuple, torch.Tensor] = state.register_cache("decode.packed_tables", {})
 
 
 def _packed_table(entries) -> torch.Tensor:

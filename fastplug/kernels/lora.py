@@ -39,8 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import increment_version
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import state
 from ._utils import (
     check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, no_autocast, promote_types,
     rows_view, use_triton,
@@ -161,15 +161,14 @@ class _Cast:
 
 # id(param) -> _Cast. Checkpointing runs each forward twice per step; the copy made by the first serves the
 # recompute. Keyed by id because tensors compare elementwise.
-_CAST_CACHE: dict[int, _Cast] = {}
+_CAST_CACHE: dict[int, _Cast] = state.register_cache("lora.adapter_casts", {})
 
 # A copy is valid while its parameter's version AND this generation are what they were when it was made.
 # The version alone misses writers that bypass autograd's counter: fused AdamW (the HF Trainer's default),
 # bitsandbytes' 8-bit and paged optimizers, writes through `.data`. So the generation moves after every
-# torch optimizer step (a post hook on all of them, registered on first use) and whenever
+# torch optimizer step (`state`'s one post-step hook, installed by patch_model or on first use) and whenever
 # `invalidate_adapter_casts()` is called: a patched model calls it at the start of each forward.
 _generation = 0
-_optimizer_hook = None
 # False while a CUDA graph is captured (`uncached_adapters`): a replay runs no Python, so a cached copy read by a
 # graph would never be refreshed; the casts and stacks are then recorded into the graph and redone at each replay.
 _caching = True
@@ -197,10 +196,11 @@ def invalidate_adapter_casts(*_) -> None:
     _STACKED_ADAPTERS.clear()
 
 
+state.on_optimizer_step("lora.invalidate_adapter_casts", invalidate_adapter_casts)
+
+
 def _watch_optimizers() -> None:
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        _optimizer_hook = register_optimizer_step_post_hook(invalidate_adapter_casts)
+    state.ensure_optimizer_hook()
 
 
 def _is_current(entry: _Cast, p: torch.Tensor) -> bool:
@@ -306,7 +306,7 @@ class _StackedAdapters(NamedTuple):
 # with each new generation (`invalidate_adapter_casts`), so it holds the current step's matrices and nothing
 # older. The weakrefs tell a hit from a dead adapter's entry whose ids new parameters reuse (no generation
 # passes between two calls of the fused ops outside a patched model).
-_STACKED_ADAPTERS: dict[tuple, tuple] = {}
+_STACKED_ADAPTERS: dict[tuple, tuple] = state.register_cache("lora.stacked_adapters", {})
 
 
 def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import state
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, next_power_of_2,
     num_sms, promote_types, rows_view, use_triton,
@@ -308,7 +309,7 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
 
 
 # (rows, device) -> fp32 ones: the partial rows are summed as a matrix-vector product.
-_ONES: dict = {}
+_ONES: dict = state.register_cache("norms.ones", {})
 
 
 def _reduce_partials(partials: torch.Tensor | None) -> torch.Tensor | None:

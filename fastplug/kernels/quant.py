@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _utils
+from . import _utils, state
 from ._utils import (
     cdiv, check_dtype, interpreter_enabled, next_power_of_2, num_sms, rows_view, scratch, triton_available, use_triton,
 )
@@ -65,6 +65,9 @@ _FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, 
 def _table(quant_type: str, device: torch.device) -> torch.Tensor:
     values = torch.tensor(_NF4 if quant_type == "nf4" else _FP4, dtype=torch.float32, device=device)
     return values / values.abs().max()
+
+
+state.register_cache("quant.code_tables", _table)
 
 
 class Packed4bit(NamedTuple):
@@ -180,7 +183,7 @@ class _Unpacked(NamedTuple):
     words: torch.Tensor | None  # the packed bytes as int32 (the word-wise GEMV), None where they are not aligned
 
 
-_UNPACKED: dict[int, _Unpacked] = {}
+_UNPACKED: dict[int, _Unpacked] = state.register_cache("quant.unpacked", {})
 
 
 def _unpacked(weight) -> _Unpacked:
@@ -799,7 +802,7 @@ class _Group(NamedTuple):
     shape: tuple  # (sum of out, in)
 
 
-_GROUPS: dict[tuple, _Group] = {}
+_GROUPS: dict[tuple, _Group] = state.register_cache("quant.groups", {})
 GROUP_MAX = 8
 
 
@@ -861,7 +864,7 @@ def dequantize_4bit_stacked(weights, dtype: torch.dtype) -> torch.Tensor:
 
 # (shape, dtype, device) -> the [shape] view of the shared buffer last handed out: a layer's weight takes the
 # same view at every step; a new view only when the buffer was replaced (grown) since.
-_VIEWS: dict[tuple, torch.Tensor] = {}
+_VIEWS: dict[tuple, torch.Tensor] = state.register_cache("quant.scratch_views", {})
 
 
 def _scratch_view(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -1009,8 +1012,8 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     return out
 
 
-_LAYOUTS_CHECKED: dict[str, bool] = {}
-_LAUNCH_CHECKED: dict[tuple, bool] = {}
+_LAYOUTS_CHECKED: dict[str, bool] = state.register_cache("quant.layouts_checked", {})
+_LAUNCH_CHECKED: dict[tuple, bool] = state.register_cache("quant.launch_checked", {})
 
 
 def launch_checked(kernel, grid, args, consts: dict, fallback: dict) -> None:

@@ -1,7 +1,8 @@
 """`python -m fastplug doctor`: what fastplug will run on this machine, for bug reports and GPU checks.
 
 Prints the versions of the libraries fastplug works with (read from package metadata, so nothing heavy
-such as TRL or Lightning is imported), the device, and which path each kernel takes on it.
+such as TRL or Lightning is imported) beside the range fastplug was tested with (fastplug/versions.py),
+flagging those outside it, the device, and which path each kernel takes on it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ PACKAGES = (
     ("peft", "peft"),
     ("accelerate", "accelerate"),
     ("trl", "trl"),
+    ("bitsandbytes", "bitsandbytes"),
     ("datasets", "datasets"),
     ("lightning", "lightning"),
     ("pytorch-lightning", "pytorch-lightning"),
@@ -32,6 +34,29 @@ def package_version(distribution: str) -> str:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def package_lines() -> list[str]:
+    """One line a package: installed version, tested range, and a flag when it lies outside the range."""
+    from .versions import TESTED, compare
+
+    width = max(len(label) for label, _ in PACKAGES)
+    versions = {label: package_version(distribution) for label, distribution in PACKAGES}
+    vwidth = max(len(v) for v in versions.values())
+    lines = []
+    for label, _ in PACKAGES:
+        version = versions[label]
+        line = f"{label:<{width}}  {version:<{vwidth}}"
+        if label in TESTED:
+            tested = TESTED[label]
+            line += f"  tested {tested.lowest} - {tested.newest}"
+            side = compare(version, label) if version != "not installed" else None
+            if side == "newer":
+                line += f"  <- NEWER than the newest tested ({tested.newest})"
+            elif side == "older":
+                line += f"  <- OLDER than the lowest tested ({tested.lowest})"
+        lines.append(line.rstrip())
+    return lines
 
 
 def device_lines(torch) -> list[str]:
@@ -73,10 +98,9 @@ def doctor() -> int:
 
     print(f"fastplug {fastplug.__version__} at {os.path.dirname(fastplug.__file__)}")
     print(f"python {platform.python_version()} ({sys.executable}), {platform.platform()}")
-    width = max(len(label) for label, _ in PACKAGES)
     print("\npackages:")
-    for label, distribution in PACKAGES:
-        print(f"  {label:<{width}}  {package_version(distribution)}")
+    for line in package_lines():
+        print(f"  {line}")
     print("\ndevice:")
     for line in device_lines(torch):
         print(f"  {line}")

@@ -35,3 +35,22 @@ def test_doctor_does_not_import_trl_or_lightning():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300).stdout
     assert "HEAVY []" in out
+
+
+def test_doctor_prints_the_tested_range_and_flags_untested_versions(monkeypatch, capsys):
+    import fastplug.__main__ as doctor
+    from fastplug.versions import TESTED
+
+    real = doctor.package_version
+    fake = {"transformers": "5.30.0", "peft": "0.10.0", "accelerate": TESTED["accelerate"].lowest}
+    monkeypatch.setattr(doctor, "package_version", lambda d: fake.get(d) or real(d))
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tf = next(line for line in lines if line.strip().startswith("transformers "))
+    t = TESTED["transformers"]
+    assert "5.30.0" in tf and f"tested {t.lowest} - {t.newest}" in tf
+    assert f"NEWER than the newest tested ({t.newest})" in tf
+    peft = next(line for line in lines if line.strip().startswith("peft "))
+    assert f"OLDER than the lowest tested ({TESTED['peft'].lowest})" in peft
+    accelerate = next(line for line in lines if line.strip().startswith("accelerate "))
+    assert "tested" in accelerate and "NEWER" not in accelerate and "OLDER" not in accelerate

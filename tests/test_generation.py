@@ -41,6 +41,7 @@ def an_early_eos(model, ids, mask, new=NEW):
     return int(free[1, 2])
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral"])
 def test_greedy_equals_transformers(tmp_path, family):
     """The tiny windowed families (Mistral, Gemma2/3, Mixtral: window 6) get prompts longer than the window."""
@@ -67,6 +68,7 @@ def lora_pair(path, seed=0):
     return fast, ref.eval()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
     fast, ref = lora_pair(save_tiny(tmp_path, family))

@@ -97,6 +97,7 @@ def test_trainer_auto_checkpointing_plans_the_layers_and_is_undone(tmp_path):
     assert not checkpointing.decoder_stack(model)._forward_pre_hooks, "auto's hook is removed"
 
 
+@pytest.mark.compat
 def test_trainer_with_lora_matches(tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -94,6 +94,7 @@ def fit(strategy, callbacks=()):
     return module, before
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize(("name", "lightning_name"), [("fastkernels", "auto"), ("fastkernels_ddp", "ddp")])
 def test_fit_matches_lightning_and_restores(name, lightning_name):
     # DDP (one CPU process, gloo) samples the data in its own order, so each name is compared with its base

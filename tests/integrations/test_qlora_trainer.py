@@ -56,6 +56,7 @@ def _train(path, tmp_path, callbacks):
     return model, torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
 
 
+@pytest.mark.compat
 def test_qlora_trainer_losses_match_unpatched(saved_llama, tmp_path):
     fast = FastKernels()
     model, losses = _train(saved_llama, tmp_path, [fast])

@@ -98,6 +98,7 @@ def dpo_dataset():
     )  # fmt: skip
 
 
+@pytest.mark.compat
 def test_sft_matches_trl_and_restores(tmp_path):
     args = SFTConfig(**common_args(tmp_path))
     reference = SFTTrainer(model=tiny_llama(), args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER)
@@ -140,6 +141,7 @@ def test_sft_peft_restores_after_exception(tmp_path):
     assert not checkpointing.is_enabled(model) and not args.gradient_checkpointing, "checkpointing set back"
 
 
+@pytest.mark.compat
 def test_dpo_with_reference_model(tmp_path):
     def run(trainer_cls):
         policy, ref = tiny_llama(), tiny_llama(seed=1)

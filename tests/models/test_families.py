@@ -53,6 +53,7 @@ def _eval_logits(model, inputs):
         return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_family_matches_unpatched(family):
     model = _model(family)
@@ -72,6 +73,7 @@ def test_patched_family_matches_unpatched(family):
     assert torch.equal(_eval_logits(model, inputs), original_logits)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "qwen3_moe"])
 def test_patched_lora_matches_peft(family):
     from peft import LoraConfig, get_peft_model
@@ -140,6 +142,7 @@ def test_unfusable_lora_is_reported_and_still_matches():
     handle.restore()
 
 
+@pytest.mark.compat
 def test_eager_attention_and_generation_with_cache():
     model = _model("llama", attn_implementation="eager")
     reference = copy.deepcopy(model)

@@ -3,8 +3,9 @@
     python3 scripts/tune_kernels.py [--ops rms_norm layer_norm swiglu geglu rope] [--no-compile]
     python3 scripts/tune_kernels.py --quick     # tiny shapes, no GPU needed (interpreter): a smoke test
 
-For each op at the micro-benchmark's shape (bf16): every candidate config (module-level `TUNING` of
-fastplug/kernels/{norms,activations,rope}.py replaced with `dataclasses.replace(TUNING, **overrides)`) is
+For each op at the micro-benchmark's shape (bf16): every candidate config (the op's default constants of
+fastplug/kernels/{norms,activations,rope}.py changed by `dataclasses.replace(constants, **overrides)`, and
+installed with `fastplug.kernels.tuning.override(kernel, functools.partial(heuristic, constants=...))`) is
 checked against a float32 torch reference (rel err > 1e-2 or NaN: dropped) and timed: forward alone and
 backward alone (one graph, retain_graph) as median ms of triton.testing.do_bench, fwd+bwd as device time
 of CUDA-graph replays (the micro bench's graph timing), with the peak MiB of one fwd+bwd above the inputs.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -36,10 +38,12 @@ from fastplug.bench.micro import as_tuple, peak_mib, rel_err, rope_inputs, set_g
 norms = importlib.import_module("fastplug.kernels.norms")
 activations = importlib.import_module("fastplug.kernels.activations")
 rope_module = importlib.import_module("fastplug.kernels.rope")  # the package re-exports a function `rope`
+kernel_tuning = importlib.import_module("fastplug.kernels.tuning")
 
 MAX_REL_ERR = 1e-2
 
-# op -> (module whose TUNING the candidates replace, [(name, overrides)]); the first is the current default.
+# [(name, overrides of the op's default constants)]; the first is the current default. Every candidate names
+# each field it sets, so it means the same whatever the defaults are.
 NORM_CANDIDATES = [
     ("default", {}),
     # Fewer resident backward programs: fewer fp32 dW (and db) partial rows, so less memory.
@@ -52,27 +56,30 @@ NORM_CANDIDATES = [
     ("bwd 4 warps x 8 prog/SM", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=1)),
     ("bwd 4 warps x 8 prog/SM pipelined 2", dict(bwd_elems_per_warp=1024, resident_warps_per_sm=32, bwd_loop_stages=2)),
 ]
+_GLU_2D = dict(flat=False, max_block_cols=2048)
 GLU_CANDIDATES = [
-    ("default 2-D 2048 cols, 4096 el, 8 warps", {}),
-    ("2-D 8192 el, 8 warps", dict(tile_elements=8192)),
-    ("2-D 4096 cols, 8192 el, 8 warps", dict(max_block_cols=4096, tile_elements=8192)),
-    ("2-D 16384 el, 16 warps", dict(tile_elements=16384, num_warps=16)),
+    ("default (flat 8192 el, 16 warps)", {}),
+    ("2-D 2048 cols, 4096 el, 8 warps", dict(_GLU_2D, tile_elements=4096, num_warps=8)),
+    ("2-D 8192 el, 8 warps", dict(_GLU_2D, tile_elements=8192, num_warps=8)),
+    ("2-D 4096 cols, 8192 el, 8 warps", dict(_GLU_2D, max_block_cols=4096, tile_elements=8192, num_warps=8)),
+    ("2-D 16384 el, 16 warps", dict(_GLU_2D, tile_elements=16384, num_warps=16)),
     ("flat 2048 el, 4 warps", dict(flat=True, tile_elements=2048, num_warps=4)),
     ("flat 4096 el, 4 warps", dict(flat=True, tile_elements=4096, num_warps=4)),
     ("flat 8192 el, 8 warps", dict(flat=True, tile_elements=8192, num_warps=8)),
-    ("flat 8192 el, 16 warps", dict(flat=True, tile_elements=8192, num_warps=16)),
     ("flat 16384 el, 16 warps", dict(flat=True, tile_elements=16384, num_warps=16)),
 ]
+_ROPE_LOOP = dict(split_heads=False, max_block_heads=0)
+_ROPE_SPLIT = dict(split_heads=True, max_block_heads=0)
 ROPE_CANDIDATES = [
-    ("default loop 2048 el, 4 warps", {}),
-    ("loop 4096 el, 4 warps", dict(tile_elements=4096)),
-    ("loop 4096 el, 8 warps", dict(tile_elements=4096, num_warps=8)),
-    ("loop 8192 el, 8 warps", dict(tile_elements=8192, num_warps=8)),
-    ("split 2048 el, 4 warps", dict(split_heads=True)),
-    ("split 4096 el, 4 warps", dict(split_heads=True, tile_elements=4096)),
-    ("split 8192 el, 8 warps", dict(split_heads=True, tile_elements=8192, num_warps=8)),
-    ("split 8 heads, 2048 el, 4 warps", dict(split_heads=True, max_block_heads=8)),
-    ("split 8 heads, 4096 el, 8 warps", dict(split_heads=True, max_block_heads=8, tile_elements=4096, num_warps=8)),
+    ("default (split 8192 el, 8 warps)", {}),
+    ("loop 2048 el, 4 warps", dict(_ROPE_LOOP, tile_elements=2048, num_warps=4)),
+    ("loop 4096 el, 4 warps", dict(_ROPE_LOOP, tile_elements=4096, num_warps=4)),
+    ("loop 4096 el, 8 warps", dict(_ROPE_LOOP, tile_elements=4096, num_warps=8)),
+    ("loop 8192 el, 8 warps", dict(_ROPE_LOOP, tile_elements=8192, num_warps=8)),
+    ("split 2048 el, 4 warps", dict(_ROPE_SPLIT, tile_elements=2048, num_warps=4)),
+    ("split 4096 el, 4 warps", dict(_ROPE_SPLIT, tile_elements=4096, num_warps=4)),
+    ("split 8 heads, 2048 el, 4 warps", dict(_ROPE_SPLIT, max_block_heads=8, tile_elements=2048, num_warps=4)),
+    ("split 8 heads, 4096 el, 8 warps", dict(_ROPE_SPLIT, max_block_heads=8, tile_elements=4096, num_warps=8)),
 ]
 
 
@@ -80,14 +87,15 @@ ROPE_CANDIDATES = [
 class Case:
     op: str
     shape: str
-    module: object
+    kernel: str           # the name `fastplug.kernels.tuning.override` takes
+    heuristic: object     # the op's config heuristic; takes constants=
+    constants: object     # the op's default constants, which the candidates change
     candidates: list
     leaves: list          # tensors whose .grad the backward fills
     ours: object          # () -> outputs, through fastplug
     eager: object         # () -> outputs, the torch op (compiled as the baseline)
     reference: object     # () -> (outputs, grads) in float32
     bytes_moved: int      # minimum HBM bytes of one fwd+bwd
-    tuning_attr: str = "TUNING"  # the module attribute the candidates replace
 
 
 def _randn(*shape, device, dtype, requires_grad=False):
@@ -115,9 +123,9 @@ def case_norm(op, M, N, device, dtype) -> Case:
         ours = lambda: norms.layer_norm(x, w, b, 1e-5)  # noqa: E731
         ref_fn = lambda x, w, b: F.layer_norm(x, (N,), w, b, 1e-5)  # noqa: E731
     eager = lambda: ref_fn(*leaves)  # noqa: E731
-    return Case(op, f"{M}x{N}", norms, NORM_CANDIDATES, leaves, ours, eager,
-                lambda grads: _fp32_ref(ref_fn, leaves, grads), 5 * M * N * x.element_size(),
-                "TUNING" if op == "rms_norm" else "LAYER_NORM_TUNING")
+    constants = norms.RMS_NORM_CONSTANTS if op == "rms_norm" else norms.LAYER_NORM_CONSTANTS
+    return Case(op, f"{M}x{N}", "norm", norms.norm_config, constants, NORM_CANDIDATES, leaves, ours, eager,
+                lambda grads: _fp32_ref(ref_fn, leaves, grads), 5 * M * N * x.element_size())
 
 
 def case_glu(op, M, N, device, dtype) -> Case:
@@ -129,7 +137,8 @@ def case_glu(op, M, N, device, dtype) -> Case:
     else:
         ours = lambda: activations.geglu(gate, up, "tanh")  # noqa: E731
         ref_fn = lambda g, u: F.gelu(g, approximate="tanh") * u  # noqa: E731
-    return Case(op, f"{M}x{N}", activations, GLU_CANDIDATES, [gate, up], ours, lambda: ref_fn(gate, up),
+    return Case(op, f"{M}x{N}", "glu", activations.glu_config, activations.GLU_CONSTANTS, GLU_CANDIDATES,
+                [gate, up], ours, lambda: ref_fn(gate, up),
                 lambda grads: _fp32_ref(ref_fn, [gate, up], grads), 8 * M * N * gate.element_size())
 
 
@@ -139,7 +148,8 @@ def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
     def ref_fn(qp, kp):
         return rope_module.rope_reference(qp.transpose(1, 2), kp.transpose(1, 2), cos.to(qp.dtype), sin.to(qp.dtype))
 
-    return Case("rope", f"q {B}x{Hq}x{T}x{D} k {B}x{Hk}x{T}x{D}", rope_module, ROPE_CANDIDATES, [q_proj, k_proj],
+    return Case("rope", f"q {B}x{Hq}x{T}x{D} k {B}x{Hk}x{T}x{D}", "rope", rope_module.rope_config,
+                rope_module.ROPE_CONSTANTS, ROPE_CANDIDATES, [q_proj, k_proj],
                 lambda: rope_module.rope(q_proj.transpose(1, 2), k_proj.transpose(1, 2), cos, sin),
                 lambda: ref_fn(q_proj, k_proj),
                 lambda grads: _fp32_ref(ref_fn, [q_proj, k_proj], grads),
@@ -256,10 +266,9 @@ def run_op(op, args, device, dtype) -> dict | None:
             emit("torch.compile", row, "-")
         except Exception as e:
             print(f"torch.compile failed: {type(e).__name__}: {e}", flush=True)
-    default_tuning = getattr(case.module, case.tuning_attr)
-    try:
-        for name, overrides in case.candidates:
-            setattr(case.module, case.tuning_attr, dataclasses.replace(default_tuning, **overrides))
+    for name, overrides in case.candidates:
+        constants = dataclasses.replace(case.constants, **overrides)
+        with kernel_tuning.override(case.kernel, functools.partial(case.heuristic, constants=constants)):
             try:
                 err = check(case.ours, case, grad_outputs, ref_outs, ref_grads)
                 if not err <= MAX_REL_ERR:  # NaN fails too
@@ -272,8 +281,6 @@ def run_op(op, args, device, dtype) -> dict | None:
                 print(f"{name:44s} FAILED: {type(e).__name__}: {str(e)[:300]}  {overrides}", flush=True)
                 if args.verbose:
                     traceback.print_exc()
-    finally:
-        setattr(case.module, case.tuning_attr, default_tuning)
     rows.sort(key=lambda r: r[0])
     print(f"\n{op} sorted by fwd+bwd ms:\n{header}", flush=True)
     for r in rows:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
+from . import tuning
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, made_by_autograd, next_power_of_2, rows_view, use_triton,
 )
@@ -33,21 +34,43 @@ _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
 
 
 @dataclasses.dataclass(frozen=True)
-class GluTuning:
-    """Launch shape; scripts/tune_kernels.py (and tests) swap in others via `activations.TUNING = ...`.
+class GluConstants:
+    """The constants `glu_config` builds a launch from (the defaults are what runs; scripts/tune_kernels.py
+    measures others through `tuning.override("glu", functools.partial(glu_config, constants=...))`).
 
     2-D: a program covers BLOCK_ROWS x BLOCK_COLS elements, BLOCK_COLS a power of two up to max_block_cols
     (2048 divides the usual intermediate sizes 11008, 14336, 18944 ... into whole blocks). flat: when every
     tensor is contiguous, a program covers tile_elements consecutive elements instead (no row masks)."""
 
     max_block_cols: int = 2048
-    # flat 8192-element tiles, 16 warps: 1.240 ms fwd+bwd at 16384x14336 bf16 on an H100 (2-D: 1.288)
+    # flat 8192-element tiles, 16 warps: the fastest fwd+bwd of scripts/tune_kernels.py --ops swiglu
+    # (docs/benchmarks/kernels.md, "gated activations")
     tile_elements: int = 8192
     num_warps: int = 16
     flat: bool = True
 
 
-TUNING = GluTuning()
+GLU_CONSTANTS = GluConstants()
+
+
+@dataclasses.dataclass(frozen=True)
+class GluConfig:
+    """One launch of `_glu_fwd` / `_glu_bwd`: flat tiles of block_cols elements, or block_rows x block_cols."""
+
+    flat: bool
+    block_rows: int
+    block_cols: int
+    num_warps: int
+
+
+def glu_config(n_rows: int, n_cols: int, dtype: torch.dtype | None = None, *, contiguous: bool,
+               constants: GluConstants | None = None) -> GluConfig:
+    """The launch for [n_rows, n_cols] views; `contiguous`: every tensor of the launch has row stride n_cols."""
+    tune = constants or GLU_CONSTANTS
+    if tune.flat and contiguous:
+        return GluConfig(True, 1, min(next_power_of_2(n_rows * n_cols), tune.tile_elements), tune.num_warps)
+    block_cols = min(next_power_of_2(n_cols), tune.max_block_cols)
+    return GluConfig(False, max(1, tune.tile_elements // block_cols), block_cols, tune.num_warps)
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -157,19 +180,17 @@ def _check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_same_device(gate=gate, up=up)
 
 
-def _launch_shape(*views: torch.Tensor) -> tuple[dict, tuple[int, int]]:
-    """(kernel size args and constexprs, grid) for the 2-D views; flat when TUNING asks and all are contiguous."""
-    tune = TUNING
+def _launch_shape(*views: torch.Tensor, config: GluConfig | None = None) -> tuple[dict, tuple[int, int], int]:
+    """(kernel size args and constexprs, grid, num_warps) for the 2-D views."""
     n_rows, n_cols = views[0].shape
-    if tune.flat and all(v.stride(0) == n_cols for v in views):
+    cfg = config or tuning.pick("glu", glu_config, n_rows, n_cols, views[0].dtype,
+                                contiguous=all(v.stride(0) == n_cols for v in views))
+    if cfg.flat:
         numel = n_rows * n_cols
-        block = min(next_power_of_2(numel), tune.tile_elements)
-        args = dict(n_rows=1, n_cols=numel, FLAT=True, BLOCK_ROWS=1, BLOCK_COLS=block)
-        return args, (cdiv(numel, block), 1)
-    block_cols = min(next_power_of_2(n_cols), tune.max_block_cols)
-    block_rows = max(1, tune.tile_elements // block_cols)
-    args = dict(n_rows=n_rows, n_cols=n_cols, FLAT=False, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
-    return args, (cdiv(n_rows, block_rows), cdiv(n_cols, block_cols))
+        args = dict(n_rows=1, n_cols=numel, FLAT=True, BLOCK_ROWS=1, BLOCK_COLS=cfg.block_cols)
+        return args, (cdiv(numel, cfg.block_cols), 1), cfg.num_warps
+    args = dict(n_rows=n_rows, n_cols=n_cols, FLAT=False, BLOCK_ROWS=cfg.block_rows, BLOCK_COLS=cfg.block_cols)
+    return args, (cdiv(n_rows, cfg.block_rows), cdiv(n_cols, cfg.block_cols)), cfg.num_warps
 
 
 def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch.Tensor:
@@ -177,10 +198,10 @@ def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch
     n_rows, n_cols = gate2.shape
     h = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
     if h.numel():
-        args, grid = _launch_shape(gate2, up2, h)
+        args, grid, warps = _launch_shape(gate2, up2, h)
         _glu_fwd[grid](
             gate2, up2, h, stride_gate=gate2.stride(0), stride_up=up2.stride(0), stride_h=h.stride(0),
-            ACT=act, num_warps=TUNING.num_warps, **args,
+            ACT=act, num_warps=warps, **args,
         )
     return h.view(gate.shape)
 
@@ -196,12 +217,12 @@ def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, out):
         dup2 = torch.empty_like(up2, memory_format=torch.contiguous_format)
     if gate2.numel():
         h_arg = h2 if recompute_h else dgate2  # never written when STORE_H is False
-        args, grid = _launch_shape(grad2, gate2, up2, h_arg, dgate2, dup2)
+        args, grid, warps = _launch_shape(grad2, gate2, up2, h_arg, dgate2, dup2)
         _glu_bwd[grid](
             grad2, gate2, up2, h_arg, dgate2, dup2,
             stride_grad_h=grad2.stride(0), stride_gate=gate2.stride(0), stride_up=up2.stride(0),
             stride_h=h_arg.stride(0), stride_dgate=dgate2.stride(0), stride_dup=dup2.stride(0),
-            ACT=act, STORE_H=recompute_h, num_warps=TUNING.num_warps, **args,
+            ACT=act, STORE_H=recompute_h, num_warps=warps, **args,
         )
     if out is not None:
         for buffer, view in zip(out, (h2, dgate2, dup2)):

@@ -7,8 +7,8 @@ before scaling; HAS_WEIGHT / HAS_BIAS; LOOPED: rows too wide for registers are w
 Forward reads x once (wide rows: once per pass, the later passes mostly from L2) and saves the per-row
 rstd (and mean) in fp32. Backward runs a persistent grid: each program walks many row tiles, keeps its
 partial dW/db in registers and writes one fp32 row of partials; a torch sum over the programs finishes
-the reduction, so no atomics contend however many rows there are. `NormTuning` holds the launch constants
-(and the alternatives the tune script measures: a pipelined row loop, or dx and dW in two kernels).
+the reduction, so no atomics contend however many rows there are. `norm_config` builds each launch's
+`NormConfig` from `NormConstants` (scripts/tune_kernels.py measures others through `tuning.override`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import state
+from . import state, tuning
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, next_power_of_2,
     num_sms, promote_types, rows_view, use_triton,
@@ -213,52 +212,48 @@ def _norm_bwd(
 
 
 @dataclasses.dataclass(frozen=True)
-class NormTuning:
-    """Every tuning constant of this module in one place. scripts/tune_kernels.py (and tests) swap in other
-    values by assigning `norms.TUNING = dataclasses.replace(norms.TUNING, ...)`."""
+class NormConstants:
+    """The constants `norm_config` builds a launch from. The defaults are RMSNorm's, and what runs;
+    LayerNorm's differ in `resident_warps_per_sm` (LAYER_NORM_CONSTANTS). scripts/tune_kernels.py measures
+    others through `tuning.override("norm", functools.partial(norm_config, constants=...))`."""
 
     max_fused_cols: int = 8192     # widest row kept whole in registers (no spills on sm_90 up to here)
     looped_block_n: int = 4096     # column block for wider rows
     fwd_min_tile: int = 4096       # pack narrow rows up to this many elements per forward tile
     bwd_min_tile: int = 2048       # ... per backward tile
     fwd_elems_per_warp: int = 512  # 4096 cols -> 8 warps: two 16-byte bf16 vectors per thread per tensor
-    bwd_elems_per_warp: int = 512
-    # Backward programs resident per SM, counted in warps: 8-warp programs use 80 (RMSNorm) to 125
-    # (LayerNorm) registers a thread, so two fit an SM's 64K registers. A grid larger than what is
-    # resident would run a second, under-filled wave; a smaller one hides less latency.
-    resident_warps_per_sm: int = 16
-    # num_stages of backward's persistent row loop: 2 overlaps the next tile's loads with this tile's math
-    # (H100, 16384x4096 bf16: RMSNorm bwd 0.277 -> 0.245 ms).
-    bwd_loop_stages: int = 2
+    bwd_elems_per_warp: int = 1024
+    # Backward programs resident per SM, counted in warps. Each holds one fp32 dW (and db) partial row, so
+    # fewer programs cost less memory; 20 (RMSNorm: 5 programs of 4 warps) and 16 (LayerNorm: 4) are the
+    # fewest at full speed, and fewer than torch.compile's peak memory (numbers: docs/benchmarks/kernels.md,
+    # "norms"; measured by scripts/tune_kernels.py --ops rms_norm layer_norm).
+    resident_warps_per_sm: int = 20
+    # num_stages of backward's persistent row loop: 1. A pipelined loop (2) won alone with 8-warp programs
+    # and lost to the 4-warp programs above (docs/benchmarks/kernels.md, "norms").
+    bwd_loop_stages: int = 1
 
 
-# Each resident backward program holds one fp32 dW (and db) partial row, so fewer programs cost less
-# memory; these counts are the fewest at full speed. H100, 16384x4096 bf16, fwd+bwd as CUDA-graph device
-# time, peak MiB above the inputs (scripts/tune_kernels.py, partials summed by `_reduce_partials`):
-# RMSNorm  5 per SM: 0.243 ms, 266 MiB; 8 per SM: 0.246 ms, 273 MiB; torch.compile 0.256 ms, 304 MiB.
-# LayerNorm 4 per SM: 0.267 ms, 273 MiB; 8 per SM: 0.278 ms, 289 MiB; torch.compile 0.299 ms, 320 MiB.
-TUNING = NormTuning(bwd_elems_per_warp=1024, resident_warps_per_sm=20, bwd_loop_stages=1)
-LAYER_NORM_TUNING = NormTuning(bwd_loop_stages=1, bwd_elems_per_warp=1024, resident_warps_per_sm=16)
+RMS_NORM_CONSTANTS = NormConstants()
+LAYER_NORM_CONSTANTS = NormConstants(resident_warps_per_sm=16)
 
 
-def _tuning(center: bool) -> NormTuning:
-    return LAYER_NORM_TUNING if center else TUNING
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """One launch of `_norm_fwd` or `_norm_bwd`."""
 
-
-class _LaunchConfig(NamedTuple):
     block_n: int          # columns per tile (a power of two)
     block_rows: int       # rows per tile: narrow rows (q/k norms over a head dim) pack several per program
     looped: bool          # row wider than block_n: walk it in column blocks
     num_warps: int
     programs_per_sm: int  # backward's persistent grid
+    loop_stages: int = 1  # num_stages of backward's row loop
 
 
-def _launch_config(n_cols: int, backward: bool, center: bool) -> _LaunchConfig:
-    return _config_for(_tuning(center), n_cols, backward)
-
-
-@functools.lru_cache(maxsize=256)  # keyed by the tuning too: tune_kernels.py swaps it
-def _config_for(tune: NormTuning, n_cols: int, backward: bool) -> _LaunchConfig:
+@functools.lru_cache(maxsize=256)
+def norm_config(n_cols: int, dtype: torch.dtype | None = None, *, backward: bool, center: bool,
+                constants: NormConstants | None = None) -> NormConfig:
+    """The launch of a norm over rows of n_cols (RMSNorm, or LayerNorm when `center`), forward or backward."""
+    tune = constants or (LAYER_NORM_CONSTANTS if center else RMS_NORM_CONSTANTS)
     min_tile = tune.bwd_min_tile if backward else tune.fwd_min_tile
     elems_per_warp = tune.bwd_elems_per_warp if backward else tune.fwd_elems_per_warp
     cols = next_power_of_2(n_cols)
@@ -266,12 +261,18 @@ def _config_for(tune: NormTuning, n_cols: int, backward: bool) -> _LaunchConfig:
     block_n = tune.looped_block_n if looped else cols
     block_rows = 1 if looped else max(1, min_tile // block_n)
     num_warps = min(16, max(1, block_rows * block_n // elems_per_warp))
-    return _LaunchConfig(block_n, block_rows, looped, num_warps, max(1, tune.resident_warps_per_sm // num_warps))
+    return NormConfig(block_n, block_rows, looped, num_warps, max(1, tune.resident_warps_per_sm // num_warps),
+                      tune.bwd_loop_stages)
 
 
-def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype):
+def _config(n_cols: int, dtype: torch.dtype, backward: bool, center: bool) -> NormConfig:
+    return tuning.pick("norm", norm_config, n_cols, dtype, backward=backward, center=center)
+
+
+def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype,
+                  config: NormConfig | None = None):
     n_rows, n_cols = x2.shape
-    cfg = _launch_config(n_cols, backward=False, center=center)
+    cfg = config or _config(n_cols, x2.dtype, backward=False, center=center)
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if center else rstd  # rstd: unused stand-in
@@ -286,10 +287,10 @@ def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, o
     return y, (mean if center else None), rstd
 
 
-def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_db):
+def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_db, config: NormConfig | None = None):
     """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for)."""
     n_rows, n_cols = x2.shape
-    cfg = _launch_config(n_cols, backward=True, center=mean is not None)
+    cfg = config or _config(n_cols, x2.dtype, backward=True, center=mean is not None)
     n_programs = min(cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     # Looped tiles add into their partial row; fused ones write it once at the end.
@@ -303,7 +304,7 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
         n_rows, n_cols, offset,
         BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, CENTER=mean is not None,
         HAS_WEIGHT=weight is not None, COMPUTE_DW=dw_partial is not None, COMPUTE_DB=db_partial is not None,
-        LOOP_STAGES=_tuning(mean is not None).bwd_loop_stages, num_warps=cfg.num_warps,
+        LOOP_STAGES=cfg.loop_stages, num_warps=cfg.num_warps,
     )
     return dx, _reduce_partials(dw_partial), _reduce_partials(db_partial)
 

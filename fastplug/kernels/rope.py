@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
+from . import tuning
 from ._utils import (
     cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, made_by_autograd, next_power_of_2,
     promote_types, use_triton,
@@ -30,21 +31,49 @@ MAX_HEAD_DIM = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class RopeTuning:
-    """Launch shape; scripts/tune_kernels.py (and tests) swap in others via `rope.TUNING = ...`.
+class RopeConstants:
+    """The constants `rope_config` builds a launch from (the defaults are what runs; scripts/tune_kernels.py
+    measures others through `tuning.override("rope", functools.partial(rope_config, constants=...))`).
 
     A program covers BLOCK_T tokens x BLOCK_H heads x half a rotary dim at a time, about tile_elements
     elements per half; max_block_heads (a power of two, 0: no cap) caps BLOCK_H. split_heads gives every
     head block of q and of k its own program (grid axis 2) instead of one program walking q's heads then k's."""
 
-    # split heads, 8192-element tiles, 8 warps: 0.453 ms fwd+bwd at the bench shape on an H100 (was 0.726)
+    # split heads, 8192-element tiles, 8 warps: the fastest fwd+bwd of scripts/tune_kernels.py --ops rope
+    # (docs/benchmarks/kernels.md, "rope")
     tile_elements: int = 8192
     num_warps: int = 8
     max_block_heads: int = 0
     split_heads: bool = True
 
 
-TUNING = RopeTuning()
+ROPE_CONSTANTS = RopeConstants()
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """One launch of `_rope_kernel`."""
+
+    block_t: int        # tokens a program
+    block_hq: int       # q heads a step (a power of two)
+    block_hk: int       # k heads a step
+    half_block: int     # half the rotary dim, padded to a power of two
+    split_heads: bool   # a program per head block (grid axis 2) instead of one walking all heads
+    num_warps: int
+
+
+def rope_config(n_heads_q: int, n_heads_k: int, tokens: int, rot_dim: int, dtype: torch.dtype | None = None,
+                *, constants: RopeConstants | None = None) -> RopeConfig:
+    """The launch for q [B, n_heads_q, tokens, D] and k [B, n_heads_k, tokens, D] rotated over rot_dim dims."""
+    tune = constants or ROPE_CONSTANTS
+    half_block = next_power_of_2(rot_dim // 2)
+    heads_cap = max(1, tune.tile_elements // half_block)
+    if tune.max_block_heads:
+        heads_cap = min(heads_cap, tune.max_block_heads)
+    block_hq = min(next_power_of_2(max(n_heads_q, 1)), heads_cap)
+    block_hk = min(next_power_of_2(max(n_heads_k, 1)), heads_cap)
+    block_t = min(max(1, tune.tile_elements // (block_hq * half_block)), next_power_of_2(tokens))
+    return RopeConfig(block_t, block_hq, block_hk, half_block, tune.split_heads, tune.num_warps)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
@@ -176,7 +205,8 @@ def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
     return cos.stride(0), cos.stride(1)
 
 
-def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | None = None):
+def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | None = None,
+                 config: RopeConfig | None = None):
     """out: (q_out, k_out) to write, in q and k's shapes with unit last stride (q and k themselves: in place, for
     a caller that owns them); q_dtype/k_dtype are then theirs."""
     if out is not None and any(t.stride(-1) != 1 for t in out):
@@ -194,17 +224,11 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | 
     if q.numel() + k.numel() == 0:
         return q_out, k_out
     rot_dim = cos.shape[-1]
-    tune = TUNING
-    half_block = next_power_of_2(rot_dim // 2)
-    heads_cap = max(1, tune.tile_elements // half_block)
-    if tune.max_block_heads:
-        heads_cap = min(heads_cap, tune.max_block_heads)
-    block_hq = min(next_power_of_2(max(n_heads_q, 1)), heads_cap)
-    block_hk = min(next_power_of_2(max(n_heads_k, 1)), heads_cap)
-    block_t = min(max(1, tune.tile_elements // (block_hq * half_block)), next_power_of_2(tokens))
+    cfg = config or tuning.pick("rope", rope_config, n_heads_q, n_heads_k, tokens, rot_dim, q.dtype)
+    block_t, block_hq, block_hk, half_block = cfg.block_t, cfg.block_hq, cfg.block_hk, cfg.half_block
     stride_cb, stride_ct = _cos_sin_strides(cos)
     grid = (cdiv(tokens, block_t), batch)
-    if tune.split_heads:
+    if cfg.split_heads:
         grid += (cdiv(n_heads_q, block_hq) + cdiv(n_heads_k, block_hk),)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
@@ -214,8 +238,8 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | 
         stride_cb, stride_ct,
         HALF=rot_dim // 2, ROT_DIM=rot_dim, HEAD_DIM=head_dim, BACKWARD=backward,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, HALF_BLOCK=half_block,
-        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)), SPLIT_HEADS=tune.split_heads,
-        num_warps=tune.num_warps,
+        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)), SPLIT_HEADS=cfg.split_heads,
+        num_warps=cfg.num_warps,
     )
     return q_out, k_out
 

@@ -1,12 +1,14 @@
 """Gated activations (SwiGLU, GeGLU): forward and backward against float64 references, on odd shapes and layouts."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fastplug.kernels.activations as activations
+import fastplug.kernels.tuning as kernel_tuning
 from fastplug.kernels.activations import (
     ACTIVATIONS,
     geglu,
@@ -126,10 +128,11 @@ def test_glu_backward_variants(activation, dtype, recompute_h, inplace):
     ids=["flat", "small-2d-tiles"],
 )
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_tuning_variants_match_float64(monkeypatch, tuning, activation):
+def test_tuning_variants_match_float64(request, tuning, activation):
     # The launch shapes scripts/tune_kernels.py may pick. Flat: 37 x 129 is not a multiple of the block
     # (a masked tail); the chunks of a fused gate_up are not contiguous and take the 2-D path even then.
-    monkeypatch.setattr(activations, "TUNING", dataclasses.replace(activations.TUNING, **tuning))
+    constants = dataclasses.replace(activations.GLU_CONSTANTS, **tuning)
+    request.addfinalizer(kernel_tuning.override("glu", functools.partial(activations.glu_config, constants=constants)).undo)
     gate, up = _inputs((37, 129), torch.bfloat16)
     grad_h = torch.randn(37, 129).to(torch.bfloat16)
     ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate, up, grad_h)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from fastplug.kernels import norms
+from fastplug.kernels import norms, tuning
 from fastplug.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from tests.helpers import assert_close
 
@@ -76,9 +76,24 @@ TUNING_VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(TUNING_VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tuning_variants_match_float64(monkeypatch, variant, dtype):
-    for attr in ("TUNING", "LAYER_NORM_TUNING"):  # RMSNorm's and LayerNorm's settings
-        monkeypatch.setattr(norms, attr, dataclasses.replace(getattr(norms, attr), **TUNING_VARIANTS[variant]))
+def test_tuning_variants_match_float64(variant, dtype):
+    def varied(n_cols, dtype, *, backward, center):  # RMSNorm's and LayerNorm's constants, changed alike
+        base = norms.LAYER_NORM_CONSTANTS if center else norms.RMS_NORM_CONSTANTS
+        constants = dataclasses.replace(base, **TUNING_VARIANTS[variant])
+        return norms.norm_config(n_cols, dtype, backward=backward, center=center, constants=constants)
+
+    with tuning.override("norm", varied):
+        _check_variant(variant, dtype)
+    assert tuning.overridden("norm") is None
+
+
+def test_defaults_are_what_runs():
+    cfg = norms.norm_config(4096, torch.bfloat16, backward=True, center=False)
+    assert (cfg.num_warps, cfg.programs_per_sm, cfg.loop_stages) == (4, 5, 1)  # RMSNorm: 5 programs of 4 warps
+    assert norms.norm_config(4096, torch.bfloat16, backward=True, center=True).programs_per_sm == 4
+
+
+def _check_variant(variant, dtype):
     shape = (37, 129) if variant != "packed_bwd_rows" else (75, 64)
     x = _leaf(torch.randn(shape, dtype=dtype) * 2 + 1)
     w = _leaf(torch.randn(shape[-1], dtype=dtype))

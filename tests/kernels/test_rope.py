@@ -1,11 +1,13 @@
 """RoPE (rotate-half): forward and backward against float64 references and transformers' apply_rotary_pos_emb."""
 
 import dataclasses
+import functools
 import importlib
 
 import pytest
 import torch
 
+import fastplug.kernels.tuning as kernel_tuning
 from fastplug.kernels.rope import rope, rope_reference
 from tests.helpers import assert_close
 
@@ -68,9 +70,15 @@ def test_cos_broadcast_and_layouts(form, layout):
     check_rope(q, k, cos, sin, torch.float32)
 
 
-def test_many_heads_loop_over_head_blocks(monkeypatch):
+def _override_constants(request, **changes):
+    constants = dataclasses.replace(rope_module.ROPE_CONSTANTS, **changes)
+    request.addfinalizer(kernel_tuning.override("rope", functools.partial(rope_module.rope_config,
+                                                                          constants=constants)).undo)
+
+
+def test_many_heads_loop_over_head_blocks(request):
     # A small tile makes a program walk over several head blocks, the last one partly masked.
-    monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, tile_elements=256))
+    _override_constants(request, tile_elements=256)
     q, k = _qk(2, 6, 3, 9, 128, torch.float32)
     cos, sin = _cos_sin(2, 9, 96, torch.float32)
     check_rope(q, k, cos, sin, torch.float32)
@@ -86,9 +94,9 @@ def test_many_heads_loop_over_head_blocks(monkeypatch):
     ids=["split", "split-2-heads", "loop-2-heads"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_tuning_variants(monkeypatch, tuning, dtype):
+def test_tuning_variants(request, tuning, dtype):
     # The launch shapes scripts/tune_kernels.py may pick: same numbers, partial rotary included.
-    monkeypatch.setattr(rope_module, "TUNING", dataclasses.replace(rope_module.TUNING, **tuning))
+    _override_constants(request, **tuning)
     q, k = _qk(2, 6, 3, 9, 128, dtype)
     cos, sin = _cos_sin(1, 9, 96, dtype)
     check_rope(q, k, cos, sin, dtype)

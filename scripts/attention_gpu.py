@@ -3,14 +3,14 @@
 configs per kernel and head dim, and the issue-11 comparison table (SDPA, the Triton kernel, the dispatcher).
 Run from the repo root:  python scripts/attention_gpu.py [--breakdown] [--sweep4] [--no-table] ...
 
-The last lines printed are the table; the chosen configs go into attention.TUNING by hand.
+The last lines printed are the table; the chosen configs go into attention.AttentionTables by hand.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, ".")
+kernel_tuning = importlib.import_module("fastplug.kernels.tuning")
 A = importlib.import_module("fastplug.kernels.attention")  # the module: fastplug.kernels exports the function
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,7 +124,7 @@ SWEEP3 = {
     "dkdv": {256: [(bm, bn, w, st) for bm, bn in ((32, 32), (64, 32), (32, 64), (64, 64)) for w in (4, 8)
                    for st in (1, 2)]},
 }
-# After TMA (--breakdown): the neighbours of the chosen tiles, each head dim with its TUNING.tma choice.
+# After TMA (--breakdown): the neighbours of the chosen tiles, each head dim with its AttentionTables.tma choice.
 SWEEP4 = {
     "fwd": {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
             256: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
@@ -136,15 +137,10 @@ KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
 ALL_TMA = ("fwd", "dkdv", "dq")
 
 
-@contextlib.contextmanager
 def tuned(**changes):
-    """attention.TUNING changed for the block, restored after."""
-    base = A.TUNING
-    A.TUNING = dataclasses.replace(base, **changes)
-    try:
-        yield
-    finally:
-        A.TUNING = base
+    """attention's tables changed for the block (a `with` block: the override is undone at its end)."""
+    tables = dataclasses.replace(A.ATTENTION_TABLES, **changes)
+    return kernel_tuning.override("attention", functools.partial(A.attention_config, tables=tables))
 
 
 class _LaunchRecorder:
@@ -164,26 +160,24 @@ def sweep(name, c, table=SWEEP):
     q, k, v, kw = make(c)
     D = q.shape[3]
     do = torch.randn(q.shape[0], q.shape[2], q.shape[1], D, device=DEV, dtype=DT)
-    base = A.TUNING
     for kernel, configs in table.items():
         results = []
         for cfg in configs.get(128 if D <= 128 else 256, []):
-            A.TUNING = dataclasses.replace(base, **{kernel: ((256, A.KernelConfig(*cfg)),)})
             try:
-                recorder = _LaunchRecorder(getattr(A, KERNELS[kernel]))
-                setattr(A, KERNELS[kernel], recorder)
-                try:
-                    fwd, bwd = triton_step(q, k, v, kw, do)
-                    ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
-                finally:
-                    setattr(A, KERNELS[kernel], recorder.fn)
+                with tuned(**{kernel: ((256, tuple(cfg)),)}):
+                    recorder = _LaunchRecorder(getattr(A, KERNELS[kernel]))
+                    setattr(A, KERNELS[kernel], recorder)
+                    try:
+                        fwd, bwd = triton_step(q, k, v, kw, do)
+                        ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
+                    finally:
+                        setattr(A, KERNELS[kernel], recorder.fn)
                 compiled = recorder.last
                 regs = f"r{getattr(compiled, 'n_regs', '?')}s{getattr(compiled, 'n_spills', '?')}"
                 results.append((ms, cfg, regs))
             except Exception as exc:  # out of shared memory or registers: that config is out
                 results.append((float("inf"), cfg, "-"))
                 print(f"  {kernel} {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
-        A.TUNING = base
         results.sort()
         print(f"sweep {name:<38} {kernel:<5} " + ", ".join(f"{c}={ms:.3f}[{r}]" for ms, c, r in results), flush=True)
 
@@ -205,17 +199,18 @@ def breakdown(name, c):
     q, k, v, p, start, end, do = kernel_problem(c)
     out, lse = A._flash_forward(q, k, v, p, start, end)
     delta, dq, dk, dv = torch.empty_like(lse), torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    cfg = lambda table: tuple(A._config(table, p.block_d, q.device))  # noqa: E731
+    cfg = lambda kernel: A._config(kernel, p.block_d, q.device)  # noqa: E731  the launch as configured now
+    tile = lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages)  # noqa: E731
     rows = []
     for tma in (ALL_TMA, ()):
         with tuned(tma=((256, tma),)):
             tag = "tma" if tma else "ptr"
-            rows.append((f"fwd {cfg(A.TUNING.fwd)}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
-            rows.append((f"dq+delta {cfg(A.TUNING.dq)}", tag, bench_ms(lambda: A._launch_dq(
-                do, q, k, v, out, lse, delta, dq, p, start, end, A._config(A.TUNING.dq, p.block_d, q.device)))))
-            rows.append((f"dkdv {cfg(A.TUNING.dkdv)}", tag, bench_ms(lambda: A._launch_dkdv(
-                do, q, k, v, lse, delta, dk, dv, p, start, end, A._config(A.TUNING.dkdv, p.block_d, q.device)))))
-    rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.TUNING.tma, p.block_d))}", bench_ms(
+            rows.append((f"fwd {tile(cfg('fwd'))}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
+            rows.append((f"dq+delta {tile(cfg('dq'))}", tag, bench_ms(lambda: A._launch_dq(
+                do, q, k, v, out, lse, delta, dq, p, start, end, cfg("dq")))))
+            rows.append((f"dkdv {tile(cfg('dkdv'))}", tag, bench_ms(lambda: A._launch_dkdv(
+                do, q, k, v, lse, delta, dk, dv, p, start, end, cfg("dkdv")))))
+    rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.ATTENTION_TABLES.tma, p.block_d))}", bench_ms(
         lambda: A._flash_backward(do, q, k, v, out, lse, p, start, end))))
     for what, tag, ms in rows:
         print(f"breakdown {name:<38} {what:<34} {tag:<12} {ms:.3f} ms", flush=True)

@@ -31,7 +31,7 @@ S, dV, dP, dK), with query rows on the MMA's M dimension so that k and v stay B 
 7 products where a single pass needs 5, but deterministic (no atomics): a single pass that added each tile's
 dQ share with fp32 atomics (commit 782a4de) measured 2.7x slower on an H100 with triton 3.6 (10.5 ms whole
 backward against 3.8 on the Llama shape; 6.3 with its best tiles): the PTX has one scalar atom.add.f32 per
-element. Tiles are read through TMA descriptors where TUNING.tma says they measured faster and the strides
+element. Tiles are read through TMA descriptors where AttentionTables.tma says they measured faster and the strides
 allow (unit stride along the head dim, 16-byte aligned rows; rows past the end and the padded head dim come
 back as zeros), else through masked pointer loads. fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32).
 
@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
 
 LOG2E = 1.4426950408889634
@@ -413,49 +414,52 @@ def _attn_bwd_dq(
 # ----------------------------------------------------------------------------------------------------
 
 
-class KernelConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One launch of `_attn_fwd`, `_attn_bwd_dq` or `_attn_bwd_dkdv`."""
+
     block_m: int  # query rows per tile
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    tma: bool = False  # read tiles through TMA descriptors (where the tensors' layout allows; else pointers)
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionTuning:
-    """Launch constants per head-dim bucket (the padded power of two, up to 64 / 128 / 256) for the kernels.
-    scripts/attention_gpu.py swaps in others with `attention.TUNING = dataclasses.replace(...)`.
-    Hopper has 228 KB of shared memory per SM: at D 256 a 64x64 bf16 k and v tile pair is 64 KB per stage."""
+class AttentionTables:
+    """The constants `attention_config` reads: per kernel, (block_m, block_n, num_warps, num_stages) per head-dim
+    bucket (the padded power of two, up to 64 / 128 / 256), and the kernels that read through TMA per bucket.
+    scripts/attention_gpu.py measures others through `tuning.override("attention", functools.partial(
+    attention_config, tables=...))`. Hopper has 228 KB of shared memory per SM: at D 256 a 64x64 bf16 k and v
+    tile pair is 64 KB per stage. How each entry won: docs/benchmarks/kernels.md, "attention"
+    (scripts/attention_gpu.py --sweep, --sweep3, --sweep4, --breakdown)."""
 
-    # H100, bf16 (scripts/attention_gpu.py --sweep): the best of six configs each, fwd / whole backward ms.
-    # D128 Llama causal B4 32/8 T4096: fwd 1.34 (128x128 8 warps) vs 1.40 (128x64), 2.55 (128x64, 4 warps);
-    # D256 Gemma2 T8192: fwd 128x64 1.23 vs 2.42 (64x64). With TMA (--sweep4): 128x128 1.23 vs 1.30 (128x64).
-    fwd: tuple = ((64, KernelConfig(128, 64, 8, 3)), (128, KernelConfig(128, 128, 8, 3)),
-                  (256, KernelConfig(128, 64, 8, 2)))
-    # dK/dV with query rows on the MMA's M dim (--sweep3: D128 64x64 4 warps 2 stages, D256 64x32), and dQ.
-    # --sweep4 (with TMA where TUNING.tma has it), whole backward ms: D128 Llama dK/dV 64x64 4 warps 2 stages
-    # 3.77 vs 4.24 (128x64 8 warps), 4.29 (3 stages), 5.08 (64x32); dQ 128x64 8 warps 3 stages 3.85 vs 3.86
-    # (4 stages), 4.18 (64x64). D256 Gemma2 T8192 (T2048): dK/dV 64x32 4 warps 4.70 (0.68) vs 6.01 (0.86,
-    # 64x64 8 warps); dQ 128x32 3 stages 4.52 (0.64) vs 4.69 (0.68, 2 stages), 4.89 (0.67, 64x32 4 warps).
-    dkdv: tuple = ((128, KernelConfig(64, 64, 4, 2)), (256, KernelConfig(64, 32, 4, 2)))
-    dq: tuple = ((128, KernelConfig(128, 64, 8, 3)), (256, KernelConfig(128, 32, 8, 3)))
-    # The kernels that read their tiles through TMA descriptors, per bucket (where the layout allows: unit
-    # stride along the head dim, 16-byte aligned rows; else pointers). --breakdown, each kernel alone, TMA vs
-    # pointers: D128 Llama fwd 1.24 vs 1.33, dK/dV 2.23 vs 2.69, dQ 1.54 vs 1.47 (varlen 16384: 1.35 vs 1.48,
-    # 2.55 vs 3.14, 1.68 vs 1.70); D256 Gemma2 T8192 fwd 1.02 vs 1.22, dK/dV 3.40 vs 2.97, dQ 1.72 vs 1.75
-    # (T2048: 0.159 vs 0.189, 0.439 vs 0.409, 0.274 vs 0.276). Forming delta in the dQ kernel: D256 T2048
-    # dQ 0.274 ms against 0.284 for dQ and a delta kernel.
+    # D128: 128x128 8 warps; D256: 128x64, 2 stages.
+    fwd: tuple = ((64, (128, 64, 8, 3)), (128, (128, 128, 8, 3)), (256, (128, 64, 8, 2)))
+    # dK/dV with query rows on the MMA's M dim (D128 64x64 4 warps 2 stages, D256 64x32), and dQ.
+    dkdv: tuple = ((128, (64, 64, 4, 2)), (256, (64, 32, 4, 2)))
+    dq: tuple = ((128, (128, 64, 8, 3)), (256, (128, 32, 8, 3)))
+    # The kernels that read their tiles through TMA descriptors, per bucket; forming delta in the dQ kernel
+    # beat a separate delta kernel.
     tma: tuple = ((128, ("fwd", "dkdv")), (256, ("fwd", "dq")))
 
 
-TUNING = AttentionTuning()
+ATTENTION_TABLES = AttentionTables()
 # The interpreter (CPU tests): small, unequal tiles so that tiny shapes still cross block and edge cases.
-INTERPRETER_CONFIG = KernelConfig(16, 32, 1, 1)
+INTERPRETER_TILE = (16, 32, 1, 1)
 
 
-def _config(table: tuple, block_d: int, device: torch.device) -> KernelConfig:
-    if device.type != "cuda":
-        return INTERPRETER_CONFIG
-    return _bucket(table, block_d)
+def attention_config(kernel: str, block_d: int, device: torch.device, *,
+                     tables: AttentionTables | None = None) -> AttentionConfig:
+    """The launch of `kernel` ("fwd", "dq" or "dkdv") at padded head dim block_d. The interpreter takes small
+    tiles but follows the TMA table, so the CPU tests run both ways."""
+    tables = tables or ATTENTION_TABLES
+    tile = _bucket(getattr(tables, kernel), block_d) if device.type == "cuda" else INTERPRETER_TILE
+    return AttentionConfig(*tile, tma=kernel in _bucket(tables.tma, block_d))
+
+
+def _config(kernel: str, block_d: int, device: torch.device) -> AttentionConfig:
+    return tuning.pick("attention", attention_config, kernel, block_d, device)
 
 
 def _bucket(table: tuple, block_d: int):
@@ -469,10 +473,9 @@ def _tma_alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(kernel: str, block_d: int, *tensors: torch.Tensor) -> bool:
-    """TMA descriptors for `kernel` when TUNING.tma lists it for this head dim and every tensor's rows suit the
-    copy engine (the interpreter follows the same table, so the CPU tests run both ways)."""
-    if kernel not in _bucket(TUNING.tma, block_d):
+def _use_tma(cfg: AttentionConfig, *tensors: torch.Tensor) -> bool:
+    """TMA descriptors when the config asks for them and every tensor's rows suit the copy engine."""
+    if not cfg.tma:
         return False
     for t in tensors:
         size = t.element_size()
@@ -524,41 +527,41 @@ def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
     )
 
 
-def _flash_forward(q, k, v, p: _Problem, start, end):
+def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | None = None):
     out = torch.empty((p.B, p.T, p.Hq, p.D), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.Hq, p.T), dtype=torch.float32, device=q.device)
-    cfg = _config(TUNING.fwd, p.block_d, q.device)
+    cfg = config or _config("fwd", p.block_d, q.device)
     varlen = start is not None
     _attn_fwd[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, lse, start if varlen else lse, end if varlen else lse,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("fwd", p.block_d, q, k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, q, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
 
-def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: KernelConfig):
+def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: AttentionConfig):
     """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
     varlen = start is not None
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
         q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
         p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dq", p.block_d, k, v),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, k, v),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: KernelConfig):
+def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: AttentionConfig):
     """dK/dV per key block, summed over the query heads of its group."""
     varlen = start is not None
     _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
         q, k, v, do, lse, delta, dk, dv, *((start, end) if varlen else (lse, lse)),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma("dkdv", p.block_d, q, do),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, q, do),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -568,8 +571,8 @@ def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
     delta = torch.empty_like(lse)
     # empty_like keeps q/k/v's memory layout: the grads flow back through the same transposes as the inputs.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config(TUNING.dq, p.block_d, q.device))
-    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p, start, end, _config(TUNING.dkdv, p.block_d, q.device))
+    _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config("dq", p.block_d, q.device))
+    _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p, start, end, _config("dkdv", p.block_d, q.device))
     return dq, dk, dv
 
 

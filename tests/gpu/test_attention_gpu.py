@@ -2,6 +2,7 @@
 forward and dq/dk/dv against attention_reference, bf16 and fp16; the dispatcher's SDPA path."""
 
 import dataclasses
+import functools
 import importlib
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from fastplug.kernels import attention, attention_reference
 from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds, right_padding_bounds
+from fastplug.kernels import tuning
 from tests.helpers import rel_err
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -65,9 +67,10 @@ def test_triton_kernel_matches_reference(shape, options, dtype):
     ((1, 8, 2, 2049, 128), {}),
     ((1, 2, 1, 3001, 256), {"softcap": 50.0, "sliding_window": 1000}),
 ])
-def test_every_kernel_with_and_without_tma(shape, options, tma, monkeypatch):
-    """TUNING.tma picks TMA descriptors per kernel and head dim; each kernel is right both ways."""
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((256, tma),)))
+def test_every_kernel_with_and_without_tma(shape, options, tma, request):
+    """AttentionTables.tma picks TMA descriptors per kernel and head dim; each kernel is right both ways."""
+    tables = dataclasses.replace(A.ATTENTION_TABLES, tma=((256, tma),))
+    request.addfinalizer(tuning.override("attention", functools.partial(A.attention_config, tables=tables)).undo)
     inputs = _inputs(*shape, torch.bfloat16)
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
 

@@ -2,6 +2,7 @@
 not, sliding window, softcap, GQA/MQA, head dims that are not powers of two, packed documents; bad input."""
 
 import dataclasses
+import functools
 import importlib
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids
 from fastplug.kernels.attention import flash_attention, packed_bounds, right_padding_bounds
+from fastplug.kernels import tuning
 from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -17,9 +19,15 @@ A = importlib.import_module("fastplug.kernels.attention")  # the module: the pac
 PATHS = {"TMA": ((256, ("fwd", "dkdv", "dq")),), "pointers": ((256, ()),)}
 
 
+def with_tma_table(request, table):
+    """Launches read through TMA per `table` until the test ends (the override hook, undone by a finalizer)."""
+    tables = dataclasses.replace(A.ATTENTION_TABLES, tma=table)
+    request.addfinalizer(tuning.override("attention", functools.partial(A.attention_config, tables=tables)).undo)
+
+
 @pytest.fixture(params=list(PATHS))
-def path(request, monkeypatch):
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS[request.param]))
+def path(request):
+    with_tma_table(request, PATHS[request.param])
     return request.param
 
 
@@ -97,19 +105,21 @@ def test_varlen_matches_per_document_reference(options, path):
              torch.float32)
 
 
-def test_tma_only_where_the_layout_allows(monkeypatch):
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS["TMA"]))
+def test_tma_only_where_the_layout_allows():
+    cpu = torch.device("cpu")
+    tables = dataclasses.replace(A.ATTENTION_TABLES, tma=PATHS["TMA"])
+    cfg = lambda kernel, block_d: A.attention_config(kernel, block_d, cpu, tables=tables)  # noqa: E731
     x = torch.randn(2, 5, 3, 64)
-    assert A._use_tma("fwd", 64, x.transpose(1, 2))
-    assert not A._use_tma("fwd", 64, x.transpose(1, 2)[..., ::2])  # head dim not unit-stride
-    assert not A._use_tma("fwd", 16, torch.randn(2, 3, 5, 7))  # 28-byte rows
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=((128, ("dq",)), (256, ("fwd",)))))
-    assert not A._use_tma("fwd", 64, x) and A._use_tma("dq", 64, x) and A._use_tma("fwd", 256, x)
+    assert A._use_tma(cfg("fwd", 64), x.transpose(1, 2))
+    assert not A._use_tma(cfg("fwd", 64), x.transpose(1, 2)[..., ::2])  # head dim not unit-stride
+    assert not A._use_tma(cfg("fwd", 16), torch.randn(2, 3, 5, 7))  # 28-byte rows
+    tables = dataclasses.replace(A.ATTENTION_TABLES, tma=((128, ("dq",)), (256, ("fwd",))))
+    assert not A._use_tma(cfg("fwd", 64), x) and A._use_tma(cfg("dq", 64), x) and A._use_tma(cfg("fwd", 256), x)
 
 
-def test_strides_unfit_for_tma(monkeypatch):
+def test_strides_unfit_for_tma(request):
     """Rows of 7 fp32 (28 bytes, not 16-byte aligned) take the pointer loads in every kernel."""
-    monkeypatch.setattr(A, "TUNING", dataclasses.replace(A.TUNING, tma=PATHS["TMA"]))
+    with_tma_table(request, PATHS["TMA"])
     inputs = _inputs(1, 4, 2, 23, 23, 7)
     _compare(lambda *x: attention(*x, sliding_window=6), lambda *x: attention_reference(*x, sliding_window=6), inputs,
              torch.float32)

@@ -14,6 +14,7 @@ import os
 import torch
 
 from ..kernels.moe import tuning
+from ..kernels.moe.grouped_gemm import sweep as sweep_configs
 from ._report import fmt, grouped_bar_plot, markdown_table, write_csv
 
 COLUMNS = ["kind", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "smem_KiB", "ms", "TFLOPs", "skipped"]
@@ -29,7 +30,7 @@ def moe_tune_rows(n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, d
         raise RuntimeError("moe-tune times Triton kernels on a CUDA device; none is available")
     out = []
     for kind in kinds:
-        timed = tuning.sweep(kind, n, k, experts, rows, _DTYPES[dtype], device)
+        timed = sweep_configs(kind, n, k, experts, rows, _DTYPES[dtype], device)
         out += sorted(timed, key=lambda r: (r["ms"] is None, r["ms"] or 0.0))
     return out
 

@@ -11,6 +11,7 @@ from fastplug.kernels.moe import (
     ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
     moe_router_reference, routing_metadata, routing_metadata_reference,
 )
+from fastplug.kernels.moe.grouped_gemm import sweep as sweep_configs
 from fastplug.kernels.moe import tuning
 from fastplug.kernels.activations import _gate_factor_torch
 from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
@@ -321,4 +322,4 @@ def test_moe_tune_needs_cuda_and_names_pandas(monkeypatch):
     with pytest.raises(ImportError, match="pip install pandas"):
         moe_tune.moe_tune_dataframe(64, 64, 4, 256)
     with pytest.raises(ValueError, match="kind"):
-        tuning.sweep("bwd", 64, 64, 4, 256, device="cpu")
+        sweep_configs("bwd", 64, 64, 4, 256, device="cpu")

@@ -697,3 +697,52 @@ def grouped_gemm_reference(
     if scatter_index is not None:
         out = torch.empty_like(out).index_copy(0, scatter_index, out)
     return out
+
+
+def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.bfloat16,
+          device: torch.device | str = "cuda", seed: int = 0) -> list[dict]:
+    """Times every candidate config of one kernel on random data of this shape (rows spread over the
+    experts at random); one dict per config: the config, ms, TFLOP/s, shared memory, and why it was
+    skipped (pruned, or it failed to launch). What `python -m fastplug.bench moe-tune` reports."""
+    if kind not in tuning.KINDS:
+        raise ValueError(f"kind must be one of {tuning.KINDS}; got {kind!r}")
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    counts = torch.bincount(torch.randint(0, E, (M,), device=device, generator=g), minlength=E)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device=device, generator=g).to(dtype)
+    if kind == "fwd":
+        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
+        out = torch.empty(M, N, device=device, dtype=dtype)
+
+        def run(cfg):
+            grouped_mm_rows(x, w, offsets, out=out, config=cfg)
+    elif kind == "glu":  # N: the gate_up width 2I
+        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
+
+        def run(cfg):
+            grouped_mm_glu(x, w, offsets, "silu", config=cfg)
+    else:
+        dy = torch.randn(M, N, device=device, generator=g).to(dtype)
+
+        def run(cfg):
+            grouped_mm_dw(dy, x, offsets, E, config=cfg)
+
+    limit = tuning.shared_memory_limit(device)
+    kept = tuning.candidates(kind, dtype, N, K, E, M, limit)
+    rows = []
+    for values in tuning.CANDIDATES[kind]:
+        cfg = tuning.as_config(values)
+        smem = tuning.shared_memory_bytes(kind, cfg, dtype)
+        row = {"kind": kind, "N": N, "K": K, "E": E, "M": M, "dtype": str(dtype).replace("torch.", ""), **cfg,
+               "smem_KiB": smem // 1024, "ms": None, "TFLOPs": None, "skipped": ""}
+        if cfg not in kept:
+            row["skipped"] = "shared memory" if smem > limit else "blocks larger than the shape"
+        else:
+            ms = tuning.time_config(run, cfg)
+            if ms is None:
+                row["skipped"] = "failed to launch"
+            else:
+                row["ms"], row["TFLOPs"] = ms, 2 * M * N * K / ms / 1e9
+        rows.append(row)
+    return rows

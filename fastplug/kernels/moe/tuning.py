@@ -12,6 +12,9 @@ and whether torch._grouped_mm may run it.
 - `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
   config and the cache is neither read nor written.
 - Under CUDA graph capture or torch.compile tracing nothing is timed: the cached or default config is used.
+
+This module knows the candidates and the cache, never the kernels: grouped_gemm imports it, and times
+candidates through the `run` callable it passes (`grouped_gemm.sweep` times them all for the bench).
 """
 
 from __future__ import annotations
@@ -243,54 +246,3 @@ def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, de
             return as_config(DEFAULTS[kind])  # not remembered: a later eager call may still tune
         _memory[key] = cfg
         return cfg
-
-
-def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.bfloat16,
-          device: torch.device | str = "cuda", seed: int = 0) -> list[dict]:
-    """Times every candidate config of one kernel on random data of this shape (rows spread over the
-    experts at random); one dict per config: the config, ms, TFLOP/s, shared memory, and why it was
-    skipped (pruned, or it failed to launch). What `python -m fastplug.bench moe-tune` reports."""
-    from .grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
-
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
-    device = torch.device(device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    counts = torch.bincount(torch.randint(0, E, (M,), device=device, generator=g), minlength=E)
-    offsets = counts.cumsum(0).to(torch.int32)
-    x = torch.randn(M, K, device=device, generator=g).to(dtype)
-    if kind == "fwd":
-        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
-        out = torch.empty(M, N, device=device, dtype=dtype)
-
-        def run(cfg):
-            grouped_mm_rows(x, w, offsets, out=out, config=cfg)
-    elif kind == "glu":  # N: the gate_up width 2I
-        w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
-
-        def run(cfg):
-            grouped_mm_glu(x, w, offsets, "silu", config=cfg)
-    else:
-        dy = torch.randn(M, N, device=device, generator=g).to(dtype)
-
-        def run(cfg):
-            grouped_mm_dw(dy, x, offsets, E, config=cfg)
-
-    limit = shared_memory_limit(device)
-    kept = candidates(kind, dtype, N, K, E, M, limit)
-    rows = []
-    for values in CANDIDATES[kind]:
-        cfg = as_config(values)
-        smem = shared_memory_bytes(kind, cfg, dtype)
-        row = {"kind": kind, "N": N, "K": K, "E": E, "M": M, "dtype": str(dtype).replace("torch.", ""), **cfg,
-               "smem_KiB": smem // 1024, "ms": None, "TFLOPs": None, "skipped": ""}
-        if cfg not in kept:
-            row["skipped"] = "shared memory" if smem > limit else "blocks larger than the shape"
-        else:
-            ms = time_config(run, cfg)
-            if ms is None:
-                row["skipped"] = "failed to launch"
-            else:
-                row["ms"], row["TFLOPs"] = ms, 2 * M * N * K / ms / 1e9
-        rows.append(row)
-    return rows

@@ -7,7 +7,8 @@ float64, then timings, a markdown table last.
    in/out, the activation quantized, cuBLAS's block-scaled kernel where torch has it) against bf16 cuBLAS,
    torch._scaled_mm row-wise and transformers' fine-grained FP8 kernel when it loads;
 3. a sweep of the GEMM's launch configurations (block sizes, warps, stages, TMA loads) at 8192^3: the best
-   is printed and used for the rest of the run (set it as fastplug.kernels.fp8.GEMM_CONFIG);
+   is printed and used for the rest of the run (through fastplug.kernels.tuning.override; make it
+   fastplug.kernels.fp8.GEMM_LARGE_M to keep it);
 4. Llama-8B projections at M=8192 tokens (4096->14336, 14336->4096, 4096->6144): fwd + dX against bf16,
    and the ways of dX (dequantized weight + bf16 GEMM, cuBLAS FP8 on W transposed per call, the Triton FP8
    GEMM reading W transposed or on a transposed copy of W);
@@ -22,6 +23,7 @@ float64, then timings, a markdown table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import itertools
 import statistics
@@ -35,6 +37,7 @@ import fastplug
 from fastplug.bench import e2e
 from fastplug.bench._report import fmt, markdown_table
 from fastplug.kernels import fp8 as F8
+from fastplug.kernels import tuning as kernel_tuning
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMOKE = DEV.type != "cuda"
@@ -129,7 +132,7 @@ def checks(quick: bool):
         dy64 = F8.dequantize_blockwise_reference(dq, ds, (1, 128), torch.float64)
         errs = {"quantization == torch": same}
         for tma in tma_options:
-            cfg = dict(F8._gemm_config(m, DEV), TMA=tma)
+            cfg = dataclasses.replace(F8.fp8_gemm_config(m, DEV), tma=tma)
             y = F8.fp8_gemm(xq, xs, q, s, config=cfg)
             dx = F8.fp8_gemm(dq, ds, q, s, input_grad=True, config=cfg)
             errs[f"x W^T vs float64 (tma={tma})"] = rel(y, x64 @ w64.t())
@@ -204,7 +207,7 @@ def sweep(quick: bool):
             results.append((ms or 0.0, cfg))
     if not results:
         print("  no candidate ran: keeping the default launch", flush=True)
-        return F8._gemm_config(size, DEV)
+        return F8.fp8_gemm_config(size, DEV)
     results.sort(key=lambda r: r[0])
     best_ms, best = results[0]
     record("3 sweep", f"x W^T {size}^3", "best: " + " ".join(f"{k}={v}" for k, v in best.items()), best_ms or None,
@@ -317,7 +320,7 @@ def gemm():
               note=f"rel err vs bf16 {rel(fn(), x @ w.t()):.1e}" if _runs(fn) else "")
     ref = F8.fp8_gemm(xq, xs, q, s)
     bench(section, case, "fastplug block-scaled (FP8 in, default launch)", lambda: F8.fp8_gemm(xq, xs, q, s), flops,
-          note=f"rel err vs bf16 {rel(ref, x @ w.t()):.1e}; {F8._gemm_config(size, DEV)}")
+          note=f"rel err vs bf16 {rel(ref, x @ w.t()):.1e}; {kernel_tuning.pick('fp8_gemm', F8.fp8_gemm_config, size, DEV)}")
     bench(section, case, "fastplug fp8_block_matmul (bf16 in, quantizes x; cuBLAS block-scaled where it runs)",
           lambda: F8.fp8_block_matmul(x, q, s), flops,
           note=f"rel err vs the Triton GEMM {rel(F8.fp8_block_matmul(x, q, s), ref):.1e}")
@@ -490,7 +493,9 @@ def main() -> int:
     operands = gemm()
     if not args.no_sweep:
         best = sweep(args.quick)
-        F8.GEMM_CONFIG.update(best)  # the launch every large-M call below takes
+        chosen = best if isinstance(best, F8.Fp8GemmConfig) else F8.Fp8GemmConfig.from_dict(best)
+        # the launch every large-M call below takes (small M keeps its own)
+        kernel_tuning.override("fp8_gemm", lambda M, device: chosen if M > 64 else F8.fp8_gemm_config(M, device))
         gemm_best(best, operands)
     del operands
     projections(args.quick)

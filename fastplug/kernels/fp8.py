@@ -28,6 +28,7 @@ the scales' bits (dtype conversions of the model leave them alone), which the fu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -40,6 +41,7 @@ try:
 except ImportError:  # triton without host-side tensor descriptors: pointer loads only
     TensorDescriptor = None
 
+from . import tuning
 from ._utils import (
     cdiv, check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, kernel_path,
     no_autocast, rows_view, scratch, triton_available, use_triton,
@@ -56,12 +58,35 @@ _MAX = tl.constexpr(FP8_MAX)
 _INV_MAX = tl.constexpr(1.0 / FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
-# GEMM launch configurations (BLOCK_K is always the scale block; TMA: tensor-descriptor loads where the device
-# and strides allow). scripts/fp8_gpu.py sweeps the alternatives: on an H100 at 8192^3 this one measured
-# 1.50 ms (732 TFLOP/s) against 1.84 ms for 128x128, 8 warps, 4 stages without TMA.
-GEMM_CONFIG = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3, TMA=True)
-GEMM_CONFIG_SMALL_M = dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4, TMA=False)  # M <= 64
-_GEMM_CONFIG_INTERPRETER = dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=8, num_warps=1, num_stages=1, TMA=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One launch of `_fp8_gemm` (BLOCK_K is always the scale block). tma: tensor-descriptor loads where the
+    device and strides allow."""
+
+    block_m: int
+    block_n: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    tma: bool
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Fp8GemmConfig":
+        """From the kernel's own names (BLOCK_M=..., TMA=...), as scripts/fp8_gpu.py's sweep writes them."""
+        return cls(d["BLOCK_M"], d["BLOCK_N"], d["GROUP_M"], d["num_warps"], d["num_stages"], d.get("TMA", False))
+
+    def launch_args(self) -> dict:
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, GROUP_M=self.group_m, num_warps=self.num_warps,
+                    num_stages=self.num_stages)
+
+
+# scripts/fp8_gpu.py sweeps the alternatives: at 8192^3 the large-M launch beat 128x128, 8 warps, 4 stages
+# without TMA (numbers: docs/benchmarks/kernels.md, "fp8").
+GEMM_LARGE_M = Fp8GemmConfig(64, 128, 8, 4, 3, tma=True)
+GEMM_SMALL_M = Fp8GemmConfig(64, 128, 8, 4, 4, tma=False)  # M <= 64
+GEMM_INTERPRETER = Fp8GemmConfig(32, 32, 8, 1, 1, tma=False)
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -420,10 +445,11 @@ def dequantize_blockwise_reference(q: torch.Tensor, scale: torch.Tensor, block=1
 # -------------------------------------------------------------------------------------------- GEMM
 
 
-def _gemm_config(M: int, device: torch.device) -> dict:
+def fp8_gemm_config(M: int, device: torch.device) -> Fp8GemmConfig:
+    """The launch of the block-scaled GEMM for M rows of activations."""
     if device.type != "cuda":
-        return _GEMM_CONFIG_INTERPRETER
-    return GEMM_CONFIG_SMALL_M if M <= 64 else GEMM_CONFIG
+        return GEMM_INTERPRETER
+    return GEMM_SMALL_M if M <= 64 else GEMM_LARGE_M
 
 
 def _tma_ready(device: torch.device, *tensors: torch.Tensor) -> bool:
@@ -436,7 +462,7 @@ def _tma_ready(device: torch.device, *tensors: torch.Tensor) -> bool:
 
 
 def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Tensor, accumulate: bool,
-             bias: torch.Tensor | None, config: dict | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None, config: Fp8GemmConfig | dict | None = None) -> torch.Tensor:
     """out (+)= a @ W^T (+ bias), or a @ W when input_grad; a [M, Ka] fp8, out [M, N] unit-stride columns."""
     M, N = out.shape
     K = a.shape[1]
@@ -446,18 +472,21 @@ def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Te
         strides = (w.stride(1), w.stride(0), w_scale.stride(1), w_scale.stride(0))
     else:  # b[k, n] = W[n, k]
         strides = (w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1))
-    cfg = dict(config or _gemm_config(M, a.device))
-    tma = cfg.pop("TMA", False) and _tma_ready(a.device, a, w)
+    if config is None:
+        config = tuning.pick("fp8_gemm", fp8_gemm_config, M, a.device)
+    elif isinstance(config, dict):
+        config = Fp8GemmConfig.from_dict(config)
+    tma = config.tma and _tma_ready(a.device, a, w)
     stride_am = a.stride(0)
     if tma:
-        a = TensorDescriptor.from_tensor(a, [cfg["BLOCK_M"], block])
-        w = TensorDescriptor.from_tensor(w, [block, cfg["BLOCK_N"]] if input_grad else [cfg["BLOCK_N"], block])
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+        a = TensorDescriptor.from_tensor(a, [config.block_m, block])
+        w = TensorDescriptor.from_tensor(w, [block, config.block_n] if input_grad else [config.block_n, block])
+    grid = (cdiv(M, config.block_m) * cdiv(N, config.block_n),)
     _fp8_gemm[grid](
         a, a_scale, w, w_scale, out, bias if bias is not None else out,
         M, N, K, stride_am, a_scale.stride(0), a_scale.stride(1), *strides, out.stride(0),
         HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=K % block == 0, INPUT_GRAD=input_grad, TMA=tma,
-        INTERPRETER=not out.is_cuda, BLOCK_K=block, **cfg,
+        INTERPRETER=not out.is_cuda, BLOCK_K=block, **config.launch_args(),
     )
     return out
 
@@ -553,7 +582,7 @@ def _quantize_operand(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 def fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, block: int = 128,
     input_grad: bool = False, out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, config: dict | None = None,
+    out: torch.Tensor | None = None, config: Fp8GemmConfig | dict | None = None,
 ) -> torch.Tensor:
     """The block-scaled GEMM on operands already in FP8: a [..., Ka] with a_scale [..., ceil(Ka/block)] (from
     `quantize_activation`), w [N, K] with w_scale [ceil(N/block), ceil(K/block)].

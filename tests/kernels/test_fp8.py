@@ -3,6 +3,8 @@ rounding bound, the GEMM against the same maths in torch and within FP8 toleranc
 dequantized weight, FP8Linear's gradients, the fused LoRA blocks on FP8 bases, the fallback path and doctor's
 words. Under the Triton interpreter: small shapes, blocks of 32 to cross several blocks cheaply."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -239,7 +241,7 @@ def test_tma_loads_give_the_same_product(input_grad):
     q, s = F8.quantize_weight_blockwise(_weight(n, k), block)
     a = torch.randn(37, n if input_grad else k, dtype=torch.bfloat16)
     aq, as_ = F8.quantize_activation(a, block)
-    config = dict(F8._GEMM_CONFIG_INTERPRETER, TMA=True)
+    config = dataclasses.replace(F8.GEMM_INTERPRETER, tma=True)
     assert F8._tma_ready(a.device, aq, q)
     y = F8.fp8_gemm(aq, as_, q, s, block=block, input_grad=input_grad, config=config)
     assert torch.equal(y, F8.fp8_gemm(aq, as_, q, s, block=block, input_grad=input_grad))

@@ -41,22 +41,31 @@ _MISSING = object()
 
 
 # --------------------------------------------------------------------------------------- state and restore
+# Where enabling checkpointing keeps the hooks that make the embeddings' output require grad: transformers 5.17
+# sets `_require_grads_hook`, 5.24 also a list `_require_grads_hooks` (the first kept under the old name).
+_INPUT_GRADS_ATTRIBUTES = ("_require_grads_hook", "_require_grads_hooks")
+
+
 @dataclass
 class CheckpointingSnapshot:
     model: nn.Module
     attributes: list[tuple[nn.Module, str, Any]]  # (module, name, instance value or _MISSING)
-    input_grads_hook: Any
+    input_grads: dict[str, Any]  # the input-grads hook attributes as they were (or _MISSING)
 
 
 def snapshot(model: nn.Module) -> CheckpointingSnapshot:
-    """The checkpointing state of every module of `model` (flags, functions, the input-grads hook)."""
+    """The checkpointing state of every module of `model` (flags, functions, the input-grads hooks)."""
     attributes = [
         (module, name, vars(module).get(name, _MISSING))
         for module in model.modules()
         if hasattr(module, _FLAG)
         for name in (_FLAG, _FUNC)
     ]
-    return CheckpointingSnapshot(model, attributes, vars(model).get("_require_grads_hook", _MISSING))
+    return CheckpointingSnapshot(model, attributes, {n: vars(model).get(n, _MISSING) for n in _INPUT_GRADS_ATTRIBUTES})
+
+
+def _hooks(value) -> list:
+    return [] if value is _MISSING else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def restore(state: CheckpointingSnapshot) -> None:
@@ -65,13 +74,15 @@ def restore(state: CheckpointingSnapshot) -> None:
             vars(module).pop(name, None)
         else:
             setattr(module, name, value)
-    hook = vars(state.model).get("_require_grads_hook", _MISSING)
-    if hook is not state.input_grads_hook:  # enabling checkpointing added this hook: take it away again
-        if hook is not _MISSING:
-            hook.remove()
-            del state.model._require_grads_hook
-        if state.input_grads_hook is not _MISSING:
-            state.model._require_grads_hook = state.input_grads_hook
+    before = [h for value in state.input_grads.values() for h in _hooks(value)]
+    for name in _INPUT_GRADS_ATTRIBUTES:  # hooks that enabling checkpointing added: removed, the attributes back
+        for hook in _hooks(vars(state.model).get(name, _MISSING)):
+            if not any(hook is kept for kept in before):
+                hook.remove()
+        if state.input_grads[name] is _MISSING:
+            vars(state.model).pop(name, None)
+        else:
+            vars(state.model)[name] = state.input_grads[name]
 
 
 def is_enabled(model: nn.Module) -> bool:

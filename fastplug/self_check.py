@@ -134,7 +134,7 @@ class Probe:
         self.layer_list = _layer_list(model, layers)
         embeddings = model.get_input_embeddings()
         self.device = embeddings.weight.device
-        self.dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.dtype = _least_precise_dtype(model)
         self.vocab = embeddings.weight.shape[0]
         self.n_layers = 1
         self.decode = True  # one cached decode step; off when the original cannot decode when cut short
@@ -196,7 +196,8 @@ class Probe:
         saved = self.layer_list._modules
         self.layer_list._modules = OrderedDict(list(saved.items())[: self.n_layers])
         try:
-            yield
+            with _output_capturing_untouched(self.model):
+                yield
         finally:
             self.layer_list._modules = saved
 
@@ -217,6 +218,37 @@ class Probe:
             with torch.no_grad():
                 for p, original in saved:
                     p.copy_(original)
+
+
+@contextlib.contextmanager
+def _output_capturing_untouched(model: nn.Module):
+    """transformers >= 5.2x installs output-capturing hooks (router logits, attentions) on the modules present at a
+    model's first forward, once, and marks the model: a first forward on the cut stack would leave the other
+    layers unhooked for good (an MoE's auxiliary loss then sums the first layer's router alone). Hooks installed
+    during the check are taken off again and the mark removed, so the user's first forward installs them."""
+    marked = {id(m) for m in model.modules() if "_output_capturing_hooks_installed" in vars(m)}
+    hooks_before = {id(m): set(m._forward_hooks) for m in model.modules()}
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            if "_output_capturing_hooks_installed" in vars(module) and id(module) not in marked:
+                del module._output_capturing_hooks_installed
+            for key in set(module._forward_hooks) - hooks_before.get(id(module), set()):
+                if "output_capturing" in getattr(module._forward_hooks[key], "__qualname__", ""):
+                    for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                                  module._forward_hooks_always_called):
+                        hooks.pop(key, None)
+
+
+def _least_precise_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in at its least precise: of its floating parameters and of its quantized
+    layers' compute dtype (a QLoRA model keeps fp32 norms and adapters beside bf16 4-bit matmuls)."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes |= {m.compute_dtype for m in model.modules() if isinstance(getattr(m, "compute_dtype", None), torch.dtype)}
+    dtypes |= {getattr(getattr(p, "quant_state", None), "dtype", None) for p in model.parameters()}  # 4-bit weights
+    dtypes &= set(BOUNDS)
+    return max(dtypes, key=lambda d: torch.finfo(d).eps, default=torch.float32)
 
 
 def _named_trainable(layer: nn.Module, layers):

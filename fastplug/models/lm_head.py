@@ -82,20 +82,24 @@ def _moe_aux_loss(model, outputs, attention_mask):
     return balance(outputs.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
 
 
-def _cache_field(output_class) -> str:
-    """The output's KV-cache field by its own declaration (transformers 5.24 renamed past_key_values to cache)."""
-    names = {f.name for f in dataclasses.fields(output_class)}
+def _output_class(moe: bool):
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
+
+    return MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+
+
+def _cache_field(moe: bool) -> str:
+    """The outputs' KV-cache field by their own declaration (transformers 5.24 renamed past_key_values to cache),
+    read at patch time: dataclasses.fields() inside a forward breaks torch.compile's graph."""
+    names = {f.name for f in dataclasses.fields(_output_class(moe))}
     return next(name for name in CACHE_KEYWORDS if name in names)
 
 
-def _output(moe: bool, decoder_outputs, **fields):
-    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
-
-    output_class = MoeCausalLMOutputWithPast if moe else CausalLMOutputWithPast
+def _output(moe: bool, cache_field: str, decoder_outputs, **fields):
     if not moe:
         fields.pop("aux_loss"), fields.pop("router_logits")
-    fields[_cache_field(output_class)] = getattr(decoder_outputs, _cache_field(type(decoder_outputs)), None)
-    return output_class(**fields)
+    fields[cache_field] = getattr(decoder_outputs, cache_field, None)  # the decoder's outputs use the same name
+    return _output_class(moe)(**fields)
 
 
 def _check_tokens(input_ids, inputs_embeds) -> None:
@@ -109,7 +113,7 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
             )
 
 
-def _causal_lm_forward(moe: bool):
+def _causal_lm_forward(moe: bool, cache_field: str):
     def forward(
         self,
         input_ids=None,
@@ -169,6 +173,7 @@ def _causal_lm_forward(moe: bool):
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
         return _output(
             moe,
+            cache_field,
             outputs,
             loss=loss,
             aux_loss=aux_loss,
@@ -195,4 +200,4 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         return Skip("lm_head_loss", reason)
     if ctx.family.moe and not hasattr(sys.modules[own_class(module).__module__], "load_balancing_loss_func"):
         return Skip("lm_head_loss", "MoE family without load_balancing_loss_func")
-    return Patch("lm_head_loss", _causal_lm_forward(ctx.family.moe), switch=_install_head_forward(module.lm_head))
+    return Patch("lm_head_loss", _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe)), switch=_install_head_forward(module.lm_head))

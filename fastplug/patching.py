@@ -23,6 +23,7 @@ from .models.peft_lora import watch_adapter_writes
 from .models.rules import own_class
 from .options import KernelOptions
 from .self_check import verify
+from .versions import warn_untested_versions
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
 _warned_model_types: set[str] = set()
@@ -244,6 +245,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
                 + ". Call restore() on its handle (fastplug.patching.active_handle(model)) before patching again."
             )
         return existing
+    warn_untested_versions()  # once per process: a dependency newer than the newest tested
     base = unwrap(model)
     handle = PatchHandle(base, options)
     if handle.family is None:

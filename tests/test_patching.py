@@ -155,3 +155,18 @@ def test_training_steps_leave_no_tensors_behind():
     live_tensors_after_step()  # the optimizer's state and the adapters' compute-dtype copies appear here
     counts = [live_tensors_after_step() for _ in range(3)]
     assert counts[0] == counts[1] == counts[2], counts
+
+
+def test_first_patch_names_a_newer_transformers_than_tested(monkeypatch):
+    from fastplug import versions
+
+    fake = {t.distribution: t.newest for t in versions.TESTED.values()}
+    fake["transformers"] = "5.99.0"
+    monkeypatch.setattr(versions, "installed_version", lambda distribution: fake.get(distribution))
+    monkeypatch.setattr(versions, "_warned", False)
+    with pytest.warns(UserWarning, match=r"transformers 5\.99\.0.*newest tested.*5\.24") as record:
+        patch_model(tiny_model("llama"), gradient_checkpointing=False).restore()
+    assert record[0].filename == __file__, "the warning points at the user's patch_model call"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        patch_model(tiny_model("llama"), gradient_checkpointing=False).restore()  # once per process

@@ -4,6 +4,7 @@ float64 at odd M and at N, K on and off the 128 blocks, FP8Linear's gradients, a
 FP8 bases, and a model that transformers loads in fine-grained FP8 put on fastplug's kernel."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_quantization_equals_reference_bit_for_bit(shape):
 
 
 def _config(m, tma):
-    return dict(F8._gemm_config(m, torch.device("cuda")), TMA=tma)
+    return dataclasses.replace(F8.fp8_gemm_config(m, torch.device("cuda")), tma=tma)
 
 
 @pytest.mark.parametrize("tma", TMA)

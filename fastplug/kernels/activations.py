@@ -27,6 +27,7 @@ from . import tuning
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, made_by_autograd, next_power_of_2, rows_view, use_triton,
 )
+from .jit_helpers import gate_factor
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
@@ -79,42 +80,6 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _sigmoid_and_slope(z):
-    """sigmoid(z) and its derivative sigmoid(z) (1 - sigmoid(z)), from exp(-|z|): no overflow, no cancellation."""
-    e = tl.exp(-tl.abs(z))
-    r = 1.0 / (1.0 + e)
-    return tl.where(z >= 0, r, e * r), e * r * r
-
-
-@triton.jit
-def _erfc(z):
-    # Chebyshev-fitted erfc (Numerical Recipes' erfcc): fractional error < 1.2e-7 everywhere, so the tail
-    # of Phi(x) at negative x keeps fp32 relative accuracy. Plain tl.exp: no libdevice name that differs
-    # between triton versions.
-    a = tl.abs(z)
-    t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277))))))))
-    r = t * tl.exp(-a * a + poly)
-    return tl.where(z >= 0, r, 2.0 - r)
-
-
-@triton.jit
-def _gate_factor(x, ACT: tl.constexpr):
-    """p(x) and p'(x) with act(x) = x * p(x); the forward kernel drops p' (the compiler removes its maths)."""
-    if ACT == 0:  # silu
-        p, dp = _sigmoid_and_slope(x)
-    elif ACT == 1:  # gelu_tanh: sigmoid(2u), 2u = 2 sqrt(2/pi) (x + 0.044715 x^3)
-        p, slope = _sigmoid_and_slope(1.5957691216057308 * (x + 0.044715 * x * x * x))
-        dp = slope * 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * x * x)
-    else:  # gelu (erf)
-        p = 0.5 * _erfc(-0.7071067811865476 * x)
-        dp = 0.3989422804014327 * tl.exp(-0.5 * x * x)
-    return p, dp
-
-
-@triton.jit
 def _tile(pid_r, pid_c, n_rows, n_cols, FLAT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """rows [R, 1], cols [1, C] and mask of this program's tile; element (r, c) is at ptr + r * stride + c.
     FLAT (contiguous tensors seen as one row of n_cols = numel): rows is 0, cols a run of the flat index."""
@@ -137,7 +102,7 @@ def _glu_fwd(
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, FLAT, BLOCK_ROWS, BLOCK_COLS)
     x = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    p, _ = _gate_factor(x, ACT)
+    p, _ = gate_factor(x, ACT)
     tl.store(h_ptr + rows * stride_h + cols, (x * p * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -154,7 +119,7 @@ def _glu_bwd(
     g = tl.load(grad_h_ptr + rows * stride_grad_h + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    p, dp = _gate_factor(x, ACT)
+    p, dp = gate_factor(x, ACT)
     act = x * p
     if STORE_H:
         tl.store(h_ptr + rows * stride_h + cols, (act * u).to(h_ptr.dtype.element_ty), mask=mask)
@@ -233,7 +198,7 @@ def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, out):
 
 
 # ------------------------------------------------------------------------------------------ torch path
-def _gate_factor_torch(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_factor_torch(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """p(x) and p'(x) in x's (float) dtype, the same maths as the kernel."""
     if activation == "silu":
         p = torch.sigmoid(x)
@@ -248,7 +213,7 @@ def _gate_factor_torch(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, 
 
 def _glu_backward_torch(grad_h, gate, up, activation: str, recompute_h: bool, out):
     x, u, g = gate.float(), up.float(), grad_h.float()
-    p, dp = _gate_factor_torch(x, activation)
+    p, dp = gate_factor_torch(x, activation)
     act = x * p
     h = act * u if recompute_h else None
     dgate, dup = g * u * (p + x * dp), g * act
@@ -269,7 +234,7 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     if use_triton(gate, up):
         return _glu_forward_triton(gate, up, act)
     x = gate.float()
-    return (x * _gate_factor_torch(x, activation)[0] * up.float()).to(gate.dtype)
+    return (x * gate_factor_torch(x, activation)[0] * up.float()).to(gate.dtype)
 
 
 def glu_backward(

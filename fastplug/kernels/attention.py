@@ -53,6 +53,7 @@ import triton.language as tl
 
 from . import tuning
 from ._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
+from .jit_helpers import dot
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 256
@@ -124,13 +125,6 @@ def _block_split(first, last, valid, n_max, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
-    if PRECISION == "upcast":  # the interpreter's bf16 dot returns garbage (triton 3.9): fp32 products
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
 def _rows_of(X, n, head_dim, stride_n, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
     """What `_tile` reads a (n, head_dim) matrix through: a TMA descriptor (rows past n and columns past head_dim
     come back as zeros) or the pointer itself."""
@@ -174,7 +168,7 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
         cols = start + tl.arange(0, BLOCK_N)
         k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
         v = _tile(V, start, S, stride_vs, stride_vd, d, d_mask, BLOCK_N, TMA)
-        qk = _dot(q, tl.trans(k), PRECISION)
+        qk = dot(q, tl.trans(k), PRECISION)
         if HAS_SOFTCAP:
             s, _ = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
             scale = 1.0
@@ -187,7 +181,7 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -261,19 +255,19 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
         # Query rows along dim 0 as in the forward: k and v are only ever B operands, so they stay in shared
         # memory. Keys along dim 0 (k, v as A operands) held them in registers next to the fp32 dK/dV and
         # spilled: whole backward D128 4.63 ms against 4.28 here, D256 6.49 against 4.72 (H100).
-        qk = _dot(q, tl.trans(k), PRECISION)
+        qk = dot(q, tl.trans(k), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
             seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None]) & row_valid[:, None]
             p = tl.where(seen, p, 0.0)
-        dv += _dot(tl.trans(p.to(do.dtype)), do, PRECISION)
-        dp = _dot(do, tl.trans(v), PRECISION)
+        dv += dot(tl.trans(p.to(do.dtype)), do, PRECISION)
+        dp = dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
+        dk += dot(tl.trans(ds.to(q.dtype)), q, PRECISION)
     return dk, dv
 
 
@@ -342,17 +336,17 @@ def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, strid
         cols = start + tl.arange(0, BLOCK_N)
         k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
         v = _tile(V, start, S, stride_vs, stride_vd, d, d_mask, BLOCK_N, TMA)
-        qk = _dot(q, tl.trans(k), PRECISION)
+        qk = dot(q, tl.trans(k), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[:, None])
         if MASKED:
             seen = (cols[None, :] >= first[:, None]) & (cols[None, :] <= last[:, None])
             p = tl.where(seen, p, 0.0)
-        dp = _dot(do, tl.trans(v), PRECISION)
+        dp = dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq += _dot(ds.to(k.dtype), k, PRECISION)
+        dq += dot(ds.to(k.dtype), k, PRECISION)
     return dq
 
 

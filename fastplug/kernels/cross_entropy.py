@@ -22,6 +22,7 @@ import triton.language as tl
 from ._utils import (
     cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, num_sms, rows_view, use_triton,
 )
+from .jit_helpers import tanh
 
 REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -42,16 +43,10 @@ ROW_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _tanh(x):
-    # 1 - 2 / (e^2x + 1): saturates to +-1 without NaN (tl.math names differ between Triton versions).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
 def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
     z = x.to(tl.float32) * logit_scale
     if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
+        z = softcap * tanh(z / softcap)
     return z
 
 

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import state
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
-from .activations import _gate_factor
+from .jit_helpers import dot, gate_factor, tanh
 from .quant import (
     GEMV_MAX_ROWS, LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference,
     gemv_config, is_4bit, launch_checked,
@@ -50,19 +50,6 @@ def _precision(dtype: torch.dtype) -> str:
     if interpreter_enabled():
         return "upcast"
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr):
-    if PRECISION == "upcast":  # the interpreter's 16-bit dot is garbage: fp32 products
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _tanh(x):
-    # from exp (libdevice's tanh does not run under the interpreter); tanh(20) is 1 in fp32
-    return 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(tl.maximum(x, -20.0), 20.0)) + 1.0)
 
 
 # ------------------------------------------------------------------------------------------------- GEMV
@@ -201,7 +188,7 @@ def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, s
     for k0 in range(0, K, BLOCK_K):
         w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
                           K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
-        acc += _dot(x.to(w.dtype), tl.trans(w), PRECISION)
+        acc += dot(x.to(w.dtype), tl.trans(w), PRECISION)
     return acc
 
 
@@ -287,7 +274,7 @@ def _gemv_kernel(
                           xo1, s1, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
                           NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
                           WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
-        p, _ = _gate_factor(g, ACT)
+        p, _ = gate_factor(g, ACT)
         out = g * p * u
         cols = n
         n_mask = n < n0
@@ -324,7 +311,7 @@ def _gemv_kernel(
         out = (r.to(tl.float32) + out).to(dt).to(tl.float32)
     if SOFTCAP:  # transformers' order, each op rounded: tanh(logits / cap) * cap
         out = (out / softcap).to(dt).to(tl.float32)
-        out = _tanh(out).to(dt).to(tl.float32)
+        out = tanh(out, CLAMP=True).to(dt).to(tl.float32)
         out = (out * softcap).to(dt).to(tl.float32)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
@@ -712,9 +699,9 @@ def _decode_attention_kernel(
         kt2 = tl.load(k_cache + offs + D // 2, mask=kv_mask, other=0.0)
         vt1 = tl.load(v_cache + offs, mask=kv_mask, other=0.0)
         vt2 = tl.load(v_cache + offs + D // 2, mask=kv_mask, other=0.0)
-        s = (_dot(q1, tl.trans(kt1), PRECISION) + _dot(q2, tl.trans(kt2), PRECISION)) * scaling
+        s = (dot(q1, tl.trans(kt1), PRECISION) + dot(q2, tl.trans(kt2), PRECISION)) * scaling
         if SOFTCAP:
-            s = _tanh(s / softcap) * softcap
+            s = tanh(s / softcap, CLAMP=True) * softcap
         if RING:  # the absolute column each ring slot holds now (negative: not written yet)
             held = slot - (slot - cols + L) % L
             ok = tl.load(valid_ptr + b * stride_valid + held, mask=c_mask & (held >= 0), other=0) != 0
@@ -730,8 +717,8 @@ def _decode_attention_kernel(
         alpha = tl.exp(m_i - base)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = p.to(dt)
-        acc1 = acc1 * alpha[:, None] + _dot(p, vt1, PRECISION)
-        acc2 = acc2 * alpha[:, None] + _dot(p, vt2, PRECISION)
+        acc1 = acc1 * alpha[:, None] + dot(p, vt1, PRECISION)
+        acc2 = acc2 * alpha[:, None] + dot(p, vt2, PRECISION)
         m_i = m_new
     heads = kvh * G + g
     if SPLITS == 1:

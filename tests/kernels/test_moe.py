@@ -13,7 +13,7 @@ from fastplug.kernels.moe import (
 )
 from fastplug.kernels.moe.grouped_gemm import sweep as sweep_configs
 from fastplug.kernels.moe import tuning
-from fastplug.kernels.activations import _gate_factor_torch
+from fastplug.kernels.activations import gate_factor_torch
 from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 from tests.helpers import assert_close
 
@@ -169,7 +169,7 @@ def test_launch_paths_match_loop(impl, K, N):
             ref_gu = grouped_gemm_reference(d(x), d(w[:, :2 * I]), offsets, gather_index=gather)
             assert_close(gu, ref_gu, dtype, "glu: gu")
             gate, up = gu.double()[:, :I], gu.double()[:, I:]  # h from the rounded gu, as a separate pass reads it
-            ref_h = gate * _gate_factor_torch(gate, activation)[0] * up
+            ref_h = gate * gate_factor_torch(gate, activation)[0] * up
             assert_close(h, ref_h, dtype, f"glu: h ({activation})")
             none, h2 = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
                                       store_gu=False, config=cfg)

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from .._utils import cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, \
     next_power_of_2, use_triton
-from ..activations import ACTIVATIONS, _gate_factor, _gate_factor_torch, glu_forward
+from ..activations import ACTIVATIONS, gate_factor_torch, glu_forward
+from ..jit_helpers import gate_factor
 from .grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 from .routing import routing_metadata
 
@@ -65,7 +66,7 @@ def _glu_rows_bwd(
         g = tl.load(dh_ptr + rows[:, None] * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = tl.load(gu_ptr + rows[:, None] * stride_gu + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(gu_ptr + rows[:, None] * stride_gu + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        p, dp = _gate_factor(x, ACT)
+        p, dp = gate_factor(x, ACT)
         act = x * p
         h = act * u
         dot += tl.sum(g * h, 1)
@@ -371,7 +372,7 @@ def moe_experts_reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights
         if gate_up_lora is not None:
             gu = gu + gate_up_lora.scaling * (rows @ gate_up_lora.A[e].to(x.dtype).T) @ gate_up_lora.B[e].to(x.dtype).T
         gate, up = gu[:, :inter], gu[:, inter:]
-        h = gate * _gate_factor_torch(gate, activation)[0] * up
+        h = gate * gate_factor_torch(gate, activation)[0] * up
         y = h @ down_proj[e].T
         if down_lora is not None:
             y = y + down_lora.scaling * (h @ down_lora.A[e].to(x.dtype).T) @ down_lora.B[e].to(x.dtype).T

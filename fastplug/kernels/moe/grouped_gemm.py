@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
-from ..activations import ACTIVATIONS, _gate_factor, glu_forward
+from ..activations import ACTIVATIONS, glu_forward
+from ..jit_helpers import dot_acc, gate_factor
 from . import tuning
 
 try:
@@ -49,13 +50,6 @@ _GROUP_M = 8  # row tiles that share each weight tile while it is in L2 (see _ex
 
 
 # ----------------------------------------------------------------------------------------------- kernels
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
-    if PRECISION == "upcast":  # the interpreter's 16-bit dot returns garbage (triton 3.9): fp32 products
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=PRECISION)
-
-
 @triton.jit
 def _expert_tile(offsets_ptr, pid, n_col_tiles, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
                  GROUP_M: tl.constexpr):
@@ -145,14 +139,14 @@ def _grouped_mm(
             k_ok = rk < K - k0
             w = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
             w_ptrs += BLOCK_K * stride_wk
-        acc = _dot(a, w, acc, PRECISION)
+        acc = dot_acc(a, w, acc, PRECISION)
     if HAS_LORA:
         rr = tl.arange(0, BLOCK_R)
         t = tl.load(t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
                     mask=mask_m[:, None] & (rr[None, :] < R), other=0.0)
         b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
                     mask=(rr[:, None] < R) & mask_n[None, :], other=0.0)
-        acc = _dot(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
+        acc = dot_acc(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
     if HAS_RW:
         acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     if HAS_OUT_INDEX:
@@ -210,8 +204,8 @@ def _grouped_mm_glu(
             wu = tl.load(u_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
             g_ptrs += BLOCK_K * stride_wk
             u_ptrs += BLOCK_K * stride_wk
-        acc_g = _dot(a, wg, acc_g, PRECISION)
-        acc_u = _dot(a, wu, acc_u, PRECISION)
+        acc_g = dot_acc(a, wg, acc_g, PRECISION)
+        acc_u = dot_acc(a, wu, acc_u, PRECISION)
     mask = mask_m[:, None] & mask_n[None, :]
     rows = rm.to(tl.int64)[:, None]
     gate = acc_g.to(h_ptr.dtype.element_ty)
@@ -220,7 +214,7 @@ def _grouped_mm_glu(
         tl.store(gu_ptr + rows * stride_gm + rn[None, :], gate, mask=mask)
         tl.store(gu_ptr + rows * stride_gm + I + rn[None, :], up, mask=mask)
     g32 = gate.to(tl.float32)
-    p, _ = _gate_factor(g32, ACT)
+    p, _ = gate_factor(g32, ACT)
     tl.store(h_ptr + rows * stride_hm + rn[None, :], (g32 * p * up.to(tl.float32)).to(h_ptr.dtype.element_ty),
              mask=mask)
 
@@ -260,7 +254,7 @@ def _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, 
             x_rows = rm.to(tl.int64)
         x = tl.load(x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-    return _dot(dy, x, acc, PRECISION)
+    return dot_acc(dy, x, acc, PRECISION)
 
 
 @triton.jit

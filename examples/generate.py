@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fastplug import FastModel
 from fastplug.generation import graph_status
-from fastplug.patching import active_handle
+from fastplug.patch.engine import active_handle
 
 
 def save_tiny_checkpoint(folder: str) -> None:

@@ -16,8 +16,8 @@ __all__ += ["FastModel", "fast_generate"]
 
 _LAZY = {
     "FastKernels": ("fastplug.callbacks", "FastKernels"),
-    "patch_model": ("fastplug.patching", "patch_model"),
-    "PatchHandle": ("fastplug.patching", "PatchHandle"),
+    "patch_model": ("fastplug.patch.engine", "patch_model"),
+    "PatchHandle": ("fastplug.patch.engine", "PatchHandle"),
     "FastModel": ("fastplug.fast_model", "FastModel"),
     "fast_generate": ("fastplug.generation", "fast_generate"),
 }

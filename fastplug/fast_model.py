@@ -17,10 +17,10 @@ import warnings
 import torch
 from torch import nn
 
-from . import checkpointing
+from .patch import checkpointing
 from .generation import fast_generate
 from .options import KernelOptions
-from .patching import active_handle, patch_model, unwrap
+from .patch.engine import active_handle, patch_model, unwrap
 
 # from_pretrained keyword arguments that the config and the tokenizer need too (where to find the files)
 _SHARED_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "trust_remote_code")

@@ -43,7 +43,7 @@ from .models.families import SUPPORTED_FAMILIES, family_of
 from .models.lm_head import _head_forward as _patched_head_forward
 from .models.mlp import activation_name
 from .models.peft_lora import lora_projection
-from .patching import unwrap
+from .models.structure import unwrap
 
 _EOS_CHECK_EVERY = 16  # decode steps between host checks of "has every row finished"
 _BATCH_BUCKETS = (1, 2, 4, 8, 16)  # batch sizes a cache (and graph) is built for; larger: multiples of 16

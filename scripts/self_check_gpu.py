@@ -20,7 +20,8 @@ os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton-self-c
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from fastplug import patch_model, self_check  # noqa: E402
+from fastplug import patch_model  # noqa: E402
+from fastplug.patch import self_check  # noqa: E402
 
 SHAPES = {
     "llama1b": ("LlamaConfig", "LlamaForCausalLM", dict(

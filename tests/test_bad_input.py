@@ -9,6 +9,7 @@ import torch
 
 import fastplug
 from fastplug import KernelOptions
+from fastplug.patch.engine import active_handle
 from tests.models.tiny import VOCAB, batch, tiny_model
 
 # ------------------------------------------------------------------------------------ out-of-range labels
@@ -230,7 +231,7 @@ def test_fp8_on_a_meta_model_asks_for_its_weights_first():
     model = _meta_llama().requires_grad_(False)
     with pytest.raises(ValueError, match=r"fp8=True quantizes .* 21 of 21 parameters .* meta device .*Load them first"):
         fastplug.patch_model(model, fp8=True)
-    assert not any("forward" in vars(m) for m in model.modules()) and fastplug.patching.active_handle(model) is None
+    assert not any("forward" in vars(m) for m in model.modules()) and active_handle(model) is None
 
 
 def test_weights_an_accelerate_hook_loads_are_not_missing():

@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from fastplug import checkpointing
-from fastplug.patching import patch_model
+from fastplug.patch import checkpointing
+from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fastplug
-from fastplug import checkpointing
+from fastplug.patch import checkpointing
 from tests.helpers import checkpointing_on
 from tests.models.tiny import tiny_model
 

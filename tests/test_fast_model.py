@@ -7,9 +7,10 @@ import pytest
 import torch
 import transformers
 
-from fastplug import FastModel, KernelOptions, checkpointing
+from fastplug import FastModel, KernelOptions
+from fastplug.patch import checkpointing
 from fastplug.models.peft_lora import lora_projection
-from fastplug.patching import active_handle
+from fastplug.patch.engine import active_handle
 from tests.model_path_helpers import EOS, save_tiny
 
 peft = pytest.importorskip("peft")

@@ -11,7 +11,7 @@ import transformers
 
 from fastplug import FastModel, fast_generate
 from fastplug.generation import _DECODERS, graph_status
-from fastplug.patching import unwrap
+from fastplug.patch.engine import unwrap
 from tests.model_path_helpers import PAD, save_tiny
 
 peft = pytest.importorskip("peft")

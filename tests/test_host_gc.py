@@ -7,7 +7,7 @@ import gc
 import pytest
 
 import fastplug
-from fastplug import host_gc
+from fastplug.patch import host_gc
 from tests.models.tiny import tiny_model
 
 

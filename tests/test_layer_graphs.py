@@ -6,8 +6,9 @@ Replays themselves are tested on CUDA (tests/gpu/test_layer_graphs_gpu.py)."""
 import torch
 
 import fastplug
-from fastplug import layer_graphs
-from fastplug.checkpointing import decoder_layers, enable_native
+from fastplug.patch import layer_graphs
+from fastplug.models.structure import decoder_layers
+from fastplug.patch.checkpointing import enable_native
 from fastplug.kernels import lora
 from tests.helpers import assert_close
 from tests.models.tiny import batch, tiny_model

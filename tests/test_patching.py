@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import fastplug
-from fastplug.patching import active_handle, patch_model
+from fastplug.patch.engine import active_handle, patch_model
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 
@@ -61,9 +61,9 @@ def test_peft_model_is_unwrapped():
 
 
 def test_unknown_architecture_warns_and_trains(monkeypatch):
-    import fastplug.patching
+    import fastplug.patch.engine
 
-    monkeypatch.setattr(fastplug.patching, "_warned_model_types", set())  # other tests may have patched a GPT-2
+    monkeypatch.setattr(fastplug.patch.engine, "_warned_model_types", set())  # other tests may have patched a GPT-2
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
     reference = copy.deepcopy(model)

@@ -8,9 +8,9 @@ import warnings
 import pytest
 import torch
 
-from fastplug import self_check
+from fastplug.patch import self_check
 from fastplug.models import families
-from fastplug.patching import patch_model
+from fastplug.patch.engine import patch_model
 from tests.models.tiny import batch, tiny_model
 
 
@@ -172,7 +172,7 @@ NEW_FAMILIES = {
 def test_unknown_families_keep_only_checked_patches(family, monkeypatch):
     import transformers
 
-    import fastplug.patching
+    import fastplug.patch.engine
     from peft import LoraConfig, get_peft_model
 
     from tests.models.tiny import _COMMON
@@ -183,7 +183,7 @@ def test_unknown_families_keep_only_checked_patches(family, monkeypatch):
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**_COMMON, **extra}))
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
-    monkeypatch.setattr(fastplug.patching, "_warned_model_types", set())  # warned once per process
+    monkeypatch.setattr(fastplug.patch.engine, "_warned_model_types", set())  # warned once per process
     with pytest.warns(UserWarning, match="not a supported family"):
         handle = patch_model(model)
     report = handle.check

@@ -105,7 +105,7 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from fastplug import checkpointing
+    from fastplug.patch import checkpointing
 
     preset = MODELS[name]
     config = getattr(transformers, preset["config"])(**preset["tiny" if tiny else "full"])
@@ -242,9 +242,9 @@ def run_throughput(spec: dict) -> dict:
     if device.type == "cuda":
         result["device_ms"] = device_ms_per_step(runner, params, batches, device)
         if spec["impl"].startswith("fastplug_auto") or "_graphs" in spec["impl"]:
-            import fastplug
+            from fastplug.patch.engine import active_handle
 
-            print(fastplug.patching.active_handle(model).summary(), flush=True)
+            print(active_handle(model).summary(), flush=True)
     result.update(
         step_ms=statistics.median(measured) * 1e3,
         tokens_per_s=batch * seq / statistics.median(measured),

@@ -121,7 +121,7 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
 
-    from ..patching import unwrap
+    from ..models.structure import unwrap
 
     model, batches = _model_and_rows(spec, device, peft=False)
     if packed:

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from ..patching import active_handle
+from ..patch.engine import active_handle
 from ._report import fmt, markdown_table, short_error, write_csv
 from .e2e import MODELS, TINY_BATCH, TINY_SEQ, apply_impl, build_model, token_batches, train_steps
 

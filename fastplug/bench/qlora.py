@@ -57,7 +57,7 @@ def _build(config, device, quantize: bool):
     import peft
     import transformers
 
-    from fastplug import checkpointing
+    from fastplug.patch import checkpointing
 
     torch.manual_seed(0)
     with torch.device(device):

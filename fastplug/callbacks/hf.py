@@ -25,10 +25,10 @@ import warnings
 import torch
 from transformers import TrainerCallback
 
-from .. import checkpointing
+from ..patch import checkpointing
 from ..integrations.fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from ..options import KernelOptions
-from ..patching import kernel_path_of, patch_for_run, unwrap
+from ..patch.engine import kernel_path_of, patch_for_run, unwrap
 
 LIGER_CONFLICT = (
     "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "

@@ -20,9 +20,8 @@ from typing import Callable
 
 from torch import nn
 
-from ..checkpointing import decoder_layers
 from ..models.rules import is_fsdp
-from ..patching import unwrap
+from ..models.structure import decoder_layers, unwrap
 
 __all__ = ["accelerate_fsdp2_plugin", "peft_units_for_accelerate", "shard_model"]
 

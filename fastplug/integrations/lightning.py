@@ -78,7 +78,7 @@ class FastKernelsMixin:
         self._patch_fast_kernels(fitting=trainer.state.fn == "fit")
         super().setup(trainer)
         if self.fast_kernel_handles:
-            from ..patching import kernel_path_of
+            from ..patch.engine import kernel_path_of
 
             # After super().setup(), so the kernel path is that of the device the model now lives on.
             self.fast_kernels_summary = "\n".join(
@@ -103,7 +103,7 @@ class FastKernelsMixin:
     def _patch_fast_kernels(self, fitting: bool) -> None:
         if self.fast_kernel_handles:
             return
-        from ..patching import patch_for_run
+        from ..patch.engine import patch_for_run
 
         module = self.lightning_module
         models = find_transformers_models(module)

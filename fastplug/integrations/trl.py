@@ -23,9 +23,9 @@ except ImportError as err:
     raise ImportError(f'fastplug.integrations.trl needs TRL: pip install "fastplug[trl]" ({err})') from err
 from transformers import TrainerCallback
 
-from .. import checkpointing
+from ..patch import checkpointing
 from ..callbacks.hf import LIGER_CONFLICT
-from ..patching import kernel_path_of, patch_for_run, unwrap
+from ..patch.engine import kernel_path_of, patch_for_run, unwrap
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]

@@ -16,12 +16,12 @@ import sys
 import torch
 from torch import nn
 
-from ..checkpointing import decoder_stack
 from ..kernels.lora import lora_linear, lora_qkv
 from ..kernels.rope import rope
 from . import fast_attention, stacking
 from .projections import fused_projections, outputs_private, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches
+from .structure import decoder_stack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "attention_dropout", "config")

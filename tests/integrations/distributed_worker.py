@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from fastplug import FastKernels, KernelOptions
-from fastplug.patching import active_handle, patch_model
+from fastplug.patch.engine import active_handle, patch_model
 from fastplug.models import stacking
 from tests.models.tiny import tiny_model
 
@@ -250,7 +250,7 @@ def _tail(*texts, limit: int = 6000) -> str:
 # ------------------------------------------------------------------------------------------ scenarios
 def _offload_on_cpu(model) -> None:
     """What checkpointing "offload" installs (it needs CUDA; its autograd function runs on CPU tensors too)."""
-    from fastplug import checkpointing
+    from fastplug.patch import checkpointing
 
     for layer in checkpointing.decoder_layers(model):
         layer._gradient_checkpointing_func = checkpointing.offload_checkpoint

@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fastplug import FastKernels, checkpointing
-from fastplug.patching import active_handle
+from fastplug import FastKernels
+from fastplug.patch import checkpointing
+from fastplug.patch.engine import active_handle
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 

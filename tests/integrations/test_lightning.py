@@ -20,7 +20,7 @@ from fastplug.integrations.lightning import (  # noqa: E402
     FastKernelsStrategy,
     find_transformers_models,
 )
-from fastplug.patching import active_handle  # noqa: E402
+from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.helpers import checkpointing_on, rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 

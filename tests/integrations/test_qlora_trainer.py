@@ -13,7 +13,7 @@ import transformers  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from fastplug import FastKernels  # noqa: E402
-from fastplug.patching import active_handle  # noqa: E402
+from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.models.tiny import batch, tiny_model  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

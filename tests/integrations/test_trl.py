@@ -14,9 +14,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noq
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from fastplug import checkpointing  # noqa: E402
+from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
-from fastplug.patching import active_handle  # noqa: E402
+from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastplug.models import fast_attention
-from fastplug.patching import patch_model
+from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
 from tests.models.test_families import _loss_and_grads
 from tests.models.tiny import VOCAB, tiny_model

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from fastplug.patching import patch_model
+from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
 from tests.models.tiny import FAMILIES, batch, tiny_model
 

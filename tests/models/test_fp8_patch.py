@@ -192,7 +192,7 @@ def test_fast_model_quantizes_the_bases_once_peft_freezes_them(tmp_path):
 
     from fastplug import FastModel, KernelOptions
     from fastplug.fast_model import _default_options
-    from fastplug.patching import active_handle
+    from fastplug.patch.engine import active_handle
     from tests.model_path_helpers import save_tiny
 
     model, _ = FastModel.from_pretrained(save_tiny(tmp_path, "llama"), dtype="bfloat16",

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from fastplug.patching import patch_model
+from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
 from tests.models.test_families import _assert_same_training_step, _batch, _eval_logits, _model
 

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..models.structure import decoder_layers, decoder_stack
+
 _FLAG, _FUNC = "gradient_checkpointing", "_gradient_checkpointing_func"
 _AUTO = "_fastplug_auto_checkpointing"  # the model's AutoCheckpointing, an instance attribute
 logger = logging.getLogger("fastplug")
@@ -172,20 +174,6 @@ class TrainerCheckpointing:
 
 
 # ------------------------------------------------------------------------------------------------- auto
-def decoder_stack(model: nn.Module) -> nn.Module:
-    """The module that runs the decoder layers (transformers' `get_decoder()`), else the model: every forward
-    calls it through `__call__`, from peft, TRL's fused LM head or a DDP wrapper alike, so its hooks fire."""
-    get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
-    return decoder if isinstance(decoder, nn.Module) else model
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
 class AutoCheckpointing:
     """gradient_checkpointing="auto": recompute only as many decoder layers as memory needs.
 

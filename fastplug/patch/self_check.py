@@ -110,7 +110,7 @@ def why_not_checkable(model: nn.Module, layers: list[nn.Module]) -> str | None:
     parameter = next(model.parameters(), None)
     if parameter is None or parameter.device.type == "meta":
         return "the model has no materialised weights (meta device)"
-    from .models.rules import is_fsdp
+    from ..models.rules import is_fsdp
 
     if any(is_fsdp(m) for m in model.modules()):
         return "FSDP-sharded model (a partial forward would desynchronise the ranks)"
@@ -179,7 +179,7 @@ class Probe:
                 out.tensors[name] = grad.detach()
 
     def _decode_step(self, ids, out: Outputs) -> None:
-        from .models.attention import cache_keyword
+        from ..models.attention import cache_keyword
 
         prompt = self.model(input_ids=ids[:, :TOKENS], use_cache=True)
         out.tensors["prompt logits (eval)"] = _first_output(prompt)
@@ -351,7 +351,7 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
     install() and uninstall()) against the original modules; take off every kind that disagrees."""
     import warnings
 
-    from .checkpointing import decoder_layers
+    from ..models.structure import decoder_layers
 
     if not records:
         return Report(ran=False, reason="nothing patched")
@@ -455,7 +455,7 @@ def forget() -> None:
 def _structure_key(model: nn.Module, probe: Probe, in_scope: list) -> tuple:
     import sys
 
-    from .models.attention import attention_function
+    from ..models.attention import attention_function
 
     classes = list(dict.fromkeys(type(m) for layer in probe.layers[: probe.n_layers] for m in layer.modules()))
     classes.append(type(model))

@@ -16,25 +16,17 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
+from ..models.fp8 import convert_to_fp8
+from ..models.peft_lora import watch_adapter_writes
+from ..models.structure import decoder_layers, decoder_stack, unwrap
+from ..options import KernelOptions
+from ..versions import warn_untested_versions
 from . import checkpointing, host_gc, layer_graphs, self_check
-from .models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
-from .models.fp8 import convert_to_fp8
-from .models.peft_lora import watch_adapter_writes
-from .models.rules import own_class
-from .options import KernelOptions
 from .self_check import verify
-from .versions import warn_untested_versions
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
 _warned_model_types: set[str] = set()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a peft PeftModel (or the model itself), FSDP2-sharded ones included."""
-    get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model) and own_class(model).__module__.startswith("peft"):
-        return get_base_model()
-    return model
 
 
 def active_handle(model: nn.Module) -> "PatchHandle | None":
@@ -144,7 +136,7 @@ class PatchHandle:
                 break
         self._undo.append(self._uninstall_all)
         if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
-            self._adapter_watch = watch_adapter_writes(checkpointing.decoder_stack(self.model))
+            self._adapter_watch = watch_adapter_writes(decoder_stack(self.model))
         self._tally()
 
     def _self_check(self) -> None:
@@ -167,7 +159,7 @@ class PatchHandle:
     def _install_graphs(self) -> None:
         if not self.options.cuda_graphs:
             return
-        installed = layer_graphs.install(checkpointing.decoder_layers(self.model))
+        installed = layer_graphs.install(decoder_layers(self.model))
         if isinstance(installed, str):
             self.skipped.append(("cuda_graphs", installed))
         else:
@@ -229,7 +221,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
 
     Patching an already patched model returns its active handle when the options are the same, and raises
     ValueError when they differ (restore() first). Each kind of patch is checked against the original modules on
-    this model before it is kept (`self_check`, see fastplug/self_check.py).
+    this model before it is kept (`self_check`, see fastplug/patch/self_check.py).
     """
     options = KernelOptions.build(options, **overrides)
     existing = active_handle(model)
@@ -242,7 +234,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
             ]
             raise ValueError(
                 "fastplug: this model is already patched with other options: " + ", ".join(changed)
-                + ". Call restore() on its handle (fastplug.patching.active_handle(model)) before patching again."
+                + ". Call restore() on its handle (fastplug.patch.engine.active_handle(model)) before patching again."
             )
         return existing
     warn_untested_versions()  # once per process: a dependency newer than the newest tested
@@ -282,7 +274,7 @@ def _warn_unknown(model: nn.Module) -> None:
 
 def kernel_path_of(model: nn.Module) -> str:
     """Words for the logs: which path the kernels take for this model's parameters."""
-    from .kernels._utils import kernel_path
+    from ..kernels._utils import kernel_path
 
     parameter = next(model.parameters(), None)
     return kernel_path(parameter.device if parameter is not None else torch.device("cpu"))

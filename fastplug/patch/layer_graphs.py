@@ -41,8 +41,8 @@ from torch.nn.modules.module import register_module_module_registration_hook, re
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from .kernels import lora
-from .models.fast_attention import UNPACKED
+from ..kernels import lora
+from ..models.fast_attention import UNPACKED
 
 _EAGER = object()
 _FAILED = object()

@@ -139,7 +139,8 @@ _NO_CONTEXT = contextlib.nullcontext()
 def no_autocast(x: torch.Tensor):
     """A context in which autocast leaves the matmuls on x's device alone: kernels cast their inputs to one
     dtype up front, and autocast must not re-cast them. Where autocast is off (the common case) a no-op
-    context: entering torch.autocast(enabled=False) costs the host ~5 µs, twice per fused node and pass."""
+    context: entering torch.autocast(enabled=False) costs host time twice per fused node and pass
+    (`python scripts/host_overhead.py`; docs/benchmarks/kernels.md, "host and memory notes")."""
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)

@@ -29,8 +29,8 @@ the key blocks its rows see (3 matrix products per tile: S, dP, dQ). The dK/dV k
 block, loops over the query heads of its GQA group and the query blocks that see the key block (4 products:
 S, dV, dP, dK), with query rows on the MMA's M dimension so that k and v stay B operands in shared memory.
 7 products where a single pass needs 5, but deterministic (no atomics): a single pass that added each tile's
-dQ share with fp32 atomics (commit 782a4de) measured 2.7x slower on an H100 with triton 3.6 (10.5 ms whole
-backward against 3.8 on the Llama shape; 6.3 with its best tiles): the PTX has one scalar atom.add.f32 per
+dQ share with fp32 atomics (commit 782a4de) measured several times slower with triton 3.6
+(docs/benchmarks/kernels.md, "attention, host and layout notes"): the PTX has one scalar atom.add.f32 per
 element. Tiles are read through TMA descriptors where AttentionTables.tma says they measured faster and the strides
 allow (unit stride along the head dim, 16-byte aligned rows; rows past the end and the padded head dim come
 back as zeros), else through masked pointer loads. fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32).
@@ -254,7 +254,7 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
         delta = tl.load(DELTA + rows, mask=row_valid, other=0.0)
         # Query rows along dim 0 as in the forward: k and v are only ever B operands, so they stay in shared
         # memory. Keys along dim 0 (k, v as A operands) held them in registers next to the fp32 dK/dV and
-        # spilled: whole backward D128 4.63 ms against 4.28 here, D256 6.49 against 4.72 (H100).
+        # spilled and ran slower (`python scripts/attention_gpu.py --sweep`; docs/benchmarks/kernels.md).
         qk = dot(q, tl.trans(k), PRECISION)
         s, t = _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP)
         p = tl.exp2(s - lse[:, None])
@@ -721,15 +721,14 @@ def _normalise_window(window: int | None, causal: bool, T: int, S: int) -> int |
 
 
 def _sdpa_suits(q, k, causal, window, softcap, varlen) -> bool:
-    """SDPA covers plain causal (T == S) or full attention; measured faster there on an H100 (bench micro)."""
+    """SDPA covers plain causal (T == S) or full attention; measured faster there (`python -m fastplug.bench micro`)."""
     return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and softcap is None
             and window is None and not varlen and (not causal or q.shape[2] == k.shape[2]) and q.shape[3] <= 256)
 
 
 def _sdpa(q, k, v, causal, scale):
-    # torch's own backend choice (cuDNN on Hopper). FlashAttention-2 forced instead (scripts/host_overhead.py,
-    # Llama-1B 4x2048 GQA 32/8 D64, H100) cost the host the same (54 against 52 µs a forward call) and the GPU
-    # more (fwd+bwd 1.25 against 0.85 ms; e2e device time 135 against 127 ms a step).
+    # torch's own backend choice (cuDNN on Hopper): FlashAttention-2 forced instead cost the host the same and
+    # the GPU more (`python scripts/host_overhead.py`; docs/benchmarks/kernels.md, "attention, host and layout notes").
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2)
 

@@ -28,14 +28,14 @@ REDUCTIONS = ("mean", "sum", "none")
 LABEL_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 # Budget for the logits chunk of the fused op: 1024 rows of a 128K bf16 vocab. Bigger chunks mean fewer
-# read-modify-write passes over a trained head's 1 GiB grad_weight and fuller grad_hidden GEMMs (H100,
-# 8192x4096, V 128256, trained head: 128 MiB 47.3 ms, 192 MiB 43.4, 256 MiB 41.9), and the op still stays
+# read-modify-write passes over a trained head's 1 GiB grad_weight and fuller grad_hidden GEMMs (256 MiB the
+# fastest measured: `python3 scripts/ce_chunks_gpu.py`, docs/benchmarks/kernels.md), and the op still stays
 # under 256 MiB above its inputs and their grads. Tests lower it to get many chunks.
 LOGITS_CHUNK_BYTES = 256 * 1024 * 1024
 # Columns one program handles per loop step; tests lower it to exercise vocabularies of several blocks.
 ROW_BLOCK = 8192
-# Row programs per SM of the persistent grid. H100 sweep (1, 2, 4, or one per row; fused CE 8192 x 128256):
-# all within +-0.5 ms of each other, 2 the best of them in both the frozen- and trained-head cases.
+# Row programs per SM of the persistent grid: 1, 2, 4 and one per row measured within noise of each other, 2 the
+# best (`python3 scripts/ce_chunks_gpu.py`; docs/benchmarks/kernels.md, "cross-entropy").
 ROW_PROGRAMS_PER_SM = 2
 
 
@@ -101,7 +101,7 @@ def _ce_row(
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
-            # evict_last: pass 2 reads the row again (H100: the pass 295 -> 282 us on a 1024 x 128K chunk)
+            # evict_last: pass 2 reads the row again (a few % faster: docs/benchmarks/kernels.md, "cross-entropy")
             raw = tl.load(in_row + offs, mask=mask, other=0.0, eviction_policy="evict_last")
             z = tl.where(mask, _final_logits(raw, logit_scale, softcap, HAS_SOFTCAP), -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))

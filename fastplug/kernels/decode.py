@@ -319,17 +319,16 @@ def _gemv_kernel(
 
 def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2):
     """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes."""
-    # H100, Llama-1B and Gemma2-2B projections in a CUDA graph (python -m fastplug.bench.generate --kernels):
-    # one row: 8 rows x 512 columns per step reads 1.4-3.0 TB/s (qkv/o up to the LM head); long rows (the down
-    # projection, K >= 4096) gain ~10% from 1024 columns and 8 warps. 8 rows: 16 x 32 x 256 tiles (the gated
-    # pair too: 30 us against 43 us with 16-wide tiles on 2 x 8192 x 2048).
+    # The best of `python -m fastplug.bench.generate --kernels` on Llama-1B and Gemma2-2B projections (docs/
+    # benchmarks/kernels.md, "decode GEMV"): one row, 8 rows x 512 columns a step, 1024 columns and 8 warps for
+    # long rows (K >= 4096); 8 rows, 16 x 32 x 256 tensor-core tiles (the gated pair too).
     if m == 1:
         block_n = max(1, min(8, next_power_of_2(n)))
         if k >= 4096:
             return False, 1, block_n, 1024, 8
         return False, 1, block_n, min(512, max(16, next_power_of_2(k))), 4
-    # fp32 tiles are twice as wide in bytes: 256 columns overflow an H100's shared memory (280 KB needed with
-    # the pipelined 4-bit decode) where 64 fit.
+    # fp32 tiles are twice as wide in bytes: 256 columns overflow Hopper's shared memory with the pipelined
+    # 4-bit decode, where 64 fit.
     return True, 16, 32, min(256 if itemsize <= 2 else 64, max(16, next_power_of_2(k))), 4
 
 
@@ -363,8 +362,9 @@ def gemv(
     loop (`words`: None picks it where the kernels run compiled on CUDA and the format allows; True asks for it),
     products of the unrounded weight in fp32, x normalised first by one more launch: a 16-byte load per thread
     and a warp-shuffle table, each nibble looked up once for all rows, where the decoded tile takes a byte load,
-    a table load and a scale per element (H100, Llama-8B widths, one row: 10x faster, 1.4-1.6x bitsandbytes'
-    GEMV). More rows, or weights the loop cannot read, are dequantized and read dense.
+    a table load and a scale per element (an order of magnitude faster, and ahead of bitsandbytes' GEMV:
+    docs/benchmarks/kernels.md, "decode GEMV"). More rows, or weights the loop cannot read, are dequantized and
+    read dense.
     """
     weights = list(weights)
     if not 1 <= len(weights) <= MAX_SEGMENTS:
@@ -452,8 +452,8 @@ def gemv(
                                           residual=residual, out_dtype=out_dtype, softcap=softcap))
     tile = _words_tile(x, entries, ns, k, act >= 0, words)
     if packs and tile is None and m > 1:
-        # Dequantized (into new buffers, one launch a weight) and read dense. H100, 2 and 8 rows, Llama-8B and
-        # -1B widths: 20-70x faster than decoding the 4-bit tiles (whose per-element table and scale loads the
+        # Dequantized (into new buffers, one launch a weight) and read dense: much faster at 2-8 rows than decoding
+        # the 4-bit tiles (docs/benchmarks/kernels.md, "decode GEMV") (whose per-element table and scale loads the
         # pipeliner stages in shared memory; 256 columns of them overflowed it at batch 8 of Llama-1B NF4).
         weights, entries, packs = [dequantize_4bit(w, dtype=dtype) for w in weights], None, None
     use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size())
@@ -461,7 +461,7 @@ def gemv(
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
     if tile is not None and norm is not None:
         # normalised once, by one more launch: fused, every program of the word-wise loop would redo the norm's
-        # conversions for its rows (H100, gate/up 2 x 14336 x 4096: 93 us fused, 37 us for the product alone)
+        # conversions for its rows (2.5x the product alone: docs/benchmarks/kernels.md, "decode GEMV")
         x, norm = _launch_rms_norm(torch.empty_like(x), x, norm, add=False), None
         nw, eps, offset = x, 0.0, 0.0
     consts = dict(WORDS_NB=0)

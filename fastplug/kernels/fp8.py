@@ -492,9 +492,9 @@ def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Te
 
 
 # cuBLAS's block-scaled FP8 GEMM (CUDA 12.9+, through torch.nn.functional.scaled_mm: activations in 1x128
-# groups, the weight in 128x128 blocks, the scales applied in the main loop). H100, 8192^3, bf16 in and out with
-# the activation quantized: 0.94-1.03 ms (1,069-1,171 TFLOP/s) against the Triton kernel's 1.54 ms on operands
-# already in FP8. cuBLAS wants both operands K-contiguous, so dY W reads a
+# groups, the weight in 128x128 blocks, the scales applied in the main loop) beats the Triton kernel by ~1.5x
+# even with the activation quantized per call (`python scripts/fp8_gpu.py`; docs/benchmarks/kernels.md, "fp8,
+# cuBLAS path"). cuBLAS wants both operands K-contiguous, so dY W reads a
 # transposed copy of the FP8 weight, made per call in a shared buffer. Where it takes the shapes (K, and N
 # for dY W, multiples of 512: whole groups of four scale blocks, which cuBLAS reads as 16-byte vectors; the
 # rows padded to a multiple of CUBLAS_ROWS) it runs instead of the Triton GEMM.
@@ -645,8 +645,9 @@ def _project(x2, w, w_scale, block: int, *, bias=None, out=None, quantized: dict
 def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool | None = None) -> torch.Tensor:
     """dy2 @ W (the input gradient of x W^T) for dy2 [M, N], added into `out` when given: through the weight
     dequantized in dy2's dtype, or with fp8=True (and the kernels available) through an FP8 GEMM, dy2 quantized
-    per token group. fp8=None: FP8 where cuBLAS's kernel takes the shapes (1.6x faster than the dequantized
-    weight on an H100), else the dequantized weight (the Triton GEMM reading W transposed measured 0.25x)."""
+    per token group. fp8=None: FP8 where cuBLAS's kernel takes the shapes (faster than the dequantized
+    weight), else the dequantized weight (faster than the Triton GEMM reading W transposed); numbers in
+    docs/benchmarks/kernels.md ("fp8, cuBLAS path", `python scripts/fp8_gpu.py`)."""
     kernels = _kernels_run(dy2)
     cublas = kernels and _cublas_takes(dy2, block, w.shape[0], w.shape[1], True)
     if fp8 is False or not kernels or (fp8 is None and not cublas):

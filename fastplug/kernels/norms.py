@@ -315,7 +315,8 @@ _ONES: dict = state.register_cache("norms.ones", {})
 
 def _reduce_partials(partials: torch.Tensor | None) -> torch.Tensor | None:
     """The column sums of the fp32 partial rows, as one GEMV against a cached ones vector: deterministic,
-    and without scratch memory (torch's sum(0) over 1056 x 4096 partials took 34 MiB of it on an H100)."""
+    and without scratch memory (torch's sum(0) takes tens of MiB of it: docs/benchmarks/kernels.md, "host and
+    memory notes")."""
     if partials is None:
         return None
     key = (partials.shape[0], partials.device)

@@ -40,9 +40,8 @@ INSTALL_HINT = 'pip install "fastplug[qlora]"'
 GEMV_MAX_ROWS = 8  # beyond this, dequantizing once and one matmul is faster than a GEMV per row block
 # Rows of x the byte-wise default tile takes (its work grows with each row of x); more rows, up to GEMV_MAX_ROWS,
 # take dequantize + matmul unless a tile is given or the word-wise kernel reads the weight (it looks each nibble up
-# once for all rows: up to GEMV_MAX_ROWS). H100, 14336x4096 and 4096x14336, bf16, triton's do_bench: the byte-wise
-# tile at 2 rows took 0.049-0.057 ms, at 8 rows 0.122-0.191, dequantize + matmul 0.114; the word-wise loop at 8
-# rows about 0.06 (in the decode kernels, CUDA graph).
+# once for all rows: up to GEMV_MAX_ROWS). Past 4 rows the byte-wise tile lost to dequantize + matmul
+# (`python -m fastplug.bench.qlora --gemv-sweep`; docs/benchmarks/kernels.md, "4-bit GEMV").
 GEMV_KERNEL_ROWS = 4
 # How the CUDA-core GEMVs look their 16 table values up: global loads (L1), tl.gather (shared memory, two
 # barriers a call) or a warp shuffle (registers; inline PTX, so compiled CUDA only; the word-wise kernel then also
@@ -390,7 +389,7 @@ def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_p
     absmax [BLOCK_N, NB] of its sub-chunks of SUB units (ELEMS elements a unit), none straddling a block.
     EVEN: every row and unit of the tile exists, so the loads need no mask (and become 16-byte vectors: a mask
     against a runtime `stop` keeps Triton from proving four units alike). The packed weight is read once a call:
-    its loads are marked evict-first, to keep x and the scales in cache (H100: 2-10% faster)."""
+    its loads are marked evict-first, to keep x and the scales in cache (faster: docs/benchmarks/kernels.md)."""
     cu = c0 + sub
     first = c0 + tl.arange(0, NB) * SUB  # each sub-chunk's first unit
     if EVEN:
@@ -602,7 +601,7 @@ def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_
     offset = 0.0
     if PTX and NESTED:
         offset = tl.load(offset_ptr)
-    for c0 in tl.range(start, stop, W, loop_unroll_factor=2):  # H100: 4-10% faster than 1; 3 and 4 slower
+    for c0 in tl.range(start, stop, W, loop_unroll_factor=2):  # the fastest factor (docs/benchmarks/kernels.md)
         cu = c0 + sub
         woff = row_word[:, None] + cu[None, :]
         wvalid = nmask[:, None] & (cu < stop)[None, :]
@@ -630,7 +629,7 @@ def _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr
     words inside one quantization block. Rows of x are a leading dimension of the words' own layout (the words are
     expanded to it before the lookups: expanding the looked-up values instead cost 8 layout conversions a step).
     Here each thread holds one word of a sub-chunk and Triton 3.6 and 3.9 agree; the 2-D tile of
-    `_words_one_x_row` compiled to 20-50% more instructions a step with rows of x (H100 decode at 2-8 rows)."""
+    `_words_one_x_row` compiled to more instructions a step with rows of x (docs/benchmarks/kernels.md)."""
     sub = tl.arange(0, NB)[:, None] * SUBW + tl.arange(0, SUBW)[None, :]
     jb = tl.arange(0, NB)
     rm = tl.arange(0, BLOCK_M)
@@ -639,7 +638,7 @@ def _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr
     offset = 0.0
     if PTX and NESTED:
         offset = tl.load(offset_ptr)
-    for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # H100: 4-10% faster than 1; 3 and 4 slower
+    for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # the fastest factor (docs/benchmarks/kernels.md)
         words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
                                    offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
         valid = (c0 + sub < stop) | EVEN
@@ -900,11 +899,8 @@ def _one_row_tile(n: int, kw: int, device: torch.device) -> tuple[int, int, int]
     """(rows a program, warps, bytes a row a step) of the word-wise GEMV at one row of x. Each thread holds 4 rows
     of 8 consecutive words a step (`_words_one_x_row`: x loaded once for the 4 rows, 64 words in flight with the
     loop unrolled twice; 128 registers) and a program's warps split K. Where that leaves fewer than 7 programs an
-    SM: warps along K while whole steps fill a row, then 2 rows a program. H100, NF4, CUDA graph over weight
-    copies (2026-11-24), us, against 4 words a thread (each a warp, 4 rows unless named):
-    14336x4096 16.7 (18.8); 4096x14336 19.3 (2 rows 20.0, 2 warps 20.6); 8192x2048 6.7 (2 rows 7.4);
-    6144x4096 8.8 (2 rows 10.2); 4096x4096 7.3 (2 rows, 2 warps 7.7); 2048x8192 2 warps 7.4 (2 rows, 4 warps
-    7.8; one warp 9.8); 2048x2048 2 rows 3.6; 512x2048 2 rows 2.7 (4 rows 3.4)."""
+    SM: warps along K while whole steps fill a row, then 2 rows a program. It beat 4 words a thread at every
+    measured shape (`python -m fastplug.bench.qlora --gemv-sweep`; docs/benchmarks/kernels.md, "4-bit GEMV")."""
     step = 256 if kw % 256 == 0 else 128  # words a warp a step
     block_n, warps = 4, 1
     while cdiv(n, block_n) * warps < 7 * num_sms(device):
@@ -929,19 +925,16 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     kb = k // 2
     dot = override.pop("dot", False)
     words_fit = m <= GEMV_MAX_ROWS and not dot and k % 8 == 0 and blocksize >= 8
-    # H100, one row, CUDA graph over weight copies (`python -m fastplug.bench.qlora --gemv-sweep` reruns it),
-    # bitsandbytes 29.1-29.4 us at 14336x4096 and 30.0 at 4096x14336: the word-wise kernel took 28.0 / 29.2 us with
-    # tl.gather lookups; with the shuffle 24.4 / 25.7; plus x and the scales by inline-PTX loads, unmasked 16-byte
-    # word loads where the tile fills the weight, evict-first on the weight and the loop unrolled twice, 19.4 / 20.1
-    # at 4 rows x 512 bytes with 1 / 4 warps; 16.7 / 19.3 with the 2-D tile of `_one_row_tile`.
-    # Triton's pipeliner (num_stages 2-4) was 5-40% slower.
+    # The word-wise kernel with shuffle lookups and inline-PTX loads is the fastest at one row, ahead of
+    # bitsandbytes' GEMV; Triton's pipeliner (num_stages 2-4) was slower (`python -m fastplug.bench.qlora
+    # --gemv-sweep`; docs/benchmarks/kernels.md, "4-bit GEMV").
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
         raise ValueError(f"words=True takes at most {GEMV_MAX_ROWS} rows of x, K a multiple of 8 and blocksize >= 8 "
                          "(CUDA-core kernel)")
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
-    if device.type == "cuda":  # H100 sweeps at 1, 2 and 8 rows of x
+    if device.type == "cuda":  # from the --gemv-sweep at 1, 2 and 8 rows of x
         block_n, chunk, warps = (16, 256, 4) if dot else (4, 512, 4) if words else (8, 512, 4)
         if words and m == 1:
             block_n, warps, chunk = _one_row_tile(n, kb // 4, device)

@@ -14,8 +14,8 @@ Two autograd paths:
   applies the routing weights to dgate/dup and computes their gradient <d(unweighted row), h> in one pass.
 - `ExpertsUp` + `ExpertsDown` when down_proj is frozen without LoRA (LoRA on attention, or on gate_up only).
   ExpertsDown saves nothing through save_for_backward, so a non-reentrant checkpoint's recompute (early stop,
-  torch's default) ends after ExpertsUp: the down GEMM and the combine are not recomputed. Mixtral widths,
-  LoRA on attention, default checkpointing, H100: 147 -> 136 ms of device time per step (4 layers, 2x4096).
+  torch's default) ends after ExpertsUp: the down GEMM and the combine are not recomputed (about 8% less
+  device time a step at Mixtral widths: docs/benchmarks/kernels.md, "MoE", `python scripts/moe_gpu.py`).
 Under torch.compile both run as the registered operator pair `fastplug::moe_experts` / `_backward` (the
 MoEExperts maths; the split path's early stop is a property of eager checkpointing).
 """

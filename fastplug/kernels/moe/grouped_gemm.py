@@ -25,8 +25,8 @@ Launch paths, picked per launch by the autotuner (`tuning.config_for`, cached on
 tiles and for rows that are not gathered; falls back to pointers where strides do not allow one), "torch"
 (torch._grouped_mm, CUTLASS on Hopper, on a gathered copy of the rows, then `_scale_scatter_rows`; bf16
 without LoRA) and for the glu kind "split" (the tuned GEMM, then the activation as its own pass).
-On an H100 (65536 rows, 64 experts, 2048 -> 1536, bf16) the tuner took tma for the forward, torch for dX
-and dW; at Mixtral's widths tma or ptr for every GEMM but one (torch and ptr within 1% for dh).
+No path wins everywhere: what the tuner picked per shape is in docs/benchmarks/kernels.md ("MoE";
+`python -m fastplug.bench moe-tune ...` reruns it).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ and whether torch._grouped_mm may run it.
 
 - Candidates are pruned before any is compiled: those whose pipelined tiles do not fit the device's shared
   memory (read from the device) and those with blocks far larger than the shape.
-- Each candidate is timed for 100 ms (median): the winners of a 5 ms launch timed 5 times moved between runs.
+- Each candidate is timed for 100 ms (median): fewer repeats let the winners move between runs
+  (docs/benchmarks/kernels.md, "MoE").
 - The winners live in one JSON file, `$FASTPLUG_MOE_TUNE_CACHE` or `<user cache dir>/fastplug/moe_tuning.json`,
   under the key "<device name>|triton <version>": another GPU or another Triton never reads them.
 - `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
@@ -63,8 +64,9 @@ CANDIDATES = {
         (128, 128, 32, 8, 3, "ptr"),
     ],
     # the gate_up GEMM with the activation in its epilogue: two [BLOCK_M, BLOCK_N] accumulators (gate, up)
-    # (a measured H100 Mixtral launch: the epilogue's three stores are not hidden behind a second program
-    # on the SM at 1 CTA/SM, so small-footprint tiles and the unfused pair are candidates too)
+    # (measured on Mixtral launches, `python scripts/moe_gpu.py --only mixtral`: the epilogue's three stores are
+    # not hidden behind a second program on the SM at 1 CTA/SM, so small-footprint tiles and the unfused pair are
+    # candidates too)
     "glu": [
         (128, 128, 64, 8, 3, "ptr"), (128, 64, 64, 4, 3, "ptr"), (128, 128, 64, 8, 3, "tma"),
         (128, 128, 64, 8, 4, "tma"), (64, 128, 64, 4, 4, "tma"), (128, 64, 64, 4, 3, "tma"),
@@ -211,7 +213,7 @@ def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
     descriptor the strides do not allow, a backend that refuses the shape)."""
     try:
         run(cfg)
-        # 100 ms of repeats: a 5 ms launch timed 5 times moved by 8% between two runs of the same tuning
+        # 100 ms of repeats: fewer moved the winners between two runs of one tuning (docs/benchmarks/kernels.md)
         return triton.testing.do_bench(lambda: run(cfg), warmup=20, rep=100, return_mode="median")
     except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError, AssertionError,
             ValueError, NotImplementedError):

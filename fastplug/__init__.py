@@ -15,7 +15,7 @@ __all__ = ["FastKernels", "KernelOptions", "PatchHandle", "patch_model", "__vers
 __all__ += ["FastModel", "fast_generate"]
 
 _LAZY = {
-    "FastKernels": ("fastplug.callbacks", "FastKernels"),
+    "FastKernels": ("fastplug.integrations.hf_trainer", "FastKernels"),
     "patch_model": ("fastplug.patch.engine", "patch_model"),
     "PatchHandle": ("fastplug.patch.engine", "PatchHandle"),
     "FastModel": ("fastplug.fast_model", "FastModel"),

@@ -199,7 +199,7 @@ def run_trainer(spec: dict, device, fast: bool, compiled: bool, options: dict | 
     timer = StepTimer(device, worker_deadline(spec))
     callbacks = [_timing_callback(timer, device)]
     if fast:
-        from ..callbacks import FastKernels
+        from ..integrations.hf_trainer import FastKernels
 
         callbacks.append(FastKernels(**(options or {})))
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=callbacks)

@@ -1,5 +1,5 @@
-"""The Hugging Face TrainerCallback (importing this imports transformers)."""
+"""Kept for `from fastplug.callbacks import FastKernels`: the callback lives in fastplug/integrations/hf_trainer.py."""
 
-from .hf import FastKernels
+from ..integrations.hf_trainer import FastKernels
 
 __all__ = ["FastKernels"]

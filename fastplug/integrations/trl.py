@@ -23,10 +23,11 @@ except ImportError as err:
     raise ImportError(f'fastplug.integrations.trl needs TRL: pip install "fastplug[trl]" ({err})') from err
 from transformers import TrainerCallback
 
+from ..models.structure import unwrap
 from ..patch import checkpointing
-from ..callbacks.hf import LIGER_CONFLICT
-from ..patch.engine import kernel_path_of, patch_for_run, unwrap
+from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
+from .hf_trainer import LIGER_CONFLICT
 
 __all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
 

@@ -25,10 +25,11 @@ import warnings
 import torch
 from transformers import TrainerCallback
 
-from ..patch import checkpointing
-from ..integrations.fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
+from ..models.structure import unwrap
 from ..options import KernelOptions
-from ..patch.engine import kernel_path_of, patch_for_run, unwrap
+from ..patch import checkpointing
+from ..patch.engine import kernel_path_of, patch_for_run
+from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 
 LIGER_CONFLICT = (
     "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "

@@ -13,7 +13,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from fastplug import FastModel
-from fastplug.generation import graph_status
+from fastplug.generate.api import graph_status
 from fastplug.patch.engine import active_handle
 
 

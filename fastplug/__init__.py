@@ -18,8 +18,8 @@ _LAZY = {
     "FastKernels": ("fastplug.integrations.hf_trainer", "FastKernels"),
     "patch_model": ("fastplug.patch.engine", "patch_model"),
     "PatchHandle": ("fastplug.patch.engine", "PatchHandle"),
-    "FastModel": ("fastplug.fast_model", "FastModel"),
-    "fast_generate": ("fastplug.generation", "fast_generate"),
+    "FastModel": ("fastplug.generate.fast_model", "FastModel"),
+    "fast_generate": ("fastplug.generate.api", "fast_generate"),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from fastplug import FastModel, fast_generate
-from fastplug.generation import _DECODERS, graph_status
+from fastplug.generate.api import _DECODERS, graph_status
 from fastplug.patch.engine import unwrap
 from tests.model_path_helpers import PAD, save_tiny
 
@@ -96,12 +96,12 @@ def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
 
 def decode_kernels_on_cpu(monkeypatch):
     """Run the decode step through fastplug.kernels.decode (the CUDA path) on CPU, under the Triton interpreter."""
-    import fastplug.generation as generation
+    import fastplug.generate.decoder as decoder
     from fastplug.kernels._utils import interpreter_enabled
 
     if not interpreter_enabled():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on machines without CUDA)")
-    monkeypatch.setattr(generation, "_FAST_DECODE_ON_CPU", True)
+    monkeypatch.setattr(decoder, "_FAST_DECODE_ON_CPU", True)
 
 
 def model_and_reference(path, lora: bool):
@@ -205,27 +205,28 @@ def load_4bit(path, lora: bool):
 
 @pytest.mark.parametrize("lora, kernels", [(False, False), (True, False), (True, True)],
                          ids=["4bit", "4bit_lora", "4bit_lora_decode_kernels"])
-def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora, kernels):
+def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, request, lora, kernels):
     """QLoRA: a tiny Llama in 4 bits (with unmerged LoRA on every projection) generates transformers' greedy
     tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call): gemv_4bit in
     the per-op step, the decode kernels' GEMV reading the packed weights otherwise."""
     pytest.importorskip("bitsandbytes")
-    import fastplug.generation as generation
-    from fastplug.kernels import quant
+    import fastplug.generate.plan as plan
+    from fastplug.kernels import quant, tuning
 
     if kernels:
         decode_kernels_on_cpu(monkeypatch)
 
     # the interpreter's cost is per program: one program per weight (the tiles are tested in tests/kernels)
-    monkeypatch.setattr(quant, "_default_config",
-                        lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128))
+    one_program = tuning.override(
+        "gemv_4bit", lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128))
+    request.addfinalizer(one_program.undo)
     rows_seen = []
 
     def counted(x, weight):
         rows_seen.append(x.numel() // x.shape[-1])
         return quant.gemv_4bit(x, weight)
 
-    monkeypatch.setattr(generation, "gemv_4bit", counted)
+    monkeypatch.setattr(plan, "gemv_4bit", counted)
     model = load_4bit(save_tiny(tmp_path, "llama"), lora)
     ids, mask = prompts()
     got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,

@@ -109,8 +109,8 @@ def _timed(call, device: str):
 def _run(impl: str, model, ids, mask, new_tokens: int, device: str, repeats: int = 3) -> dict:
     import torch
 
-    import fastplug.generation as generation
-    from fastplug.generation import fast_generate, graph_status
+    from fastplug.generate import decoder
+    from fastplug.generate.api import fast_generate, graph_status
 
     if impl.startswith("transformers"):
         extra = dict(cache_implementation="static") if impl == "transformers_compile" else {}
@@ -122,7 +122,7 @@ def _run(impl: str, model, ids, mask, new_tokens: int, device: str, repeats: int
         def generate(n):
             return fast_generate(model, ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
-    generation.FAST_DECODE = impl != "fastplug_perop"
+    decoder.FAST_DECODE = impl != "fastplug_perop"
     try:
         with torch.no_grad():
             generate(min(new_tokens, 8) if impl == "transformers" else new_tokens)  # warm-up (and graph capture)
@@ -133,7 +133,7 @@ def _run(impl: str, model, ids, mask, new_tokens: int, device: str, repeats: int
                 ttft, _ = _timed(lambda: generate(1), device)
             runs = [_timed(lambda: generate(new_tokens), device) for _ in range(repeats)]
     finally:
-        generation.FAST_DECODE = True
+        decoder.FAST_DECODE = True
     seconds = sorted(r[0] for r in runs)[len(runs) // 2]
     peak = max(r[1] for r in runs)
     decode = {"transformers": "dynamic cache", "transformers_compile": "static cache + torch.compile"}.get(impl)
@@ -149,15 +149,15 @@ def _profile(model, ids, mask, steps: int = 32) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import fastplug.generation as generation
-    from fastplug.generation import fast_generate
+    from fastplug.generate import decoder
+    from fastplug.generate.api import fast_generate
 
     def call(n, graph):
         return fast_generate(model, ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0, cuda_graph=graph)
 
     for fast in (True, False):
-        generation.FAST_DECODE = fast
+        decoder.FAST_DECODE = fast
         for graph in (True, False):
             call(steps + 1, graph)
             torch.cuda.synchronize()
@@ -175,7 +175,7 @@ def _profile(model, ids, mask, steps: int = 32) -> None:
             for e in events[:14]:
                 print(f"| {e.key[:70]} | {e.count / (steps + 1):.1f} | {e.device_time_total / (steps + 1):.1f} | "
                       f"{100 * e.device_time_total / max(total, 1):.1f}% |")
-    generation.FAST_DECODE = True
+    decoder.FAST_DECODE = True
 
 
 def _graph_time(fn, calls: int) -> float:

@@ -17,10 +17,11 @@ import warnings
 import torch
 from torch import nn
 
-from .patch import checkpointing
-from .generation import fast_generate
-from .options import KernelOptions
-from .patch.engine import active_handle, patch_model, unwrap
+from ..models.structure import unwrap
+from ..options import KernelOptions
+from ..patch import checkpointing
+from ..patch.engine import active_handle, patch_model
+from .api import fast_generate
 
 # from_pretrained keyword arguments that the config and the tokenizer need too (where to find the files)
 _SHARED_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "trust_remote_code")
@@ -260,7 +261,7 @@ def _default_options(model: nn.Module) -> KernelOptions:
 def _nf4_config(hf_kwargs):
     from transformers import BitsAndBytesConfig
 
-    from .kernels.quant import require_bitsandbytes
+    from ..kernels.quant import require_bitsandbytes
 
     if "quantization_config" in hf_kwargs:
         raise ValueError("pass either load_in_4bit=True or a quantization_config, not both")

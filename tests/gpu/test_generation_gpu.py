@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from fastplug import fast_generate
-from fastplug.generation import graph_status
+from fastplug.generate.api import graph_status
 
 peft = pytest.importorskip("peft")
 
@@ -61,7 +61,7 @@ def test_qlora_graph_equals_transformers(tmp_path, monkeypatch):
     are exact) with LoRA: the captured decode step reads the packed weights in the decode kernels' GEMV and
     gives transformers' greedy tokens; the per-op step (gemv_4bit) too."""
     pytest.importorskip("bitsandbytes")
-    import fastplug.generation as generation
+    import fastplug.generate.decoder as decoder
 
     base = model(lora=False)
     base.save_pretrained(tmp_path)
@@ -77,7 +77,7 @@ def test_qlora_graph_equals_transformers(tmp_path, monkeypatch):
                           pad_token_id=PAD)
     assert torch.equal(generate(m, ids, mask, do_sample=False, eos_token_id=None), expected)
     assert graph_status(m).startswith("CUDA graph") and "decode kernels" in graph_status(m), graph_status(m)
-    monkeypatch.setattr(generation, "FAST_DECODE", False)
+    monkeypatch.setattr(decoder, "FAST_DECODE", False)
     assert torch.equal(generate(m, ids, mask, do_sample=False, eos_token_id=None), expected)
 
 

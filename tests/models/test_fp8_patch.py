@@ -191,7 +191,7 @@ def test_fast_model_quantizes_the_bases_once_peft_freezes_them(tmp_path):
     from types import SimpleNamespace
 
     from fastplug import FastModel, KernelOptions
-    from fastplug.fast_model import _default_options
+    from fastplug.generate.fast_model import _default_options
     from fastplug.patch.engine import active_handle
     from tests.model_path_helpers import save_tiny
 

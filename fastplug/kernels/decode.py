@@ -36,8 +36,8 @@ from . import state
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .jit_helpers import dot, gate_factor, tanh
 from .quant import (
-    GEMV_MAX_ROWS, LOOKUPS, _block_scale, _unpacked, _words_row_sums, dequantize_4bit, dequantize_4bit_reference,
-    gemv_config, is_4bit, launch_checked,
+    GEMV_MAX_ROWS, LOOKUPS, _unpacked, block_scale, dequantize_4bit, dequantize_4bit_reference, gemv_config, is_4bit,
+    launch_checked, words_row_sums,
 )
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -93,7 +93,7 @@ def _w4_tile(data_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2: tl.const
     elem = n.to(tl.int64)[:, None] * K + k[None, :]
     packed = tl.load(data_ptr + (elem >> 1), mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
     nibble = (packed >> ((1 - (elem & 1)) * 4).to(tl.int32)) & 15
-    scale = _block_scale(elem >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    scale = block_scale(elem >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                          BLOCKSIZE2_LOG2, NESTED)
     return tl.where(mask, tl.load(code_ptr + nibble) * scale, 0.0)
 
@@ -103,14 +103,14 @@ def _gemv_acc_words(x_ptr, stride_xm, M, words_ptr, q4_row, n, n_mask, K, BLOCKS
                     BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, WORDS_NB: tl.constexpr,
                     WORDS_SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
                     BLOCK_M: tl.constexpr):
-    """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant._words_row_sums`: the GEMV's word-wise loop,
+    """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant.words_row_sums`: the GEMV's word-wise loop,
     table by warp shuffle where compiled, each nibble looked up once for all rows): fp32 [BLOCK_M, BLOCK_N]. The
     weight is not rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
     absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(q4_row, NESTED)
     kw = K // 8
     if EVEN:  # whole chunks of 128 words or more a row: the 16-byte word loads are aligned (Triton cannot see it)
         kw = tl.multiple_of(kw, 16)
-    total = _words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
+    total = words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
                             n.to(tl.int64) * kw, n_mask, 0, kw, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, WORDS_NB,
                             WORDS_SUBW, LOOKUP, PTX, EVEN, M, stride_xm, BLOCK_M)
     if BLOCK_M == 1:

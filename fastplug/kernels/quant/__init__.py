@@ -1,0 +1,41 @@
+"""4-bit weights of bitsandbytes (NF4 and FP4, with or without double quantization): dequantization and a
+decode GEMV in Triton, reading the packed bytes directly. No bitsandbytes call runs here, and bitsandbytes is
+never imported (a weight is recognised by its `quant_state`).
+
+One module per stage:
+    formats        the format, and what the kernels read of a weight (`unpack`, cached per weight), including the
+                   CPU inference layout of bitsandbytes >= 0.49 read back into the standard one
+    dequant        `dequantize_4bit`, `dequantize_4bit_scratch`, `dequantize_4bit_stacked` (QLoRA training)
+    gemv_kernels   the GEMV's `@triton.jit` kernels (byte-wise, word-wise, tensor-core, any-shape)
+    gemv           its tile (`GemvConfig` by `gemv_config`, tuned through `kernels.tuning` as "gemv_4bit"),
+                   the launchers and `gemv_4bit` (decode: a few rows of x times the packed weight)
+The inline PTX of the GEMVs is in `fastplug.kernels.ptx`. Every name below stays importable from here.
+"""
+
+from __future__ import annotations
+
+from ..ptx import layouts_agree
+from .dequant import (
+    DEQUANT_BLOCK, GROUP_MAX, block_scale, dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch,
+    dequantize_4bit_stacked,
+)
+from .formats import (  # noqa: F401 (_unpack, _unpacked: for decode and older callers)
+    INSTALL_HINT, Packed4bit, _unpack, _unpacked, is_4bit, layout_reason, require_bitsandbytes, shape_4bit, unpack,
+)
+from .gemv import (  # noqa: F401 (_default_config: the cached heuristic)
+    GEMV_KERNEL_ROWS, GEMV_MAX_ROWS, GemvConfig, _default_config, gemv_4bit, gemv_4bit_reference, gemv_config,
+    launch_checked,
+)
+from .gemv_kernels import LOOKUP_GATHER, LOOKUP_LOAD, LOOKUP_SHFL, LOOKUPS, words_row_sums
+
+# the names decode.py imported before the split
+_block_scale = block_scale
+_words_row_sums = words_row_sums
+
+__all__ = [
+    "DEQUANT_BLOCK", "GEMV_KERNEL_ROWS", "GEMV_MAX_ROWS", "GROUP_MAX", "INSTALL_HINT", "LOOKUPS", "LOOKUP_GATHER",
+    "LOOKUP_LOAD", "LOOKUP_SHFL", "GemvConfig", "Packed4bit", "block_scale", "dequantize_4bit",
+    "dequantize_4bit_reference", "dequantize_4bit_scratch", "dequantize_4bit_stacked", "gemv_4bit",
+    "gemv_4bit_reference", "gemv_config", "is_4bit", "launch_checked", "layout_reason", "layouts_agree",
+    "require_bitsandbytes", "shape_4bit", "unpack", "words_row_sums",
+]

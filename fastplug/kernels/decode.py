@@ -28,11 +28,13 @@ cannot run.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from . import state
+from . import state, tuning
 from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
 from .jit_helpers import dot, gate_factor, tanh
 from .quant import (
@@ -317,19 +319,35 @@ def _gemv_kernel(
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2):
-    """(USE_DOT, BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m rows, n outputs, k inputs of itemsize bytes."""
+class DecodeGemvConfig(NamedTuple):
+    """One launch of the decode GEMV's tile paths (`_gemv_kernel`): tensor cores or not, the [BLOCK_M, BLOCK_N,
+    BLOCK_K] tile, warps. The word-wise 4-bit loop takes its tile from `quant.gemv_config` instead. Built by
+    `decode_gemv_config`; scripts override it through `kernels.tuning` under the name "decode_gemv" (a config,
+    or a callable with decode_gemv_config's signature); a plain 5-tuple in this order is taken too."""
+
+    use_dot: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+def decode_gemv_config(m: int, n: int, k: int, glu: bool, itemsize: int = 2) -> DecodeGemvConfig:
+    """The tile for m rows of x, n outputs (the widest weight), k inputs of itemsize bytes; glu: gate and up."""
     # The best of `python -m fastplug.bench.generate --kernels` on Llama-1B and Gemma2-2B projections (docs/
     # benchmarks/kernels.md, "decode GEMV"): one row, 8 rows x 512 columns a step, 1024 columns and 8 warps for
     # long rows (K >= 4096); 8 rows, 16 x 32 x 256 tensor-core tiles (the gated pair too).
     if m == 1:
         block_n = max(1, min(8, next_power_of_2(n)))
         if k >= 4096:
-            return False, 1, block_n, 1024, 8
-        return False, 1, block_n, min(512, max(16, next_power_of_2(k))), 4
+            return DecodeGemvConfig(False, 1, block_n, 1024, 8)
+        return DecodeGemvConfig(False, 1, block_n, min(512, max(16, next_power_of_2(k))), 4)
     # fp32 tiles are twice as wide in bytes: 256 columns overflow Hopper's shared memory with the pipelined
     # 4-bit decode, where 64 fit.
-    return True, 16, 32, min(256 if itemsize <= 2 else 64, max(16, next_power_of_2(k))), 4
+    return DecodeGemvConfig(True, 16, 32, min(256 if itemsize <= 2 else 64, max(16, next_power_of_2(k))), 4)
+
+
+_gemv_config = decode_gemv_config  # the name fastplug.bench.generate imports
 
 
 def gemv(
@@ -344,7 +362,7 @@ def gemv(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     softcap: float | None = None,
-    config: tuple | None = None,
+    config: DecodeGemvConfig | tuple | None = None,
     words: bool | None = None,
 ) -> torch.Tensor:
     """y = [x W0^T | x W1^T | x W2^T] for x [M, K] (M <= 16) and up to three weights [N_i, K], in one launch.
@@ -456,7 +474,9 @@ def gemv(
         # the 4-bit tiles (docs/benchmarks/kernels.md, "decode GEMV") (whose per-element table and scale loads the
         # pipeliner stages in shared memory; 256 columns of them overflowed it at batch 8 of Llama-1B NF4).
         weights, entries, packs = [dequantize_4bit(w, dtype=dtype) for w in weights], None, None
-    use_dot, block_m, block_n, block_k, warps = config or _gemv_config(m, max(ns), k, act >= 0, x.element_size())
+    if config is None:
+        config = tuning.pick("decode_gemv", decode_gemv_config, m, max(ns), k, act >= 0, x.element_size())
+    use_dot, block_m, block_n, block_k, warps = DecodeGemvConfig(*config)
     if use_dot and block_m < 16:
         raise ValueError("config: the dot path needs BLOCK_M >= 16")
     if tile is not None and norm is not None:

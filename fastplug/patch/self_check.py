@@ -370,7 +370,7 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         first_of_type = _first_layer_of_each_type(model)  # hybrid stacks: one full-attention layer at least
         probe.n_layers = min(MAX_LAYERS, 1 + max([*first_layer.values(), *first_of_type]))
         in_scope = [r for r in records if layer_of.get(id(r.module), 0) < probe.n_layers]
-        key = (options, *_structure_key(model, probe, in_scope))
+        key = (_computing_options(options), *_structure_key(model, probe, in_scope))
         if key in _VERDICTS:
             return _reuse(_VERDICTS[key], records)
         timer = Timer(probe.device)
@@ -450,6 +450,17 @@ _VERDICTS: dict[tuple, Report] = {}
 def forget() -> None:
     """Drop the remembered verdicts (a test that changes fastplug's or transformers' code in place)."""
     _VERDICTS.clear()
+
+
+# Options that do not change what the checked modules compute (checkpointing runs after the check, graphs and gc
+# are host-side): two patches that differ only in these share a verdict.
+_NOT_COMPUTING = ("gradient_checkpointing", "memory_budget", "cuda_graphs", "freeze_gc", "self_check")
+
+
+def _computing_options(options) -> tuple:
+    return tuple(
+        (f.name, getattr(options, f.name)) for f in dataclasses.fields(options) if f.name not in _NOT_COMPUTING
+    )
 
 
 def _structure_key(model: nn.Module, probe: Probe, in_scope: list) -> tuple:

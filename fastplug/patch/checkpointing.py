@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels import state
 from ..models.structure import decoder_layers, decoder_stack
 
 _FLAG, _FUNC = "gradient_checkpointing", "_gradient_checkpointing_func"
@@ -196,7 +197,7 @@ class AutoCheckpointing:
         self.device = None
         self._measure = None  # [allocated before layer 0, tokens] while the first layer is being measured
         self._steps_at_measure = None
-        _count_optimizer_steps()
+        state.ensure_optimizer_hook()  # the step counter below (fastplug.kernels.state)
         self._model = weakref.ref(model)
         vars(model)[_AUTO] = self
         self._hooks = [decoder_stack(model).register_forward_pre_hook(self._before_forward, with_kwargs=True)]
@@ -248,7 +249,7 @@ class AutoCheckpointing:
             return
         first_plan = self.room is None
         if first_plan:
-            if _optimizer_steps == self._steps_at_measure:
+            if state.optimizer_steps() == self._steps_at_measure:
                 return  # states not allocated yet (gradient accumulation): keep the measured set-up
             _, total = torch.cuda.mem_get_info(self.device)
             self.room = self.fraction * total - torch.cuda.max_memory_allocated(self.device)
@@ -276,23 +277,7 @@ class AutoCheckpointing:
         out = output[0] if isinstance(output, tuple) else output
         grown = torch.cuda.memory_allocated(self.device) - before - out.numel() * out.element_size()
         self.bytes_per_token = max(grown, 0) / tokens
-        self._steps_at_measure = _optimizer_steps
-
-
-_optimizer_steps = 0
-_optimizer_hook = None
-
-
-def _count_optimizer_steps() -> None:
-    global _optimizer_hook
-    if _optimizer_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        def count(*_):
-            global _optimizer_steps
-            _optimizer_steps += 1
-
-        _optimizer_hook = register_optimizer_step_post_hook(count)
+        self._steps_at_measure = state.optimizer_steps()
 
 
 def _tokens(args, kwargs) -> int | None:

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
 from ..models.peft_lora import watch_adapter_writes
@@ -172,6 +173,7 @@ class PatchHandle:
             return
         while self._undo:
             self._undo.pop()()
+        state.release()  # the kernels' state (the optimizer hook, the caches): the last restore empties it
         if self._adapter_watch is not None:
             self._adapter_watch.remove()
             self._adapter_watch = None
@@ -249,6 +251,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     handle._install_graphs()
     if options.freeze_gc:  # last: the patch's own objects are frozen too
         handle._undo.append(host_gc.hold())
+    state.acquire()  # only now: a patch that failed above holds nothing
     handle.is_active = True
     vars(base)[_HANDLE_ATTRIBUTE] = handle  # bypasses nn.Module.__setattr__: a plain instance attribute
     return handle

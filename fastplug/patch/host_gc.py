@@ -20,59 +20,52 @@ import gc
 import threading
 from typing import Callable
 
+from ..kernels import state
+
 _lock = threading.Lock()
 _holders = 0
 _owns_freeze = False  # whether fastplug froze (and so unfreezes)
-_after_first_step = None  # the optimizer hook that freezes once more (a no-op after its first call)
-_refrozen = False
+_armed = False  # whether the next optimizer step freezes once more (set by the first hold, cleared by the step)
 
 
 def hold() -> Callable[[], None]:
     """Freeze the objects alive now, unless they already are; returns `release`, safe to call twice."""
-    global _holders, _owns_freeze
+    global _holders, _owns_freeze, _armed
     with _lock:
         if _holders == 0:
             _owns_freeze = gc.get_freeze_count() == 0
             if _owns_freeze:
                 gc.freeze()
-                _freeze_after_first_step()
+                _armed = True
+                state.ensure_optimizer_hook()  # patch_model's state.acquire() installs it too
         _holders += 1
     released = False
 
     def release() -> None:
         nonlocal released
-        global _holders
+        global _holders, _armed
         with _lock:
             if released:
                 return
             released = True
             _holders -= 1
             if _holders == 0 and _owns_freeze:
-                _drop_step_hook()
+                _armed = False
                 gc.unfreeze()
 
     return release
 
 
 def _freeze_after_first_step() -> None:
-    global _after_first_step, _refrozen
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    def freeze_again(*_) -> None:
-        global _refrozen
-        if _refrozen:  # not removed here: torch is iterating over its hooks
-            return
-        with _lock:
-            _refrozen = True
-            if _holders and _owns_freeze:
-                gc.freeze()
-
-    _refrozen = False
-    _after_first_step = register_optimizer_step_post_hook(freeze_again)
+    """After the first optimizer step of a hold: freeze what that step left alive (then nothing until the next
+    first hold). Runs from the kernels' one optimizer hook (fastplug.kernels.state), removed by the last release."""
+    global _armed
+    if not _armed:
+        return
+    with _lock:
+        if _armed and _holders and _owns_freeze:
+            gc.freeze()
+        _armed = False
 
 
-def _drop_step_hook() -> None:
-    global _after_first_step
-    if _after_first_step is not None:
-        _after_first_step.remove()
-        _after_first_step = None
+state.on_optimizer_step("patch.host_gc.freeze_after_first_step", _freeze_after_first_step)

@@ -79,6 +79,6 @@ def test_what_the_first_optimizer_step_leaves_alive_is_frozen_too():
     assert gc.get_freeze_count() <= after_first, "later steps do not freeze again"
     release()
     assert gc.get_freeze_count() == 0
-    assert host_gc._after_first_step is None, "the hook goes with the last holder"
+    assert not host_gc._armed, "the step callback is disarmed with the last holder"
     optimizer.step()  # and a step after the release freezes nothing
     assert gc.get_freeze_count() == 0 and len(kept) == len(more)

@@ -71,17 +71,29 @@ def _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset,
     return x
 
 
+# A 4-bit weight's fields other than its packed bytes, as one int64 row of addresses of `_packed_table` (one row
+# a segment): the columns, in order.
+Q4_ABSMAX, Q4_CODE, Q4_ABSMAX2, Q4_CODE2, Q4_OFFSET = (tl.constexpr(i) for i in range(5))
+Q4_FIELDS = tl.constexpr(5)  # columns a row
+
+
+@triton.jit
+def _q4_row(q4_table, segment):
+    """The row of `_packed_table` that describes segment `segment`'s 4-bit weight."""
+    return q4_table + segment * Q4_FIELDS
+
+
 @triton.jit
 def _w4_fields(q4_row, NESTED: tl.constexpr):
     """absmax, code, absmax2, code2 and offset of a 4-bit weight, from its int64 row of `_packed_table`."""
     if NESTED:
-        absmax_ptr = tl.load(q4_row).to(tl.pointer_type(tl.uint8))
+        absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.uint8))
     else:
-        absmax_ptr = tl.load(q4_row).to(tl.pointer_type(tl.float32))
-    code_ptr = tl.load(q4_row + 1).to(tl.pointer_type(tl.float32))
-    absmax2_ptr = tl.load(q4_row + 2).to(tl.pointer_type(tl.float32))
-    code2_ptr = tl.load(q4_row + 3).to(tl.pointer_type(tl.float32))
-    offset_ptr = tl.load(q4_row + 4).to(tl.pointer_type(tl.float32))
+        absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.float32))
+    code_ptr = tl.load(q4_row + Q4_CODE).to(tl.pointer_type(tl.float32))
+    absmax2_ptr = tl.load(q4_row + Q4_ABSMAX2).to(tl.pointer_type(tl.float32))
+    code2_ptr = tl.load(q4_row + Q4_CODE2).to(tl.pointer_type(tl.float32))
+    offset_ptr = tl.load(q4_row + Q4_OFFSET).to(tl.pointer_type(tl.float32))
     return absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr
 
 
@@ -208,15 +220,19 @@ def _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mas
 
 
 @triton.jit
-def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
-                  w_ptr, stride_w, q4_row, bias_ptr, b_ptr, r, xa_off, scaling, xa_ptr, stride_xam, n, N, K,
+def _gemv_segment(x, rows, m_mask, rstd, norm, segment, q4_row, lora_x, n, K,
                   HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
                   BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
                   USE_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, WORDS_NB: tl.constexpr, WORDS_SUBW: tl.constexpr,
                   LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
-    """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA).
+    """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA). The tuples
+    are `_gemv_kernel`'s; q4_row: the segment's row of `_packed_table` (4-bit weights).
     WORDS_NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words` (w_ptr: the packed bytes as int32)."""
+    x_ptr, stride_xm = x
+    nw_ptr, _, offset = norm
+    w_ptr, stride_w, bias_ptr, b_ptr, r, xa_off, scaling, N = segment
+    xa_ptr, stride_xam = lora_x
     n_mask = n < N
     if WORDS_NB > 0:
         tl.static_assert(not HAS_NORM, "the word-wise path takes x normalised already")
@@ -242,11 +258,7 @@ def _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset,
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, stride_xm, nw_ptr, eps, offset,
-    w0, w1, w2, sw0, sw1, sw2, q4_ptr, bias0, bias1, bias2,
-    lb0, lb1, lb2, r0, r1, r2, xo0, xo1, xo2, s0, s1, s2, xa_ptr, stride_xam,
-    res_ptr, stride_rm, y_ptr, stride_ym,
-    M, K, n0, n1, n2, nb0, nb1, softcap,
+    x, norm, segments, q4_table, lora_x, residual, y, M, K, blocks, softcap,
     HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
     ACT: tl.constexpr, HAS_RES: tl.constexpr, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
@@ -254,6 +266,16 @@ def _gemv_kernel(
     BLOCK_R: tl.constexpr, WORDS_NB: tl.constexpr = 0, WORDS_SUBW: tl.constexpr = 0, LOOKUP: tl.constexpr = 0,
     PTX: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
+    """y = [x W0^T | x W1^T | x W2^T] (or act(x W0^T) * x W1^T with ACT), see `gemv`. The arguments, as `gemv`
+    builds them (`_GemvArgs`): x (x_ptr, stride_xm); norm (weight_ptr, eps, offset); segments: three
+    (w_ptr, stride_w, bias_ptr, lora_b_ptr, rank, xa_col, scaling, n) (unused ones n = 0); q4_table: int64
+    [segments, Q4_FIELDS] addresses of the 4-bit weights' fields (`_packed_table`); lora_x (xa_ptr, stride_xam);
+    residual (res_ptr, stride_rm); y (y_ptr, stride_ym); blocks: the programs of segments 0 and 1."""
+    x_ptr, stride_xm = x
+    nw_ptr, eps, offset = norm
+    n0 = segments[0][7]
+    n1 = segments[1][7]
+    nb0, nb1 = blocks
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     m_mask = rows < M
@@ -262,18 +284,19 @@ def _gemv_kernel(
         sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
-                        other=0.0).to(tl.float32)
-            sq += x * x
+            xk = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
+                         other=0.0).to(tl.float32)
+            sq += xk * xk
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
     if ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, q4_ptr, bias0, lb0, r0, xo0,
-                          s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
-                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-                          WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
-        u = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, q4_ptr + 5, bias1, lb1, r1,
-                          xo1, s1, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
+        g = _gemv_segment(x, rows, m_mask, rstd, norm, segments[0], _q4_row(q4_table, 0), lora_x, n, K, HAS_NORM,
+                          GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION,
+                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+        # up has gate's shape: segment 1 with segment 0's n (as before the tuples)
+        w1, sw1, bias1, lb1, r1, xo1, s1, _ = segments[1]
+        u = _gemv_segment(x, rows, m_mask, rstd, norm, (w1, sw1, bias1, lb1, r1, xo1, s1, n0),
+                          _q4_row(q4_table, 1), lora_x, n, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
                           NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
                           WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
         p, _ = gate_factor(g, ACT)
@@ -283,28 +306,30 @@ def _gemv_kernel(
     else:
         if pid < nb0:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w0, sw0, q4_ptr, bias0, lb0, r0,
-                                xo0, s0, xa_ptr, stride_xam, n, n0, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
-                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
-                                BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[0], _q4_row(q4_table, 0), lora_x, n, K,
+                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
+                                PTX, EVEN)
             n_mask = n < n0
             cols = n
         elif pid < nb0 + nb1:
             n = (pid - nb0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w1, sw1, q4_ptr + 5, bias1, lb1,
-                                r1, xo1, s1, xa_ptr, stride_xam, n, n1, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
-                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
-                                BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[1], _q4_row(q4_table, 1), lora_x, n, K,
+                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
+                                PTX, EVEN)
             n_mask = n < n1
             cols = n0 + n
         else:
             n = (pid - nb0 - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w2, sw2, q4_ptr + 10, bias2, lb2,
-                                r2, xo2, s2, xa_ptr, stride_xam, n, n2, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2,
-                                BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N,
-                                BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
-            n_mask = n < n2
+            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[2], _q4_row(q4_table, 2), lora_x, n, K,
+                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
+                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
+                                PTX, EVEN)
+            n_mask = n < segments[2][7]
             cols = n0 + n1 + n
+    res_ptr, stride_rm = residual
+    y_ptr, stride_ym = y
     dt = x_ptr.dtype.element_ty
     out = out.to(dt).to(tl.float32)
     if HAS_RES:
@@ -505,13 +530,13 @@ def gemv(
     blocks = [cdiv(n, block_n) for n in seg_n]
     grid = (blocks[0] if act >= 0 else sum(blocks),)
     res = residual if residual is not None else out
-    args = (
-        x, x.stride(0), nw, float(eps), float(offset),
-        *seg_w, *strides, q4, *seg_bias,
-        *seg_b, *ranks, *offs, *scales, xa, xa.stride(0),
-        res, res.stride(0), out, out.stride(0),
-        m, k, *seg_n, blocks[0], blocks[1], float(softcap or 1.0),
-    )
+    segments = tuple(tuple(_Segment(seg_w[i], strides[i], seg_bias[i], seg_b[i], ranks[i], offs[i], scales[i],
+                                    seg_n[i])) for i in range(MAX_SEGMENTS))
+    args = tuple(_GemvArgs(
+        x=(x, x.stride(0)), norm=(nw, float(eps), float(offset)), segments=segments, q4_table=q4,
+        lora_x=(xa, xa.stride(0)), residual=(res, res.stride(0)), y=(out, out.stride(0)), M=m, K=k,
+        blocks=(blocks[0], blocks[1]), softcap=float(softcap or 1.0),
+    ))
     consts.update(
         HAS_NORM=norm is not None, GEMMA_NORM=norm is not None and float(offset) != 0.0,
         HAS_BIAS=biases is not None, HAS_LORA=lora is not None, ACT=act, HAS_RES=residual is not None,
@@ -521,6 +546,35 @@ def gemv(
     )
     launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
     return out
+
+
+class _Segment(NamedTuple):
+    """One weight of a `gemv` launch, as `_gemv_kernel` reads it (passed as a plain tuple, in this order)."""
+
+    w: torch.Tensor  # the weight [N, K] (4-bit: its packed bytes, or its words for the word-wise loop)
+    stride_w: int  # its row stride (0 for 4-bit weights: rows are K elements apart)
+    bias: torch.Tensor  # [N] (an unread pointer without biases)
+    lora_b: torch.Tensor  # LoRA's B [N, rank] (an unread pointer without an adapter)
+    rank: int  # 0: no adapter
+    xa_col: int  # the first column of xa that belongs to this weight's adapter
+    scaling: float
+    n: int  # N (0: no such segment)
+
+
+class _GemvArgs(NamedTuple):
+    """`_gemv_kernel`'s runtime arguments, in order (passed as plain tuples)."""
+
+    x: tuple  # (x, row stride)
+    norm: tuple  # (RMSNorm weight, eps, offset); x and zeros without a norm
+    segments: tuple  # MAX_SEGMENTS _Segment tuples
+    q4_table: torch.Tensor  # int64 [segments, Q4_FIELDS] (`_packed_table`); x for dense weights
+    lora_x: tuple  # (xa = x A^T of every adapter, row stride)
+    residual: tuple  # (residual, row stride); out itself without one
+    y: tuple  # (out, row stride)
+    M: int
+    K: int
+    blocks: tuple  # programs of segments 0 and 1
+    softcap: float
 
 
 def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):

@@ -37,7 +37,8 @@ def test_block_scale_matches_torch(nested, pack4):
     blocks, blocksize2, n = 300, 256, 4 * BLOCK + 64
     blk = torch.randint(0, blocks, (n // 4,), device="cuda", dtype=torch.int32)
     blk = blk.repeat_interleave(4) if pack4 else torch.randint(0, blocks, (n,), device="cuda", dtype=torch.int32)
-    valid = torch.rand(n // 4, device="cuda").repeat_interleave(4) > 0.2 if pack4 else torch.rand(n, device="cuda") > 0.2
+    draws = torch.rand(n // 4, device="cuda").repeat_interleave(4) if pack4 else torch.rand(n, device="cuda")
+    valid = draws > 0.2
     valid = valid.to(torch.int32)
     code2 = torch.randn(256, device="cuda")
     absmax2 = torch.rand(blocks // blocksize2 + 1, device="cuda") + 0.5

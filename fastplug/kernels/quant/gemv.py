@@ -159,13 +159,21 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
 _LAUNCH_CHECKED: dict[tuple, bool] = state.register_cache("quant.launch_checked", {})
 
 
+def _flat(args):
+    for a in args:
+        if isinstance(a, tuple):
+            yield from _flat(a)
+        else:
+            yield a
+
+
 def launch_checked(kernel, grid, args, consts: dict, fallback: dict) -> None:
     """kernel[grid](*args, **consts); a shuffle-lookup kernel (LOOKUP_SHFL) is first compiled by `kernel.warmup`
     and checked by `layouts_agree`, once per kernel, constexprs and argument dtypes, and launched with
     `fallback` merged into its constexprs (tl.gather lookups) where it fails: checked before the launch, since a
     kernel that adds into its output in place (the decode step's residual) cannot be launched again."""
     if consts.get("LOOKUP") == LOOKUP_SHFL:
-        key = (kernel, tuple(sorted(consts.items())), *(a.dtype for a in args if torch.is_tensor(a)))
+        key = (kernel, tuple(sorted(consts.items())), *(a.dtype for a in _flat(args) if torch.is_tensor(a)))
         if key not in _LAUNCH_CHECKED:
             _LAUNCH_CHECKED[key] = layouts_agree(kernel.warmup(*args, grid=grid, **consts))
         if not _LAUNCH_CHECKED[key]:
@@ -183,7 +191,8 @@ def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:
     block_k = min(p.blocksize, 128) if x2.is_cuda else 32
     row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
     _gemv_4bit_kernel[(cdiv(N, block_n),)](
-        x2, *u.args, out, M, N, K, x2.stride(0), out.stride(0), **u.consts, ROW_SCALE=row_scale, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x2, *u.args, out, M, N, K, x2.stride(0), out.stride(0), **u.consts, ROW_SCALE=row_scale, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )
     return out
 

@@ -33,7 +33,7 @@ class KernelOptions:
     memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
     # Replay each decoder layer's forward and backward as CUDA graphs once a batch shape repeats (training,
     # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
-    # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/layer_graphs.py).
+    # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/patch/layer_graphs.py).
     cuda_graphs: bool = False
     # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
     # blocks, the bf16 copies freed from the GPU) and run on the FP8 GEMM; layers already in FP8 (transformers'
@@ -44,14 +44,14 @@ class KernelOptions:
     fp8_keep_original: bool = True
 
     # gc.freeze() while patched: Python's full collections skip the half-million objects alive at patch time
-    # (0.3 s each on a lent GPU host); the last restore() unfreezes (fastplug/host_gc.py). None: on when a
+    # (0.3 s each on a lent GPU host); the last restore() unfreezes (fastplug/patch/host_gc.py). None: on when a
     # trainer adapter (FastKernels, the TRL trainers, the Lightning strategies) patches for one run and
     # restores at its end; off for patch_model and FastModel, whose patch may outlive the user's interest in
     # the model (a model dropped without restore() would stay frozen, GPU memory and all).
     freeze_gc: bool | None = None
     # At patch time, check each kind of patch against the original modules on this model (a few random tokens
     # through the first decoder layers, the LM-head loss and one cached decode step, in the model's dtype);
-    # a kind that disagrees is not installed, with a warning (fastplug/self_check.py).
+    # a kind that disagrees is not installed, with a warning (fastplug/patch/self_check.py).
     self_check: bool = True
 
     def __post_init__(self):

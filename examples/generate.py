@@ -24,12 +24,23 @@ def save_tiny_checkpoint(folder: str) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     # no pad token saved: from_pretrained gives the tokenizer one
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>",
-                            unk_token="<unk>").save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    ).save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
@@ -47,8 +58,14 @@ def main() -> None:
     tokenizer.padding_side = "left"  # fast_generate takes left-padded batches
     batch = tokenizer(["Hello", "The quick brown fox"], return_tensors="pt", padding=True).to(device)
     torch.manual_seed(0)
-    out = model.fast_generate(batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=24,
-                              do_sample=True, temperature=0.8, top_k=20)
+    out = model.fast_generate(
+        batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=24,
+        do_sample=True,
+        temperature=0.8,
+        top_k=20,
+    )
     for row in tokenizer.batch_decode(out, skip_special_tokens=True):
         print(repr(row))
     print("decode step:", graph_status(model))  # on a GPU: CUDA graph + fastplug's decode kernels

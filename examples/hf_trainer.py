@@ -18,7 +18,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Trainer,
     TrainingArguments,
 )
 
@@ -47,18 +52,28 @@ def arithmetic_dataset(tokenizer, n: int, seed: int) -> list[dict]:
         ids = (prompt + answer)[:length]
         pad = length - len(ids)
         labels = [-100] * len(prompt) + answer
-        rows.append({
-            "input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
-            "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
-            "labels": torch.tensor(labels[:length] + [-100] * pad),
-        })
+        rows.append(
+            {
+                "input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
+                "attention_mask": torch.tensor([1] * len(ids) + [0] * pad),
+                "labels": torch.tensor(labels[:length] + [-100] * pad),
+            }
+        )
     return rows
 
 
 def small_llama(vocab_size: int) -> LlamaForCausalLM:
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=vocab_size, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -84,13 +99,24 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
-            output_dir=output_dir, max_steps=args.steps, per_device_train_batch_size=16, learning_rate=2e-3, warmup_steps=10,
-            lr_scheduler_type="cosine", logging_steps=max(1, args.steps // 10), save_strategy="no", report_to=[],
-            bf16=cuda and torch.cuda.is_bf16_supported(), seed=0, disable_tqdm=True,
+            output_dir=output_dir,
+            max_steps=args.steps,
+            per_device_train_batch_size=16,
+            learning_rate=2e-3,
+            warmup_steps=10,
+            lr_scheduler_type="cosine",
+            logging_steps=max(1, args.steps // 10),
+            save_strategy="no",
+            report_to=[],
+            bf16=cuda and torch.cuda.is_bf16_supported(),
+            seed=0,
+            disable_tqdm=True,
         )
         fast = FastKernels()
         trainer = Trainer(
-            model=model, args=training_args, train_dataset=arithmetic_dataset(tokenizer, 4000, seed=0),
+            model=model,
+            args=training_args,
+            train_dataset=arithmetic_dataset(tokenizer, 4000, seed=0),
             callbacks=[fast],
         )
         trainer.train()

@@ -66,8 +66,10 @@ class KernelOptions:
                 raise TypeError(
                     f"fastplug option {f.name} must be True, False or None; got {value!r} ({type(value).__name__})"
                 )
-        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, (int, float)) or not (
-            0 < self.memory_budget <= 1
+        if (
+            isinstance(self.memory_budget, bool)
+            or not isinstance(self.memory_budget, (int, float))
+            or not (0 < self.memory_budget <= 1)
         ):
             raise ValueError(f"memory_budget must be a fraction in (0, 1]; got {self.memory_budget!r}")
         if self.gradient_checkpointing not in (True, False, "offload", "auto"):

@@ -69,7 +69,7 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def compare(installed: str, name: str) -> str | None:
-    """"newer" or "older" when `installed` lies outside the tested range of `name`, else None."""
+    """ "newer" or "older" when `installed` lies outside the tested range of `name`, else None."""
     tested = TESTED[name]
     release = _release(installed)
     if not release:

@@ -50,7 +50,7 @@ def check(name, B, Hq, Hkv, T, D, **kw):
     cu = kw.pop("cu_seqlens", None)
     if cu is not None:
         start, end = A.bounds_from_cu_seqlens(cu, T)
-    p = A._problem(q, k, kw.get("causal", True), kw.get("sliding_window"), kw.get("softcap"), D ** -0.5)
+    p = A._problem(q, k, kw.get("causal", True), kw.get("sliding_window"), kw.get("softcap"), D**-0.5)
     out = A.FlashAttention.apply(q, k, v, p, start, end)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -68,8 +68,12 @@ def cases():
     cu = torch.cat((torch.tensor([0]), cuts, torch.tensor([16384]))).to(torch.int32).to(DEV)
     return {
         "llama causal B4 32/8 T4096 D128": dict(B=4, Hq=32, Hkv=8, T=4096, D=128),
-        "gemma2 B2 8/4 T2048 D256 cap50 w4096": dict(B=2, Hq=8, Hkv=4, T=2048, D=256, softcap=50.0, sliding_window=4096),
-        "gemma2 B2 8/4 T8192 D256 cap50 w4096": dict(B=2, Hq=8, Hkv=4, T=8192, D=256, softcap=50.0, sliding_window=4096),
+        "gemma2 B2 8/4 T2048 D256 cap50 w4096": dict(
+            B=2, Hq=8, Hkv=4, T=2048, D=256, softcap=50.0, sliding_window=4096
+        ),
+        "gemma2 B2 8/4 T8192 D256 cap50 w4096": dict(
+            B=2, Hq=8, Hkv=4, T=8192, D=256, softcap=50.0, sliding_window=4096
+        ),
         "varlen 8 docs 16384 32/8 D128": dict(B=1, Hq=32, Hkv=8, T=16384, D=128, cu_seqlens=cu),
     }
 
@@ -86,8 +90,14 @@ def triton_step(q, k, v, kw, do):
     if kw.get("cu_seqlens") is not None:
         start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], q.shape[2])
     D = q.shape[3]
-    p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, q.shape[2], k.shape[2]),
-                   kw.get("softcap"), D ** -0.5)
+    p = A._problem(
+        q,
+        k,
+        True,
+        A._normalise_window(kw.get("sliding_window"), True, q.shape[2], k.shape[2]),
+        kw.get("softcap"),
+        D**-0.5,
+    )
 
     def fwd():
         return A._flash_forward(q, k, v, p, start, end)
@@ -101,12 +111,18 @@ def triton_step(q, k, v, kw, do):
 
 
 SWEEP = {
-    "fwd": {128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4)],
-            256: [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)]},
-    "dkdv": {128: [(64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3)],
-             256: [(32, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)]},
-    "dq": {128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-           256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)]},
+    "fwd": {
+        128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 64, 8, 4)],
+        256: [(64, 64, 8, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+    },
+    "dkdv": {
+        128: [(64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3)],
+        256: [(32, 64, 8, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)],
+    },
+    "dq": {
+        128: [(128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+        256: [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (32, 32, 4, 2)],
+    },
 }
 
 
@@ -121,17 +137,24 @@ SWEEP2 = {
 # A third round with registers and spills per config (they showed k/v-major dK/dV tiles spilling, which
 # led to the query-row-major tiles); here the D256 case.
 SWEEP3 = {
-    "dkdv": {256: [(bm, bn, w, st) for bm, bn in ((32, 32), (64, 32), (32, 64), (64, 64)) for w in (4, 8)
-                   for st in (1, 2)]},
+    "dkdv": {
+        256: [(bm, bn, w, st) for bm, bn in ((32, 32), (64, 32), (32, 64), (64, 64)) for w in (4, 8) for st in (1, 2)]
+    },
 }
 # After TMA (--breakdown): the neighbours of the chosen tiles, each head dim with its AttentionTables.tma choice.
 SWEEP4 = {
-    "fwd": {128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
-            256: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)]},
-    "dkdv": {128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
-             256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 2)]},
-    "dq": {128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 3)],
-           256: [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)]},
+    "fwd": {
+        128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+        256: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2)],
+    },
+    "dkdv": {
+        128: [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+        256: [(64, 32, 4, 2), (64, 32, 8, 2), (64, 32, 4, 3), (64, 64, 8, 2)],
+    },
+    "dq": {
+        128: [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 3)],
+        256: [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)],
+    },
 }
 KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
 ALL_TMA = ("fwd", "dkdv", "dq")
@@ -153,6 +176,7 @@ class _LaunchRecorder:
         def launch(*args, **kwargs):
             self.last = self.fn[grid](*args, **kwargs)
             return self.last
+
         return launch
 
 
@@ -189,8 +213,7 @@ def kernel_problem(c):
     start = end = None
     if kw.get("cu_seqlens") is not None:
         start, end = A.bounds_from_cu_seqlens(kw["cu_seqlens"], T)
-    p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"),
-                   D ** -0.5)
+    p = A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"), D**-0.5)
     return q, k, v, p, start, end, torch.randn(B, T, Hq, D, device=DEV, dtype=DT)
 
 
@@ -206,12 +229,27 @@ def breakdown(name, c):
         with tuned(tma=((256, tma),)):
             tag = "tma" if tma else "ptr"
             rows.append((f"fwd {tile(cfg('fwd'))}", tag, bench_ms(lambda: A._flash_forward(q, k, v, p, start, end))))
-            rows.append((f"dq+delta {tile(cfg('dq'))}", tag, bench_ms(lambda: A._launch_dq(
-                do, q, k, v, out, lse, delta, dq, p, start, end, cfg("dq")))))
-            rows.append((f"dkdv {tile(cfg('dkdv'))}", tag, bench_ms(lambda: A._launch_dkdv(
-                do, q, k, v, lse, delta, dk, dv, p, start, end, cfg("dkdv")))))
-    rows.append(("whole backward", f"tma {'+'.join(A._bucket(A.ATTENTION_TABLES.tma, p.block_d))}", bench_ms(
-        lambda: A._flash_backward(do, q, k, v, out, lse, p, start, end))))
+            rows.append(
+                (
+                    f"dq+delta {tile(cfg('dq'))}",
+                    tag,
+                    bench_ms(lambda: A._launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, cfg("dq"))),
+                )
+            )
+            rows.append(
+                (
+                    f"dkdv {tile(cfg('dkdv'))}",
+                    tag,
+                    bench_ms(lambda: A._launch_dkdv(do, q, k, v, lse, delta, dk, dv, p, start, end, cfg("dkdv"))),
+                )
+            )
+    rows.append(
+        (
+            "whole backward",
+            f"tma {'+'.join(A._bucket(A.ATTENTION_TABLES.tma, p.block_d))}",
+            bench_ms(lambda: A._flash_backward(do, q, k, v, out, lse, p, start, end)),
+        )
+    )
     for what, tag, ms in rows:
         print(f"breakdown {name:<38} {what:<34} {tag:<12} {ms:.3f} ms", flush=True)
 
@@ -230,9 +268,12 @@ def compare_old(path):
             out, lse = module._flash_forward(q, k, v, p, start, end)
             row.append(bench_ms(lambda: module._flash_forward(q, k, v, p, start, end)))
             row.append(bench_ms(lambda: module._flash_backward(do, q, k, v, out, lse, p, start, end)))
-        print(f"old vs new {name:<38} fwd {row[0]:.3f} -> {row[2]:.3f}  bwd {row[1]:.3f} -> {row[3]:.3f}  "
-              f"sum {row[0] + row[1]:.3f} -> {row[2] + row[3]:.3f} ms", flush=True)
-        del q, k, v
+        print(
+            f"old vs new {name:<38} fwd {row[0]:.3f} -> {row[2]:.3f}  bwd {row[1]:.3f} -> {row[3]:.3f}  "
+            f"sum {row[0] + row[1]:.3f} -> {row[2] + row[3]:.3f} ms",
+            flush=True,
+        )
+        q = k = v = None
         torch.cuda.empty_cache()
 
 
@@ -249,30 +290,42 @@ def table():
                 for t in leaves:
                     t.grad = None
                 fn().backward(do)
+
             return run
 
         impls = {}
         cu = kw.get("cu_seqlens")
         if cu is None and "softcap" not in kw:
-            impls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+            impls["sdpa"] = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+                1, 2
+            )
             impls["sdpa repeat_kv"] = lambda: F.scaled_dot_product_attention(
-                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True).transpose(1, 2)
+                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True
+            ).transpose(1, 2)
         if cu is not None:
             seen = A.visible_keys(T, T, True, None, *A.bounds_from_cu_seqlens(cu, T), device=DEV)
             impls["sdpa block-diag mask"] = lambda: F.scaled_dot_product_attention(
-                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=seen).transpose(1, 2)
+                q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=seen
+            ).transpose(1, 2)
         if "softcap" in kw and T <= 2048:
+
             def eager():
                 kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-                s = (q @ kk.transpose(-1, -2)) * D ** -0.5
+                s = (q @ kk.transpose(-1, -2)) * D**-0.5
                 s = 50.0 * torch.tanh(s / 50.0)
                 s = s.masked_fill(~A.visible_keys(T, T, True, 4096, device=DEV), float("-inf"))
                 return (torch.softmax(s.float(), -1).to(DT) @ vv).transpose(1, 2)
+
             impls["eager"] = eager
         impls["triton kernel"] = lambda: A.FlashAttention.apply(
-            q, k, v, A._problem(q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T),
-                                kw.get("softcap"), D ** -0.5),
-            *((A.bounds_from_cu_seqlens(cu, T)) if cu is not None else (None, None)))
+            q,
+            k,
+            v,
+            A._problem(
+                q, k, True, A._normalise_window(kw.get("sliding_window"), True, T, T), kw.get("softcap"), D**-0.5
+            ),
+            *((A.bounds_from_cu_seqlens(cu, T)) if cu is not None else (None, None)),
+        )
         impls["fastplug dispatcher"] = lambda: A.attention(q, k, v, **kw)
         for impl, fn in impls.items():
             try:
@@ -282,7 +335,7 @@ def table():
             except Exception as exc:
                 rows.append((name, impl, float("nan"), float("nan")))
                 print(f"{name} {impl}: {type(exc).__name__}: {str(exc)[:200]}")
-        del q, k, v, leaves
+        q = k = v = leaves = None
         torch.cuda.empty_cache()
     print("\n| case | impl | fwd+bwd ms | fwd ms |\n|---|---|---|---|")
     for name, impl, ms, fms in rows:
@@ -311,7 +364,10 @@ def checks(quick=False):
     }
     ok = True
     # every kernel both ways: tiles through TMA descriptors, and through pointers (quick: a few cases each)
-    for tag, tma, names in (("tma", ALL_TMA, [0, 3, 4] if quick else range(5)), ("ptr", (), [2] if quick else range(5))):
+    for tag, tma, names in (
+        ("tma", ALL_TMA, [0, 3, 4] if quick else range(5)),
+        ("ptr", (), [2] if quick else range(5)),
+    ):
         with tuned(tma=((256, tma),)):
             for i in names:
                 name = list(all_cases)[i]
@@ -337,12 +393,20 @@ def main():
     import transformers
     import triton
 
-    print(f"torch {torch.__version__} triton {triton.__version__} transformers {transformers.__version__} "
-          f"{torch.cuda.get_device_name()}")
+    print(
+        f"torch {torch.__version__} triton {triton.__version__} transformers {transformers.__version__} "
+        f"{torch.cuda.get_device_name()}"
+    )
     from transformers import masking_utils
 
-    print("sliding_window_overlay:", inspect.getsource(masking_utils.sliding_window_overlay).split("def inner_mask")[1]
-          .strip().splitlines()[-1].strip())
+    print(
+        "sliding_window_overlay:",
+        inspect.getsource(masking_utils.sliding_window_overlay)
+        .split("def inner_mask")[1]
+        .strip()
+        .splitlines()[-1]
+        .strip(),
+    )
     t0 = time.time()
     if not args.no_check:
         ok = guarded(checks, args.quick_check)
@@ -375,7 +439,9 @@ def main():
     if args.gpu_tests:
         import subprocess
 
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_attention_gpu.py"])
+        subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_attention_gpu.py"]
+        )
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -48,8 +48,10 @@ def main() -> int:
         for programs in args.programs_per_sm:
             ce.LOGITS_CHUNK_BYTES, ce.ROW_PROGRAMS_PER_SM = chunk_mib * 2**20, programs
             rows.append((chunk_mib, programs, _graph_ms(step, leaves, 50, 400), peak_mib(step, leaves, device)))
-            print(f"chunk {chunk_mib} MiB, {programs} row programs/SM: {rows[-1][2]:.2f} ms, {rows[-1][3]:.0f} MiB",
-                  flush=True)
+            print(
+                f"chunk {chunk_mib} MiB, {programs} row programs/SM: {rows[-1][2]:.2f} ms, {rows[-1][3]:.0f} MiB",
+                flush=True,
+            )
     ce.LOGITS_CHUNK_BYTES, ce.ROW_PROGRAMS_PER_SM = defaults
     print(f"\nkernels per step at the defaults ({defaults[0] >> 20} MiB, {defaults[1]} per SM):")
     print(kernel_table(step, leaves, steps=2, top=8))

@@ -56,16 +56,32 @@ def main():
     args = parser.parse_args()
     rows = [("transformers", False, {"patch": False})]
     for mode in (True, False, "auto"):
-        rows += [(f"fastplug gc={mode}", False, {"gradient_checkpointing": mode}),
-                 (f"fastplug gc={mode} compiled", True, {"gradient_checkpointing": mode})]
-    rows.append(("fastplug auto compiled, no stacking", True, {"gradient_checkpointing": "auto", "stack_projections": False}))
+        rows += [
+            (f"fastplug gc={mode}", False, {"gradient_checkpointing": mode}),
+            (f"fastplug gc={mode} compiled", True, {"gradient_checkpointing": mode}),
+        ]
+    rows.append(
+        ("fastplug auto compiled, no stacking", True, {"gradient_checkpointing": "auto", "stack_projections": False})
+    )
     for stack in (True, False):
-        rows.append((f"fastplug gc=False compiled, graph break at layer 0, stacking {stack}", True,
-                     {"gradient_checkpointing": False, "graph_break": True, "stack_projections": stack}))
-    rows.append(("fastplug gc=True compiled, graph break at layer 0", True,
-                 {"gradient_checkpointing": True, "graph_break": True}))
+        rows.append(
+            (
+                f"fastplug gc=False compiled, graph break at layer 0, stacking {stack}",
+                True,
+                {"gradient_checkpointing": False, "graph_break": True, "stack_projections": stack},
+            )
+        )
+    rows.append(
+        (
+            "fastplug gc=True compiled, graph break at layer 0",
+            True,
+            {"gradient_checkpointing": True, "graph_break": True},
+        )
+    )
     for kernel in () if args.quick else KERNELS:
-        rows.append((f"fastplug gc=False compiled, {kernel} off", True, {"gradient_checkpointing": False, kernel: False}))
+        rows.append(
+            (f"fastplug gc=False compiled, {kernel} off", True, {"gradient_checkpointing": False, kernel: False})
+        )
     results = []
     for name, compiled, options in rows:
         try:
@@ -75,7 +91,7 @@ def main():
         results.append((name, got))
         print(name, got, flush=True)
     ref = results[0][1]
-    print(f"\n| row | losses | step-1 rel. diff vs transformers |\n|---|---|---|")
+    print("\n| row | losses | step-1 rel. diff vs transformers |\n|---|---|---|")
     for name, got in results:
         if isinstance(got, str):
             print(f"| {name} | {got} | - |")

@@ -59,8 +59,15 @@ def record(section, case, impl, ms=None, rate="", note=""):
     if impl.startswith("bf16") and ms:
         BF16_MS[case] = ms
     base = BF16_MS.get(case)
-    row = dict(section=section, case=case, impl=impl, ms=ms, rate=rate, note=note,
-               speedup=f"{base / ms:.2f}x" if base and ms and not impl.startswith("bf16") else "")
+    row = dict(
+        section=section,
+        case=case,
+        impl=impl,
+        ms=ms,
+        rate=rate,
+        note=note,
+        speedup=f"{base / ms:.2f}x" if base and ms and not impl.startswith("bf16") else "",
+    )
     ROWS.append(row)
     print(f"  {case:34s} {impl:46s} {fmt(ms):>8} ms  {rate:>14}  {row['speedup']:>6}  {note}", flush=True)
 
@@ -113,18 +120,29 @@ def checks(quick: bool):
         x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
         xq, xs = F8.quantize_activation(x)
         xq_ref, xs_ref = F8.quantize_activation_reference(x)
-        same = (torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-                and torch.equal(xs, xs_ref) and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8)))
+        same = (
+            torch.equal(s, s_ref)
+            and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+            and torch.equal(xs, xs_ref)
+            and torch.equal(xq.view(torch.uint8), xq_ref.view(torch.uint8))
+        )
         if not same:  # say where: scales or values, how many, an example
-            for what, a, b in (("w scale", s, s_ref), ("w values", q, q_ref), ("x scale", xs, xs_ref),
-                               ("x values", xq, xq_ref)):
+            for what, a, b in (
+                ("w scale", s, s_ref),
+                ("w values", q, q_ref),
+                ("x scale", xs, xs_ref),
+                ("x values", xq, xq_ref),
+            ):
                 a8 = a.view(torch.uint8) if a.element_size() == 1 else a
                 b8 = b.view(torch.uint8) if b.element_size() == 1 else b
                 diff = (a8 != b8).nonzero()
                 if len(diff):
                     i = tuple(diff[0].tolist())
-                    print(f"    {what}: {len(diff)} of {a.numel()} differ, e.g. at {i}: {a[i].float().item()!r} "
-                          f"vs torch {b[i].float().item()!r}", flush=True)
+                    print(
+                        f"    {what}: {len(diff)} of {a.numel()} differ, e.g. at {i}: {a[i].float().item()!r} "
+                        f"vs torch {b[i].float().item()!r}",
+                        flush=True,
+                    )
         w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
         x64 = F8.dequantize_blockwise_reference(xq, xs, (1, 128), torch.float64)
         dy = torch.randn(m, n, dtype=torch.bfloat16, device=DEV)
@@ -142,8 +160,11 @@ def checks(quick: bool):
         errs["fp8_block_matmul vs the bf16 layer"] = rel(y, x.double() @ w.double().t())
         errs["dX dequantized vs bf16 dY, FP8 W"] = rel(F8._project_grad(dy, q, s, 128, fp8=False), dy.double() @ w64)
         errs["dX fp8 vs bf16 dY, FP8 W"] = rel(F8._project_grad(dy, q, s, 128, fp8=True), dy.double() @ w64)
-        print(f"  N={n} K={k} M={m}: " + ", ".join(f"{name} {v if isinstance(v, bool) else f'{v:.2e}'}"
-                                                  for name, v in errs.items()), flush=True)
+        print(
+            f"  N={n} K={k} M={m}: "
+            + ", ".join(f"{name} {v if isinstance(v, bool) else f'{v:.2e}'}" for name, v in errs.items()),
+            flush=True,
+        )
         for name, v in errs.items():
             worst[name] = (worst.get(name, True) and v) if isinstance(v, bool) else max(worst.get(name, 0.0), v)
         if quick:
@@ -151,7 +172,8 @@ def checks(quick: bool):
     for name, v in worst.items():
         record("1 checks", name, "worst over the shapes", note=str(v) if isinstance(v, bool) else f"{v:.2e}")
     ok = worst["quantization == torch"] and all(
-        v < 1e-2 for name, v in worst.items() if "float64" in name or "dequantized" in name)
+        v < 1e-2 for name, v in worst.items() if "float64" in name or "dequantized" in name
+    )
     print(f"  checks {'passed' if ok else 'FAILED'}", flush=True)
     return ok
 
@@ -172,14 +194,27 @@ def sweep_candidates(quick: bool):
         return [dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=8, num_warps=1, num_stages=1, TMA=t) for t in (False, True)]
     # (BLOCK_M, BLOCK_N, warps, stages): a stage holds (BLOCK_M + BLOCK_N) x 128 bytes of fp8 tiles, so the
     # wide tiles stop at 4 stages (5 would pass the 227 KiB of shared memory of an H100)
-    launches = [(64, 128, 4, 3), (64, 128, 4, 4), (64, 128, 4, 5), (64, 256, 8, 3), (64, 256, 8, 4),
-                (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5),
-                (128, 256, 8, 3), (128, 256, 8, 4)]
+    launches = [
+        (64, 128, 4, 3),
+        (64, 128, 4, 4),
+        (64, 128, 4, 5),
+        (64, 256, 8, 3),
+        (64, 256, 8, 4),
+        (128, 128, 4, 3),
+        (128, 128, 4, 4),
+        (128, 128, 8, 3),
+        (128, 128, 8, 4),
+        (128, 128, 8, 5),
+        (128, 256, 8, 3),
+        (128, 256, 8, 4),
+    ]
     if quick:
         launches = [c for c in launches if c[3] == 4]
     tma = (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,)
-    return [dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=st, TMA=t)
-            for (bm, bn, warps, st), t in itertools.product(launches, tma)]
+    return [
+        dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps, num_stages=st, TMA=t)
+        for (bm, bn, warps, st), t in itertools.product(launches, tma)
+    ]
 
 
 def sweep(quick: bool):
@@ -195,14 +230,22 @@ def sweep(quick: bool):
         name = " ".join(f"{k}={v}" for k, v in cfg.items())
         try:
             err = rel(F8.fp8_gemm(xq, xs, q, s, config=cfg), ref)
-            ms = None if SMOKE else triton.testing.do_bench(lambda: F8.fp8_gemm(xq, xs, q, s, config=cfg),
-                                                            warmup=10, rep=50, return_mode="median")
+            ms = (
+                None
+                if SMOKE
+                else triton.testing.do_bench(
+                    lambda: F8.fp8_gemm(xq, xs, q, s, config=cfg), warmup=10, rep=50, return_mode="median"
+                )
+            )
         except Exception as exc:  # out of shared memory or registers: not a candidate here
             print(f"  {name}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
             continue
         bad = err > 1e-2
-        print(f"  {name}: {fmt(ms)} ms{f', {flops / ms / 1e9:.0f} TFLOP/s' if ms else ''}"
-              f"{f', WRONG (rel err {err:.1e})' if bad else ''}", flush=True)
+        print(
+            f"  {name}: {fmt(ms)} ms{f', {flops / ms / 1e9:.0f} TFLOP/s' if ms else ''}"
+            f"{f', WRONG (rel err {err:.1e})' if bad else ''}",
+            flush=True,
+        )
         if not bad:
             results.append((ms or 0.0, cfg))
     if not results:
@@ -210,24 +253,42 @@ def sweep(quick: bool):
         return F8.fp8_gemm_config(size, DEV)
     results.sort(key=lambda r: r[0])
     best_ms, best = results[0]
-    record("3 sweep", f"x W^T {size}^3", "best: " + " ".join(f"{k}={v}" for k, v in best.items()), best_ms or None,
-           f"{flops / best_ms / 1e9:.0f} TFLOP/s" if best_ms else "")
+    record(
+        "3 sweep",
+        f"x W^T {size}^3",
+        "best: " + " ".join(f"{k}={v}" for k, v in best.items()),
+        best_ms or None,
+        f"{flops / best_ms / 1e9:.0f} TFLOP/s" if best_ms else "",
+    )
     # dY W reads W along its rows (MN-major B): its best launch may differ
     dq, ds = F8.quantize_activation(torch.randn(size, size, dtype=torch.bfloat16, device=DEV))
     dx_results = []
     for _, cfg in results[:6]:
         try:
             F8.fp8_gemm(dq, ds, q, s, input_grad=True, config=cfg)
-            ms = None if SMOKE else triton.testing.do_bench(
-                lambda: F8.fp8_gemm(dq, ds, q, s, input_grad=True, config=cfg), warmup=10, rep=50, return_mode="median")
+            ms = (
+                None
+                if SMOKE
+                else triton.testing.do_bench(
+                    lambda: F8.fp8_gemm(dq, ds, q, s, input_grad=True, config=cfg),
+                    warmup=10,
+                    rep=50,
+                    return_mode="median",
+                )
+            )
         except Exception as exc:
             print(f"  dY W {cfg}: {type(exc).__name__}: {str(exc).splitlines()[0][:100]}", flush=True)
             continue
         dx_results.append((ms or 0.0, cfg))
     if dx_results:
         dx_ms, dx_best = min(dx_results, key=lambda r: r[0])
-        record("3 sweep", f"dY W {size}^3", "best: " + " ".join(f"{k}={v}" for k, v in dx_best.items()),
-               dx_ms or None, f"{flops / dx_ms / 1e9:.0f} TFLOP/s" if dx_ms else "")
+        record(
+            "3 sweep",
+            f"dY W {size}^3",
+            "best: " + " ".join(f"{k}={v}" for k, v in dx_best.items()),
+            dx_ms or None,
+            f"{flops / dx_ms / 1e9:.0f} TFLOP/s" if dx_ms else "",
+        )
     print(f"\n  best x W^T launch: GEMM_CONFIG = {best}", flush=True)
     return best
 
@@ -254,8 +315,9 @@ def _transformers_fp8_module():
         return finegrained_fp8
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("transformers.integrations._finegrained_fp8_file",
-                                                  TRANSFORMERS_FP8_FILE)
+    spec = importlib.util.spec_from_file_location(
+        "transformers.integrations._finegrained_fp8_file", TRANSFORMERS_FP8_FILE
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -274,14 +336,26 @@ def _transformers_rows(section, case, x, q, s, xq, xs, flops, ref):
         def fn():
             return ff.w8a8_block_fp8_matmul_triton(xq, q, xs_c, s, [128, 128], output_dtype=torch.bfloat16)
 
-        bench(section, case, "transformers w8a8_block_fp8_matmul_triton (FP8 in)", fn, flops,
-              note=f"rel err vs ours {rel(fn(), ref):.1e}" if _runs(fn) else "")
+        bench(
+            section,
+            case,
+            "transformers w8a8_block_fp8_matmul_triton (FP8 in)",
+            fn,
+            flops,
+            note=f"rel err vs ours {rel(fn(), ref):.1e}" if _runs(fn) else "",
+        )
     if hasattr(ff, "load_finegrained_fp8_kernel"):  # the hub kernel of later versions (needs `kernels`, the hub)
         try:
             kernel = ff.load_finegrained_fp8_kernel()
             fn = lambda: kernel.matmul(x, q, s, [128, 128], torch.bfloat16)  # noqa: E731
-            bench(section, case, "transformers finegrained-fp8 hub kernel (bf16 in)", fn, flops,
-                  note=f"rel err vs ours {rel(fn(), ref):.1e}")
+            bench(
+                section,
+                case,
+                "transformers finegrained-fp8 hub kernel (bf16 in)",
+                fn,
+                flops,
+                note=f"rel err vs ours {rel(fn(), ref):.1e}",
+            )
         except Exception as exc:
             record(section, case, "transformers finegrained-fp8 hub kernel", note=f"unavailable: {str(exc)[:120]}")
     try:  # the module a fine-grained FP8 checkpoint loads into: whatever kernel it dispatches to (DeepGEMM...)
@@ -289,8 +363,14 @@ def _transformers_rows(section, case, x, q, s, xq, xs, flops, ref):
         layer.weight.data, layer.weight_scale_inv.data = q, s
         with torch.no_grad():
             fn = lambda: layer(x)  # noqa: E731
-            bench(section, case, "transformers FP8Linear.forward (bf16 in)", fn, flops,
-                  note=f"rel err vs ours {rel(fn(), ref):.1e}" if _runs(fn) else "")
+            bench(
+                section,
+                case,
+                "transformers FP8Linear.forward (bf16 in)",
+                fn,
+                flops,
+                note=f"rel err vs ours {rel(fn(), ref):.1e}" if _runs(fn) else "",
+            )
     except Exception as exc:
         record(section, case, "transformers FP8Linear.forward", note=f"failed: {str(exc).splitlines()[0][:120]}")
 
@@ -312,20 +392,45 @@ def gemm():
     bench(section, case, "bf16 cuBLAS (torch.matmul)", lambda: x @ w.t(), flops)
     aq, bq, sa, sb = _scaled_mm_rowwise(x, w)
     for fast in (True, False):
-        def fn(fast=fast):
-            return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16,
-                                    use_fast_accum=fast)
 
-        bench(section, case, f"torch._scaled_mm row-wise (FP8 in, fast_accum={fast})", fn, flops,
-              note=f"rel err vs bf16 {rel(fn(), x @ w.t()):.1e}" if _runs(fn) else "")
+        def fn(fast=fast):
+            return torch._scaled_mm(
+                aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16, use_fast_accum=fast
+            )
+
+        bench(
+            section,
+            case,
+            f"torch._scaled_mm row-wise (FP8 in, fast_accum={fast})",
+            fn,
+            flops,
+            note=f"rel err vs bf16 {rel(fn(), x @ w.t()):.1e}" if _runs(fn) else "",
+        )
     ref = F8.fp8_gemm(xq, xs, q, s)
-    bench(section, case, "fastplug block-scaled (FP8 in, default launch)", lambda: F8.fp8_gemm(xq, xs, q, s), flops,
-          note=f"rel err vs bf16 {rel(ref, x @ w.t()):.1e}; {kernel_tuning.pick('fp8_gemm', F8.fp8_gemm_config, size, DEV)}")
-    bench(section, case, "fastplug fp8_block_matmul (bf16 in, quantizes x; cuBLAS block-scaled where it runs)",
-          lambda: F8.fp8_block_matmul(x, q, s), flops,
-          note=f"rel err vs the Triton GEMM {rel(F8.fp8_block_matmul(x, q, s), ref):.1e}")
-    bench(section, case, "fastplug quantize_activation alone", lambda: F8.quantize_activation(x),
-          nbytes=3 * x.numel() + 4 * xs.numel())
+    bench(
+        section,
+        case,
+        "fastplug block-scaled (FP8 in, default launch)",
+        lambda: F8.fp8_gemm(xq, xs, q, s),
+        flops,
+        note=f"rel err vs bf16 {rel(ref, x @ w.t()):.1e}; "
+        f"{kernel_tuning.pick('fp8_gemm', F8.fp8_gemm_config, size, DEV)}",
+    )
+    bench(
+        section,
+        case,
+        "fastplug fp8_block_matmul (bf16 in, quantizes x; cuBLAS block-scaled where it runs)",
+        lambda: F8.fp8_block_matmul(x, q, s),
+        flops,
+        note=f"rel err vs the Triton GEMM {rel(F8.fp8_block_matmul(x, q, s), ref):.1e}",
+    )
+    bench(
+        section,
+        case,
+        "fastplug quantize_activation alone",
+        lambda: F8.quantize_activation(x),
+        nbytes=3 * x.numel() + 4 * xs.numel(),
+    )
     _transformers_rows(section, case, x, q, s, xq, xs, flops, ref)
     return w, x, q, s, xq, xs
 
@@ -335,11 +440,21 @@ def gemm_best(best: dict, operands):
     size = 256 if SMOKE else 8192
     w, x, q, s, xq, xs = operands
     flops = 2 * size**3
-    bench("2 GEMM", f"{size}^3", "fastplug block-scaled (FP8 in, best launch)",
-          lambda: F8.fp8_gemm(xq, xs, q, s, config=best), flops)
+    bench(
+        "2 GEMM",
+        f"{size}^3",
+        "fastplug block-scaled (FP8 in, best launch)",
+        lambda: F8.fp8_gemm(xq, xs, q, s, config=best),
+        flops,
+    )
     if not F8._cublas_takes(x, 128, size, size, False):  # else fp8_block_matmul runs cuBLAS, not this launch
-        bench("2 GEMM", f"{size}^3", "fastplug fp8_block_matmul (bf16 in, best launch)",
-              lambda: F8.fp8_block_matmul(x, q, s), flops)
+        bench(
+            "2 GEMM",
+            f"{size}^3",
+            "fastplug fp8_block_matmul (bf16 in, best launch)",
+            lambda: F8.fp8_block_matmul(x, q, s),
+            flops,
+        )
 
 
 # ------------------------------------------------------------------------------------------ projections
@@ -362,8 +477,9 @@ def projections(quick: bool):
         variants = {
             "bf16 (F.linear, backward)": lambda: F.linear(x, w).backward(dy),
             "fp8, dX through the dequantized W": lambda: F8.fp8_linear(x, q, s, dx_fp8=False).backward(dy),
-            "fp8, dX on the FP8 GEMM (the default where cuBLAS runs)":
-                lambda: F8.fp8_linear(x, q, s, dx_fp8=True).backward(dy),
+            "fp8, dX on the FP8 GEMM (the default where cuBLAS runs)": lambda: F8.fp8_linear(
+                x, q, s, dx_fp8=True
+            ).backward(dy),
         }
         base_kernels = None
         for impl, fn in variants.items():
@@ -383,28 +499,51 @@ def projections(quick: bool):
             bench(section, case, "bf16 (dY @ W)", lambda: dy @ w, flops / 2)
             variants = {
                 "dequantize W + bf16 GEMM": lambda: F8._project_grad(dy, q, s, 128, fp8=False),
-                "FP8 GEMM (cuBLAS on W transposed per call, where it runs)":
-                    lambda: F8._project_grad(dy, q, s, 128, fp8=True),
-                "FP8 Triton GEMM reading W transposed": lambda: F8.fp8_gemm(*F8.quantize_activation(dy), q, s,
-                                                                            input_grad=True),
+                "FP8 GEMM (cuBLAS on W transposed per call, where it runs)": lambda: F8._project_grad(
+                    dy, q, s, 128, fp8=True
+                ),
+                "FP8 Triton GEMM reading W transposed": lambda: F8.fp8_gemm(
+                    *F8.quantize_activation(dy), q, s, input_grad=True
+                ),
                 "FP8 GEMM on a transposed copy of W": lambda: F8.fp8_gemm(
-                    *F8.quantize_activation(dy), q.t().contiguous(), s.t().contiguous()),
+                    *F8.quantize_activation(dy), q.t().contiguous(), s.t().contiguous()
+                ),
             }
             for impl, fn in variants.items():
                 bench(section, case, impl, fn, flops / 2, note=f"rel err vs bf16 dY, FP8 W {rel(fn(), ref):.1e}")
-        del w, q, s, x, dy
+        w = q = s = x = dy = None
 
 
 # ---------------------------------------------------------------------------------------------- e2e
 
 
 LLAMA_8B_4L = dict(
-    config="LlamaConfig", batch=2, seq=4096, lora=e2e.ALL_LINEAR_LORA, attn="sdpa",
-    full=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-              num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-              rms_norm_eps=1e-5, tie_word_embeddings=False),
-    tiny=dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
+    config="LlamaConfig",
+    batch=2,
+    seq=4096,
+    lora=e2e.ALL_LINEAR_LORA,
+    attn="sdpa",
+    full=dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    tiny=dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    ),
 )
 
 
@@ -424,8 +563,11 @@ def end_to_end(steps: int):
     e2e.MODELS["llama8b_4layers"] = LLAMA_8B_4L
     batch, seq = (2, 32) if SMOKE else (LLAMA_8B_4L["batch"], LLAMA_8B_4L["seq"])
     steps = 3 if SMOKE else steps
-    print(f"\n# 5. end to end: Llama-8B width, 4 layers, {batch}x{seq}, LoRA r=16 (fp32) on all projections, "
-          f"{steps} steps of fused AdamW on random tokens", flush=True)
+    print(
+        f"\n# 5. end to end: Llama-8B width, 4 layers, {batch}x{seq}, LoRA r=16 (fp32) on all projections, "
+        f"{steps} steps of fused AdamW on random tokens",
+        flush=True,
+    )
     section, case = "5 e2e", f"Llama-8B width 4 layers {batch}x{seq} LoRA r=16"
     results = {}
     for impl in ("bf16 transformers + peft", "fastplug bf16", "fastplug fp8=True"):
@@ -443,11 +585,13 @@ def end_to_end(steps: int):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             times, losses = e2e.train_steps(model, params, batches, steps, DEV, float("inf"))
-            step_s = statistics.median(times[min(5, len(times) - 1):])
+            step_s = statistics.median(times[min(5, len(times) - 1) :])
             peak = torch.cuda.max_memory_allocated() / 2**30 if DEV.type == "cuda" else None
             last = statistics.mean(losses[-5:])
-            note = (f"peak {fmt(peak)} GiB, base weights {base_gib:.3f} GiB, loss first {losses[0]:.4f}, "
-                    f"last 5 steps {last:.4f}")
+            note = (
+                f"peak {fmt(peak)} GiB, base weights {base_gib:.3f} GiB, loss first {losses[0]:.4f}, "
+                f"last 5 steps {last:.4f}"
+            )
             if impl == "fastplug fp8=True" and "fastplug bf16" in results:
                 ref_last, ref_step = statistics.mean(results["fastplug bf16"][0][-5:]), results["fastplug bf16"][1]
                 note += f" ({(last - ref_last) / ref_last:+.2%}); {ref_step / step_s:.2f}x fastplug bf16's tok/s"
@@ -474,9 +618,12 @@ def main() -> int:
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--steps", type=int, default=50, help="end-to-end steps per implementation")
     parser.add_argument("--smoke", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timings")
-    parser.add_argument("--transformers-fp8-file", metavar="PATH",
-                        help="transformers/integrations/finegrained_fp8.py of a version with the Triton kernel in the "
-                             "file (4.57), for the comparison row where the installed version needs the Hub")
+    parser.add_argument(
+        "--transformers-fp8-file",
+        metavar="PATH",
+        help="transformers/integrations/finegrained_fp8.py of a version with the Triton kernel in the "
+        "file (4.57), for the comparison row where the installed version needs the Hub",
+    )
     args = parser.parse_args()
     global TRANSFORMERS_FP8_FILE
     TRANSFORMERS_FP8_FILE = args.transformers_fp8_file
@@ -486,8 +633,11 @@ def main() -> int:
     import transformers
 
     device = f"{torch.cuda.get_device_name()} {torch.cuda.get_device_capability()}" if DEV.type == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
-          f"device: {device}; fp8 path: {F8.fp8_path(DEV)}", flush=True)
+    print(
+        f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
+        f"device: {device}; fp8 path: {F8.fp8_path(DEV)}",
+        flush=True,
+    )
     torch.manual_seed(0)
     ok = checks(args.quick)
     operands = gemm()
@@ -505,8 +655,11 @@ def main() -> int:
     columns = ("section", "case", "impl", "ms", "rate", "speedup", "note")
     # the summary: the GEMM, the sweep's winners, fwd+dX per projection and the end-to-end rows
     rows = [r for r in ROWS if r["section"] in ("2 GEMM", "3 sweep", "5 e2e") or r["case"].endswith("fwd+dX")]
-    print(markdown_table([{c: fmt(r[c]) if c == "ms" else r[c] for c in columns} for r in rows], columns)
-          .replace("| speedup |", "| vs bf16 |"))
+    print(
+        markdown_table([{c: fmt(r[c]) if c == "ms" else r[c] for c in columns} for r in rows], columns).replace(
+            "| speedup |", "| vs bf16 |"
+        )
+    )
     return 0 if ok else 1
 
 

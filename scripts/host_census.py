@@ -32,8 +32,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from fastplug.bench.e2e import MODELS, apply_impl, build_model, token_batches  # noqa: E402
 
 # aten ops that read a device value on the host (a sync on CUDA)
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item", "unique", "_unique2",
-            "unique_consecutive", "masked_select", "nonzero_static"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "is_nonzero",
+    "equal",
+    "item",
+    "unique",
+    "_unique2",
+    "unique_consecutive",
+    "masked_select",
+    "nonzero_static",
+}
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -91,8 +101,9 @@ class _Census(TorchDispatchMode):
 
     def totals(self) -> dict:
         syncs = sum(n for name, n in self.aten.items() if name in SYNC_OPS)
-        return dict(aten=sum(self.aten.values()), launches=sum(self.launches.values()), python=self.python_calls,
-                    syncs=syncs)
+        return dict(
+            aten=sum(self.aten.values()), launches=sum(self.launches.values()), python=self.python_calls, syncs=syncs
+        )
 
 
 def count_step(model_name: str, impl: str, layers: int, steps_before: int = 2) -> dict[str, _Census]:

@@ -53,9 +53,13 @@ def per_call_us(fn, n: int) -> tuple[float, float]:
 
 def projection(out: int, inp: int, rank: int = 16) -> LoRAProjection:
     """A frozen bf16 base with peft's default fp32 adapters."""
-    return LoRAProjection(torch.randn(out, inp, device=DEV, dtype=DT) * 0.02, None,
-                          (torch.randn(rank, inp, device=DEV) * 0.02).requires_grad_(),
-                          (torch.randn(out, rank, device=DEV) * 0.02).requires_grad_(), 1.0)
+    return LoRAProjection(
+        torch.randn(out, inp, device=DEV, dtype=DT) * 0.02,
+        None,
+        (torch.randn(rank, inp, device=DEV) * 0.02).requires_grad_(),
+        (torch.randn(out, rank, device=DEV) * 0.02).requires_grad_(),
+        1.0,
+    )
 
 
 def lora_rows(batch: int, tokens: int, hidden: int, q_out: int, kv_out: int, inter: int, head_dim: int = 64):
@@ -78,8 +82,12 @@ def lora_rows(batch: int, tokens: int, hidden: int, q_out: int, kv_out: int, int
     def mlp_call(stacked):
         return lambda: lora_mlp(x, gate, up, down, stacked=stacked).backward(grad_mlp)
 
-    return [("lora_qkv + RoPE fwd+bwd", qkv(None)), ("lora_qkv + RoPE fwd+bwd, stacked bases", qkv(qkv_stack)),
-            ("lora_mlp fwd+bwd", mlp_call(None)), ("lora_mlp fwd+bwd, stacked bases", mlp_call(gu_stack))]
+    return [
+        ("lora_qkv + RoPE fwd+bwd", qkv(None)),
+        ("lora_qkv + RoPE fwd+bwd, stacked bases", qkv(qkv_stack)),
+        ("lora_mlp fwd+bwd", mlp_call(None)),
+        ("lora_mlp fwd+bwd, stacked bases", mlp_call(gu_stack)),
+    ]
 
 
 def op_rows():
@@ -100,7 +108,10 @@ def op_rows():
         ("rms_norm fwd", lambda: rms_norm(x, w, 1e-6)),
         ("rms_norm fwd+bwd", lambda: rms_norm(x, w, 1e-6).sum().backward()),
         ("flash_attention fwd+bwd", lambda: flash_attention(q, k, v, causal=True).sum().backward()),
-        ("SDPA fwd+bwd", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()),
+        (
+            "SDPA fwd+bwd",
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward(),
+        ),
         ("rope fwd+bwd", lambda: sum(t.sum() for t in rope(q, k, cos, sin)).backward()),
     ]
 
@@ -114,7 +125,7 @@ def attention_rows(batch: int, tokens: int, heads: int, kv_heads: int, head_dim:
     q = torch.randn(batch, heads, tokens, head_dim, device=DEV, dtype=DT, requires_grad=True)
     k, v = (torch.randn(batch, kv_heads, tokens, head_dim, device=DEV, dtype=DT, requires_grad=True) for _ in "kv")
     grad = torch.randn(batch, tokens, heads, head_dim, device=DEV, dtype=DT)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     def sdpa():
         return kernels._sdpa(q, k, v, True, scale)
@@ -127,8 +138,11 @@ def attention_rows(batch: int, tokens: int, heads: int, kv_heads: int, head_dim:
         return kernels.FlashAttention.apply(q, k, v, kernels._problem(q, k, True, None, None, scale), None, None)
 
     rows = []
-    for name, fn in (("SDPA, torch's choice", sdpa), ("SDPA, FlashAttention-2 forced", flash2),
-                     ("Triton flash kernel", triton_kernel)):
+    for name, fn in (
+        ("SDPA, torch's choice", sdpa),
+        ("SDPA, FlashAttention-2 forced", flash2),
+        ("Triton flash kernel", triton_kernel),
+    ):
         rows += [(f"attention fwd, {name}", fn), (f"attention fwd+bwd, {name}", lambda fn=fn: fn().backward(grad))]
     return rows
 

@@ -46,7 +46,7 @@ def summarize(path: str, within: str, rows: int) -> str:
                 continue
             keep = [i for i, fr in enumerate(frames) if within in fr]
             if keep:
-                frames = frames[keep[0] + 1:]  # below the loop function
+                frames = frames[keep[0] + 1 :]  # below the loop function
             elif any("<module>" in fr or "runpy" in fr for fr in frames):
                 continue  # the main thread outside the loop
             n = int(count)
@@ -58,8 +58,11 @@ def summarize(path: str, within: str, rows: int) -> str:
             for name in {_short(fr, False) for fr in frames}:
                 inclusive[name] += n
     out = [f"{total} samples inside {within!r}"]
-    for title, counter in (("self time (leaf function)", self_time), ("self time by line", self_lines),
-                           ("inclusive time", inclusive)):
+    for title, counter in (
+        ("self time (leaf function)", self_time),
+        ("self time by line", self_lines),
+        ("inclusive time", inclusive),
+    ):
         out.append(f"\n{title}:")
         out += [f"{100 * n / max(total, 1):6.1f}%  {name}" for name, n in counter.most_common(rows)]
     return "\n".join(out)

@@ -171,7 +171,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def _short(module: str) -> str:
-    return module[len(PACKAGE) + 1:] if module.startswith(PACKAGE + ".") else module
+    return module[len(PACKAGE) + 1 :] if module.startswith(PACKAGE + ".") else module
 
 
 def report(graph: dict[str, set[str]], full: bool) -> list[str]:

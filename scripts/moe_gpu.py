@@ -9,18 +9,23 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import time
 
 import torch
-import triton
 import transformers
+import triton
 
 from fastplug.kernels.moe import (
-    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
-    moe_router_reference, routing_metadata,
+    ExpertLoRA,
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_experts,
+    moe_experts_reference,
+    moe_router,
+    moe_router_reference,
+    routing_metadata,
+    tuning,
 )
-from fastplug.kernels.moe import tuning
 from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke under TRITON_INTERPRET=1
@@ -59,9 +64,14 @@ def check_interface():
 
     print("transformers", transformers.__version__, "torch", torch.__version__, "triton", triton.__version__)
     print("ALL_EXPERTS_FUNCTIONS:", hasattr(moe, "ALL_EXPERTS_FUNCTIONS"), sorted(moe.ALL_EXPERTS_FUNCTIONS.keys()))
-    print("set_experts_implementation:", hasattr(transformers.PreTrainedModel, "set_experts_implementation"),
-          "| MixtralTopKRouter:", hasattr(transformers.models.mixtral.modeling_mixtral, "MixtralTopKRouter"),
-          "| _default_apply_gate:", hasattr(moe, "_default_apply_gate"))
+    print(
+        "set_experts_implementation:",
+        hasattr(transformers.PreTrainedModel, "set_experts_implementation"),
+        "| MixtralTopKRouter:",
+        hasattr(transformers.models.mixtral.modeling_mixtral, "MixtralTopKRouter"),
+        "| _default_apply_gate:",
+        hasattr(moe, "_default_apply_gate"),
+    )
 
 
 def check_kernels(smoke=False):
@@ -77,10 +87,11 @@ def check_kernels(smoke=False):
     idx[:, 0] = torch.where(idx[:, 0] == 3, E - 1, idx[:, 0])  # expert 3 gets fewer rows
     offsets, gather, scatter = routing_metadata(idx, E)
     print("metadata: rows", int(offsets[-1]), "== T*k", T * k)
-    ads = [torch.randn(*s, device=DEV, requires_grad=True) / 10 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    ads = [
+        torch.randn(*s, device=DEV, requires_grad=True) / 10 for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))
+    ]
     ads = [a.detach().requires_grad_() for a in ads]
     for lora in (False, True):
-        kw = dict(gate_up_lora=ExpertLoRA(*ads[:2], 2.0), down_lora=ExpertLoRA(*ads[2:], 2.0)) if lora else {}
         ins = [x, gu, dn, logits] + (ads if lora else [])
         ins64 = [t.detach().double().requires_grad_() for t in ins]
         outs = []
@@ -91,7 +102,10 @@ def check_kernels(smoke=False):
             gy = torch.randn(y.shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).to(y.dtype)
             outs.append([y] + list(torch.autograd.grad(y, args, gy)))
         errs = " ".join(f"{rel(a, b):.1e}" for a, b in zip(*outs))
-        print(f"moe_experts bf16 lora={lora}: rel err out/dx/dgu/ddown/dlogits{'/dA1/dB1/dA2/dB2' if lora else ''}: {errs}")
+        print(
+            f"moe_experts bf16 lora={lora}: rel err out/dx/dgu/ddown/dlogits"
+            f"{'/dA1/dB1/dA2/dB2' if lora else ''}: {errs}"
+        )
     M, K, N = (100, 32, 48) if smoke else (20000, 512, 640)
     counts = torch.randint(0, 2 * M // E, (E,), device=DEV)
     counts[1] = 0
@@ -160,7 +174,7 @@ def check_impls(smoke=False):
             }
             if impl != "torch":  # the gate_up GEMM with the activation in its epilogue
                 gu, h = grouped_mm_glu(x, w, offs, "silu", a_index=gi, config=c)
-                gate, up = gu.double()[:, :N // 2], gu.double()[:, N // 2:]
+                gate, up = gu.double()[:, : N // 2], gu.double()[:, N // 2 :]
                 got["glu_gu"], refs["glu_gu"] = gu, grouped_gemm_reference(d(x), d(w), offs, gather_index=gi)
                 got["glu_h"], refs["glu_h"] = h, gate * torch.sigmoid(gate) * up
             print(f"impl {impl:5s} M{M} K{K} N{N} E{E}: " + " ".join(f"{k} {rel(got[k], refs[k]):.1e}" for k in got))
@@ -176,8 +190,11 @@ def print_tuning(prefix=""):
             if ms is not None and (cfg["impl"] not in best or ms < best[cfg["impl"]][0]):
                 best[cfg["impl"]] = (ms, cfg)
         failed = sum(ms is None for ms, _ in timed)
-        parts = [f"{impl} {ms:.3f} ({cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} "
-                 f"s{cfg['num_stages']})" for impl, (ms, cfg) in sorted(best.items(), key=lambda t: t[1][0])]
+        parts = [
+            f"{impl} {ms:.3f} ({cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} "
+            f"s{cfg['num_stages']})"
+            for impl, (ms, cfg) in sorted(best.items(), key=lambda t: t[1][0])
+        ]
         print(f"  tune {key}: " + " | ".join(parts) + (f" | {failed} failed" if failed else ""), flush=True)
 
 
@@ -224,15 +241,18 @@ def bench_grouped_gemm(M=65536, E=64, K=2048, N=1536, fused=True):
         bench(name, "fastplug, gather+scatter+rw fused", ours_fused, [xt, w, rw], flops)
     fname = f"grouped GEMM {M}x{K}->{N}, E{E}, fwd"
     with torch.no_grad():
-        bench(fname, "torch._grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets), None, flops / 3)
+        bench(
+            fname, "torch._grouped_mm", lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets), None, flops / 3
+        )
         bench(fname, "fastplug grouped_gemm", lambda: grouped_gemm(x, w, offsets), None, flops / 3)
 
 
 def qwen3_block(H, I, E, k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    config = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k,
-                                         norm_topk_prob=True)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=True
+    )
     config._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
     block = Qwen3MoeSparseMoeBlock(config)
@@ -286,6 +306,7 @@ def bench_mixtral(T=8192, H=4096, I=14336, E=8, k=2):
     print("  fastplug vs transformers, rel err out/dx:", " ".join(f"{rel(a, b):.1e}" for a, b in zip(outs[1], outs[0])))
     flops = 2 * T * k * H * 3 * I
     for impl, blk in (("transformers grouped_mm", base), ("fastplug", fast)):
+
         def step(blk=blk):
             y = blk(x)
             (y[0] if isinstance(y, tuple) else y).backward(gy)
@@ -309,8 +330,10 @@ def bench_layer(T=8192, H=2048, I=768, E=64, k=8):
         (dx,) = torch.autograd.grad(y, x, gy, retain_graph=True)
         y.backward(gy)
         outs.append((y, dx, blk.experts.gate_up_proj.grad, blk.gate.weight.grad))
-    print("  fastplug vs transformers, rel err out/dx/dgate_up/drouter:",
-          " ".join(f"{rel(a, b):.1e}" for a, b in zip(outs[1], outs[0])))
+    print(
+        "  fastplug vs transformers, rel err out/dx/dgate_up/drouter:",
+        " ".join(f"{rel(a, b):.1e}" for a, b in zip(outs[1], outs[0])),
+    )
     name = f"Qwen3-MoE layer {T} tok, full FT, fwd+bwd"
     for impl, blk in (("transformers grouped_mm", base), ("fastplug", fast)):
         params = list(blk.parameters())
@@ -319,7 +342,9 @@ def bench_layer(T=8192, H=2048, I=768, E=64, k=8):
     # LoRA r=16 on attention is elsewhere; here LoRA on the expert weights, base frozen
     from peft import LoraConfig, inject_adapter_in_model
 
-    cfg = LoraConfig(r=16, lora_alpha=16, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    cfg = LoraConfig(
+        r=16, lora_alpha=16, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+    )
     lora_base = inject_adapter_in_model(cfg, qwen3_block(H, I, E, k))
     lora_base.experts.get_base_layer().config._experts_implementation = "grouped_mm"
     for n, p in lora_base.named_parameters():
@@ -340,8 +365,10 @@ def bench_layer(T=8192, H=2048, I=768, E=64, k=8):
         y = blk(x)
         y.backward(gy)
         ys.append((y, *[p.grad for n, p in blk.named_parameters() if "lora_" in n]))
-    print("  LoRA-on-experts fastplug vs peft, rel err out + LoRA grads:",
-          " ".join(f"{rel(a, b):.1e}" for a, b in zip(ys[1], ys[0])))
+    print(
+        "  LoRA-on-experts fastplug vs peft, rel err out + LoRA grads:",
+        " ".join(f"{rel(a, b):.1e}" for a, b in zip(ys[1], ys[0])),
+    )
     name = f"Qwen3-MoE layer {T} tok, LoRA r16 on experts"
     for impl, blk in (("transformers + peft target_parameters", lora_base), ("fastplug", lora_fast)):
         params = [p for p in blk.parameters() if p.requires_grad]
@@ -352,8 +379,11 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
-    parser.add_argument("--only", default="gemm,fused,layer,mixtral",
-                        help="benchmarks to run: gemm, fused (gemm with gather/scatter/weights), layer, mixtral")
+    parser.add_argument(
+        "--only",
+        default="gemm,fused,layer,mixtral",
+        help="benchmarks to run: gemm, fused (gemm with gather/scatter/weights), layer, mixtral",
+    )
     args = parser.parse_args()
     only = set(args.only.split(","))
     print("tuning cache:", tuning.cache_path(), "| autotune:", tuning.autotune_enabled())

@@ -67,7 +67,9 @@ def main():
     for ids in tokens:
         truth_loss, truth_grads = loss_and_grads(truth_model, ids)
         for name, options in paths.items():
-            handle = fastplug.patch_model(model, gradient_checkpointing=False, **options) if options is not None else None
+            handle = (
+                fastplug.patch_model(model, gradient_checkpointing=False, **options) if options is not None else None
+            )
             loss, grads = loss_and_grads(model, ids)
             if handle is not None:
                 handle.restore()
@@ -77,8 +79,10 @@ def main():
                 torch.nn.functional.cosine_similarity(grads, truth_grads, dim=0).item(),
                 (grads.norm() / truth_grads.norm()).item(),
             ))  # fmt: skip
-    print(f"\n| path ({args.layers} layers, {args.batch}x{args.seq}) | loss - fp32 loss per batch | grad rel err | "
-          "grad cosine | grad norm ratio |")
+    print(
+        f"\n| path ({args.layers} layers, {args.batch}x{args.seq}) | loss - fp32 loss per batch | grad rel err | "
+        "grad cosine | grad norm ratio |"
+    )
     print("|---|---|---|---|---|")
     for name, values in rows.items():
         diffs = " ".join(f"{d:+.5f}" for d, *_ in values)

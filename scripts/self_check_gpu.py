@@ -24,16 +24,47 @@ from fastplug import patch_model  # noqa: E402
 from fastplug.patch import self_check  # noqa: E402
 
 SHAPES = {
-    "llama1b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)),
-    "llama8b": ("LlamaConfig", "LlamaForCausalLM", dict(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256)),
-    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=8,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
-        vocab_size=151936)),
+    "llama1b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama8b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
+    ),
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=64,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+        ),
+    ),
 }
 
 
@@ -47,7 +78,9 @@ def build(name: str, layers8b: int):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = getattr(transformers, model_name)(config).to(torch.bfloat16)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + ([] if "moe" in name else ["gate_proj", "up_proj", "down_proj"])
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] + (
+        [] if "moe" in name else ["gate_proj", "up_proj", "down_proj"]
+    )
     return get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=targets))
 
 
@@ -80,14 +113,17 @@ def main() -> None:
         handle.restore()
         declined = "; ".join(f"{k}: {why}" for k, why in report.declined) or "none"
         rows.append(
-            f"| {name} | {off:.3f} | {cold:.2f} | {warm:.3f} | {warm_seconds:.3f} | {report.worst:.1e} ({report.where}) "
+            f"| {name} | {off:.3f} | {cold:.2f} | {warm:.3f} | {warm_seconds:.3f} "
+            f"| {report.worst:.1e} ({report.where}) "
             f"| {report.bound:.0e} | {declined} |"
         )
         del model, handle
         torch.cuda.empty_cache()
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}")
-    print("| model | patch, check off (s) | check on, cold Triton cache (s) | check on, warm (s) | check alone, warm (s) "
-          "| largest difference | bound | declined |")
+    print(
+        "| model | patch, check off (s) | check on, cold Triton cache (s) | check on, warm (s) | check alone, warm (s) "
+        "| largest difference | bound | declined |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 

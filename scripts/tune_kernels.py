@@ -87,15 +87,15 @@ ROPE_CANDIDATES = [
 class Case:
     op: str
     shape: str
-    kernel: str           # the name `fastplug.kernels.tuning.override` takes
-    heuristic: object     # the op's config heuristic; takes constants=
-    constants: object     # the op's default constants, which the candidates change
+    kernel: str  # the name `fastplug.kernels.tuning.override` takes
+    heuristic: object  # the op's config heuristic; takes constants=
+    constants: object  # the op's default constants, which the candidates change
     candidates: list
-    leaves: list          # tensors whose .grad the backward fills
-    ours: object          # () -> outputs, through fastplug
-    eager: object         # () -> outputs, the torch op (compiled as the baseline)
-    reference: object     # () -> (outputs, grads) in float32
-    bytes_moved: int      # minimum HBM bytes of one fwd+bwd
+    leaves: list  # tensors whose .grad the backward fills
+    ours: object  # () -> outputs, through fastplug
+    eager: object  # () -> outputs, the torch op (compiled as the baseline)
+    reference: object  # () -> (outputs, grads) in float32
+    bytes_moved: int  # minimum HBM bytes of one fwd+bwd
 
 
 def _randn(*shape, device, dtype, requires_grad=False):
@@ -124,8 +124,19 @@ def case_norm(op, M, N, device, dtype) -> Case:
         ref_fn = lambda x, w, b: F.layer_norm(x, (N,), w, b, 1e-5)  # noqa: E731
     eager = lambda: ref_fn(*leaves)  # noqa: E731
     constants = norms.RMS_NORM_CONSTANTS if op == "rms_norm" else norms.LAYER_NORM_CONSTANTS
-    return Case(op, f"{M}x{N}", "norm", norms.norm_config, constants, NORM_CANDIDATES, leaves, ours, eager,
-                lambda grads: _fp32_ref(ref_fn, leaves, grads), 5 * M * N * x.element_size())
+    return Case(
+        op,
+        f"{M}x{N}",
+        "norm",
+        norms.norm_config,
+        constants,
+        NORM_CANDIDATES,
+        leaves,
+        ours,
+        eager,
+        lambda grads: _fp32_ref(ref_fn, leaves, grads),
+        5 * M * N * x.element_size(),
+    )
 
 
 def case_glu(op, M, N, device, dtype) -> Case:
@@ -137,9 +148,19 @@ def case_glu(op, M, N, device, dtype) -> Case:
     else:
         ours = lambda: activations.geglu(gate, up, "tanh")  # noqa: E731
         ref_fn = lambda g, u: F.gelu(g, approximate="tanh") * u  # noqa: E731
-    return Case(op, f"{M}x{N}", "glu", activations.glu_config, activations.GLU_CONSTANTS, GLU_CANDIDATES,
-                [gate, up], ours, lambda: ref_fn(gate, up),
-                lambda grads: _fp32_ref(ref_fn, [gate, up], grads), 8 * M * N * gate.element_size())
+    return Case(
+        op,
+        f"{M}x{N}",
+        "glu",
+        activations.glu_config,
+        activations.GLU_CONSTANTS,
+        GLU_CANDIDATES,
+        [gate, up],
+        ours,
+        lambda: ref_fn(gate, up),
+        lambda grads: _fp32_ref(ref_fn, [gate, up], grads),
+        8 * M * N * gate.element_size(),
+    )
 
 
 def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
@@ -148,12 +169,19 @@ def case_rope(B, Hq, Hk, T, D, device, dtype) -> Case:
     def ref_fn(qp, kp):
         return rope_module.rope_reference(qp.transpose(1, 2), kp.transpose(1, 2), cos.to(qp.dtype), sin.to(qp.dtype))
 
-    return Case("rope", f"q {B}x{Hq}x{T}x{D} k {B}x{Hk}x{T}x{D}", "rope", rope_module.rope_config,
-                rope_module.ROPE_CONSTANTS, ROPE_CANDIDATES, [q_proj, k_proj],
-                lambda: rope_module.rope(q_proj.transpose(1, 2), k_proj.transpose(1, 2), cos, sin),
-                lambda: ref_fn(q_proj, k_proj),
-                lambda grads: _fp32_ref(ref_fn, [q_proj, k_proj], grads),
-                4 * (q_proj.numel() + k_proj.numel()) * q_proj.element_size())
+    return Case(
+        "rope",
+        f"q {B}x{Hq}x{T}x{D} k {B}x{Hk}x{T}x{D}",
+        "rope",
+        rope_module.rope_config,
+        rope_module.ROPE_CONSTANTS,
+        ROPE_CANDIDATES,
+        [q_proj, k_proj],
+        lambda: rope_module.rope(q_proj.transpose(1, 2), k_proj.transpose(1, 2), cos, sin),
+        lambda: ref_fn(q_proj, k_proj),
+        lambda grads: _fp32_ref(ref_fn, [q_proj, k_proj], grads),
+        4 * (q_proj.numel() + k_proj.numel()) * q_proj.element_size(),
+    )
 
 
 def build_case(op, quick, device, dtype) -> Case:
@@ -199,7 +227,7 @@ def measure(fn, case: Case, grad_outputs, args) -> dict:
         set_grads_none(leaves)
         outs = as_tuple(fn())
         row["bwd"] = _bench(lambda: torch.autograd.backward(outs, grad_outputs, retain_graph=True), leaves, args)
-        del outs
+        outs = None
     except Exception as e:  # a compiled backward may refuse retain_graph
         row["bwd"] = float("nan")
         row["note"] = f"bwd alone: {type(e).__name__}"
@@ -244,17 +272,24 @@ def run_op(op, args, device, dtype) -> dict | None:
     ref_outs, ref_grads = case.reference(grad_outputs)
     set_grads_none(case.leaves)
     gbytes = case.bytes_moved / 1e9
-    print(f"\n## {op} {case.shape} {str(dtype).replace('torch.', '')}: minimum traffic {gbytes:.3f} GB fwd+bwd "
-          f"(= {gbytes / 3.0:.3f} ms at 3 TB/s)", flush=True)
-    header = (f"{'config':44s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} {'TB/s':>5s} {'MiB':>6s} {'host us':>7s} "
-              f"{'err':>8s}  overrides")
+    print(
+        f"\n## {op} {case.shape} {str(dtype).replace('torch.', '')}: minimum traffic {gbytes:.3f} GB fwd+bwd "
+        f"(= {gbytes / 3.0:.3f} ms at 3 TB/s)",
+        flush=True,
+    )
+    header = (
+        f"{'config':44s} {'fwd':>6s} {'bwd':>6s} {'f+b':>6s} {'TB/s':>5s} {'MiB':>6s} {'host us':>7s} "
+        f"{'err':>8s}  overrides"
+    )
     print(header, flush=True)
     rows = []
 
     def emit(name, row, overrides):
         tbps = gbytes / row["fwd+bwd"] if row["fwd+bwd"] > 0 else float("nan")
-        line = (f"{name:44s} {_fmt(row['fwd'])} {_fmt(row['bwd'])} {_fmt(row['fwd+bwd'])} {tbps:5.2f} "
-                f"{row['peak_mib']:6.0f} {row['host_us']:7.0f} {row['err']:8.1e}  {overrides} {row.get('note', '')}")
+        line = (
+            f"{name:44s} {_fmt(row['fwd'])} {_fmt(row['bwd'])} {_fmt(row['fwd+bwd'])} {tbps:5.2f} "
+            f"{row['peak_mib']:6.0f} {row['host_us']:7.0f} {row['err']:8.1e}  {overrides} {row.get('note', '')}"
+        )
         print(line, flush=True)
         rows.append((row["fwd+bwd"], line, name, overrides, row))
 
@@ -291,8 +326,9 @@ def run_op(op, args, device, dtype) -> dict | None:
     compile_ms = next((r[0] for r in rows if r[2] == "torch.compile"), None)
     default_ms = next((r[0] for r in rows if r[2] == case.candidates[0][0]), None)
     best = ours[0]
-    return dict(op=op, best=best[2], overrides=best[3], ms=best[0], row=best[4], default_ms=default_ms,
-                compile_ms=compile_ms)
+    return dict(
+        op=op, best=best[2], overrides=best[3], ms=best[0], row=best[4], default_ms=default_ms, compile_ms=compile_ms
+    )
 
 
 def main(argv=None) -> int:
@@ -330,8 +366,11 @@ def main(argv=None) -> int:
     print(f"\n## Summary: best config per op (fwd+bwd ms), {time.perf_counter() - started:.0f} s in all", flush=True)
     print(f"{'op':11s} {'best':>6s} {'fwd':>6s} {'bwd':>6s} {'default':>7s} {'compile':>7s}  config / overrides")
     for r in summary:
-        print(f"{r['op']:11s} {_fmt(r['ms'])} {_fmt(r['row']['fwd'])} {_fmt(r['row']['bwd'])}  "
-              f"{_fmt(r['default_ms'])}  {_fmt(r['compile_ms'])}  {r['best']}: {r['overrides']}", flush=True)
+        print(
+            f"{r['op']:11s} {_fmt(r['ms'])} {_fmt(r['row']['fwd'])} {_fmt(r['row']['bwd'])}  "
+            f"{_fmt(r['default_ms'])}  {_fmt(r['compile_ms'])}  {r['best']}: {r['overrides']}",
+            flush=True,
+        )
     return 0
 
 

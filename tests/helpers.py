@@ -26,8 +26,9 @@ def checkpointing_on(model) -> bool:
     return model.is_gradient_checkpointing
 
 
-def train_losses(run, model, batches, fused: bool = False, make_optimizer=None, after_forward=None,
-                 accumulate: int = 1) -> list[float]:
+def train_losses(
+    run, model, batches, fused: bool = False, make_optimizer=None, after_forward=None, accumulate: int = 1
+) -> list[float]:
     """Per-step losses of plain LoRA steps: forward through `run` (the model, or it compiled), backward, an
     optimizer step on the model's trainable parameters (`make_optimizer(params)`, default AdamW lr 1e-3) after
     every `accumulate` batches (each loss divided by it), zero_grad. `after_forward(model)` runs between

@@ -22,8 +22,21 @@ def test_frameworks_tiny_all_runs_train_with_agreeing_losses(tmp_path, capsys, m
     # the packed TRL pair, the HF Trainer pair and the Lightning pair (the unpacked TRL pair runs the same
     # plumbing minus packing; the compiled Trainer pair, the same plus torch_compile=True)
     runs = ("sft_packed", "fast_sft_packed", "trainer", "trainer_fastkernels", "lightning", "lightning_fastkernels")
-    rc = frameworks.main(["--tiny", "--steps", "2", "--warmup", "1", "--time-limit", "240", "--out", str(tmp_path),
-                          "--runs", ",".join(runs)])
+    rc = frameworks.main(
+        [
+            "--tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--time-limit",
+            "240",
+            "--out",
+            str(tmp_path),
+            "--runs",
+            ",".join(runs),
+        ]
+    )
     out = capsys.readouterr().out
     with open(tmp_path / "frameworks.csv", newline="") as f:
         rows = {r["run"]: r for r in csv.DictReader(f)}

@@ -5,8 +5,15 @@ from fastplug.bench.multi import rows_for, targets
 
 
 def _result(impl, tokens_per_s, peak):
-    return {"model": "llama", "impl": impl, "step_s": 8192 / tokens_per_s, "tokens_per_s": tokens_per_s,
-            "peak_gib": peak, "losses": [1.0], "note": ""}
+    return {
+        "model": "llama",
+        "impl": impl,
+        "step_s": 8192 / tokens_per_s,
+        "tokens_per_s": tokens_per_s,
+        "peak_gib": peak,
+        "losses": [1.0],
+        "note": "",
+    }
 
 
 def test_ratios_and_targets():

@@ -49,8 +49,23 @@ def test_e2e_tiny_llama_losses_agree(tmp_path, capsys, monkeypatch):
     # The workers take fastplug's torch-reference path: this checks the plumbing (fresh processes, patching,
     # the loss comparison, the CSV) in seconds; tests/models checks the patched models under the interpreter.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    rc = e2e.main(["--tiny", "--models", "llama", "--impls", "transformers,fastplug", "--steps", "2",
-                   "--warmup", "1", "--time-limit", "240", "--out", str(tmp_path)])
+    rc = e2e.main(
+        [
+            "--tiny",
+            "--models",
+            "llama",
+            "--impls",
+            "transformers,fastplug",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--time-limit",
+            "240",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     rows = {r["impl"]: r for r in _read_csv(tmp_path / "e2e.csv")}
     assert rc == 0, out

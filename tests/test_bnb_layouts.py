@@ -71,8 +71,9 @@ def _bnb():
 
 def _quantized(bnb, out, k, quant_type, nested, blocksize=64):
     w = torch.randn(out, k)
-    return bnb.nn.Params4bit(w, requires_grad=False, blocksize=blocksize, compress_statistics=nested,
-                             quant_type=quant_type)._quantize("cpu")
+    return bnb.nn.Params4bit(
+        w, requires_grad=False, blocksize=blocksize, compress_statistics=nested, quant_type=quant_type
+    )._quantize("cpu")
 
 
 def _repack(bnb, p):
@@ -100,10 +101,15 @@ def _repacked_with_float64(bnb, p) -> torch.Tensor:
     return ref
 
 
-@pytest.mark.parametrize("quant_type,nested,shape,blocksize", [
-    ("nf4", True, (32, 64), 64), ("fp4", False, (64, 128), 64), ("nf4", False, (96, 256), 128),
-    ("fp4", True, (32, 96), 32),
-])
+@pytest.mark.parametrize(
+    "quant_type,nested,shape,blocksize",
+    [
+        ("nf4", True, (32, 64), 64),
+        ("fp4", False, (64, 128), 64),
+        ("nf4", False, (96, 256), 128),
+        ("fp4", True, (32, 96), 32),
+    ],
+)
 def test_cpu_layout_reads_as_its_float64_values(quant_type, nested, shape, blocksize):
     """fastplug reads bitsandbytes' CPU inference layout (it raised 'not supported' before): dequantization,
     the GEMV and the fused LoRA give the float64 values of the weight as repacked, and the weight is left in
@@ -136,11 +142,13 @@ def test_fused_lora_on_a_repacked_base():
     from tests.helpers import assert_close
 
     owner = nn.Module()
-    owner.proj = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4",
-                                   compress_statistics=True)
+    owner.proj = bnb.nn.Linear4bit(
+        64, 32, bias=False, compute_dtype=torch.float32, quant_type="nf4", compress_statistics=True
+    )
     owner = owner.to("cpu")
-    model = peft.get_peft_model(owner, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"],
-                                                       init_lora_weights=False)).base_model.model
+    model = peft.get_peft_model(
+        owner, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False)
+    ).base_model.model
     layer = model.proj
     ref = _repacked_with_float64(bnb, layer.base_layer.weight)
     assert unfused_reason(layer, quantized=True) is None
@@ -190,12 +198,18 @@ def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path):
     from tests.model_path_helpers import save_tiny
     from tests.models.tiny import batch
 
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path, "llama"),
-                                                              quantization_config=config, device_map="cpu")
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                       init_lora_weights=False))
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        save_tiny(tmp_path, "llama"), quantization_config=config, device_map="cpu"
+    )
+    model = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    )
     layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(layers) == 14
 

@@ -15,7 +15,6 @@ from tests.helpers import assert_close, train_losses
 from tests.models.tiny import tiny_model
 
 
-
 def _module(name):
     return importlib.import_module(f"fastplug.kernels.{name}")
 
@@ -41,8 +40,12 @@ def _lora_args(kind: str, stacked: bool = False):
     params = []
     for i, (out, inp) in enumerate(widths):
         adapter = i != 1 or kind == "mlp"
-        params += [weights[i], rand(out) if i == 2 and kind != "mlp" and not stacked else None,
-                   rand(4, inp) if adapter else None, rand(out, 4) if adapter else None]
+        params += [
+            weights[i],
+            rand(out) if i == 2 and kind != "mlp" and not stacked else None,
+            rand(4, inp) if adapter else None,
+            rand(out, 4) if adapter else None,
+        ]
     lora = importlib.import_module("fastplug.kernels.lora")
     tensors, present = lora._pack(params)
     scalings = [2.0] * 3 if stacked else [0.5, 2.0, 1.0]  # stacked: peft's one scaling (a path of its own)
@@ -61,10 +64,22 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
 
     index = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g).requires_grad_()
-    adapters = (rand(experts, r, hidden), rand(experts, 2 * inter, r), rand(experts, r, inter),
-                rand(experts, hidden, r)) if lora else (None,) * 4
-    return (rand(tokens, hidden), weights, index, rand(experts, 2 * inter, hidden), rand(experts, hidden, inter),
-            *adapters, 0.5, 2.0, "silu")
+    adapters = (
+        (rand(experts, r, hidden), rand(experts, 2 * inter, r), rand(experts, r, inter), rand(experts, hidden, r))
+        if lora
+        else (None,) * 4
+    )
+    return (
+        rand(tokens, hidden),
+        weights,
+        index,
+        rand(experts, 2 * inter, hidden),
+        rand(experts, hidden, inter),
+        *adapters,
+        0.5,
+        2.0,
+        "silu",
+    )
 
 
 @pytest.mark.parametrize(
@@ -198,8 +213,9 @@ def test_moe_router_and_experts_compile_fullgraph():
 
     def block(x, router, gate_up, down, a1, b1, a2, b2):
         weights, index = moe_router(x @ router.t(), 2, weights_dtype=x.dtype)
-        return moe_experts(x, gate_up, down, index, weights, gate_up_lora=ExpertLoRA(a1, b1, 0.5),
-                           down_lora=ExpertLoRA(a2, b2, 2.0))
+        return moe_experts(
+            x, gate_up, down, index, weights, gate_up_lora=ExpertLoRA(a1, b1, 0.5), down_lora=ExpertLoRA(a2, b2, 2.0)
+        )
 
     torch._dynamo.reset()
     results = []

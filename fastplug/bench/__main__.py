@@ -3,7 +3,10 @@
 import json
 import sys
 
-USAGE = "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,moe-tune,generate} [options]   (--help after the command for its options)"
+USAGE = (
+    "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,moe-tune,generate} [options]"
+    "   (--help after the command for its options)"
+)
 
 
 def main(argv=None) -> int:

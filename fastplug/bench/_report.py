@@ -49,7 +49,9 @@ def grouped_bar_plot(path: str, groups: Sequence[str], impls: Sequence[str], pan
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install matplotlib)"
-    fig, axes = plt.subplots(len(panels), 1, figsize=(max(6.0, 1.6 * len(groups) * max(1, len(impls)) / 2), 3.6 * len(panels)))
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(max(6.0, 1.6 * len(groups) * max(1, len(impls)) / 2), 3.6 * len(panels))
+    )
     axes = [axes] if len(panels) == 1 else list(axes)
     width = 0.8 / max(1, len(impls))
     for ax, (title, ylabel, values) in zip(axes, panels):

@@ -25,10 +25,21 @@ import time
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-# _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what TrainingArguments(torch_compile=True)
-# does); _graphs: cuda_graphs=True (the decoder layers replayed as CUDA graphs)
-IMPLS = ("transformers", "compile", "liger", "fastplug", "fastplug_auto", "fastplug_compile", "fastplug_auto_compile",
-         "fastplug_graphs", "fastplug_auto_graphs", "fastplug_graphs_compile", "fastplug_auto_graphs_compile")
+# _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what
+# TrainingArguments(torch_compile=True) does); _graphs: cuda_graphs=True (the decoder layers replayed as CUDA graphs)
+IMPLS = (
+    "transformers",
+    "compile",
+    "liger",
+    "fastplug",
+    "fastplug_auto",
+    "fastplug_compile",
+    "fastplug_auto_compile",
+    "fastplug_graphs",
+    "fastplug_auto_graphs",
+    "fastplug_graphs_compile",
+    "fastplug_auto_graphs_compile",
+)
 DEFAULT_IMPLS = IMPLS[:4]
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
@@ -36,39 +47,127 @@ ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
 # Shapes of shared/BASELINES.md. `tiny` keeps each family's quirks at a size that trains on CPU in seconds.
 MODELS = {
     "llama": dict(
-        config="LlamaConfig", batch=4, seq=2048, lora=ALL_LINEAR_LORA, attn="sdpa",
-        full=dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                  head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                  rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072),
-        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=128, vocab_size=128, tie_word_embeddings=True),
+        config="LlamaConfig",
+        batch=4,
+        seq=2048,
+        lora=ALL_LINEAR_LORA,
+        attn="sdpa",
+        full=dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+        ),
+        tiny=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=128,
+            tie_word_embeddings=True,
+        ),
     ),
     "qwen3_moe": dict(
-        config="Qwen3MoeConfig", batch=4, seq=2048, lora=ATTENTION_LORA, attn="sdpa",
-        full=dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
-                  head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=64,
-                  num_experts_per_tok=8, vocab_size=151936, tie_word_embeddings=False,
-                  max_position_embeddings=131072),
-        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
-                  num_experts_per_tok=2, vocab_size=128),
+        config="Qwen3MoeConfig",
+        batch=4,
+        seq=2048,
+        lora=ATTENTION_LORA,
+        attn="sdpa",
+        full=dict(
+            hidden_size=2048,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_experts=64,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+        ),
+        tiny=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=128,
+        ),
     ),
     "mixtral": dict(  # Mixtral-8x7B layer widths (8 experts top-2), 4 layers
-        config="MixtralConfig", batch=2, seq=4096, lora=ATTENTION_LORA, attn="sdpa",
-        full=dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
-                  intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-                  max_position_embeddings=32768, sliding_window=None),
-        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, vocab_size=128),
+        config="MixtralConfig",
+        batch=2,
+        seq=4096,
+        lora=ATTENTION_LORA,
+        attn="sdpa",
+        full=dict(
+            hidden_size=4096,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            sliding_window=None,
+        ),
+        tiny=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=128,
+        ),
     ),
     "gemma2": dict(
-        config="Gemma2Config", batch=2, seq=2048, lora=ALL_LINEAR_LORA, attn="eager",
-        full=dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                  head_dim=256, intermediate_size=9216, vocab_size=256000, attn_logit_softcapping=50.0,
-                  final_logit_softcapping=30.0, sliding_window=4096, query_pre_attn_scalar=256),
-        tiny=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=128, vocab_size=128, sliding_window=16,
-                  query_pre_attn_scalar=16),
+        config="Gemma2Config",
+        batch=2,
+        seq=2048,
+        lora=ALL_LINEAR_LORA,
+        attn="eager",
+        full=dict(
+            hidden_size=2304,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            intermediate_size=9216,
+            vocab_size=256000,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            sliding_window=4096,
+            query_pre_attn_scalar=256,
+        ),
+        tiny=dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            vocab_size=128,
+            sliding_window=16,
+            query_pre_attn_scalar=16,
+        ),
     ),
 }
 # Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
@@ -76,18 +175,48 @@ MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["expert
 # Llama-3.1-8B layer widths, 4 layers, untied 128256-token head (the multi-GPU bench's larger model)
 MODELS["llama8b_4l"] = dict(
     MODELS["llama"],
-    full=dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-              intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False, rms_norm_eps=1e-5,
-              rope_theta=500000.0, max_position_embeddings=131072),
+    full=dict(
+        hidden_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+    ),
     tiny=dict(MODELS["llama"]["tiny"], tie_word_embeddings=False),
 )
 # the longer MoE rows (LoRA on experts, Mixtral widths) run when asked for by name
 DEFAULT_MODELS = ("llama", "qwen3_moe", "gemma2")
 TINY_BATCH, TINY_SEQ = 2, 32
-COLUMNS = ("model", "batch x seq", "impl", "tok/s", "vs transformers", "peak GiB", "step ms", "device ms",
-           "wall/device", "first step s", "losses (steps 1-3)", "max loss diff", "note")
-MAX_SEQ_COLUMNS = ("model", "impl", "longest seq that trains", "peak GiB there", "tok/s there",
-                   "first failure", "tried")
+COLUMNS = (
+    "model",
+    "batch x seq",
+    "impl",
+    "tok/s",
+    "vs transformers",
+    "peak GiB",
+    "step ms",
+    "device ms",
+    "wall/device",
+    "first step s",
+    "losses (steps 1-3)",
+    "max loss diff",
+    "note",
+)
+MAX_SEQ_COLUMNS = (
+    "model",
+    "impl",
+    "longest seq that trains",
+    "peak GiB there",
+    "tok/s there",
+    "first failure",
+    "tried",
+)
 # Relative loss difference from plain transformers above which the row is flagged (bf16 rounding is ~1e-3).
 LOSS_TOLERANCE = 1e-2
 
@@ -114,8 +243,14 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
     checkpointing.enable_native(model)
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=preset["lora"], task_type="CAUSAL_LM",
-                      target_parameters=preset.get("lora_parameters"))
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=preset["lora"],
+        task_type="CAUSAL_LM",
+        target_parameters=preset.get("lora_parameters"),
+    )
     torch.manual_seed(seed + 1)
     return get_peft_model(model, lora, autocast_adapter_dtype=adapter_dtype == "fp32")
 
@@ -138,9 +273,16 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
 
         mode = "auto" if impl.startswith("fastplug_auto") else checkpointing
         # freeze_gc and stack_projections as the trainer adapters set them for their run
-        handle = fastplug.patch_model(model, **{"gradient_checkpointing": mode, "freeze_gc": True,
-                                                "stack_projections": True, "cuda_graphs": "_graphs" in impl,
-                                                **(options or {})})
+        handle = fastplug.patch_model(
+            model,
+            **{
+                "gradient_checkpointing": mode,
+                "freeze_gc": True,
+                "stack_projections": True,
+                "cuda_graphs": "_graphs" in impl,
+                **(options or {}),
+            },
+        )
         print(handle.summary(), flush=True)
         note = "patched " + ", ".join(f"{k} {v}" for k, v in sorted(handle.counts.items()))
         note += f"; {len(handle.skipped)} skipped" if handle.skipped else ""
@@ -214,8 +356,11 @@ def train_steps(model, params, batches, steps: int, device, deadline: float):
     if gc_clock is not None:
         gc_clock.close()
         collector = gc_clock.report(len(times) - 1)
-    print(f"host ms per step (before the sync): {[round(t * 1e3, 1) for t in host_times]}; "
-          f"Python's garbage collector after the first step: {collector}", flush=True)
+    print(
+        f"host ms per step (before the sync): {[round(t * 1e3, 1) for t in host_times]}; "
+        f"Python's garbage collector after the first step: {collector}",
+        flush=True,
+    )
     return times, losses
 
 
@@ -236,7 +381,7 @@ def run_throughput(spec: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, worker_deadline(spec))
-    measured = times[spec["warmup"]:] or times[-1:]
+    measured = times[spec["warmup"] :] or times[-1:]
     if spec.get("profile"):
         _print_profile(runner, params, batches, device)
     if device.type == "cuda":
@@ -275,7 +420,6 @@ def _print_profile(model, params, batches, device, rows: int = 25):
     import pstats
 
     import torch
-
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -435,10 +579,21 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
         batch = args.batch or (TINY_BATCH if args.tiny else preset["batch"])
         seq = args.seq or (TINY_SEQ if args.tiny else preset["seq"])
         for impl in impls:
-            spec = dict(mode="throughput", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        batch=batch, seq=seq, steps=args.steps, warmup=args.warmup,
-                        adapter_dtype=args.adapter_dtype, profile=args.profile,
-                        options=args.options if impl.startswith("fastplug") else None)
+            spec = dict(
+                mode="throughput",
+                model=model,
+                impl=impl,
+                tiny=args.tiny,
+                device=device,
+                seed=args.seed,
+                batch=batch,
+                seq=seq,
+                steps=args.steps,
+                warmup=args.warmup,
+                adapter_dtype=args.adapter_dtype,
+                profile=args.profile,
+                options=args.options if impl.startswith("fastplug") else None,
+            )
             res = run_worker(spec, args.time_limit)
             label = impl + (f" ({args.options_text})" if spec["options"] else "")
             row = {"model": model + (" (tiny)" if args.tiny else ""), "impl": label, "batch x seq": f"{batch}x{seq}"}
@@ -448,10 +603,18 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
                 save(rows)
                 continue
             device_ms = res.get("device_ms")
-            row.update({"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "step ms": res["step_ms"],
-                        "device ms": device_ms, "wall/device": res["step_ms"] / device_ms if device_ms else None,
-                        "first step s": res["first_step_s"], "losses": res["losses"],
-                        "losses (steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"])})
+            row.update(
+                {
+                    "tok/s": res["tokens_per_s"],
+                    "peak GiB": res["peak_gib"],
+                    "step ms": res["step_ms"],
+                    "device ms": device_ms,
+                    "wall/device": res["step_ms"] / device_ms if device_ms else None,
+                    "first step s": res["first_step_s"],
+                    "losses": res["losses"],
+                    "losses (steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"]),
+                }
+            )
             notes = [res.get("note") or ""]
             if res.get("experts"):
                 notes.append(f"experts: {res['experts']}")
@@ -463,7 +626,9 @@ def throughput_rows(args, models, impls, device, save) -> list[dict]:
                 row["vs transformers"] = res["tokens_per_s"] / base_tps
             if base_losses:
                 n = min(len(base_losses), len(res["losses"]))
-                diff = max((abs(a - b) / max(abs(b), 1e-6) for a, b in zip(res["losses"][:n], base_losses[:n])), default=0.0)
+                diff = max(
+                    (abs(a - b) / max(abs(b), 1e-6) for a, b in zip(res["losses"][:n], base_losses[:n])), default=0.0
+                )
                 row["max loss diff"] = diff
                 if not diff <= LOSS_TOLERANCE:
                     notes.append(f"LOSSES DISAGREE (rel diff {diff:.2e})")
@@ -476,8 +641,16 @@ def max_seq_rows(args, models, device, save) -> list[dict]:
     rows = []
     for model in models:
         for impl in ("transformers", "fastplug", "fastplug_offload"):
-            spec = dict(mode="max_seq", model=model, impl=impl, tiny=args.tiny, device=device, seed=args.seed,
-                        start_seq=args.start_seq, max_seq=args.max_seq)
+            spec = dict(
+                mode="max_seq",
+                model=model,
+                impl=impl,
+                tiny=args.tiny,
+                device=device,
+                seed=args.seed,
+                start_seq=args.start_seq,
+                max_seq=args.max_seq,
+            )
             res = run_worker(spec, args.time_limit)
             label = {"fastplug": "fastplug (checkpointing)", "fastplug_offload": "fastplug (offload)"}.get(impl, impl)
             row = {"model": model, "impl": label}
@@ -487,23 +660,35 @@ def max_seq_rows(args, models, device, save) -> list[dict]:
                 save(rows)
                 continue
             longest = res["longest"] or {}
-            row.update({"longest seq that trains": longest.get("seq"), "peak GiB there": longest.get("peak_gib"),
-                        "tok/s there": longest.get("tokens_per_s"), "first failure": res["failure"] or "-",
-                        "tried": ", ".join(res["tried"])})
+            row.update(
+                {
+                    "longest seq that trains": longest.get("seq"),
+                    "peak GiB there": longest.get("peak_gib"),
+                    "tok/s there": longest.get("tokens_per_s"),
+                    "first failure": res["failure"] or "-",
+                    "tried": ", ".join(res["tried"]),
+                }
+            )
             save(rows)
     return rows
 
 
 def print_table(rows, columns):
     text_columns = {"model", "impl", "batch x seq", "losses (steps 1-3)", "note", "first failure", "tried"}
-    print(markdown_table([{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in columns} for r in rows],
-                         columns))
+    print(
+        markdown_table(
+            [{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in columns} for r in rows], columns
+        )
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench e2e", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                        help=f"comma-separated, from {','.join(MODELS)} (default {','.join(DEFAULT_MODELS)})")
+    parser.add_argument(
+        "--models",
+        default=",".join(DEFAULT_MODELS),
+        help=f"comma-separated, from {','.join(MODELS)} (default {','.join(DEFAULT_MODELS)})",
+    )
     parser.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compile happens here)")
@@ -512,14 +697,25 @@ def main(argv=None) -> int:
     parser.add_argument("--time-limit", type=float, default=300.0, help="seconds per model and impl (hard)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same families (CPU smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--adapter-dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="LoRA weights' dtype: fp32 is peft's default for a bf16 model")
+    parser.add_argument(
+        "--adapter-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="LoRA weights' dtype: fp32 is peft's default for a bf16 model",
+    )
     parser.add_argument("--profile", action="store_true", help="print a kernel-time table of one more step")
-    parser.add_argument("--options", default="", metavar="NAME=VALUE,...",
-                        help="KernelOptions for the fastplug impls, e.g. stack_projections=false,attention=false")
+    parser.add_argument(
+        "--options",
+        default="",
+        metavar="NAME=VALUE,...",
+        help="KernelOptions for the fastplug impls, e.g. stack_projections=false,attention=false",
+    )
     parser.add_argument("--out", default="bench_out", help="folder for the CSV and PNG")
-    parser.add_argument("--offload-max-seq", action="store_true",
-                        help="longest sequence at batch 1: transformers vs fastplug with and without offload")
+    parser.add_argument(
+        "--offload-max-seq",
+        action="store_true",
+        help="longest sequence at batch 1: transformers vs fastplug with and without offload",
+    )
     parser.add_argument("--start-seq", type=int, default=8192, help="--offload-max-seq: first length tried")
     parser.add_argument("--max-seq", type=int, default=524288, help="--offload-max-seq: longest length tried")
     args = parser.parse_args(argv)
@@ -544,9 +740,13 @@ def main(argv=None) -> int:
     rows = throughput_rows(args, models, impls, device, lambda rows: write_csv(csv_path, rows, COLUMNS))
     groups = list(dict.fromkeys(r["model"] for r in rows))
     plot_msg = grouped_bar_plot(
-        os.path.join(args.out, "e2e.png"), groups, impls,
-        [("LoRA training throughput", "tokens/s", {(r["model"], r["impl"]): r.get("tok/s") for r in rows}),
-         ("peak memory (weights included)", "GiB", {(r["model"], r["impl"]): r.get("peak GiB") for r in rows})],
+        os.path.join(args.out, "e2e.png"),
+        groups,
+        impls,
+        [
+            ("LoRA training throughput", "tokens/s", {(r["model"], r["impl"]): r.get("tok/s") for r in rows}),
+            ("peak memory (weights included)", "GiB", {(r["model"], r["impl"]): r.get("peak GiB") for r in rows}),
+        ],
     )
     print(f"\ncsv: {csv_path}\n{plot_msg}\n")
     print_table(rows, COLUMNS)

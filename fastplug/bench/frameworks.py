@@ -31,17 +31,45 @@ import time
 
 from ._report import short_error, write_csv
 from .e2e import (
-    LOSS_TOLERANCE, MODELS, TINY_BATCH, TINY_SEQ, build_model, default_device, parse_list, print_table, run_worker,
-    sync_device, token_batches, worker_deadline,
+    LOSS_TOLERANCE,
+    MODELS,
+    TINY_BATCH,
+    TINY_SEQ,
+    build_model,
+    default_device,
+    parse_list,
+    print_table,
+    run_worker,
+    sync_device,
+    token_batches,
+    worker_deadline,
 )
 
-RUNS = ("sft", "fast_sft", "sft_packed", "fast_sft_packed", "trainer", "trainer_fastkernels", "trainer_compile",
-        "trainer_compile_fastkernels", "trainer_fastkernels_graphs", "trainer_compile_fastkernels_graphs",
-        "trainer_fastkernels_auto", "lightning", "lightning_fastkernels")
-BASELINE = {"fast_sft": "sft", "fast_sft_packed": "sft_packed", "trainer_fastkernels": "trainer",
-            "trainer_compile_fastkernels": "trainer_compile", "trainer_fastkernels_graphs": "trainer",
-            "trainer_compile_fastkernels_graphs": "trainer_compile", "trainer_fastkernels_auto": "trainer",
-            "lightning_fastkernels": "lightning"}
+RUNS = (
+    "sft",
+    "fast_sft",
+    "sft_packed",
+    "fast_sft_packed",
+    "trainer",
+    "trainer_fastkernels",
+    "trainer_compile",
+    "trainer_compile_fastkernels",
+    "trainer_fastkernels_graphs",
+    "trainer_compile_fastkernels_graphs",
+    "trainer_fastkernels_auto",
+    "lightning",
+    "lightning_fastkernels",
+)
+BASELINE = {
+    "fast_sft": "sft",
+    "fast_sft_packed": "sft_packed",
+    "trainer_fastkernels": "trainer",
+    "trainer_compile_fastkernels": "trainer_compile",
+    "trainer_fastkernels_graphs": "trainer",
+    "trainer_compile_fastkernels_graphs": "trainer_compile",
+    "trainer_fastkernels_auto": "trainer",
+    "lightning_fastkernels": "lightning",
+}
 MODEL = "llama"
 COLUMNS = ("run", "batch x seq", "tok/s", "vs baseline", "peak GiB", "step ms", "losses (first 3)", "note")
 
@@ -110,7 +138,7 @@ def _documents(batches, seq: int, seed: int) -> list[list[int]]:
     docs, at = [], 0
     while at < len(tokens):
         n = int(torch.randint(min(16, seq), seq + 1, (1,), generator=gen))
-        docs.append(tokens[at:at + n])
+        docs.append(tokens[at : at + n])
         at += n
     return docs
 
@@ -134,11 +162,18 @@ def run_sft(spec: dict, device, fast: bool, packed: bool = False) -> dict:
         # Pre-packed: every row is exactly seq tokens, so TRL neither tokenizes, packs nor pads.
         dataset = Dataset.from_dict({"input_ids": torch.cat(batches).tolist()})
     config = SFTConfig(**_training_args(spec, device, "sft"), packing=packed, max_length=spec["seq"])
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"],
-                      task_type="CAUSAL_LM")  # every linear layer but the LM head, as in build_model
+    lora = LoraConfig(
+        r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[MODEL]["lora"], task_type="CAUSAL_LM"
+    )  # every linear layer but the LM head, as in build_model
     timer = StepTimer(device, worker_deadline(spec))
-    kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=_tiny_tokenizer(),
-                  peft_config=lora, callbacks=[_timing_callback(timer, device)])
+    kwargs = dict(
+        model=model,
+        args=config,
+        train_dataset=dataset,
+        processing_class=_tiny_tokenizer(),
+        peft_config=lora,
+        callbacks=[_timing_callback(timer, device)],
+    )
     if fast:
         from ..integrations.trl import FastSFTTrainer
 
@@ -272,7 +307,7 @@ def _result(spec, device, timer: StepTimer, note: str) -> dict:
 
     if not timer.times:
         raise RuntimeError("no training step ran")
-    measured = timer.times[spec["warmup"]:] or timer.times[-1:]
+    measured = timer.times[spec["warmup"] :] or timer.times[-1:]
     median = statistics.median(measured)
     return dict(
         step_ms=median * 1e3, tokens_per_s=spec["batch"] * spec["seq"] / median, losses=timer.losses[:3],
@@ -293,8 +328,13 @@ def worker_main(spec_json: str, result_path: str) -> int:
             result = run_sft(spec, device, fast=run.startswith("fast"), packed=run.endswith("packed"))
         elif run.startswith("trainer"):
             options = {"graphs": dict(cuda_graphs=True), "auto": dict(gradient_checkpointing="auto")}
-            result = run_trainer(spec, device, fast="fastkernels" in run, compiled="compile" in run,
-                                 options=options.get(run.rpartition("_")[2]))
+            result = run_trainer(
+                spec,
+                device,
+                fast="fastkernels" in run,
+                compiled="compile" in run,
+                options=options.get(run.rpartition("_")[2]),
+            )
         else:
             result = run_lightning(spec, device, fast=run == "lightning_fastkernels")
         print(f"step ms: {result['all_step_ms']}\nlosses: {result['losses']}", flush=True)
@@ -323,8 +363,17 @@ def frameworks_rows(args, runs, device, save) -> list[dict]:
     rows, results = [], {}
     for run in runs:
         # "bench" routes the `_worker` command of fastplug.bench to this module's worker_main.
-        spec = dict(bench="frameworks", run=run, tiny=args.tiny, device=device, seed=args.seed, batch=batch,
-                    seq=seq, steps=args.steps, warmup=args.warmup)
+        spec = dict(
+            bench="frameworks",
+            run=run,
+            tiny=args.tiny,
+            device=device,
+            seed=args.seed,
+            batch=batch,
+            seq=seq,
+            steps=args.steps,
+            warmup=args.warmup,
+        )
         res = run_worker(spec, args.time_limit)
         row = {"run": run, "batch x seq": f"{batch}x{seq}" + (" (tiny)" if args.tiny else "")}
         rows.append(row)
@@ -333,8 +382,15 @@ def frameworks_rows(args, runs, device, save) -> list[dict]:
             save(rows)
             continue
         results[run] = res
-        row.update({"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "step ms": res["step_ms"],
-                    "losses": res["losses"], "losses (first 3)": " ".join(f"{x:.4f}" for x in res["losses"])})
+        row.update(
+            {
+                "tok/s": res["tokens_per_s"],
+                "peak GiB": res["peak_gib"],
+                "step ms": res["step_ms"],
+                "losses": res["losses"],
+                "losses (first 3)": " ".join(f"{x:.4f}" for x in res["losses"]),
+            }
+        )
         notes = [res["note"]]
         if res["measured_steps"] < args.steps:
             notes.append(f"only {res['measured_steps']} measured steps (time limit)")

@@ -24,20 +24,62 @@ import time
 
 from ._report import fmt, markdown_table, short_error, write_csv
 
-LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                rope_theta=500000.0, max_position_embeddings=131072)
-GEMMA2_2B = dict(hidden_size=2304, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                 intermediate_size=9216, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096,
-                 final_logit_softcapping=30.0, attn_logit_softcapping=50.0, rms_norm_eps=1e-6,
-                 hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192)
-MODELS = {"llama": ("Llama-3.2-1B shape", "LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
-          "gemma2": ("Gemma2-2B shape", "Gemma2Config", "Gemma2ForCausalLM", GEMMA2_2B)}
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=128, tie_word_embeddings=True)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=8192,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
+GEMMA2_2B = dict(
+    hidden_size=2304,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    intermediate_size=9216,
+    vocab_size=256000,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    final_logit_softcapping=30.0,
+    attn_logit_softcapping=50.0,
+    rms_norm_eps=1e-6,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=8192,
+)
+MODELS = {
+    "llama": ("Llama-3.2-1B shape", "LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
+    "gemma2": ("Gemma2-2B shape", "Gemma2Config", "Gemma2ForCausalLM", GEMMA2_2B),
+}
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=128,
+    tie_word_embeddings=True,
+)
 IMPLS = ("fastplug", "fastplug_lora", "fastplug_perop", "transformers", "transformers_compile")
-COLUMNS = ["model", "impl", "batch", "new_tokens", "tok_per_s", "decode_tok_per_s", "ttft_ms", "peak_mib", "decode",
-           "error"]
+COLUMNS = [
+    "model",
+    "impl",
+    "batch",
+    "new_tokens",
+    "tok_per_s",
+    "decode_tok_per_s",
+    "ttft_ms",
+    "peak_mib",
+    "decode",
+    "error",
+]
 
 
 def _build(shape: dict, device: str, model: str = "llama", nf4: bool = False):
@@ -69,8 +111,12 @@ def _nf4(model, device: str):
     import torch
     import transformers
 
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         return type(model).from_pretrained(tmp, quantization_config=config, dtype=model.dtype, device_map=device)
@@ -116,12 +162,14 @@ def _run(impl: str, model, ids, mask, new_tokens: int, device: str, repeats: int
         extra = dict(cache_implementation="static") if impl == "transformers_compile" else {}
 
         def generate(n):
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                                  **extra)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, pad_token_id=0, **extra)
     else:
+
         def generate(n):
-            return fast_generate(model, ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            return fast_generate(
+                model, ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+
     decoder.FAST_DECODE = impl != "fastplug_perop"
     try:
         with torch.no_grad():
@@ -139,9 +187,13 @@ def _run(impl: str, model, ids, mask, new_tokens: int, device: str, repeats: int
     decode = {"transformers": "dynamic cache", "transformers_compile": "static cache + torch.compile"}.get(impl)
     rows = ids.shape[0]
     decode_rate = rows * (new_tokens - 1) / (seconds - ttft) if ttft is not None and new_tokens > 1 else None
-    return dict(tok_per_s=rows * new_tokens / seconds, decode_tok_per_s=decode_rate,
-                ttft_ms=None if ttft is None else 1000 * ttft, peak_mib=peak / 2**20,
-                decode=decode or graph_status(model))
+    return dict(
+        tok_per_s=rows * new_tokens / seconds,
+        decode_tok_per_s=decode_rate,
+        ttft_ms=None if ttft is None else 1000 * ttft,
+        peak_mib=peak / 2**20,
+        decode=decode or graph_status(model),
+    )
 
 
 def _profile(model, ids, mask, steps: int = 32) -> None:
@@ -153,8 +205,16 @@ def _profile(model, ids, mask, steps: int = 32) -> None:
     from fastplug.generate.api import fast_generate
 
     def call(n, graph):
-        return fast_generate(model, ids, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, cuda_graph=graph)
+        return fast_generate(
+            model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            cuda_graph=graph,
+        )
 
     for fast in (True, False):
         decoder.FAST_DECODE = fast
@@ -168,13 +228,17 @@ def _profile(model, ids, mask, steps: int = 32) -> None:
             events = sorted(events, key=lambda e: -e.device_time_total)
             total = sum(e.device_time_total for e in events)
             launches = sum(e.count for e in events)
-            print(f"\n## profile: {'decode kernels' if fast else 'per-op'}, {'CUDA graph' if graph else 'eager'}: "
-                  f"{steps} steps + prefill, GPU time {total / 1000:.2f} ms, {launches} kernels "
-                  f"(~{launches / (steps + 1):.0f} per step)")
+            print(
+                f"\n## profile: {'decode kernels' if fast else 'per-op'}, {'CUDA graph' if graph else 'eager'}: "
+                f"{steps} steps + prefill, GPU time {total / 1000:.2f} ms, {launches} kernels "
+                f"(~{launches / (steps + 1):.0f} per step)"
+            )
             print("| kernel | calls/step | us/step | share |\n|---|---|---|---|")
             for e in events[:14]:
-                print(f"| {e.key[:70]} | {e.count / (steps + 1):.1f} | {e.device_time_total / (steps + 1):.1f} | "
-                      f"{100 * e.device_time_total / max(total, 1):.1f}% |")
+                print(
+                    f"| {e.key[:70]} | {e.count / (steps + 1):.1f} | {e.device_time_total / (steps + 1):.1f} | "
+                    f"{100 * e.device_time_total / max(total, 1):.1f}% |"
+                )
     decoder.FAST_DECODE = True
 
 
@@ -209,15 +273,35 @@ def _kernels(model_name: str) -> None:
     shape = MODELS[model_name][3]
     hidden, inter, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     qkv = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * hd
-    cases = {"qkv+norm": ([qkv], hidden, None, True), "o+res": ([hidden], shape["num_attention_heads"] * hd, None, False),
-             "gate_up+norm": ([inter, inter], hidden, "silu", True), "down+res": ([hidden], inter, None, False),
-             "head+norm": ([shape["vocab_size"]], hidden, None, True)}
-    configs = {1: [(False, 1, 4, 1024, 4), (False, 1, 8, 512, 4), (False, 1, 8, 1024, 8), (False, 1, 16, 256, 4),
-                   (False, 1, 16, 512, 8), (False, 1, 2, 2048, 4)],
-               8: [(True, 16, 16, 128, 4), (True, 16, 32, 128, 4), (True, 16, 32, 256, 4), (True, 16, 64, 128, 4),
-                   (True, 16, 16, 256, 4), (True, 16, 16, 512, 8)]}
-    print(f"\n## decode GEMV configs, {MODELS[model_name][0]} (us per call in a CUDA graph, median; weights not in "
-          "L2; cuBLAS = F.linear per weight, + the add for res)")
+    cases = {
+        "qkv+norm": ([qkv], hidden, None, True),
+        "o+res": ([hidden], shape["num_attention_heads"] * hd, None, False),
+        "gate_up+norm": ([inter, inter], hidden, "silu", True),
+        "down+res": ([hidden], inter, None, False),
+        "head+norm": ([shape["vocab_size"]], hidden, None, True),
+    }
+    configs = {
+        1: [
+            (False, 1, 4, 1024, 4),
+            (False, 1, 8, 512, 4),
+            (False, 1, 8, 1024, 8),
+            (False, 1, 16, 256, 4),
+            (False, 1, 16, 512, 8),
+            (False, 1, 2, 2048, 4),
+        ],
+        8: [
+            (True, 16, 16, 128, 4),
+            (True, 16, 32, 128, 4),
+            (True, 16, 32, 256, 4),
+            (True, 16, 64, 128, 4),
+            (True, 16, 16, 256, 4),
+            (True, 16, 16, 512, 8),
+        ],
+    }
+    print(
+        f"\n## decode GEMV configs, {MODELS[model_name][0]} (us per call in a CUDA graph, median; weights not in "
+        "L2; cuBLAS = F.linear per weight, + the add for res)"
+    )
     print("| proj | rows | cuBLAS | default | " + " | ".join(f"cfg{i}" for i in range(6)) + " | GB/s best |")
     print("|---|---|---|---|" + "---|" * 7)
     for name, (ns, k, act, norm) in cases.items():
@@ -230,8 +314,9 @@ def _kernels(model_name: str) -> None:
         for m in (1, 8):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             h = torch.randn(m, sum(ns), device="cuda", dtype=torch.bfloat16)
-            ref = _graph_time(lambda i: [h.add_(F.linear(x, w)) if res else F.linear(x, w)
-                                         for w in sets[i % copies]], calls)
+            ref = _graph_time(
+                lambda i: [h.add_(F.linear(x, w)) if res else F.linear(x, w) for w in sets[i % copies]], calls
+            )
             kw = dict(activation=act, norm=nw, residual=h if res else None, out=h if res else None)
             times = [_graph_time(lambda i: gemv(x, sets[i % copies], **kw), calls)]
             for cfg in configs[m]:
@@ -243,9 +328,12 @@ def _kernels(model_name: str) -> None:
             best = min(t for t in times if t == t)
             cells = " | ".join(f"{1000 * t:.1f}" for t in times[1:])
             default = _gemv_config(m, max(ns), k, act is not None)
-            print(f"| {name} {ns}x{k} | {m} | {1000 * ref:.1f} | {1000 * times[0]:.1f} {default} | {cells} | "
-                  f"{nbytes / best / 1e6:.0f} |", flush=True)
-        del sets
+            print(
+                f"| {name} {ns}x{k} | {m} | {1000 * ref:.1f} | {1000 * times[0]:.1f} {default} | {cells} | "
+                f"{nbytes / best / 1e6:.0f} |",
+                flush=True,
+            )
+        sets = None  # frees the weight copies before the next shape (lambdas above read it)
     torch.cuda.empty_cache()
 
 
@@ -255,17 +343,24 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes (default 1,8)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per row (default 128)")
     parser.add_argument("--new-tokens", type=int, default=256, help="new tokens per row (default 256)")
-    parser.add_argument("--hf-new-tokens", type=int, default=None,
-                        help="new tokens for transformers' dynamic-cache rows (default: --new-tokens); its rate is "
-                             "per token")
+    parser.add_argument(
+        "--hf-new-tokens",
+        type=int,
+        default=None,
+        help="new tokens for transformers' dynamic-cache rows (default: --new-tokens); its rate is per token",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per setting (median; default 3)")
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, of {','.join(IMPLS)}")
-    parser.add_argument("--plan", default=None,
-                        help="model:batch:impl+impl;... (overrides --models/--batches/--impls), e.g. "
-                             "'llama:1:fastplug+transformers;gemma2:1:fastplug'")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        help="model:batch:impl+impl;... (overrides --models/--batches/--impls), e.g. "
+        "'llama:1:fastplug+transformers;gemma2:1:fastplug'",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke run)")
-    parser.add_argument("--nf4", action="store_true",
-                        help="4-bit NF4 bases (bitsandbytes, double quantization): QLoRA models")
+    parser.add_argument(
+        "--nf4", action="store_true", help="4-bit NF4 bases (bitsandbytes, double quantization): QLoRA models"
+    )
     parser.add_argument("--profile", action="store_true", help="print kernel tables of the decode steps")
     parser.add_argument("--kernels", action="store_true", help="time the decode GEMV's configurations")
     parser.add_argument("--out", default="bench_out", help="folder for generate.csv")
@@ -284,8 +379,9 @@ def main(argv=None) -> int:
     unknown = sorted({i for _, _, impls in plan for i in impls} - set(IMPLS))
     unknown_models = sorted({name for name, _, _ in plan} - set(MODELS))
     if unknown or unknown_models:
-        parser.error(f"unknown impls {unknown} / models {unknown_models}; choose from {','.join(IMPLS)} / "
-                     f"{','.join(MODELS)}")
+        parser.error(
+            f"unknown impls {unknown} / models {unknown_models}; choose from {','.join(IMPLS)} / {','.join(MODELS)}"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -296,9 +392,11 @@ def main(argv=None) -> int:
         model = _build(shape, device, name, args.nf4)
         wanted = [(b, impls) for n, b, impls in plan if n == name]
         lora_model = None
-        print(f"generate bench: {'tiny' if args.tiny else MODELS[name][0]}{', NF4' if args.nf4 else ''}, {device}, "
-              f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, prompt {args.prompt}, greedy, no EOS",
-              flush=True)
+        print(
+            f"generate bench: {'tiny' if args.tiny else MODELS[name][0]}{', NF4' if args.nf4 else ''}, {device}, "
+            f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}, prompt {args.prompt}, greedy, no EOS",
+            flush=True,
+        )
         for batch, impls in wanted:
             vocab = model.config.vocab_size
             ids = torch.randint(1, vocab, (batch, args.prompt), generator=g).to(device)
@@ -311,8 +409,11 @@ def main(argv=None) -> int:
                 try:
                     if impl == "fastplug_lora" and lora_model is None:
                         lora_model = _with_lora(_build(shape, device, name, args.nf4))
-                    row.update(_run(impl, lora_model if impl == "fastplug_lora" else model, ids, mask, new, device,
-                                    args.repeats))
+                    row.update(
+                        _run(
+                            impl, lora_model if impl == "fastplug_lora" else model, ids, mask, new, device, args.repeats
+                        )
+                    )
                 except Exception as error:  # one failing setting must not hide the others
                     row["error"] = short_error(error)
                 rows.append(row)

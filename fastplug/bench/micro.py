@@ -37,14 +37,37 @@ import torch.nn.functional as F
 
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "cross_entropy_head_grad",
-       "attention_causal", "attention_gemma2", "attention_gemma2_8k", "attention_varlen", "moe_grouped_gemm", "moe_layer")
+OPS = (
+    "rms_norm",
+    "layer_norm",
+    "swiglu",
+    "geglu",
+    "rope",
+    "cross_entropy",
+    "cross_entropy_head_grad",
+    "attention_causal",
+    "attention_gemma2",
+    "attention_gemma2_8k",
+    "attention_varlen",
+    "moe_grouped_gemm",
+    "moe_layer",
+)
 # sdpa / flex / triton (fastplug's kernel without the dispatcher): the attention rows only
 # grouped_mm: torch._grouped_mm (the moe rows; their eager is a per-expert loop / transformers' default experts)
 IMPLS = ("eager", "compile", "liger", "sdpa", "flex", "triton", "grouped_mm", "fastplug", "fastplug_inplace")
 TIMINGS = ("graph", "launch")
-COLUMNS = ("op", "shape", "impl", "ms", "timing", "peak MiB", "rel err out", "rel err grads", "speedup vs compile",
-           "note")
+COLUMNS = (
+    "op",
+    "shape",
+    "impl",
+    "ms",
+    "timing",
+    "peak MiB",
+    "rel err out",
+    "rel err grads",
+    "speedup vs compile",
+    "note",
+)
 TEXT_COLUMNS = ("op", "shape", "impl", "timing", "note")
 # bf16 against bf16 eager: both round, so a few 1e-3 is normal; beyond this the row is flagged.
 SUSPICIOUS_REL_ERR = 3e-2
@@ -157,7 +180,11 @@ def case_geglu(M, N, device, dtype) -> Case:
     from fastplug.kernels import geglu
 
     return _glu_case(
-        "geglu", M, N, device, dtype,
+        "geglu",
+        M,
+        N,
+        device,
+        dtype,
         lambda g, u: F.gelu(g, approximate="tanh") * u,
         lambda g, u, **kw: geglu(g, u, approximate="tanh", **kw),
         "LigerGELUMulFunction",
@@ -201,7 +228,7 @@ def case_cross_entropy(N, H, V, device, dtype, train_head=False) -> Case:
 
     hidden = _randn(N, H, device=device, dtype=dtype, requires_grad=True)
     # The LM head is frozen in LoRA fine-tuning (no weight grad); full fine-tuning or tied embeddings train it.
-    weight = _randn(V, H, device=device, dtype=dtype, scale=H ** -0.5, requires_grad=train_head)
+    weight = _randn(V, H, device=device, dtype=dtype, scale=H**-0.5, requires_grad=train_head)
     labels = torch.randint(0, V, (N,), device=device)
     labels[torch.rand(N, device=device) < 0.05] = -100  # some ignored positions, as with padding
 
@@ -258,8 +285,9 @@ def case_moe_layer(T, H, I, E, top_k, device, dtype) -> Case:
 
     from fastplug.models import moe as moe_rules
 
-    config = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
-                                         num_experts_per_tok=top_k, norm_topk_prob=True)
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k, norm_topk_prob=True
+    )
     config._experts_implementation = "grouped_mm"
     block = Qwen3MoeSparseMoeBlock(config).to(device=device, dtype=dtype)
     with torch.no_grad():
@@ -300,14 +328,18 @@ def case_attention(op, B, Hq, Hkv, T, D, device, dtype, softcap=None, window=Non
     q = _randn(B, Hq, T, D, device=device, dtype=dtype, requires_grad=True)
     k = _randn(B, Hkv, T, D, device=device, dtype=dtype, requires_grad=True)
     v = _randn(B, Hkv, T, D, device=device, dtype=dtype, requires_grad=True)
-    scale = D ** -0.5
+    scale = D**-0.5
     start = end = cu = None
     if docs is not None:
         cu = torch.tensor([0, *docs], device=device).cumsum(0).to(torch.int32)
         start, end = A.bounds_from_cu_seqlens(cu, T)
     seen = A.visible_keys(T, T, True, window, start, end, device)
-    desc = f"B{B} {Hq}/{Hkv} heads T{T} D{D}" + (f" softcap {softcap:g}" if softcap else "") + (
-        f" window {window}" if window else "") + (f", {len(docs)} docs" if docs else "")
+    desc = (
+        f"B{B} {Hq}/{Hkv} heads T{T} D{D}"
+        + (f" softcap {softcap:g}" if softcap else "")
+        + (f" window {window}" if window else "")
+        + (f", {len(docs)} docs" if docs else "")
+    )
     case = Case(op, desc, [q, k, v])
     module = _AttentionModule(Hq // Hkv)
     if docs is not None:
@@ -325,14 +357,27 @@ def case_attention(op, B, Hq, Hkv, T, D, device, dtype, softcap=None, window=Non
         case.impls["eager"] = lambda: eager_attention_forward(module, q, k, v, mask, scaling=scale, **extra)[0]
     if softcap is None and window is None and docs is None:
         case.impls["sdpa"] = lambda: F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv).transpose(1, 2)
+            q, k, v, is_causal=True, scale=scale, enable_gqa=Hq != Hkv
+        ).transpose(1, 2)
     if docs is None:
         case.impls["flex"] = _flex(q, k, v, T, scale, softcap, window)
-    p = A._Problem(B, Hq, Hkv, T, T, D, max(16, A.next_power_of_2(D)), True, A._normalise_window(window, True, T, T),
-                   softcap, scale)
+    p = A._Problem(
+        B,
+        Hq,
+        Hkv,
+        T,
+        T,
+        D,
+        max(16, A.next_power_of_2(D)),
+        True,
+        A._normalise_window(window, True, T, T),
+        softcap,
+        scale,
+    )
     case.impls["triton"] = lambda: A.FlashAttention.apply(q, k, v, p, start, end)
-    case.impls["fastplug"] = lambda: A.attention(q, k, v, sliding_window=window, softcap=softcap, scale=scale,
-                                                 cu_seqlens=cu)
+    case.impls["fastplug"] = lambda: A.attention(
+        q, k, v, sliding_window=window, softcap=softcap, scale=scale, cu_seqlens=cu
+    )
     return case
 
 
@@ -354,8 +399,15 @@ def _flex(q, k, v, T, scale, softcap, window) -> Callable:
             state["mask"] = create_block_mask(mask_mod, None, None, T, T, device=q.device)
             state["score_mod"] = score_mod if softcap is not None else None
             state["fn"] = torch.compile(flex_attention)
-        out = state["fn"](q, k, v, score_mod=state["score_mod"], block_mask=state["mask"], scale=scale,
-                          enable_gqa=q.shape[1] != k.shape[1])
+        out = state["fn"](
+            q,
+            k,
+            v,
+            score_mod=state["score_mod"],
+            block_mask=state["mask"],
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
         return out.transpose(1, 2)
 
     return run
@@ -394,11 +446,14 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             "cross_entropy_head_grad": lambda: case_cross_entropy(37, 64, 257, device, dtype, train_head=True),
             "attention_causal": lambda: case_attention("attention_causal", 1, 4, 2, 40, 64, device, dtype),
             "attention_gemma2": lambda: case_attention(
-                "attention_gemma2", 1, 2, 1, 40, 80, device, dtype, softcap=50.0, window=9),
+                "attention_gemma2", 1, 2, 1, 40, 80, device, dtype, softcap=50.0, window=9
+            ),
             "attention_gemma2_8k": lambda: case_attention(
-                "attention_gemma2_8k", 1, 2, 1, 33, 32, device, dtype, softcap=50.0, window=5),
+                "attention_gemma2_8k", 1, 2, 1, 33, 32, device, dtype, softcap=50.0, window=5
+            ),
             "attention_varlen": lambda: case_attention(
-                "attention_varlen", 1, 4, 2, 40, 64, device, dtype, docs=_varlen_docs(40, 3)),
+                "attention_varlen", 1, 4, 2, 40, 64, device, dtype, docs=_varlen_docs(40, 3)
+            ),
             "moe_grouped_gemm": lambda: case_moe_grouped_gemm(256, 4, 32, 48, device, dtype),
             "moe_layer": lambda: case_moe_layer(32, 64, 32, 4, 2, device, dtype),
         }
@@ -414,11 +469,14 @@ def build_cases(ops, quick: bool, device, dtype) -> list[tuple[str, Callable[[],
             # shared/BASELINES.md: SDPA 3.96 ms, flex 5.37; Gemma2 T2048 eager 3.34, flex 1.94; T8192 flex 15.7
             "attention_causal": lambda: case_attention("attention_causal", 4, 32, 8, 4096, 128, device, dtype),
             "attention_gemma2": lambda: case_attention(
-                "attention_gemma2", 2, 8, 4, 2048, 256, device, dtype, softcap=50.0, window=4096),
+                "attention_gemma2", 2, 8, 4, 2048, 256, device, dtype, softcap=50.0, window=4096
+            ),
             "attention_gemma2_8k": lambda: case_attention(
-                "attention_gemma2_8k", 2, 8, 4, 8192, 256, device, dtype, softcap=50.0, window=4096),
+                "attention_gemma2_8k", 2, 8, 4, 8192, 256, device, dtype, softcap=50.0, window=4096
+            ),
             "attention_varlen": lambda: case_attention(
-                "attention_varlen", 1, 32, 8, 16384, 128, device, dtype, docs=_varlen_docs(16384, 8)),
+                "attention_varlen", 1, 32, 8, 16384, 128, device, dtype, docs=_varlen_docs(16384, 8)
+            ),
             # shared/BASELINES.md: torch._grouped_mm fwd+bwd 2.16 ms
             "moe_grouped_gemm": lambda: case_moe_grouped_gemm(65536, 64, 2048, 1536, device, dtype),
             "moe_layer": lambda: case_moe_layer(8192, 2048, 768, 64, 8, device, dtype),
@@ -521,8 +579,10 @@ def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
     for _ in range(int(warmup_ms / replay_ms)):
         graph.replay()
     # Queue all timed replays before waiting: the GPU never idles, so no launch latency is in the events.
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(max(10, min(1000, int(rep_ms / replay_ms))))]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(max(10, min(1000, int(rep_ms / replay_ms))))
+    ]
     for before, after in events:
         before.record()
         graph.replay()
@@ -672,11 +732,18 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {','.join(IMPLS)}")
     parser.add_argument("--out", default="bench_out", help="folder for micro.csv and micro.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes (runs on CPU, for smoke tests)")
-    parser.add_argument("--timing", choices=TIMINGS, default="graph",
-                        help="CUDA only: graph = device time of CUDA-graph replays of the fwd+bwd step (default); "
-                             "launch = triton do_bench of eager calls, host launch cost included")
-    parser.add_argument("--profile", action="store_true",
-                        help="CUDA only: also print the top kernels of a few fwd+bwd steps per op and implementation")
+    parser.add_argument(
+        "--timing",
+        choices=TIMINGS,
+        default="graph",
+        help="CUDA only: graph = device time of CUDA-graph replays of the fwd+bwd step (default); "
+        "launch = triton do_bench of eager calls, host launch cost included",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="CUDA only: also print the top kernels of a few fwd+bwd steps per op and implementation",
+    )
     parser.add_argument("--warmup-ms", type=float, default=50.0, help="warm-up time per implementation")
     parser.add_argument("--rep-ms", type=float, default=300.0, help="measuring time per implementation")
     parser.add_argument("--seed", type=int, default=0)
@@ -703,8 +770,11 @@ def main(argv=None) -> int:
     from fastplug.kernels._utils import kernel_path
 
     timing = args.timing if device.type == "cuda" else "cpu median"
-    print(f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd, "
-          f"timing: {timing}; fastplug path: {kernel_path(device)}", flush=True)
+    print(
+        f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd, "
+        f"timing: {timing}; fastplug path: {kernel_path(device)}",
+        flush=True,
+    )
 
     rows = []
     for op, build in build_cases(ops, args.quick, device, dtype):
@@ -716,9 +786,12 @@ def main(argv=None) -> int:
             continue
         case_rows = measure_case(case, impls, device, args.timing, args.warmup_ms, args.rep_ms, profile)
         for r in case_rows:
-            print(f"  {r['op']:<13} {r['impl']:<8} ms={fmt(r.get('ms'))} ({r.get('timing', '-')}) "
-                  f"peak={fmt(r.get('peak MiB'))} MiB err={fmt(r.get('rel err out'))}/{fmt(r.get('rel err grads'))} "
-                  f"{r.get('note', '')}", flush=True)
+            print(
+                f"  {r['op']:<13} {r['impl']:<8} ms={fmt(r.get('ms'))} ({r.get('timing', '-')}) "
+                f"peak={fmt(r.get('peak MiB'))} MiB err={fmt(r.get('rel err out'))}/{fmt(r.get('rel err grads'))} "
+                f"{r.get('note', '')}",
+                flush=True,
+            )
         for r in case_rows:
             if "kernels" in r:
                 print(f"\n  top kernels, {r['op']} {r['impl']} (per step):\n{r['kernels']}\n", flush=True)
@@ -733,12 +806,12 @@ def main(argv=None) -> int:
     groups = list(dict.fromkeys(r["op"] for r in rows))
     eager_ms = {r["op"]: r.get("ms") for r in rows if r["impl"] == "eager"}
     speedups = {
-        (r["op"], r["impl"]): eager_ms[r["op"]] / r["ms"]
-        for r in rows
-        if r.get("ms") and eager_ms.get(r["op"])
+        (r["op"], r["impl"]): eager_ms[r["op"]] / r["ms"] for r in rows if r.get("ms") and eager_ms.get(r["op"])
     }
     plot_msg = grouped_bar_plot(
-        os.path.join(args.out, "micro.png"), groups, impls,
+        os.path.join(args.out, "micro.png"),
+        groups,
+        impls,
         [("fwd+bwd speedup over torch eager (bf16, higher is better)", "x eager", speedups)],
     )
     print(f"\ncsv: {csv_path}\n{plot_msg}\n")
@@ -792,8 +865,17 @@ def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
     def add(op, shape, impl, fn, ref=None, note=""):
         out = fn()
         err = rel_err(out, ref) if ref is not None else None
-        rows.append({"op": op, "shape": shape, "impl": impl, "ms": timed(fn), "peak MiB": peak(fn),
-                     "rel err": err, "note": note})
+        rows.append(
+            {
+                "op": op,
+                "shape": shape,
+                "impl": impl,
+                "ms": timed(fn),
+                "peak MiB": peak(fn),
+                "rel err": err,
+                "note": note,
+            }
+        )
         return out
 
     w = params4bit(hidden, inter)  # the down projection's [4096, 14336]
@@ -808,15 +890,16 @@ def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
         ref = add("gemv_4bit", shape, "bitsandbytes", lambda: bnb.matmul_4bit(x, wg.t(), quant_state=wg.quant_state))
         add("gemv_4bit", shape, "fastplug", lambda: gemv_4bit(x, wg), ref)
         add("gemv_4bit", shape, "dequant+matmul", lambda: x @ dequantize_4bit(wg, dtype=torch.bfloat16).t(), ref)
-        del wg
+        wg = None  # frees the weight before the next shape
 
     class MLP(torch.nn.Module):
         def __init__(self):
             super().__init__()
 
             def linear(i, o):
-                return bnb.nn.Linear4bit(i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
-                                         compress_statistics=True)
+                return bnb.nn.Linear4bit(
+                    i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True
+                )
 
             self.gate_proj, self.up_proj = linear(hidden, inter), linear(hidden, inter)
             self.down_proj = linear(inter, hidden)
@@ -840,8 +923,12 @@ def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
 
     layers = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     shape = f"{tokens}x{hidden}, I={inter}, r=16"
-    ref = add("lora_mlp_4bit fwd+bwd", shape, "peft+bnb",
-              step(lambda: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))))
+    ref = add(
+        "lora_mlp_4bit fwd+bwd",
+        shape,
+        "peft+bnb",
+        step(lambda: mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))),
+    )
     add("lora_mlp_4bit fwd+bwd", shape, "fastplug", step(lambda: lora_mlp(x, *fused_projections(*layers))), ref)
     return rows
 

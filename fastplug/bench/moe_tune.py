@@ -21,8 +21,9 @@ COLUMNS = ["kind", "BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def moe_tune_rows(n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, dtype: str = "bf16",
-                  device: str = "cuda") -> list[dict]:
+def moe_tune_rows(
+    n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, dtype: str = "bf16", device: str = "cuda"
+) -> list[dict]:
     """Every config of each kernel kind timed on this shape, fastest first within a kind."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}; got {dtype!r}")
@@ -35,8 +36,9 @@ def moe_tune_rows(n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, d
     return out
 
 
-def moe_tune_dataframe(n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, dtype: str = "bf16",
-                       device: str = "cuda"):
+def moe_tune_dataframe(
+    n: int, k: int, experts: int, rows: int, kinds=tuning.KINDS, dtype: str = "bf16", device: str = "cuda"
+):
     """`moe_tune_rows` as a pandas DataFrame (pandas is optional: ImportError says how to get it)."""
     try:
         import pandas as pd
@@ -46,8 +48,11 @@ def moe_tune_dataframe(n: int, k: int, experts: int, rows: int, kinds=tuning.KIN
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fastplug.bench moe-tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fastplug.bench moe-tune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--n", type=int, default=1536, help="output width of the GEMM (expert width x2 for gate_up)")
     parser.add_argument("--k", type=int, default=2048, help="reduction width (hidden size)")
     parser.add_argument("--experts", type=int, default=64)
@@ -63,8 +68,10 @@ def main(argv=None) -> int:
     rows = moe_tune_rows(args.n, args.k, args.experts, args.rows, kinds, args.dtype)
     shown = [{c: fmt(r[c]) for c in COLUMNS} for r in rows]
     table = markdown_table(shown, COLUMNS)
-    title = f"MoE grouped GEMM configs: N={args.n} K={args.k} experts={args.experts} rows={args.rows} {args.dtype}, " \
-            f"{torch.cuda.get_device_name()}"
+    title = (
+        f"MoE grouped GEMM configs: N={args.n} K={args.k} experts={args.experts} rows={args.rows} {args.dtype}, "
+        f"{torch.cuda.get_device_name()}"
+    )
     print(f"{title}\n\n{table}")
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "moe_tune.csv"), rows, ["N", "K", "E", "M", "dtype"] + COLUMNS)

@@ -31,8 +31,20 @@ from .e2e import MODELS, TINY_BATCH, TINY_SEQ, apply_impl, build_model, token_ba
 DEFAULT_MODELS = ("llama", "llama8b_4l")
 IMPLS = ("transformers", "fastplug")
 PARALLEL = ("single", "ddp", "fsdp2")  # single: one GPU, the baseline
-COLUMNS = ("model", "batch x seq per GPU", "parallel", "GPUs", "impl", "tok/s per GPU", "vs transformers",
-           "vs 1 GPU", "peak GiB per GPU", "step ms", "losses (rank 0, steps 1-3)", "note")
+COLUMNS = (
+    "model",
+    "batch x seq per GPU",
+    "parallel",
+    "GPUs",
+    "impl",
+    "tok/s per GPU",
+    "vs transformers",
+    "vs 1 GPU",
+    "peak GiB per GPU",
+    "step ms",
+    "losses (rank 0, steps 1-3)",
+    "note",
+)
 
 
 # --- the worker: every rank of one launch -----------------------------------------------------------
@@ -61,7 +73,7 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
     batches = token_batches(model.config.vocab_size, spec["batch"], spec["seq"], 4, spec["seed"] + rank, device)
     deadline = time.perf_counter() + (spec["deadline"] - time.time())
     times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, deadline)
-    step = statistics.median(times[spec["warmup"]:] or times[-1:])
+    step = statistics.median(times[spec["warmup"] :] or times[-1:])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if world > 1:  # the slowest rank sets the pace; memory: the fullest GPU
         stats = torch.tensor([step, peak], dtype=torch.float64, device=device)
@@ -71,9 +83,16 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
     if handle is not None:  # before the next row: a patch that holds the collector frozen keeps the model alive
         handle.restore()
     del runner, model, params, batches, handle
-    return {"model": name, "impl": impl, "step_s": step, "tokens_per_s": spec["batch"] * spec["seq"] / step,
-            "peak_gib": peak if device.type == "cuda" else None, "losses": losses[:3], "note": note,
-            "measured_steps": max(len(times) - spec["warmup"], 0)}
+    return {
+        "model": name,
+        "impl": impl,
+        "step_s": step,
+        "tokens_per_s": spec["batch"] * spec["seq"] / step,
+        "peak_gib": peak if device.type == "cuda" else None,
+        "losses": losses[:3],
+        "note": note,
+        "measured_steps": max(len(times) - spec["warmup"], 0),
+    }
 
 
 def worker_main(spec_json: str, result_path: str) -> int:
@@ -103,8 +122,10 @@ def worker_main(spec_json: str, result_path: str) -> int:
             say(f"{spec['parallel']} x{world} {name} / {impl}")
             try:
                 res = _run_one(spec, name, impl, rank, world, device)
-                say(f"{name} / {impl}: {res['tokens_per_s']:.0f} tok/s per GPU, peak {fmt(res['peak_gib'])} GiB "
-                    f"per GPU, step {res['step_s'] * 1e3:.0f} ms, losses {[round(x, 4) for x in res['losses']]}")
+                say(
+                    f"{name} / {impl}: {res['tokens_per_s']:.0f} tok/s per GPU, peak {fmt(res['peak_gib'])} GiB "
+                    f"per GPU, step {res['step_s'] * 1e3:.0f} ms, losses {[round(x, 4) for x in res['losses']]}"
+                )
             except Exception as exc:  # one failed row (an OOM, ...) must not cost the others
                 import traceback
 
@@ -143,8 +164,18 @@ def run_launch(spec: dict, nproc: int, time_limit: float, log_path: str) -> list
     spec = dict(spec, deadline=time.time() + 0.85 * time_limit)
     fd, result_path = tempfile.mkstemp(prefix="fastplug_multi_", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "fastplug.bench", "_multi_worker", json.dumps(spec), result_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "fastplug.bench",
+        "_multi_worker",
+        json.dumps(spec),
+        result_path,
+    ]
     stopped: list = []
     try:
         with open(log_path, "w") as log:
@@ -180,16 +211,26 @@ def rows_for(results: dict, models, impls, nproc: int, batch: int, seq: int, tin
                 if res is None:
                     err = next((r["error"] for r in results[mode] if "model" not in r), "not run")
                     res = {"error": err}
-                row = {"model": name + (" (tiny)" if tiny else ""), "batch x seq per GPU": f"{batch}x{seq}",
-                       "parallel": mode, "GPUs": 1 if mode == "single" else nproc, "impl": impl}
+                row = {
+                    "model": name + (" (tiny)" if tiny else ""),
+                    "batch x seq per GPU": f"{batch}x{seq}",
+                    "parallel": mode,
+                    "GPUs": 1 if mode == "single" else nproc,
+                    "impl": impl,
+                }
                 rows.append(row)
                 if "error" in res:
                     row["note"] = res["error"]
                     continue
-                row.update({"tok/s per GPU": res["tokens_per_s"], "peak GiB per GPU": res["peak_gib"],
-                            "step ms": res["step_s"] * 1e3,
-                            "losses (rank 0, steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"]),
-                            "note": res.get("note", "")})
+                row.update(
+                    {
+                        "tok/s per GPU": res["tokens_per_s"],
+                        "peak GiB per GPU": res["peak_gib"],
+                        "step ms": res["step_s"] * 1e3,
+                        "losses (rank 0, steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"]),
+                        "note": res.get("note", ""),
+                    }
+                )
                 base = by_key.get((mode, name, "transformers"), {})
                 if "tokens_per_s" in base:
                     row["vs transformers"] = res["tokens_per_s"] / base["tokens_per_s"]
@@ -217,8 +258,9 @@ def targets(rows: list[dict]) -> list[str]:
                 checks.append((f"{mode} speedup {speedup:.2f}x vs 1 GPU's {one:.2f}x (>= 0.90)", ratio, ratio >= 0.9))
         ddp_peak, fsdp_peak = fast["ddp"].get("peak GiB per GPU"), fast["fsdp2"].get("peak GiB per GPU")
         if ddp_peak and fsdp_peak:
-            checks.append((f"FSDP2 peak {fsdp_peak:.2f} GiB < DDP {ddp_peak:.2f} GiB", fsdp_peak / ddp_peak,
-                           fsdp_peak < ddp_peak))
+            checks.append(
+                (f"FSDP2 peak {fsdp_peak:.2f} GiB < DDP {ddp_peak:.2f} GiB", fsdp_peak / ddp_peak, fsdp_peak < ddp_peak)
+            )
         for text, value, ok in checks:
             lines.append(f"{'met ' if ok else 'MISSED'}  {name}: {text} [{value:.3f}]")
         if not checks:
@@ -260,17 +302,30 @@ def main(argv=None) -> int:
     batch = args.batch or (TINY_BATCH if args.tiny else MODELS["llama"]["batch"])
     seq = args.seq or (TINY_SEQ if args.tiny else MODELS["llama"]["seq"])
     os.makedirs(args.out, exist_ok=True)
-    print(f"multi bench on {device}: {', '.join(modes)} with {args.nproc} processes; models {', '.join(models)}; "
-          f"{batch}x{seq} per GPU, LoRA r=16, checkpointing, fused AdamW, bf16", flush=True)
-    spec = dict(models=models, impls=impls, tiny=args.tiny, device=device, seed=args.seed, batch=batch, seq=seq,
-                steps=args.steps, warmup=args.warmup)
+    print(
+        f"multi bench on {device}: {', '.join(modes)} with {args.nproc} processes; models {', '.join(models)}; "
+        f"{batch}x{seq} per GPU, LoRA r=16, checkpointing, fused AdamW, bf16",
+        flush=True,
+    )
+    spec = dict(
+        models=models,
+        impls=impls,
+        tiny=args.tiny,
+        device=device,
+        seed=args.seed,
+        batch=batch,
+        seq=seq,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
     results = {}
     for mode in modes:
         start = time.time()
         log_path = os.path.join(args.out, f"multi_{mode}.log")
         print(f"launch: {mode} ({'1 process' if mode == 'single' else f'{args.nproc} processes'})", flush=True)
-        results[mode] = run_launch(dict(spec, parallel=mode), 1 if mode == "single" else args.nproc,
-                                   args.time_limit, log_path)
+        results[mode] = run_launch(
+            dict(spec, parallel=mode), 1 if mode == "single" else args.nproc, args.time_limit, log_path
+        )
         print(f"launch: {mode} done in {time.time() - start:.0f} s (log: {log_path})", flush=True)
     rows = rows_for(results, models, impls, args.nproc, batch, seq, args.tiny)
     csv_path = os.path.join(args.out, "multi.csv")
@@ -280,7 +335,10 @@ def main(argv=None) -> int:
     for line in targets(rows):
         print(f"  {line}")
     print()
-    print(markdown_table([{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in COLUMNS} for r in rows],
-                         COLUMNS))
+    print(
+        markdown_table(
+            [{c: r.get(c, "") if c in text_columns else fmt(r.get(c)) for c in COLUMNS} for r in rows], COLUMNS
+        )
+    )
     failed = [r for r in rows if "tok/s per GPU" not in r]
     return 1 if failed else 0

@@ -27,9 +27,19 @@ from ._report import fmt, markdown_table
 
 LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # --shape: (the e2e bench's preset, batch, seq, name in the table)
-SHAPES = {"llama8b_4l": ("llama8b_4l", 2, 4096, "Llama-8B width, 4 layers"), "llama1b": ("llama", 4, 2048, "Llama-1B shape")}
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+SHAPES = {
+    "llama8b_4l": ("llama8b_4l", 2, 4096, "Llama-8B width, 4 layers"),
+    "llama1b": ("llama", 4, 2048, "Llama-1B shape"),
+}
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+)
 
 
 def _to_4bit(model, device) -> None:
@@ -42,15 +52,30 @@ def _to_4bit(model, device) -> None:
                 lin = getattr(owner, name, None)
                 if not isinstance(lin, torch.nn.Linear):
                     continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False, compute_dtype=torch.bfloat16,
-                                      quant_type="nf4", compress_statistics=True, device="meta")
-                q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4",
-                                             compress_statistics=True)._quantize(device)
+                q = bnb.nn.Linear4bit(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=False,
+                    compute_dtype=torch.bfloat16,
+                    quant_type="nf4",
+                    compress_statistics=True,
+                    device="meta",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    lin.weight.data, requires_grad=False, quant_type="nf4", compress_statistics=True
+                )._quantize(device)
                 setattr(owner, name, q)
 
 
-IMPLS = ("transformers+peft+bnb", "fastplug", "liger", "fastplug-bf16", "fastplug+graphs", "fastplug+auto",
-         "fastplug+auto+graphs")
+IMPLS = (
+    "transformers+peft+bnb",
+    "fastplug",
+    "liger",
+    "fastplug-bf16",
+    "fastplug+graphs",
+    "fastplug+auto",
+    "fastplug+auto+graphs",
+)
 
 
 def _build(config, device, quantize: bool):
@@ -93,14 +118,23 @@ def _profile(model, optimizer, ids, device, label: str, rows: int = 30) -> str:
     launches = sum(e.count for e in events)
     print(f"\n== profile: {label} ==", flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70))
-    summary = (f"{label}: device {kernel_ms:.1f} ms of kernels ({launches} launches), host {1e3 * host:.1f} ms "
-               f"before the sync, wall {1e3 * wall:.1f} ms (profiled)")
+    summary = (
+        f"{label}: device {kernel_ms:.1f} ms of kernels ({launches} launches), host {1e3 * host:.1f} ms "
+        f"before the sync, wall {1e3 * wall:.1f} ms (profiled)"
+    )
     print(summary, flush=True)
     return summary
 
 
-def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", impls=IMPLS[:3],
-             profile: bool = False, options: dict | None = None) -> list[dict]:
+def e2e_rows(
+    device,
+    quick: bool,
+    steps: int = 4,
+    shape: str = "llama8b_4l",
+    impls=IMPLS[:3],
+    profile: bool = False,
+    options: dict | None = None,
+) -> list[dict]:
     """options: KernelOptions overrides for the fastplug rows."""
     import transformers
 
@@ -123,8 +157,9 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
     apply_liger = _liger("_apply_liger_kernel_to_instance")
     # Liger last: its instance patch also replaces functions and classes of transformers' Llama module (a fastplug
     # row built after it fused LoRA on 4 of 8 blocks), and every row here runs in this one process.
-    order = sorted((i for i in IMPLS if i in impls and (i != "liger" or apply_liger is not None)),
-                   key=lambda i: i == "liger")
+    order = sorted(
+        (i for i in IMPLS if i in impls and (i != "liger" or apply_liger is not None)), key=lambda i: i == "liger"
+    )
     model = None
     for impl in order:
         bf16 = impl == "fastplug-bf16"
@@ -133,8 +168,13 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
         params = [p for p in model.parameters() if p.requires_grad]
         # freeze_gc and stack_projections as the trainer adapters (and the e2e bench) set them for their run
         fast = impl.startswith("fastplug")
-        scoped = {"freeze_gc": True, "stack_projections": True, "cuda_graphs": impl.endswith("graphs"),
-                  "gradient_checkpointing": "auto" if "+auto" in impl else True, **(options or {})}
+        scoped = {
+            "freeze_gc": True,
+            "stack_projections": True,
+            "cuda_graphs": impl.endswith("graphs"),
+            "gradient_checkpointing": "auto" if "+auto" in impl else True,
+            **(options or {}),
+        }
         handle = fastplug.patch_model(model, **scoped) if fast else None
         if impl == "liger":
             apply_liger(model=model.get_base_model())
@@ -155,8 +195,17 @@ def e2e_rows(device, quick: bool, steps: int = 4, shape: str = "llama8b_4l", imp
         note = "" if handle is None else "lora_fused " + str(handle.counts.get("lora_fused", 0))
         note += f"; host {1e3 * statistics.median(host[2:]):.0f} ms before the sync"
         quant = "bf16" if bf16 else "NF4"
-        rows.append({"op": "e2e step", "shape": f"{shape}, {batch}x{seq} {quant}", "impl": impl, "ms": ms,
-                     "tok/s": batch * seq / ms * 1e3, "peak GiB": peak, "note": f"losses {losses[0]:.4f}.. {note}"})
+        rows.append(
+            {
+                "op": "e2e step",
+                "shape": f"{shape}, {batch}x{seq} {quant}",
+                "impl": impl,
+                "ms": ms,
+                "tok/s": batch * seq / ms * 1e3,
+                "peak GiB": peak,
+                "note": f"losses {losses[0]:.4f}.. {note}",
+            }
+        )
         if profile and device.type == "cuda" and handle is not None:
             summaries.append(_profile(model, optimizer, ids[0], device, f"{impl} {shape} {quant}"))
         if handle is not None:
@@ -234,16 +283,21 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     from ..kernels.quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config
 
     device = torch.device(device)
-    shapes = [(96, 64), (64, 96)] if quick else [(14336, 4096), (4096, 14336), (2048, 2048), (512, 2048),
-                                                  (8192, 2048), (2048, 8192)]
+    shapes = (
+        [(96, 64), (64, 96)]
+        if quick
+        else [(14336, 4096), (4096, 14336), (2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)]
+    )
     batches = (1, 2) if quick else (1, 2, 4, 8)
     rows = []
     for out_f, in_f in shapes:
         torch.manual_seed(0)
         w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
         copies = 1 if quick else max(2, min(64, -(-150 * 2**20 // (out_f * in_f // 2))))  # 150 MB of weights
-        ps = [bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
-              for _ in range(copies)]
+        ps = [
+            bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", compress_statistics=True).to(device)
+            for _ in range(copies)
+        ]
         p = ps[0]
         w32 = dequantize_4bit_reference(p, torch.float32)
         for m in batches:
@@ -285,11 +339,22 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     return rows
 
 
-_SWEEP_ROWS = [dict(dot=False, block_n=bn, chunk=ch, num_warps=nw, lookup=lookup, words=words)
-               for bn in (2, 4, 8, 16) for ch in (256, 512, 1024) for nw in (1, 2, 4, 8)
-               for lookup in ("gather", "shfl") for words in (False, True) if 16 <= bn * ch // (32 * nw) <= 64]
-_SWEEP_DOT = [dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
-              for bn in (16, 32) for ch in (64, 128, 256, 512) for nw in (4, 8) if 8 <= bn * ch // (32 * nw) <= 64]
+_SWEEP_ROWS = [
+    dict(dot=False, block_n=bn, chunk=ch, num_warps=nw, lookup=lookup, words=words)
+    for bn in (2, 4, 8, 16)
+    for ch in (256, 512, 1024)
+    for nw in (1, 2, 4, 8)
+    for lookup in ("gather", "shfl")
+    for words in (False, True)
+    if 16 <= bn * ch // (32 * nw) <= 64
+]
+_SWEEP_DOT = [
+    dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
+    for bn in (16, 32)
+    for ch in (64, 128, 256, 512)
+    for nw in (4, 8)
+    if 8 <= bn * ch // (32 * nw) <= 64
+]
 
 
 def main(argv=None) -> int:
@@ -306,8 +371,12 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS[:3]), help=f"end-to-end rows, from {','.join(IMPLS)}")
     parser.add_argument("--steps", type=int, default=4, help="measured end-to-end steps (after 2 warm-up steps)")
     parser.add_argument("--profile", action="store_true", help="kernel table of one more step of each fastplug row")
-    parser.add_argument("--options", default="", metavar="NAME=VALUE,...",
-                        help="KernelOptions for the fastplug rows, e.g. stack_projections=false")
+    parser.add_argument(
+        "--options",
+        default="",
+        metavar="NAME=VALUE,...",
+        help="KernelOptions for the fastplug rows, e.g. stack_projections=false",
+    )
     args = parser.parse_args(argv)
     options = parse_options(args.options, parser)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
@@ -321,8 +390,12 @@ def main(argv=None) -> int:
         micro = lambda: gemv_rows(device, args.quick, sweep=args.gemv_sweep)  # noqa: E731
     elif not args.no_micro:
         micro = lambda: qlora_rows(device, args.quick)  # noqa: E731
-    parts = (micro, None if args.no_e2e else lambda: e2e_rows(device, args.quick, args.steps, args.shape, impls,
-                                                               args.profile, options))
+    parts = (
+        micro,
+        None
+        if args.no_e2e
+        else lambda: e2e_rows(device, args.quick, args.steps, args.shape, impls, args.profile, options),
+    )
     for part in parts:
         if part is None:
             continue
@@ -333,8 +406,15 @@ def main(argv=None) -> int:
         for r in rows:
             print({k: v for k, v in r.items()}, flush=True)
     columns = ("op", "shape", "impl", "ms", "tok/s", "peak MiB", "peak GiB", "rel err", "note")
-    print(markdown_table([{c: fmt(r.get(c)) if c not in ("op", "shape", "impl", "note") else r.get(c, "")
-                           for c in columns} for r in rows], columns))
+    print(
+        markdown_table(
+            [
+                {c: fmt(r.get(c)) if c not in ("op", "shape", "impl", "note") else r.get(c, "") for c in columns}
+                for r in rows
+            ],
+            columns,
+        )
+    )
     return 1 if any(r["op"] == "error" for r in rows) else 0
 
 

@@ -85,8 +85,10 @@ def _check_inputs(input_ids, attention_mask, device) -> tuple[torch.Tensor, torc
         )
     mask = attention_mask.to(device=device, dtype=torch.long)
     if bool(((mask != 0) & (mask != 1)).any()) or bool((mask.diff(dim=1) < 0).any()) or bool((mask[:, -1] == 0).any()):
-        raise ValueError("attention_mask must be 0/1 with LEFT padding (zeros before ones, every row ending in a "
-                         "token); use tokenizer.padding_side = 'left' for generation")
+        raise ValueError(
+            "attention_mask must be 0/1 with LEFT padding (zeros before ones, every row ending in a "
+            "token); use tokenizer.padding_side = 'left' for generation"
+        )
     return input_ids.to(device=device, dtype=torch.long), mask
 
 

@@ -37,8 +37,10 @@ class Session:
         device, dtype = w.device, w.dtype
         self.batch, self.length = batch, length
         # windowed layers keep a ring of their last `window` columns (column c at c % window)
-        self.k = [torch.zeros(batch, lp.kv_heads, _cache_length(lp.window, length), lp.head_dim, device=device,
-                              dtype=dtype) for lp in plan.layers]
+        self.k = [
+            torch.zeros(batch, lp.kv_heads, _cache_length(lp.window, length), lp.head_dim, device=device, dtype=dtype)
+            for lp in plan.layers
+        ]
         self.v = [torch.zeros_like(k) for k in self.k]
         # which absolute cache columns hold tokens (not pads); a ring reads it at the columns its slots hold
         self.valid = torch.zeros(batch, length, device=device, dtype=torch.bool)
@@ -170,9 +172,9 @@ class Decoder:
             keys, values = k_cache, v_cache
         else:  # the prompt attends over its own keys; the cache keeps what later tokens can see of them
             length = k_cache.shape[2]
-            kept = s.columns[max(0, t - length):t]
-            k_cache.index_copy_(2, kept % length, k[:, :, -len(kept):])
-            v_cache.index_copy_(2, kept % length, v[:, :, -len(kept):])
+            kept = s.columns[max(0, t - length) : t]
+            k_cache.index_copy_(2, kept % length, k[:, :, -len(kept) :])
+            v_cache.index_copy_(2, kept % length, v[:, :, -len(kept) :])
             keys, values = k, v
         out = _attend(q, keys, values, bias, lp.scaling, lp.softcap)
         return lp.o(out.transpose(1, 2).reshape(b, t, -1))
@@ -244,8 +246,9 @@ class Decoder:
                 self.step(s, sampling)
         except Exception as error:  # an op that syncs or allocates on the host: decode eagerly instead
             self.graph_failure = f"{type(error).__name__}: {error}".splitlines()[0]
-            warnings.warn(f"fast_generate: CUDA graph capture failed, decoding eagerly ({self.graph_failure})",
-                          stacklevel=4)
+            warnings.warn(
+                f"fast_generate: CUDA graph capture failed, decoding eagerly ({self.graph_failure})", stacklevel=4
+            )
             return None
         s.graphs[key] = graph
         return graph

@@ -35,8 +35,10 @@ def _group(projs):
         biases = None
     elif any(b is None for b in biases):  # some with a bias: zeros for the others (a plan rebuild renews them)
         given = next(b for b in biases if b is not None)
-        biases = [torch.zeros(p.out_features, dtype=given.dtype, device=given.device) if b is None else b
-                  for b, p in zip(biases, projs)]
+        biases = [
+            torch.zeros(p.out_features, dtype=given.dtype, device=given.device) if b is None else b
+            for b, p in zip(biases, projs)
+        ]
     if all(p.lora_A is None for p in projs):
         return weights, biases, None, None
     a = [p.lora_A for p in projs if p.lora_A is not None]
@@ -64,8 +66,9 @@ def fast_decode_reason(plan: Plan) -> str | None:
                 return f"layer {i}: a weight of another dtype or layout"
             if p.bias is not None and p.bias.dtype != dtype:
                 return f"layer {i}: a bias of another dtype"
-            if p.lora_A is not None and (p.lora_A.dtype != dtype or not p.lora_A.is_contiguous()
-                                         or not p.lora_B.is_contiguous()):
+            if p.lora_A is not None and (
+                p.lora_A.dtype != dtype or not p.lora_A.is_contiguous() or not p.lora_B.is_contiguous()
+            ):
                 return f"layer {i}: adapters of another dtype or layout"
         # a launch reads one input's weights: all dense, or all 4-bit of one format
         for group in ((lp.q, lp.k, lp.v), (lp.o,), (lp.mlp.gate, lp.mlp.up), (lp.mlp.down,)):
@@ -81,11 +84,23 @@ def _head_proj(plan: Plan) -> Proj:
     p = plan.lm_head
     module = p.module
     bound = module.__dict__.get("forward") if module is not None else None
-    if (isinstance(module, nn.Linear) and getattr(bound, "__func__", None) is _patched_head_forward
-            and not module._forward_hooks and not module._forward_pre_hooks):
+    if (
+        isinstance(module, nn.Linear)
+        and getattr(bound, "__func__", None) is _patched_head_forward
+        and not module._forward_hooks
+        and not module._forward_pre_hooks
+    ):
         p = Proj.__new__(Proj)
         p.module, p.weight, p.bias, p.lora_A, p.lora_B, p.scaling, p._sources, p.packed = (
-            None, module.weight, module.bias, None, None, 0.0, (), False)
+            None,
+            module.weight,
+            module.bias,
+            None,
+            None,
+            0.0,
+            (),
+            False,
+        )
         p.key = ("head", tensor_key(module.weight), tensor_key(module.bias))
     return p
 
@@ -116,8 +131,21 @@ class FastDecode:
             cos, sin = s.rope[lp.rope_key]
             ring = s.k[index].shape[2] < s.length
             attn = decode_kernels.decode_attention(
-                qkv, s.k[index], s.v[index], s.valid, s.slot, s.pos, cos, sin, heads=lp.heads, scaling=lp.scaling,
-                softcap=lp.softcap, window=lp.window, ring=ring, qk_norm=fl.qk_norm)
+                qkv,
+                s.k[index],
+                s.v[index],
+                s.valid,
+                s.slot,
+                s.pos,
+                cos,
+                sin,
+                heads=lp.heads,
+                scaling=lp.scaling,
+                softcap=lp.softcap,
+                window=lp.window,
+                ring=ring,
+                qk_norm=fl.qk_norm,
+            )
             if lp.post_attn_norm is None:
                 self._project(attn, fl.o, residual=h, out=h)
             else:

@@ -25,8 +25,15 @@ from .api import fast_generate
 
 # from_pretrained keyword arguments that the config and the tokenizer need too (where to find the files)
 _SHARED_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder", "trust_remote_code")
-_DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+_DTYPES = {
+    "auto": "auto",
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 _CHECKPOINTING_CHOICES = (True, False, "offload", "auto")
 _MODE = "_fastplug_checkpointing"  # the checkpointing mode for_training() turns back on
 
@@ -55,7 +62,8 @@ def _scale_rope(config, max_seq_length: int) -> None:
         if kind != "default":
             warnings.warn(
                 f"fastplug: max_seq_length {max_seq_length} exceeds max_position_embeddings {trained}, but the "
-                f"config already scales RoPE ({kind!r}); left as it is", stacklevel=3,
+                f"config already scales RoPE ({kind!r}); left as it is",
+                stacklevel=3,
             )
             return
         target.update(rope_type="linear", factor=factor)
@@ -184,8 +192,10 @@ class FastModel:
             raise ValueError(f"lora_dropout must be in [0, 1); got {lora_dropout!r}")
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias must be 'none', 'all' or 'lora_only'; got {bias!r}")
-        if not any(use_gradient_checkpointing is c or use_gradient_checkpointing == c and isinstance(c, str)
-                   for c in _CHECKPOINTING_CHOICES):
+        if not any(
+            use_gradient_checkpointing is c or use_gradient_checkpointing == c and isinstance(c, str)
+            for c in _CHECKPOINTING_CHOICES
+        ):
             raise ValueError(
                 "use_gradient_checkpointing must be True, False, 'offload' or 'auto'; "
                 f"got {use_gradient_checkpointing!r}"
@@ -204,8 +214,13 @@ class FastModel:
                 stacklevel=2,
             )
         config = LoraConfig(
-            r=int(r), target_modules=target_modules, lora_alpha=lora_alpha, lora_dropout=float(lora_dropout),
-            bias=bias, task_type=lora_kwargs.pop("task_type", "CAUSAL_LM"), **lora_kwargs,
+            r=int(r),
+            target_modules=target_modules,
+            lora_alpha=lora_alpha,
+            lora_dropout=float(lora_dropout),
+            bias=bias,
+            task_type=lora_kwargs.pop("task_type", "CAUSAL_LM"),
+            **lora_kwargs,
         )
         if random_state is not None:
             torch.manual_seed(random_state)

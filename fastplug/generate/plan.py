@@ -23,8 +23,11 @@ from ..models.mlp import activation_name
 from ..models.peft_lora import lora_projection
 from ..models.structure import unwrap
 
-_GLU = {"silu": swiglu, "gelu_tanh": functools.partial(geglu, approximate="tanh"),
-        "gelu": functools.partial(geglu, approximate="none")}
+_GLU = {
+    "silu": swiglu,
+    "gelu_tanh": functools.partial(geglu, approximate="tanh"),
+    "gelu": functools.partial(geglu, approximate="none"),
+}
 
 
 def tensor_key(t: torch.Tensor | None):
@@ -85,7 +88,9 @@ class Proj:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the projection computes in: the weight's, or the one a 4-bit weight was quantized from."""
-        return unpack(self.weight).dtype if self.packed else self.weight.dtype  # bnb's CPU repack changes quant_state.dtype
+        return (
+            unpack(self.weight).dtype if self.packed else self.weight.dtype
+        )  # bnb's CPU repack changes quant_state.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.module is not None:
@@ -164,8 +169,11 @@ class LayerPlan:
 
     @property
     def norms(self):
-        return [n for n in (self.input_norm, self.post_attn_norm, self.ff_norm, self.post_ff_norm, self.q_norm,
-                            self.k_norm) if n is not None]
+        return [
+            n
+            for n in (self.input_norm, self.post_attn_norm, self.ff_norm, self.post_ff_norm, self.q_norm, self.k_norm)
+            if n is not None
+        ]
 
     @property
     def projs(self):
@@ -194,8 +202,9 @@ class Plan:
         self.embed_scale = None
         if family.name.startswith("gemma") and not hasattr(self.embed, "embed_scale"):
             # a tensor made once: a captured graph cannot copy a Python number to the device
-            self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=self.embed.weight.dtype,
-                                            device=self.embed.weight.device)
+            self.embed_scale = torch.tensor(
+                config.hidden_size**0.5, dtype=self.embed.weight.dtype, device=self.embed.weight.device
+            )
         self.rotary = decoder.rotary_emb
         self.rotary_takes_layer_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rotary_local = getattr(decoder, "rotary_emb_local", None)
@@ -207,7 +216,9 @@ class Plan:
         self.layers = [self._layer(layer, family, offset) for layer in decoder.layers]
         norms = [self.final_norm] + [n for lp in self.layers for n in lp.norms]
         self.key = (
-            self.lm_head.key, tensor_key(self.embed.weight), tuple(tensor_key(n[0]) for n in norms),
+            self.lm_head.key,
+            tensor_key(self.embed.weight),
+            tuple(tensor_key(n[0]) for n in norms),
             tuple((*(p.key for p in lp.projs), lp.mlp.key) for lp in self.layers),
         )
         self.weight = self.embed.weight
@@ -230,12 +241,20 @@ class Plan:
             post_attn_norm=_norm_of(layer.post_attention_layernorm, offset) if sandwich else None,
             ff_norm=_norm_of(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm, offset),
             post_ff_norm=_norm_of(layer.post_feedforward_layernorm, offset) if sandwich else None,
-            q=Proj(attn.q_proj), k=Proj(attn.k_proj), v=Proj(attn.v_proj), o=Proj(attn.o_proj),
+            q=Proj(attn.q_proj),
+            k=Proj(attn.k_proj),
+            v=Proj(attn.v_proj),
+            o=Proj(attn.o_proj),
             q_norm=_norm_of(getattr(attn, "q_norm", None), offset),
             k_norm=_norm_of(getattr(attn, "k_norm", None), offset),
-            heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
-            scaling=float(attn.scaling), softcap=extra.get("softcap"), window=extra.get("sliding_window"),
-            rope_key=rope_key, mlp=_MLP(layer.mlp),
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=attn.head_dim,
+            scaling=float(attn.scaling),
+            softcap=extra.get("softcap"),
+            window=extra.get("sliding_window"),
+            rope_key=rope_key,
+            mlp=_MLP(layer.mlp),
         )
 
     def refresh(self) -> None:

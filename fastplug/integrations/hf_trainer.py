@@ -107,7 +107,9 @@ class FastKernels(TrainerCallback):
         names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
         if any(getattr(args, n) for n in names):
             return  # the user turned it on already; theirs to keep
-        kwargs_names = [n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(args, n)]
+        kwargs_names = [
+            n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(args, n)
+        ]
         self._args_before = {n: getattr(args, n) for n in names + kwargs_names}
         if model is not None:
             self._checkpointing_snapshot = checkpointing.snapshot(unwrap(model))
@@ -127,10 +129,15 @@ class FastKernels(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._patch(model)
-        if (self.options.gradient_checkpointing and model is not None and self.layers is None
-                and checkpointing.is_enabled(unwrap(model))):  # the Trainer turned it on, on every layer
+        if (
+            self.options.gradient_checkpointing
+            and model is not None
+            and self.layers is None
+            and checkpointing.is_enabled(unwrap(model))
+        ):  # the Trainer turned it on, on every layer
             self.layers = checkpointing.TrainerCheckpointing(
-                unwrap(model), self.options.gradient_checkpointing, self.options.memory_budget)
+                unwrap(model), self.options.gradient_checkpointing, self.options.memory_budget
+            )
         if model is not None:
             self._tokens.attach(model)
         self._tokens.take()

@@ -37,10 +37,10 @@ if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("p
     raise ImportError('fastplug.integrations.lightning needs Lightning: pip install "fastplug[lightning]"')
 
 __all__ = [
-    "FastKernelsDDPStrategy",
-    "FastKernelsFSDPStrategy",
+    "FastKernelsDDPStrategy",  # noqa: F822 (made on first use by __getattr__)
+    "FastKernelsFSDPStrategy",  # noqa: F822 (made on first use by __getattr__)
     "FastKernelsMixin",
-    "FastKernelsStrategy",
+    "FastKernelsStrategy",  # noqa: F822 (made on first use by __getattr__)
     "find_transformers_models",
     "register_strategies",
     "strategy_classes",

@@ -25,13 +25,19 @@ from torch.autograd.graph import increment_version
 
 from . import tuning
 from ._utils import (
-    cdiv, check_dtype, check_same_device, check_shape, made_by_autograd, next_power_of_2, rows_view, use_triton,
+    cdiv,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    made_by_autograd,
+    next_power_of_2,
+    rows_view,
+    use_triton,
 )
 from .jit_helpers import gate_factor
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _GELU_APPROXIMATE = {"tanh": "gelu_tanh", "none": "gelu"}
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +70,21 @@ class GluConfig:
     num_warps: int
 
 
-def glu_config(n_rows: int, n_cols: int, dtype: torch.dtype | None = None, *, contiguous: bool,
-               constants: GluConstants | None = None) -> GluConfig:
+def glu_config(
+    n_rows: int,
+    n_cols: int,
+    dtype: torch.dtype | None = None,
+    *,
+    contiguous: bool,
+    constants: GluConstants | None = None,
+) -> GluConfig:
     """The launch for [n_rows, n_cols] views; `contiguous`: every tensor of the launch has row stride n_cols."""
     tune = constants or GLU_CONSTANTS
     if tune.flat and contiguous:
         return GluConfig(True, 1, min(next_power_of_2(n_rows * n_cols), tune.tile_elements), tune.num_warps)
     block_cols = min(next_power_of_2(n_cols), tune.max_block_cols)
     return GluConfig(False, max(1, tune.tile_elements // block_cols), block_cols, tune.num_warps)
+
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -96,8 +109,18 @@ def _tile(pid_r, pid_c, n_rows, n_cols, FLAT: tl.constexpr, BLOCK_ROWS: tl.const
 
 @triton.jit
 def _glu_fwd(
-    gate_ptr, up_ptr, h_ptr, n_rows, n_cols, stride_gate, stride_up, stride_h,
-    ACT: tl.constexpr, FLAT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    gate_ptr,
+    up_ptr,
+    h_ptr,
+    n_rows,
+    n_cols,
+    stride_gate,
+    stride_up,
+    stride_h,
+    ACT: tl.constexpr,
+    FLAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), n_rows, n_cols, FLAT, BLOCK_ROWS, BLOCK_COLS)
     x = tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
@@ -108,9 +131,24 @@ def _glu_fwd(
 
 @triton.jit
 def _glu_bwd(
-    grad_h_ptr, gate_ptr, up_ptr, h_ptr, dgate_ptr, dup_ptr, n_rows, n_cols,
-    stride_grad_h, stride_gate, stride_up, stride_h, stride_dgate, stride_dup,
-    ACT: tl.constexpr, STORE_H: tl.constexpr, FLAT: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    grad_h_ptr,
+    gate_ptr,
+    up_ptr,
+    h_ptr,
+    dgate_ptr,
+    dup_ptr,
+    n_rows,
+    n_cols,
+    stride_grad_h,
+    stride_gate,
+    stride_up,
+    stride_h,
+    stride_dgate,
+    stride_dup,
+    ACT: tl.constexpr,
+    STORE_H: tl.constexpr,
+    FLAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     # The output pointers may alias the inputs (inplace=True): every element is loaded before this same
@@ -148,8 +186,9 @@ def _check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
 def _launch_shape(*views: torch.Tensor, config: GluConfig | None = None) -> tuple[dict, tuple[int, int], int]:
     """(kernel size args and constexprs, grid, num_warps) for the 2-D views."""
     n_rows, n_cols = views[0].shape
-    cfg = config or tuning.pick("glu", glu_config, n_rows, n_cols, views[0].dtype,
-                                contiguous=all(v.stride(0) == n_cols for v in views))
+    cfg = config or tuning.pick(
+        "glu", glu_config, n_rows, n_cols, views[0].dtype, contiguous=all(v.stride(0) == n_cols for v in views)
+    )
     if cfg.flat:
         numel = n_rows * n_cols
         args = dict(n_rows=1, n_cols=numel, FLAT=True, BLOCK_ROWS=1, BLOCK_COLS=cfg.block_cols)
@@ -165,8 +204,15 @@ def _glu_forward_triton(gate: torch.Tensor, up: torch.Tensor, act: int) -> torch
     if h.numel():
         args, grid, warps = _launch_shape(gate2, up2, h)
         _glu_fwd[grid](
-            gate2, up2, h, stride_gate=gate2.stride(0), stride_up=up2.stride(0), stride_h=h.stride(0),
-            ACT=act, num_warps=warps, **args,
+            gate2,
+            up2,
+            h,
+            stride_gate=gate2.stride(0),
+            stride_up=up2.stride(0),
+            stride_h=h.stride(0),
+            ACT=act,
+            num_warps=warps,
+            **args,
         )
     return h.view(gate.shape)
 
@@ -184,10 +230,22 @@ def _glu_backward_triton(grad_h, gate, up, act: int, recompute_h: bool, out):
         h_arg = h2 if recompute_h else dgate2  # never written when STORE_H is False
         args, grid, warps = _launch_shape(grad2, gate2, up2, h_arg, dgate2, dup2)
         _glu_bwd[grid](
-            grad2, gate2, up2, h_arg, dgate2, dup2,
-            stride_grad_h=grad2.stride(0), stride_gate=gate2.stride(0), stride_up=up2.stride(0),
-            stride_h=h_arg.stride(0), stride_dgate=dgate2.stride(0), stride_dup=dup2.stride(0),
-            ACT=act, STORE_H=recompute_h, num_warps=warps, **args,
+            grad2,
+            gate2,
+            up2,
+            h_arg,
+            dgate2,
+            dup2,
+            stride_grad_h=grad2.stride(0),
+            stride_gate=gate2.stride(0),
+            stride_up=up2.stride(0),
+            stride_h=h_arg.stride(0),
+            stride_dgate=dgate2.stride(0),
+            stride_dup=dup2.stride(0),
+            ACT=act,
+            STORE_H=recompute_h,
+            num_warps=warps,
+            **args,
         )
     if out is not None:
         for buffer, view in zip(out, (h2, dgate2, dup2)):
@@ -292,8 +350,11 @@ class GatedActivation(torch.autograd.Function):
 def _reusable(gate: torch.Tensor, up: torch.Tensor) -> bool:
     """Whether backward may overwrite gate and up with their gradients: both made by autograd ops (a leaf's
     data, or a view of it, must never become its own gradient), in storages of their own."""
-    return (made_by_autograd(gate) and made_by_autograd(up)
-            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr())
+    return (
+        made_by_autograd(gate)
+        and made_by_autograd(up)
+        and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+    )
 
 
 def _gated_activation(gate, up, activation: str, reuse_inputs: bool):
@@ -316,7 +377,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, reuse_inputs: bool = False) 
     return _gated_activation(gate, up, "silu", reuse_inputs)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, reuse_inputs: bool = False) -> torch.Tensor:
+def geglu(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, reuse_inputs: bool = False
+) -> torch.Tensor:
     """gelu(gate) * up; approximate="tanh" is gelu_pytorch_tanh (Gemma), "none" the exact erf gelu.
     reuse_inputs: as in `swiglu`."""
     if approximate not in _GELU_APPROXIMATE:
@@ -348,7 +411,9 @@ def _(gate, up, activation):
 
 
 @torch.library.custom_op(
-    "fastplug::glu_backward", mutates_args=(), schema="(Tensor grad_h, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)"
+    "fastplug::glu_backward",
+    mutates_args=(),
+    schema="(Tensor grad_h, Tensor gate, Tensor up, str activation) -> (Tensor, Tensor)",
 )
 def _glu_backward_op(grad_h, gate, up, activation):
     _, dgate, dup = glu_backward(grad_h, gate, up, activation)

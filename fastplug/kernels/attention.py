@@ -64,8 +64,7 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _row_bounds(rows, T, S, window, START, END, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                VARLEN: tl.constexpr):
+def _row_bounds(rows, T, S, window, START, END, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr):
     """First and last key (inclusive) each query row sees; START/END point at this batch row's doc bounds."""
     pos = rows
     if CAUSAL:
@@ -87,8 +86,7 @@ def _row_bounds(rows, T, S, window, START, END, CAUSAL: tl.constexpr, HAS_WINDOW
 
 
 @triton.jit
-def _key_bounds(cols, T, S, window, START, END, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                VARLEN: tl.constexpr):
+def _key_bounds(cols, T, S, window, START, END, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, VARLEN: tl.constexpr):
     """First and last query row (inclusive) that sees each key: `_row_bounds` solved for the row."""
     shift = 0
     if CAUSAL:
@@ -142,8 +140,9 @@ def _tile(X, start, n, stride_n, stride_d, d, d_mask, BLOCK: tl.constexpr, TMA: 
         tile = X.load([start, 0])
     else:
         idx = start + tl.arange(0, BLOCK)
-        tile = tl.load(X + idx[:, None] * stride_n + d[None, :] * stride_d,
-                       mask=(idx < n)[:, None] & d_mask[None, :], other=0.0)
+        tile = tl.load(
+            X + idx[:, None] * stride_n + d[None, :] * stride_d, mask=(idx < n)[:, None] & d_mask[None, :], other=0.0
+        )
     return tile
 
 
@@ -160,10 +159,33 @@ def _scores(qk, qk_scale, cap_scale, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, lo, hi, rows, first, last,
-              S, d, d_mask, qk_scale, cap_scale,
-              MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-              BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _fwd_loop(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    lo,
+    hi,
+    rows,
+    first,
+    last,
+    S,
+    d,
+    d_mask,
+    qk_scale,
+    cap_scale,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
@@ -188,15 +210,46 @@ def _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE, START, END,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    n_heads, group, T, S, head_dim, window, qk_scale, cap_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    START,
+    END,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    n_heads,
+    group,
+    T,
+    S,
+    head_dim,
+    window,
+    qk_scale,
+    cap_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last query blocks see the most keys: run them first
     bh = tl.program_id(1)
@@ -212,8 +265,17 @@ def _attn_fwd(
     V += b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh
     START += b.to(tl.int64) * T
     END += b.to(tl.int64) * T
-    q = _tile(_rows_of(Q, T, head_dim, stride_qt, BLOCK_M, BLOCK_D, TMA), pid_m * BLOCK_M, T, stride_qt, stride_qd,
-              d, d_mask, BLOCK_M, TMA)
+    q = _tile(
+        _rows_of(Q, T, head_dim, stride_qt, BLOCK_M, BLOCK_D, TMA),
+        pid_m * BLOCK_M,
+        T,
+        stride_qt,
+        stride_qd,
+        d,
+        d_mask,
+        BLOCK_M,
+        TMA,
+    )
     K = _rows_of(K, S, head_dim, stride_ks, BLOCK_N, BLOCK_D, TMA)
     V = _rows_of(V, S, head_dim, stride_vs, BLOCK_N, BLOCK_D, TMA)
     first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
@@ -223,28 +285,133 @@ def _attn_fwd(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, a, b_, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N,
-                              TMA)
-    acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, b_, c, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N,
-                              TMA)
-    acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, K, V, stride_ks, stride_kd, stride_vs, stride_vd, c, e, rows,
-                              first, last, S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N,
-                              TMA)
+    acc, m_i, l_i = _fwd_loop(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        a,
+        b_,
+        rows,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        True,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
+    acc, m_i, l_i = _fwd_loop(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        b_,
+        c,
+        rows,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        False,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
+    acc, m_i, l_i = _fwd_loop(
+        acc,
+        m_i,
+        l_i,
+        q,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        c,
+        e,
+        rows,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        True,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
     l_i = tl.where(row_valid, l_i, 1.0)  # rows past T saw nothing; they are not stored
     acc = acc / l_i[:, None]
     O += b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(O + rows[:, None] * stride_ot + d[None, :] * stride_od, acc.to(O.dtype.element_ty),
-             mask=row_valid[:, None] & d_mask[None, :])
+    tl.store(
+        O + rows[:, None] * stride_ot + d[None, :] * stride_od,
+        acc.to(O.dtype.element_ty),
+        mask=row_valid[:, None] & d_mask[None, :],
+    )
     tl.store(LSE + bh.to(tl.int64) * T + rows, m_i + tl.log2(l_i), mask=row_valid)
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot, stride_dod, lo, hi, cols,
-               T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               VARLEN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, TMA: tl.constexpr):
+def _dkdv_loop(
+    dk,
+    dv,
+    k,
+    v,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    stride_qt,
+    stride_qd,
+    stride_dot,
+    stride_dod,
+    lo,
+    hi,
+    cols,
+    T,
+    S,
+    window,
+    START,
+    END,
+    d,
+    d_mask,
+    qk_scale,
+    cap_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TMA: tl.constexpr,
+):
     for start in range(lo, hi, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
         row_valid = rows < T
@@ -273,17 +440,59 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qt, stride_qd, stride_dot
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, START, END,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_dkb, stride_dkh, stride_dks, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
-    n_heads, n_kv_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    START,
+    END,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvs,
+    stride_dvd,
+    n_heads,
+    n_kv_heads,
+    group,
+    T,
+    S,
+    head_dim,
+    window,
+    qk_scale,
+    cap_scale,
+    ds_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -294,10 +503,24 @@ def _attn_bwd_dkdv(
     d_mask = d < head_dim
     col_valid = cols < S
     kv_mask = col_valid[:, None] & d_mask[None, :]
-    k = tl.load(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh + cols[:, None] * stride_ks
-                + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh + cols[:, None] * stride_vs
-                + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    k = tl.load(
+        K
+        + b.to(tl.int64) * stride_kb
+        + hk.to(tl.int64) * stride_kh
+        + cols[:, None] * stride_ks
+        + d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V
+        + b.to(tl.int64) * stride_vb
+        + hk.to(tl.int64) * stride_vh
+        + cols[:, None] * stride_vs
+        + d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
     START += b.to(tl.int64) * T
     END += b.to(tl.int64) * T
     first, last = _key_bounds(cols, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
@@ -306,32 +529,170 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(group):  # the query heads sharing this k/v head: summed here, no atomics
         h = hk * group + g
-        Qh = _rows_of(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, T, head_dim, stride_qt,
-                      BLOCK_M, BLOCK_D, TMA)
-        DOh = _rows_of(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh, T, head_dim, stride_dot,
-                       BLOCK_M, BLOCK_D, TMA)
+        Qh = _rows_of(
+            Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, T, head_dim, stride_qt, BLOCK_M, BLOCK_D, TMA
+        )
+        DOh = _rows_of(
+            DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh,
+            T,
+            head_dim,
+            stride_dot,
+            BLOCK_M,
+            BLOCK_D,
+            TMA,
+        )
         LSEh = LSE + (b * n_heads + h).to(tl.int64) * T
         DELTAh = DELTA + (b * n_heads + h).to(tl.int64) * T
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            a, b_, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            b_, c, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
-        dk, dv = _dkdv_loop(dk, dv, k, v, Qh, DOh, LSEh, DELTAh, stride_qt, stride_qd, stride_dot, stride_dod,
-                            c, e, cols, T, S, window, START, END, d, d_mask, qk_scale, cap_scale,
-                            True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, VARLEN, PRECISION, BLOCK_M, TMA)
-    tl.store(DK + b.to(tl.int64) * stride_dkb + hk.to(tl.int64) * stride_dkh + cols[:, None] * stride_dks
-             + d[None, :] * stride_dkd, (dk * ds_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b.to(tl.int64) * stride_dvb + hk.to(tl.int64) * stride_dvh + cols[:, None] * stride_dvs
-             + d[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=kv_mask)
+        dk, dv = _dkdv_loop(
+            dk,
+            dv,
+            k,
+            v,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            stride_qt,
+            stride_qd,
+            stride_dot,
+            stride_dod,
+            a,
+            b_,
+            cols,
+            T,
+            S,
+            window,
+            START,
+            END,
+            d,
+            d_mask,
+            qk_scale,
+            cap_scale,
+            True,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            VARLEN,
+            PRECISION,
+            BLOCK_M,
+            TMA,
+        )
+        dk, dv = _dkdv_loop(
+            dk,
+            dv,
+            k,
+            v,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            stride_qt,
+            stride_qd,
+            stride_dot,
+            stride_dod,
+            b_,
+            c,
+            cols,
+            T,
+            S,
+            window,
+            START,
+            END,
+            d,
+            d_mask,
+            qk_scale,
+            cap_scale,
+            False,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            VARLEN,
+            PRECISION,
+            BLOCK_M,
+            TMA,
+        )
+        dk, dv = _dkdv_loop(
+            dk,
+            dv,
+            k,
+            v,
+            Qh,
+            DOh,
+            LSEh,
+            DELTAh,
+            stride_qt,
+            stride_qd,
+            stride_dot,
+            stride_dod,
+            c,
+            e,
+            cols,
+            T,
+            S,
+            window,
+            START,
+            END,
+            d,
+            d_mask,
+            qk_scale,
+            cap_scale,
+            True,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_SOFTCAP,
+            VARLEN,
+            PRECISION,
+            BLOCK_M,
+            TMA,
+        )
+    tl.store(
+        DK
+        + b.to(tl.int64) * stride_dkb
+        + hk.to(tl.int64) * stride_dkh
+        + cols[:, None] * stride_dks
+        + d[None, :] * stride_dkd,
+        (dk * ds_scale).to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV
+        + b.to(tl.int64) * stride_dvb
+        + hk.to(tl.int64) * stride_dvh
+        + cols[:, None] * stride_dvs
+        + d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, lo, hi, first, last,
-             S, d, d_mask, qk_scale, cap_scale,
-             MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
-             TMA: tl.constexpr):
+def _dq_loop(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    K,
+    V,
+    stride_ks,
+    stride_kd,
+    stride_vs,
+    stride_vd,
+    lo,
+    hi,
+    first,
+    last,
+    S,
+    d,
+    d_mask,
+    qk_scale,
+    cap_scale,
+    MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         k = _tile(K, start, S, stride_ks, stride_kd, d, d_mask, BLOCK_N, TMA)
@@ -352,17 +713,58 @@ def _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, strid
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE, DELTA, DQ, START, END,
-    stride_qb, stride_qh, stride_qt, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_ob, stride_ot, stride_oh, stride_od,
-    stride_dob, stride_dot, stride_doh, stride_dod,
-    stride_dqb, stride_dqh, stride_dqt, stride_dqd,
-    n_heads, group, T, S, head_dim, window, qk_scale, cap_scale, ds_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr, TMA: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    START,
+    END,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_vd,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_dob,
+    stride_dot,
+    stride_doh,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqt,
+    stride_dqd,
+    n_heads,
+    group,
+    T,
+    S,
+    head_dim,
+    window,
+    qk_scale,
+    cap_scale,
+    ds_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    VARLEN: tl.constexpr,
+    PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first, as in the forward
     bh = tl.program_id(1)
@@ -374,33 +776,138 @@ def _attn_bwd_dq(
     d_mask = d < head_dim
     row_valid = rows < T
     mask = row_valid[:, None] & d_mask[None, :]
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + rows[:, None] * stride_qt
-                + d[None, :] * stride_qd, mask=mask, other=0.0)
-    do = tl.load(DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + rows[:, None] * stride_dot
-                 + d[None, :] * stride_dod, mask=mask, other=0.0)
+    q = tl.load(
+        Q
+        + b.to(tl.int64) * stride_qb
+        + h.to(tl.int64) * stride_qh
+        + rows[:, None] * stride_qt
+        + d[None, :] * stride_qd,
+        mask=mask,
+        other=0.0,
+    )
+    do = tl.load(
+        DO
+        + b.to(tl.int64) * stride_dob
+        + h.to(tl.int64) * stride_doh
+        + rows[:, None] * stride_dot
+        + d[None, :] * stride_dod,
+        mask=mask,
+        other=0.0,
+    )
     lse = tl.load(LSE + bh.to(tl.int64) * T + rows, mask=row_valid, other=float("inf"))
     # delta = rowsum(dO * O) formed here (no kernel of its own: measured as fast or faster), stored for dK/dV
-    o = tl.load(O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + rows[:, None] * stride_ot
-                + d[None, :] * stride_od, mask=mask, other=0.0)
+    o = tl.load(
+        O
+        + b.to(tl.int64) * stride_ob
+        + h.to(tl.int64) * stride_oh
+        + rows[:, None] * stride_ot
+        + d[None, :] * stride_od,
+        mask=mask,
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + bh.to(tl.int64) * T + rows, delta, mask=row_valid)
-    K = _rows_of(K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, S, head_dim, stride_ks, BLOCK_N,
-                 BLOCK_D, TMA)
-    V = _rows_of(V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh, S, head_dim, stride_vs, BLOCK_N,
-                 BLOCK_D, TMA)
+    K = _rows_of(
+        K + b.to(tl.int64) * stride_kb + hk.to(tl.int64) * stride_kh, S, head_dim, stride_ks, BLOCK_N, BLOCK_D, TMA
+    )
+    V = _rows_of(
+        V + b.to(tl.int64) * stride_vb + hk.to(tl.int64) * stride_vh, S, head_dim, stride_vs, BLOCK_N, BLOCK_D, TMA
+    )
     START += b.to(tl.int64) * T
     END += b.to(tl.int64) * T
     first, last = _row_bounds(rows, T, S, window, START, END, CAUSAL, HAS_WINDOW, VARLEN)
     a, b_, c, e = _block_split(first, last, row_valid, S, BLOCK_N)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, a, b_, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, b_, c, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, False, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
-    dq = _dq_loop(dq, q, do, lse, delta, K, V, stride_ks, stride_kd, stride_vs, stride_vd, c, e, first, last,
-                  S, d, d_mask, qk_scale, cap_scale, True, HAS_SOFTCAP, PRECISION, BLOCK_N, TMA)
-    tl.store(DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh + rows[:, None] * stride_dqt
-             + d[None, :] * stride_dqd, (dq * ds_scale).to(DQ.dtype.element_ty), mask=mask)
+    dq = _dq_loop(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        a,
+        b_,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        True,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
+    dq = _dq_loop(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        b_,
+        c,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        False,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
+    dq = _dq_loop(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        K,
+        V,
+        stride_ks,
+        stride_kd,
+        stride_vs,
+        stride_vd,
+        c,
+        e,
+        first,
+        last,
+        S,
+        d,
+        d_mask,
+        qk_scale,
+        cap_scale,
+        True,
+        HAS_SOFTCAP,
+        PRECISION,
+        BLOCK_N,
+        TMA,
+    )
+    tl.store(
+        DQ
+        + b.to(tl.int64) * stride_dqb
+        + h.to(tl.int64) * stride_dqh
+        + rows[:, None] * stride_dqt
+        + d[None, :] * stride_dqd,
+        (dq * ds_scale).to(DQ.dtype.element_ty),
+        mask=mask,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -443,8 +950,9 @@ ATTENTION_TABLES = AttentionTables()
 INTERPRETER_TILE = (16, 32, 1, 1)
 
 
-def attention_config(kernel: str, block_d: int, device: torch.device, *,
-                     tables: AttentionTables | None = None) -> AttentionConfig:
+def attention_config(
+    kernel: str, block_d: int, device: torch.device, *, tables: AttentionTables | None = None
+) -> AttentionConfig:
     """The launch of `kernel` ("fwd", "dq" or "dkdv") at padded head dim block_d. The interpreter takes small
     tiles but follows the TMA table, so the CPU tests run both ways."""
     tables = tables or ATTENTION_TABLES
@@ -505,8 +1013,19 @@ class _Problem(NamedTuple):
 
 def _problem(q, k, causal, window, softcap, scale) -> _Problem:
     D = q.shape[3]
-    return _Problem(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], D, max(16, next_power_of_2(D)),
-                    causal, window, softcap, scale)
+    return _Problem(
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+        q.shape[2],
+        k.shape[2],
+        D,
+        max(16, next_power_of_2(D)),
+        causal,
+        window,
+        softcap,
+        scale,
+    )
 
 
 def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
@@ -515,8 +1034,13 @@ def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
     else:
         qk_scale, cap_scale = p.scale * LOG2E, 1.0
     return dict(
-        qk_scale=qk_scale, cap_scale=cap_scale, window=p.window or 0,
-        BLOCK_D=p.block_d, CAUSAL=p.causal, HAS_WINDOW=p.window is not None, HAS_SOFTCAP=p.softcap is not None,
+        qk_scale=qk_scale,
+        cap_scale=cap_scale,
+        window=p.window or 0,
+        BLOCK_D=p.block_d,
+        CAUSAL=p.causal,
+        HAS_WINDOW=p.window is not None,
+        HAS_SOFTCAP=p.softcap is not None,
         PRECISION="ieee" if dtype == torch.float32 else "upcast" if interpret and dtype == torch.bfloat16 else "tf32",
     )
 
@@ -527,11 +1051,29 @@ def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | N
     cfg = config or _config("fwd", p.block_d, q.device)
     varlen = start is not None
     _attn_fwd[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
-        q, k, v, out, lse, start if varlen else lse, end if varlen else lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, q, k, v),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        start if varlen else lse,
+        end if varlen else lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        p.Hq,
+        p.Hq // p.Hkv,
+        p.T,
+        p.S,
+        p.D,
+        **_consts(p, q.dtype, q.device.type != "cuda"),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        VARLEN=varlen,
+        TMA=_use_tma(cfg, q, k, v),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -540,11 +1082,34 @@ def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: A
     """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
     varlen = start is not None
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
-        q, k, v, out, do, lse, delta, dq, *((start, end) if varlen else (lse, lse)),
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *do.stride(), *dq.stride(),
-        p.Hq, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, k, v),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k,
+        v,
+        out,
+        do,
+        lse,
+        delta,
+        dq,
+        *((start, end) if varlen else (lse, lse)),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *out.stride(),
+        *do.stride(),
+        *dq.stride(),
+        p.Hq,
+        p.Hq // p.Hkv,
+        p.T,
+        p.S,
+        p.D,
+        ds_scale=p.scale,
+        **_consts(p, q.dtype, q.device.type != "cuda"),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        VARLEN=varlen,
+        TMA=_use_tma(cfg, k, v),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -552,11 +1117,35 @@ def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: 
     """dK/dV per key block, summed over the query heads of its group."""
     varlen = start is not None
     _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
-        q, k, v, do, lse, delta, dk, dv, *((start, end) if varlen else (lse, lse)),
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        p.Hq, p.Hkv, p.Hq // p.Hkv, p.T, p.S, p.D, ds_scale=p.scale, **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=varlen, TMA=_use_tma(cfg, q, do),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        *((start, end) if varlen else (lse, lse)),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        p.Hq,
+        p.Hkv,
+        p.Hq // p.Hkv,
+        p.T,
+        p.S,
+        p.D,
+        ds_scale=p.scale,
+        **_consts(p, q.dtype, q.device.type != "cuda"),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        VARLEN=varlen,
+        TMA=_use_tma(cfg, q, do),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -618,8 +1207,9 @@ def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, m
         raise ValueError(f"causal must be a bool; got {causal!r}")
     if causal and k.shape[2] < T:
         raise ValueError(f"causal attention needs k at least as long as q (keys {k.shape[2]} < queries {T})")
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
         raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
     if sliding_window is not None and not causal and k.shape[2] != T:
         raise ValueError(f"sliding_window without causal needs q and k of one length; got {T} and {k.shape[2]}")
@@ -631,11 +1221,15 @@ def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, m
             raise ValueError("max_seqlen is only meaningful with cu_seqlens; got cu_seqlens None")
         return
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor; got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}"
-                         f" of shape {tuple(getattr(cu_seqlens, 'shape', ()))}")
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 tensor; got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}"
+            f" of shape {tuple(getattr(cu_seqlens, 'shape', ()))}"
+        )
     if B != 1 or k.shape[2] != T:
-        raise ValueError(f"with cu_seqlens, q and k must be packed rows (1, H, total, D) of one length; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(
+            f"with cu_seqlens, q and k must be packed rows (1, H, total, D) of one length; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
     if cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have at least 2 entries (0 and the total); got {cu_seqlens.numel()}")
     # One host sync: the bounds must be checked before a kernel reads memory through them.
@@ -722,8 +1316,15 @@ def _normalise_window(window: int | None, causal: bool, T: int, S: int) -> int |
 
 def _sdpa_suits(q, k, causal, window, softcap, varlen) -> bool:
     """SDPA covers plain causal (T == S) or full attention; measured faster there (`python -m fastplug.bench micro`)."""
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and softcap is None
-            and window is None and not varlen and (not causal or q.shape[2] == k.shape[2]) and q.shape[3] <= 256)
+    return (
+        q.device.type == "cuda"
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and softcap is None
+        and window is None
+        and not varlen
+        and (not causal or q.shape[2] == k.shape[2])
+        and q.shape[3] <= 256
+    )
 
 
 def _sdpa(q, k, v, causal, scale):
@@ -733,8 +1334,9 @@ def _sdpa(q, k, v, causal, scale):
     return out.transpose(1, 2)
 
 
-def flash_attention(q, k, v, *, causal=True, sliding_window=None, softcap=None, scale=None,
-                    doc_start=None, doc_end=None) -> torch.Tensor:
+def flash_attention(
+    q, k, v, *, causal=True, sliding_window=None, softcap=None, scale=None, doc_start=None, doc_end=None
+) -> torch.Tensor:
     """The dispatcher without the input checks, for callers that built their arguments (the model
     integration): per-token document bounds (B, T) int32 from `packed_bounds`, or None."""
     if torch.is_autocast_enabled(q.device.type):  # like SDPA under autocast: compute in the autocast dtype
@@ -756,9 +1358,18 @@ def flash_attention(q, k, v, *, causal=True, sliding_window=None, softcap=None, 
     return FlashAttention.apply(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              sliding_window: int | None = None, softcap: float | None = None, scale: float | None = None,
-              cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale [softcapped] [masked]) v for q (B, Hq, T, D), k/v (B, Hkv, S, D); returns
     (B, T, Hq, D). Hq % Hkv == 0 (GQA/MQA), head_dim up to 256, fp32/fp16/bf16 with fp32 accumulation.
 
@@ -773,8 +1384,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     start = end = None
     if cu_seqlens is not None:
         start, end = bounds_from_cu_seqlens(cu_seqlens, q.shape[2])
-    return flash_attention(q, k, v, causal=causal, sliding_window=sliding_window, softcap=softcap, scale=scale,
-                           doc_start=start, doc_end=end)
+    return flash_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        scale=scale,
+        doc_start=start,
+        doc_end=end,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -782,8 +1402,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 # ----------------------------------------------------------------------------------------------------
 
 
-def visible_keys(T: int, S: int, causal: bool, window: int | None, doc_start=None, doc_end=None,
-                 device=None) -> torch.Tensor:
+def visible_keys(
+    T: int, S: int, causal: bool, window: int | None, doc_start=None, doc_end=None, device=None
+) -> torch.Tensor:
     """Boolean (B or 1, 1, T, S): which keys each query sees; the rule the kernel applies, spelled out."""
     i = torch.arange(T, device=device)[:, None] + (S - T if causal else 0)
     j = torch.arange(S, device=device)[None, :]
@@ -815,9 +1436,18 @@ def _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
     return out.transpose(1, 2).to(q.dtype)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        sliding_window: int | None = None, softcap: float | None = None, scale: float | None = None,
-                        cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> torch.Tensor:
     """`attention` in plain torch (fp32 math, the full T x S matrix); same arguments and result."""
     _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen)
     start = end = None
@@ -833,7 +1463,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
 
 
 @torch.library.custom_op(
-    "fastplug::flash_attention", mutates_args=(),
+    "fastplug::flash_attention",
+    mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, bool causal, int? window, float? softcap, float scale, Tensor? doc_start, "
     "Tensor? doc_end) -> (Tensor, Tensor)",
 )
@@ -849,9 +1480,10 @@ def _(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
 
 
 @torch.library.custom_op(
-    "fastplug::flash_attention_backward", mutates_args=(),
-    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, int? window, float? softcap, "
-    "float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)",
+    "fastplug::flash_attention_backward",
+    mutates_args=(),
+    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, int? window, "
+    "float? softcap, float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)",
 )
 def _flash_attention_backward_op(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end):
     return _flash_backward(do, q, k, v, out, lse, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)

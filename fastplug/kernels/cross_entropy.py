@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from ._utils import (
-    cdiv, check_dtype, check_same_device, check_shape, next_power_of_2, num_sms, rows_view, use_triton,
+    cdiv,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    next_power_of_2,
+    num_sms,
+    rows_view,
+    use_triton,
 )
 from .jit_helpers import tanh
 
@@ -52,10 +59,27 @@ def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _ce_rows(
-    logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr, scale_stride,
-    n_rows, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    logits_stride,
+    grad_ptr,
+    grad_stride,
+    labels_ptr,
+    loss_ptr,
+    bad_label_ptr,
+    scale_ptr,
+    scale_stride,
+    n_rows,
+    n_cols,
+    ignore_index,
+    logit_scale,
+    softcap,
+    smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Per-row loss; with WRITE_GRAD also grad_scale[row] * d(loss_row)/d(logits_row) into grad_ptr.
 
@@ -69,18 +93,53 @@ def _ce_rows(
     """
     for row in range(tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)):  # int64: row * stride
         _ce_row(
-            row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr,
-            scale_stride, n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
-            HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_LOSS, WRITE_GRAD, BLOCK,
+            row,
+            logits_ptr,
+            logits_stride,
+            grad_ptr,
+            grad_stride,
+            labels_ptr,
+            loss_ptr,
+            bad_label_ptr,
+            scale_ptr,
+            scale_stride,
+            n_cols,
+            ignore_index,
+            logit_scale,
+            softcap,
+            smoothing,
+            z_loss,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            HAS_Z_LOSS,
+            WRITE_GRAD,
+            BLOCK,
         )
 
 
 @triton.jit
 def _ce_row(
-    row, logits_ptr, logits_stride, grad_ptr, grad_stride, labels_ptr, loss_ptr, bad_label_ptr, scale_ptr, scale_stride,
-    n_cols, ignore_index, logit_scale, softcap, smoothing, z_loss,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+    row,
+    logits_ptr,
+    logits_stride,
+    grad_ptr,
+    grad_stride,
+    labels_ptr,
+    loss_ptr,
+    bad_label_ptr,
+    scale_ptr,
+    scale_stride,
+    n_cols,
+    ignore_index,
+    logit_scale,
+    softcap,
+    smoothing,
+    z_loss,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     label = tl.load(labels_ptr + row).to(tl.int64)
     in_row = logits_ptr + row * logits_stride
@@ -197,11 +256,28 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, 
     scale_stride = 0 if grad_scale.numel() == 1 else 1
     n_programs = min(n_rows, num_sms(logits.device) * ROW_PROGRAMS_PER_SM)
     _ce_rows[(n_programs,)](
-        logits, logits.stride(0), grad if write_grad else logits, grad.stride(0) if write_grad else 0,
-        labels, loss_rows, bad_label, grad_scale, scale_stride,
-        n_rows, n_cols, cfg.ignore_index, cfg.logit_scale, cfg.softcap or 1.0, cfg.label_smoothing, cfg.z_loss,
-        HAS_SOFTCAP=cfg.softcap is not None, HAS_SMOOTHING=cfg.label_smoothing > 0, HAS_Z_LOSS=cfg.z_loss > 0,
-        WRITE_GRAD=write_grad, BLOCK=block, num_warps=num_warps,
+        logits,
+        logits.stride(0),
+        grad if write_grad else logits,
+        grad.stride(0) if write_grad else 0,
+        labels,
+        loss_rows,
+        bad_label,
+        grad_scale,
+        scale_stride,
+        n_rows,
+        n_cols,
+        cfg.ignore_index,
+        cfg.logit_scale,
+        cfg.softcap or 1.0,
+        cfg.label_smoothing,
+        cfg.z_loss,
+        HAS_SOFTCAP=cfg.softcap is not None,
+        HAS_SMOOTHING=cfg.label_smoothing > 0,
+        HAS_Z_LOSS=cfg.z_loss > 0,
+        WRITE_GRAD=write_grad,
+        BLOCK=block,
+        num_warps=num_warps,
     )
 
 
@@ -357,8 +433,13 @@ def cross_entropy(
     cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, 1.0, float(z_loss), reduction)
     if not use_triton(logits, labels):
         return cross_entropy_reference(
-            logits, labels, ignore_index=ignore_index, label_smoothing=label_smoothing, softcap=softcap,
-            z_loss=z_loss, reduction=reduction,
+            logits,
+            labels,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            z_loss=z_loss,
+            reduction=reduction,
         )
     return _CrossEntropy.apply(logits, labels, cfg)
 
@@ -372,8 +453,20 @@ def _plan_chunks(n_rows: int, chunk_rows: int) -> list[tuple[int, int]]:
     return [(start, min(n_rows, start + chunk_rows)) for start in range(0, n_rows, chunk_rows)]
 
 
-def _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale,
-                      grad_hidden=None, grad_weight=None, grad_bias=None) -> None:
+def _linear_ce_chunks(
+    hidden,
+    weight,
+    bias,
+    labels,
+    cfg,
+    chunks,
+    chunk_rows,
+    loss_rows,
+    grad_scale,
+    grad_hidden=None,
+    grad_weight=None,
+    grad_bias=None,
+) -> None:
     """Loss rows of the given chunks, and (into the buffers that are not None) the gradients.
 
     grad_weight is overwritten by the first chunk; grad_bias is an fp32 accumulator.
@@ -518,8 +611,16 @@ def fused_linear_cross_entropy(
     labels = labels.to(hidden.device)
     if not use_triton(hidden, weight, bias, labels):
         return fused_linear_cross_entropy_reference(
-            hidden, weight, labels, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
-            softcap=softcap, logit_scale=logit_scale, z_loss=z_loss, reduction=reduction,
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            z_loss=z_loss,
+            reduction=reduction,
             num_items_in_batch=num_items_in_batch,
         )
 
@@ -545,7 +646,8 @@ def fused_linear_cross_entropy(
 # Function. Like it, the forward computes the gradients (the logits never exist whole) and the backward
 # scales them by grad_output; gradients not asked for are empty tensors (operators cannot return None).
 @torch.library.custom_op(
-    "fastplug::linear_cross_entropy", mutates_args=(),
+    "fastplug::linear_cross_entropy",
+    mutates_args=(),
     schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor labels, Tensor inv_divisor, int ignore_index, "
     "float label_smoothing, float? softcap, float logit_scale, float z_loss, bool need_h, bool need_w, bool need_b) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
@@ -609,7 +711,14 @@ def _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, r
 
 
 def cross_entropy_reference(
-    logits, labels, *, ignore_index=-100, label_smoothing=0.0, softcap=None, z_loss=0.0, reduction="mean",
+    logits,
+    labels,
+    *,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss=0.0,
+    reduction="mean",
 ):
     """`cross_entropy` in plain torch, with the logits materialised in (at least) fp32."""
     _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction)
@@ -621,8 +730,18 @@ def cross_entropy_reference(
 
 
 def fused_linear_cross_entropy_reference(
-    hidden, weight, labels, *, bias=None, ignore_index=-100, label_smoothing=0.0, softcap=None,
-    logit_scale=1.0, z_loss=0.0, reduction="mean", num_items_in_batch=None,
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    ignore_index=-100,
+    label_smoothing=0.0,
+    softcap=None,
+    logit_scale=1.0,
+    z_loss=0.0,
+    reduction="mean",
+    num_items_in_batch=None,
 ):
     """`fused_linear_cross_entropy` in plain torch: the [N, V] logits in (at least) fp32."""
     _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale)

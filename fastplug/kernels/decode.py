@@ -35,11 +35,19 @@ import triton
 import triton.language as tl
 
 from . import state, tuning
-from ._utils import check_dtype, cdiv, interpreter_enabled, next_power_of_2, use_triton
+from ._utils import cdiv, check_dtype, interpreter_enabled, next_power_of_2, use_triton
 from .jit_helpers import dot, gate_factor, tanh
 from .quant import (
-    GEMV_MAX_ROWS, LOOKUPS, _unpacked, block_scale, dequantize_4bit, dequantize_4bit_reference, gemv_config, is_4bit,
-    launch_checked, words_row_sums,
+    GEMV_MAX_ROWS,
+    LOOKUPS,
+    _unpacked,
+    block_scale,
+    dequantize_4bit,
+    dequantize_4bit_reference,
+    gemv_config,
+    is_4bit,
+    launch_checked,
+    words_row_sums,
 )
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -56,11 +64,16 @@ def _precision(dtype: torch.dtype) -> str:
 
 # ------------------------------------------------------------------------------------------------- GEMV
 @triton.jit
-def _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset,
-            HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr):
+def _load_x(
+    x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr
+):
     """A [BLOCK_M, BLOCK_K] tile of x (normalised and rounded like the unfused RMSNorm), in x's dtype."""
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-                eviction_policy="evict_last")
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_xm + k[None, :],
+        mask=m_mask[:, None] & k_mask[None, :],
+        other=0.0,
+        eviction_policy="evict_last",
+    )
     if HAS_NORM:
         nw = tl.load(nw_ptr + k, mask=k_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         h = x.to(tl.float32) * rstd[:, None]
@@ -98,8 +111,18 @@ def _w4_fields(q4_row, NESTED: tl.constexpr):
 
 
 @triton.jit
-def _w4_tile(data_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
-             NESTED: tl.constexpr):
+def _w4_tile(
+    data_ptr,
+    q4_row,
+    n,
+    n_mask,
+    k,
+    k_mask,
+    K,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+):
     """W[n, k] of a bitsandbytes 4-bit weight (fp32; zero outside the masks), decoded from its packed bytes:
     element e = n K + k is the high nibble of byte e // 2 when e is even, scaled by its block's absmax."""
     absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(q4_row, NESTED)
@@ -107,16 +130,32 @@ def _w4_tile(data_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2: tl.const
     elem = n.to(tl.int64)[:, None] * K + k[None, :]
     packed = tl.load(data_ptr + (elem >> 1), mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
     nibble = (packed >> ((1 - (elem & 1)) * 4).to(tl.int32)) & 15
-    scale = block_scale(elem >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                         BLOCKSIZE2_LOG2, NESTED)
+    scale = block_scale(
+        elem >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED
+    )
     return tl.where(mask, tl.load(code_ptr + nibble) * scale, 0.0)
 
 
 @triton.jit
-def _gemv_acc_words(x_ptr, stride_xm, M, words_ptr, q4_row, n, n_mask, K, BLOCKSIZE_LOG2: tl.constexpr,
-                    BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, WORDS_NB: tl.constexpr,
-                    WORDS_SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
+def _gemv_acc_words(
+    x_ptr,
+    stride_xm,
+    M,
+    words_ptr,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    WORDS_NB: tl.constexpr,
+    WORDS_SUBW: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant.words_row_sums`: the GEMV's word-wise loop,
     table by warp shuffle where compiled, each nibble looked up once for all rows): fp32 [BLOCK_M, BLOCK_N]. The
     weight is not rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
@@ -124,108 +163,353 @@ def _gemv_acc_words(x_ptr, stride_xm, M, words_ptr, q4_row, n, n_mask, K, BLOCKS
     kw = K // 8
     if EVEN:  # whole chunks of 128 words or more a row: the 16-byte word loads are aligned (Triton cannot see it)
         kw = tl.multiple_of(kw, 16)
-    total = words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                            n.to(tl.int64) * kw, n_mask, 0, kw, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, WORDS_NB,
-                            WORDS_SUBW, LOOKUP, PTX, EVEN, M, stride_xm, BLOCK_M)
+    total = words_row_sums(
+        x_ptr,
+        words_ptr,
+        absmax_ptr,
+        code_ptr,
+        absmax2_ptr,
+        code2_ptr,
+        offset_ptr,
+        n.to(tl.int64) * kw,
+        n_mask,
+        0,
+        kw,
+        BLOCKSIZE_LOG2,
+        BLOCKSIZE2_LOG2,
+        NESTED,
+        WORDS_NB,
+        WORDS_SUBW,
+        LOOKUP,
+        PTX,
+        EVEN,
+        M,
+        stride_xm,
+        BLOCK_M,
+    )
     if BLOCK_M == 1:
         total = total[None, :]
     return total
 
 
 @triton.jit
-def _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_acc_fma(
+    x_ptr,
+    stride_xm,
+    rows,
+    m_mask,
+    rstd,
+    nw_ptr,
+    offset,
+    w_ptr,
+    stride_w,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N]: products summed per lane, reduced once at the end."""
     if BLOCK_M == 1:  # 2-D tiles only: x broadcasts along W's rows
-        acc = _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
-                                n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_N,
-                                BLOCK_K)
+        acc = _gemv_acc_one_row(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_N,
+            BLOCK_K,
+        )
     else:
-        acc = _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
-                             n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_M,
-                             BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_rows(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
     return acc
 
 
 @triton.jit
-def _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K, k0,
-               HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-               BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w_x_block(
+    x_ptr,
+    stride_xm,
+    rows,
+    m_mask,
+    rstd,
+    nw_ptr,
+    offset,
+    w_ptr,
+    stride_w,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    k0,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """The weight tile [BLOCK_N, BLOCK_K] (streamed: read once) and the x tile at columns k0.. (normalised)."""
     k = k0 + tl.arange(0, BLOCK_K)
     k_mask = k < K
     if BLOCKSIZE_LOG2 > 0:  # a bitsandbytes 4-bit weight, rounded to x's dtype as its dequantization would be
-        w = _w4_tile(w_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
-                     NESTED).to(x_ptr.dtype.element_ty)
+        w = _w4_tile(w_ptr, q4_row, n, n_mask, k, k_mask, K, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED).to(
+            x_ptr.dtype.element_ty
+        )
     else:
-        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        w = tl.load(
+            w_ptr + n.to(tl.int64)[:, None] * stride_w + k[None, :],
+            mask=n_mask[:, None] & k_mask[None, :],
+            other=0.0,
+            eviction_policy="evict_first",
+        )
     x = _load_x(x_ptr, stride_xm, rows, m_mask, k, k_mask, rstd, nw_ptr, offset, HAS_NORM, GEMMA_NORM)
     return w, x
 
 
 @triton.jit
-def _gemv_acc_one_row(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
-                      HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                      BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _gemv_acc_one_row(
+    x_ptr,
+    stride_xm,
+    rows,
+    m_mask,
+    rstd,
+    nw_ptr,
+    offset,
+    w_ptr,
+    stride_w,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
-                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
+        w, x = _w_x_block(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            k0,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_K,
+        )
         acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
     return tl.sum(acc2, axis=1)[None, :]
 
 
 @triton.jit
-def _gemv_acc_rows(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
-                   HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                   BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_acc_rows(
+    x_ptr,
+    stride_xm,
+    rows,
+    m_mask,
+    rstd,
+    nw_ptr,
+    offset,
+    w_ptr,
+    stride_w,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
-                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
+        w, x = _w_x_block(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            k0,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_K,
+        )
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     return tl.sum(acc3, axis=2)
 
 
 @triton.jit
-def _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_acc_dot(
+    x_ptr,
+    stride_xm,
+    rows,
+    m_mask,
+    rstd,
+    nw_ptr,
+    offset,
+    w_ptr,
+    stride_w,
+    q4_row,
+    n,
+    n_mask,
+    K,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N], on the tensor cores (rows padded to BLOCK_M)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w, x = _w_x_block(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n, n_mask,
-                          K, k0, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_K)
+        w, x = _w_x_block(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            k0,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_K,
+        )
         acc += dot(x.to(w.dtype), tl.trans(w), PRECISION)
     return acc
 
 
 @triton.jit
-def _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mask, scaling,
-               BLOCK_R: tl.constexpr):
+def _lora_term(acc, xa_ptr, stride_xam, xa_off, rows, m_mask, b_ptr, r, n, n_mask, scaling, BLOCK_R: tl.constexpr):
     """round(acc) + s (xa B^T) for this segment's rank r (0: no adapter, round(acc) alone)."""
     ridx = tl.arange(0, BLOCK_R)
     r_mask = ridx < r
-    xa = tl.load(xa_ptr + rows[:, None] * stride_xam + xa_off + ridx[None, :],
-                 mask=m_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + n[:, None] * r + ridx[None, :], mask=n_mask[:, None] & r_mask[None, :],
-                other=0.0).to(tl.float32)
+    xa = tl.load(
+        xa_ptr + rows[:, None] * stride_xam + xa_off + ridx[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0
+    ).to(tl.float32)
+    b = tl.load(b_ptr + n[:, None] * r + ridx[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0).to(
+        tl.float32
+    )
     return acc + scaling * tl.sum(xa[:, None, :] * b[None, :, :], axis=2)
 
 
 @triton.jit
-def _gemv_segment(x, rows, m_mask, rstd, norm, segment, q4_row, lora_x, n, K,
-                  HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-                  USE_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, WORDS_NB: tl.constexpr, WORDS_SUBW: tl.constexpr,
-                  LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+def _gemv_segment(
+    x,
+    rows,
+    m_mask,
+    rstd,
+    norm,
+    segment,
+    q4_row,
+    lora_x,
+    n,
+    K,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WORDS_NB: tl.constexpr,
+    WORDS_SUBW: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """One projection's output block, fp32, rounded as the unfused layer rounds (base, then + LoRA). The tuples
     are `_gemv_kernel`'s; q4_row: the segment's row of `_packed_table` (4-bit weights).
     WORDS_NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words` (w_ptr: the packed bytes as int32)."""
@@ -236,17 +520,74 @@ def _gemv_segment(x, rows, m_mask, rstd, norm, segment, q4_row, lora_x, n, K,
     n_mask = n < N
     if WORDS_NB > 0:
         tl.static_assert(not HAS_NORM, "the word-wise path takes x normalised already")
-        acc = _gemv_acc_words(x_ptr, stride_xm, tl.sum(m_mask.to(tl.int32), axis=0), w_ptr, q4_row, n, n_mask, K,
-                              BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN,
-                              BLOCK_M)
+        acc = _gemv_acc_words(
+            x_ptr,
+            stride_xm,
+            tl.sum(m_mask.to(tl.int32), axis=0),
+            w_ptr,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            WORDS_NB,
+            WORDS_SUBW,
+            LOOKUP,
+            PTX,
+            EVEN,
+            BLOCK_M,
+        )
     elif USE_DOT:
-        acc = _gemv_acc_dot(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
-                            n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PRECISION,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_dot(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
     else:
-        acc = _gemv_acc_fma(x_ptr, stride_xm, rows, m_mask, rstd, nw_ptr, offset, w_ptr, stride_w, q4_row, n,
-                            n_mask, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, BLOCK_M,
-                            BLOCK_N, BLOCK_K)
+        acc = _gemv_acc_fma(
+            x_ptr,
+            stride_xm,
+            rows,
+            m_mask,
+            rstd,
+            nw_ptr,
+            offset,
+            w_ptr,
+            stride_w,
+            q4_row,
+            n,
+            n_mask,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+        )
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -258,13 +599,38 @@ def _gemv_segment(x, rows, m_mask, rstd, norm, segment, q4_row, lora_x, n, K,
 
 @triton.jit
 def _gemv_kernel(
-    x, norm, segments, q4_table, lora_x, residual, y, M, K, blocks, softcap,
-    HAS_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-    ACT: tl.constexpr, HAS_RES: tl.constexpr, SOFTCAP: tl.constexpr, USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, WORDS_NB: tl.constexpr = 0, WORDS_SUBW: tl.constexpr = 0, LOOKUP: tl.constexpr = 0,
-    PTX: tl.constexpr = False, EVEN: tl.constexpr = False,
+    x,
+    norm,
+    segments,
+    q4_table,
+    lora_x,
+    residual,
+    y,
+    M,
+    K,
+    blocks,
+    softcap,
+    HAS_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    WORDS_NB: tl.constexpr = 0,
+    WORDS_SUBW: tl.constexpr = 0,
+    LOOKUP: tl.constexpr = 0,
+    PTX: tl.constexpr = False,
+    EVEN: tl.constexpr = False,
 ):
     """y = [x W0^T | x W1^T | x W2^T] (or act(x W0^T) * x W1^T with ACT), see `gemv`. The arguments, as `gemv`
     builds them (`_GemvArgs`): x (x_ptr, stride_xm); norm (weight_ptr, eps, offset); segments: three
@@ -284,21 +650,75 @@ def _gemv_kernel(
         sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            xk = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :],
-                         other=0.0).to(tl.float32)
+            xk = tl.load(
+                x_ptr + rows[:, None] * stride_xm + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0.0
+            ).to(tl.float32)
             sq += xk * xk
         rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
     if ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = _gemv_segment(x, rows, m_mask, rstd, norm, segments[0], _q4_row(q4_table, 0), lora_x, n, K, HAS_NORM,
-                          GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION,
-                          BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+        g = _gemv_segment(
+            x,
+            rows,
+            m_mask,
+            rstd,
+            norm,
+            segments[0],
+            _q4_row(q4_table, 0),
+            lora_x,
+            n,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            HAS_BIAS,
+            HAS_LORA,
+            USE_DOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            BLOCK_R,
+            WORDS_NB,
+            WORDS_SUBW,
+            LOOKUP,
+            PTX,
+            EVEN,
+        )
         # up has gate's shape: segment 1 with segment 0's n (as before the tuples)
         w1, sw1, bias1, lb1, r1, xo1, s1, _ = segments[1]
-        u = _gemv_segment(x, rows, m_mask, rstd, norm, (w1, sw1, bias1, lb1, r1, xo1, s1, n0),
-                          _q4_row(q4_table, 1), lora_x, n, K, HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2,
-                          NESTED, HAS_BIAS, HAS_LORA, USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
-                          WORDS_NB, WORDS_SUBW, LOOKUP, PTX, EVEN)
+        u = _gemv_segment(
+            x,
+            rows,
+            m_mask,
+            rstd,
+            norm,
+            (w1, sw1, bias1, lb1, r1, xo1, s1, n0),
+            _q4_row(q4_table, 1),
+            lora_x,
+            n,
+            K,
+            HAS_NORM,
+            GEMMA_NORM,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            HAS_BIAS,
+            HAS_LORA,
+            USE_DOT,
+            PRECISION,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            BLOCK_R,
+            WORDS_NB,
+            WORDS_SUBW,
+            LOOKUP,
+            PTX,
+            EVEN,
+        )
         p, _ = gate_factor(g, ACT)
         out = g * p * u
         cols = n
@@ -306,26 +726,104 @@ def _gemv_kernel(
     else:
         if pid < nb0:
             n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[0], _q4_row(q4_table, 0), lora_x, n, K,
-                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
-                                PTX, EVEN)
+            out = _gemv_segment(
+                x,
+                rows,
+                m_mask,
+                rstd,
+                norm,
+                segments[0],
+                _q4_row(q4_table, 0),
+                lora_x,
+                n,
+                K,
+                HAS_NORM,
+                GEMMA_NORM,
+                BLOCKSIZE_LOG2,
+                BLOCKSIZE2_LOG2,
+                NESTED,
+                HAS_BIAS,
+                HAS_LORA,
+                USE_DOT,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                BLOCK_R,
+                WORDS_NB,
+                WORDS_SUBW,
+                LOOKUP,
+                PTX,
+                EVEN,
+            )
             n_mask = n < n0
             cols = n
         elif pid < nb0 + nb1:
             n = (pid - nb0) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[1], _q4_row(q4_table, 1), lora_x, n, K,
-                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
-                                PTX, EVEN)
+            out = _gemv_segment(
+                x,
+                rows,
+                m_mask,
+                rstd,
+                norm,
+                segments[1],
+                _q4_row(q4_table, 1),
+                lora_x,
+                n,
+                K,
+                HAS_NORM,
+                GEMMA_NORM,
+                BLOCKSIZE_LOG2,
+                BLOCKSIZE2_LOG2,
+                NESTED,
+                HAS_BIAS,
+                HAS_LORA,
+                USE_DOT,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                BLOCK_R,
+                WORDS_NB,
+                WORDS_SUBW,
+                LOOKUP,
+                PTX,
+                EVEN,
+            )
             n_mask = n < n1
             cols = n0 + n
         else:
             n = (pid - nb0 - nb1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            out = _gemv_segment(x, rows, m_mask, rstd, norm, segments[2], _q4_row(q4_table, 2), lora_x, n, K,
-                                HAS_NORM, GEMMA_NORM, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, HAS_BIAS, HAS_LORA,
-                                USE_DOT, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, WORDS_NB, WORDS_SUBW, LOOKUP,
-                                PTX, EVEN)
+            out = _gemv_segment(
+                x,
+                rows,
+                m_mask,
+                rstd,
+                norm,
+                segments[2],
+                _q4_row(q4_table, 2),
+                lora_x,
+                n,
+                K,
+                HAS_NORM,
+                GEMMA_NORM,
+                BLOCKSIZE_LOG2,
+                BLOCKSIZE2_LOG2,
+                NESTED,
+                HAS_BIAS,
+                HAS_LORA,
+                USE_DOT,
+                PRECISION,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                BLOCK_R,
+                WORDS_NB,
+                WORDS_SUBW,
+                LOOKUP,
+                PTX,
+                EVEN,
+            )
             n_mask = n < segments[2][7]
             cols = n0 + n1 + n
     res_ptr, stride_rm = residual
@@ -333,15 +831,19 @@ def _gemv_kernel(
     dt = x_ptr.dtype.element_ty
     out = out.to(dt).to(tl.float32)
     if HAS_RES:
-        r = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=m_mask[:, None] & n_mask[None, :],
-                    other=0.0)
+        r = tl.load(
+            res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=m_mask[:, None] & n_mask[None, :], other=0.0
+        )
         out = (r.to(tl.float32) + out).to(dt).to(tl.float32)
     if SOFTCAP:  # transformers' order, each op rounded: tanh(logits / cap) * cap
         out = (out / softcap).to(dt).to(tl.float32)
         out = tanh(out, CLAMP=True).to(dt).to(tl.float32)
         out = (out * softcap).to(dt).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out.to(y_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(
+        y_ptr + rows[:, None] * stride_ym + cols[None, :],
+        out.to(y_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
 
 
 class DecodeGemvConfig(NamedTuple):
@@ -445,8 +947,10 @@ def gemv(
         raise ValueError(f"activation must be one of {[a for a in ACTIVATIONS if a]} or None; got {activation!r}")
     ns = [p.shape[0] for p in packs] if packs else [w.shape[0] for w in weights]
     if act >= 0 and (len(weights) != 2 or ns[0] != ns[1]):
-        raise ValueError(f"activation {activation!r} needs two weights (gate, up) of one shape; got shapes "
-                         f"{[tuple(w.shape) for w in weights]}")
+        raise ValueError(
+            f"activation {activation!r} needs two weights (gate, up) of one shape; got shapes "
+            f"{[tuple(w.shape) for w in weights]}"
+        )
     n_out = ns[0] if act >= 0 else sum(ns)
     if norm is not None:
         nw, eps, offset = norm
@@ -460,7 +964,9 @@ def gemv(
             raise ValueError("biases must hold one bias per weight (or be None)")
         for i, (b, n) in enumerate(zip(biases, ns)):
             if b.shape != (n,) or b.dtype != dtype:
-                raise ValueError(f"biases[{i}] must be a {dtype} tensor of shape ({n},); got {b.dtype} {tuple(b.shape)}")
+                raise ValueError(
+                    f"biases[{i}] must be a {dtype} tensor of shape ({n},); got {b.dtype} {tuple(b.shape)}"
+                )
     seg_b = [x] * MAX_SEGMENTS  # unread pointers where a weight has no adapter
     ranks, offs, scales = [0] * MAX_SEGMENTS, [0] * MAX_SEGMENTS, [0.0] * MAX_SEGMENTS
     xa = x
@@ -474,13 +980,16 @@ def gemv(
             if b is None:
                 continue
             if b.dim() != 2 or b.shape[0] != n or b.dtype != dtype or not b.is_contiguous():
-                raise ValueError(f"lora B[{i}] must be a contiguous {dtype} tensor [{n}, r]; got {b.dtype} "
-                                 f"{tuple(b.shape)}")
+                raise ValueError(
+                    f"lora B[{i}] must be a contiguous {dtype} tensor [{n}, r]; got {b.dtype} {tuple(b.shape)}"
+                )
             seg_b[i], ranks[i], offs[i], scales[i] = b, b.shape[1], col, float(scalings[i])
             col += b.shape[1]
         if xa.dim() != 2 or tuple(xa.shape) != (m, col) or xa.dtype != dtype or xa.stride(1) != 1:
-            raise ValueError(f"lora xa must be a {dtype} tensor [{m}, {col}] (x A^T of every adapter); got "
-                             f"{xa.dtype} {tuple(xa.shape)}")
+            raise ValueError(
+                f"lora xa must be a {dtype} tensor [{m}, {col}] (x A^T of every adapter); got "
+                f"{xa.dtype} {tuple(xa.shape)}"
+            )
     if residual is not None and (tuple(residual.shape) != (m, n_out) or residual.stride(1) != 1):
         raise ValueError(f"residual must have shape ({m}, {n_out}), contiguous rows; got {tuple(residual.shape)}")
     if softcap is not None and not softcap > 0:
@@ -491,8 +1000,20 @@ def gemv(
     elif tuple(out.shape) != (m, n_out) or out.stride(1) != 1:
         raise ValueError(f"out must have shape ({m}, {n_out}), contiguous rows; got {tuple(out.shape)}")
     if not use_triton(x, weights[0]):
-        return _write(out, gemv_reference(x, weights, norm=norm, biases=biases, lora=lora, activation=activation,
-                                          residual=residual, out_dtype=out_dtype, softcap=softcap))
+        return _write(
+            out,
+            gemv_reference(
+                x,
+                weights,
+                norm=norm,
+                biases=biases,
+                lora=lora,
+                activation=activation,
+                residual=residual,
+                out_dtype=out_dtype,
+                softcap=softcap,
+            ),
+        )
     tile = _words_tile(x, entries, ns, k, act >= 0, words)
     if packs and tile is None and m > 1:
         # Dequantized (into new buffers, one launch a weight) and read dense: much faster at 2-8 rows than decoding
@@ -517,9 +1038,13 @@ def gemv(
             seg_w, block_n, use_dot = [e.words for e in entries], tile.block_n, False
             block_m, warps = next_power_of_2(m), tile.num_warps
             aligned = x.data_ptr() % 16 == 0 and (m == 1 or x.stride(0) % 8 == 0)
-            consts = dict(WORDS_NB=tile.nb, WORDS_SUBW=tile.sub, LOOKUP=LOOKUPS[tile.lookup],
-                          PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned,
-                          EVEN=all(n % block_n == 0 for n in ns) and k // 8 % (tile.nb * tile.sub) == 0)
+            consts = dict(
+                WORDS_NB=tile.nb,
+                WORDS_SUBW=tile.sub,
+                LOOKUP=LOOKUPS[tile.lookup],
+                PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned,
+                EVEN=all(n % block_n == 0 for n in ns) and k // 8 % (tile.nb * tile.sub) == 0,
+            )
     else:
         seg_w, strides, q4 = weights, [w.stride(0) for w in weights], x
         q4_consts = dict(BLOCKSIZE_LOG2=0, BLOCKSIZE2_LOG2=0, NESTED=False)
@@ -530,18 +1055,40 @@ def gemv(
     blocks = [cdiv(n, block_n) for n in seg_n]
     grid = (blocks[0] if act >= 0 else sum(blocks),)
     res = residual if residual is not None else out
-    segments = tuple(tuple(_Segment(seg_w[i], strides[i], seg_bias[i], seg_b[i], ranks[i], offs[i], scales[i],
-                                    seg_n[i])) for i in range(MAX_SEGMENTS))
-    args = tuple(_GemvArgs(
-        x=(x, x.stride(0)), norm=(nw, float(eps), float(offset)), segments=segments, q4_table=q4,
-        lora_x=(xa, xa.stride(0)), residual=(res, res.stride(0)), y=(out, out.stride(0)), M=m, K=k,
-        blocks=(blocks[0], blocks[1]), softcap=float(softcap or 1.0),
-    ))
+    segments = tuple(
+        tuple(_Segment(seg_w[i], strides[i], seg_bias[i], seg_b[i], ranks[i], offs[i], scales[i], seg_n[i]))
+        for i in range(MAX_SEGMENTS)
+    )
+    args = tuple(
+        _GemvArgs(
+            x=(x, x.stride(0)),
+            norm=(nw, float(eps), float(offset)),
+            segments=segments,
+            q4_table=q4,
+            lora_x=(xa, xa.stride(0)),
+            residual=(res, res.stride(0)),
+            y=(out, out.stride(0)),
+            M=m,
+            K=k,
+            blocks=(blocks[0], blocks[1]),
+            softcap=float(softcap or 1.0),
+        )
+    )
     consts.update(
-        HAS_NORM=norm is not None, GEMMA_NORM=norm is not None and float(offset) != 0.0,
-        HAS_BIAS=biases is not None, HAS_LORA=lora is not None, ACT=act, HAS_RES=residual is not None,
-        SOFTCAP=softcap is not None, USE_DOT=use_dot, PRECISION=_precision(dtype), **q4_consts,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=max(16, next_power_of_2(max(ranks))),
+        HAS_NORM=norm is not None,
+        GEMMA_NORM=norm is not None and float(offset) != 0.0,
+        HAS_BIAS=biases is not None,
+        HAS_LORA=lora is not None,
+        ACT=act,
+        HAS_RES=residual is not None,
+        SOFTCAP=softcap is not None,
+        USE_DOT=use_dot,
+        PRECISION=_precision(dtype),
+        **q4_consts,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=max(16, next_power_of_2(max(ranks))),
         num_warps=warps,
     )
     launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
@@ -613,8 +1160,10 @@ def packed_reason(weights) -> str | None:
         return "4-bit and dense weights mixed in one launch"
     formats = {_packed_format(_unpacked(w)) for w in weights}
     if len(formats) > 1:
-        return ("4-bit weights of different formats (log2 blocksize, log2 nested blocksize, nested, absmax "
-                f"dtype): {formats}")
+        return (
+            "4-bit weights of different formats (log2 blocksize, log2 nested blocksize, nested, absmax "
+            f"dtype): {formats}"
+        )
     return None
 
 
@@ -643,8 +1192,9 @@ def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype).float()
 
 
-def gemv_reference(x, weights, *, norm=None, biases=None, lora=None, activation=None, residual=None,
-                   out_dtype=None, softcap=None) -> torch.Tensor:
+def gemv_reference(
+    x, weights, *, norm=None, biases=None, lora=None, activation=None, residual=None, out_dtype=None, softcap=None
+) -> torch.Tensor:
     """gemv in torch, the unfused modules' maths and rounding (fp32 products)."""
     from .norms import rms_norm_reference
 
@@ -659,15 +1209,17 @@ def gemv_reference(x, weights, *, norm=None, biases=None, lora=None, activation=
         y = _round(x.float() @ w.float().t() + (biases[i].float() if biases is not None else 0.0), dtype)
         if lora is not None and lora[1][i] is not None:
             b = lora[1][i]
-            xa = lora[0][:, xa_col: xa_col + b.shape[1]].float()
+            xa = lora[0][:, xa_col : xa_col + b.shape[1]].float()
             xa_col += b.shape[1]
             y = _round(y + lora[2][i] * (xa @ b.float().t()), dtype)
         outs.append(y)
     if activation is not None:
         g, u = outs
-        act = {"silu": torch.nn.functional.silu,
-               "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-               "gelu": torch.nn.functional.gelu}[activation]
+        act = {
+            "silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+            "gelu": torch.nn.functional.gelu,
+        }[activation]
         y = _round(act(g) * u, dtype)
     else:
         y = torch.cat(outs, dim=1)
@@ -705,13 +1257,47 @@ def _head_norm(x1, x2, w_ptr, half, h_mask, eps, offset, D, dt, GEMMA_NORM: tl.c
 
 @triton.jit
 def _decode_attention_kernel(
-    qkv_ptr, stride_qkv, cos_ptr, sin_ptr, stride_rope, pos_ptr, qn_ptr, kn_ptr, norm_eps, norm_offset,
-    k_cache, v_cache, stride_cb, stride_ch, stride_cl, valid_ptr, stride_valid, slot_ptr,
-    o_ptr, stride_o, part_o, part_ml,
-    H, HKV, G, D, L, window, scaling, softcap,
-    CHUNK: tl.constexpr, SPLITS: tl.constexpr, HAS_QK_NORM: tl.constexpr, GEMMA_NORM: tl.constexpr,
-    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    qkv_ptr,
+    stride_qkv,
+    cos_ptr,
+    sin_ptr,
+    stride_rope,
+    pos_ptr,
+    qn_ptr,
+    kn_ptr,
+    norm_eps,
+    norm_offset,
+    k_cache,
+    v_cache,
+    stride_cb,
+    stride_ch,
+    stride_cl,
+    valid_ptr,
+    stride_valid,
+    slot_ptr,
+    o_ptr,
+    stride_o,
+    part_o,
+    part_ml,
+    H,
+    HKV,
+    G,
+    D,
+    L,
+    window,
+    scaling,
+    softcap,
+    CHUNK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    RING: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -810,8 +1396,9 @@ def _decode_attention_kernel(
 
 
 @triton.jit
-def _attention_combine_kernel(part_o, part_ml, o_ptr, stride_o, H, D,
-                              SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attention_combine_kernel(
+    part_o, part_ml, o_ptr, stride_o, H, D, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -825,8 +1412,9 @@ def _attention_combine_kernel(part_o, part_ml, o_ptr, stride_o, H, D,
     top = tl.max(m, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.where(s_mask & (m > float("-inf")), tl.exp(m - top), 0.0)
-    acc = tl.load(part_o + row.to(tl.int64)[:, None] * D + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                  other=0.0)
+    acc = tl.load(
+        part_o + row.to(tl.int64)[:, None] * D + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
     total = tl.sum(w * l, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + b * stride_o + h * D + d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
@@ -868,13 +1456,23 @@ def decode_attention(
     cos, sin [positions, D]. qk_norm: (q weight [D], k weight [D], eps, offset) for per-head q/k RMSNorm
     before RoPE. chunk: cache columns per split program (flash-decoding).
     """
-    for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache), ("valid", valid), ("slot", slot),
-                    ("pos", pos), ("cos", cos), ("sin", sin)):
+    for name, t in (
+        ("qkv", qkv),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("valid", valid),
+        ("slot", slot),
+        ("pos", pos),
+        ("cos", cos),
+        ("sin", sin),
+    ):
         if not torch.is_tensor(t):
             raise ValueError(f"{name} must be a tensor; got {type(t).__name__}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be [B, Hkv, L, D] of one shape; got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must be [B, Hkv, L, D] of one shape; got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
+        )
     check_dtype("k_cache", k_cache)
     b, hkv, length, d = k_cache.shape
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
@@ -884,25 +1482,40 @@ def decode_attention(
     if d % 2:
         raise ValueError(f"head dim (the cache's last size) must be even for RoPE; got {d}")
     if qkv.dim() != 2 or tuple(qkv.shape) != (b, (heads + 2 * hkv) * d) or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [{b}, {(heads + 2 * hkv) * d}] (q, k, v heads of this token); got "
-                         f"{tuple(qkv.shape)}")
+        raise ValueError(
+            f"qkv must be [{b}, {(heads + 2 * hkv) * d}] (q, k, v heads of this token); got {tuple(qkv.shape)}"
+        )
     if qkv.dtype != k_cache.dtype:
         raise ValueError(f"qkv must have the cache's dtype {k_cache.dtype}; got {qkv.dtype}")
     if ring and window != length:
         raise ValueError(f"a ring cache holds `window` columns: window must be the cache's {length}; got {window!r}")
-    if valid.dtype != torch.bool or valid.dim() != 2 or valid.shape[0] != b or valid.shape[1] < length or (
-            not ring and valid.shape[1] != length) or valid.stride(1) != 1:
+    if (
+        valid.dtype != torch.bool
+        or valid.dim() != 2
+        or valid.shape[0] != b
+        or valid.shape[1] < length
+        or (not ring and valid.shape[1] != length)
+        or valid.stride(1) != 1
+    ):
         expected = f"[{b}, >= {length}]" if ring else f"[{b}, {length}]"
-        raise ValueError(f"valid must be a bool tensor {expected}, contiguous rows; got {valid.dtype} "
-                         f"{tuple(valid.shape)}")
+        raise ValueError(
+            f"valid must be a bool tensor {expected}, contiguous rows; got {valid.dtype} {tuple(valid.shape)}"
+        )
     if slot.numel() != 1 or slot.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot must be a 1-element integer tensor; got {slot.dtype} {tuple(slot.shape)}")
     pos = pos.reshape(-1)
     if pos.numel() != b or pos.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pos must hold {b} integer positions; got {pos.dtype} {tuple(pos.shape)}")
-    if cos.dim() != 2 or cos.shape[1] != d or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride():
-        raise ValueError(f"cos and sin must be [positions, {d}] tables of one layout; got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")
+    if (
+        cos.dim() != 2
+        or cos.shape[1] != d
+        or sin.shape != cos.shape
+        or cos.stride(1) != 1
+        or sin.stride() != cos.stride()
+    ):
+        raise ValueError(
+            f"cos and sin must be [positions, {d}] tables of one layout; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0; got {softcap}")
     if window is not None and (not isinstance(window, int) or window < 1):
@@ -914,9 +1527,25 @@ def decode_attention(
     if out is None:
         out = torch.empty(b, heads * d, device=qkv.device, dtype=qkv.dtype)
     if not use_triton(qkv, k_cache):
-        return _write(out, decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, heads=heads,
-                                                      scaling=scaling, softcap=softcap, window=window,
-                                                      ring=ring, qk_norm=qk_norm))
+        return _write(
+            out,
+            decode_attention_reference(
+                qkv,
+                k_cache,
+                v_cache,
+                valid,
+                slot,
+                pos,
+                cos,
+                sin,
+                heads=heads,
+                scaling=scaling,
+                softcap=softcap,
+                window=window,
+                ring=ring,
+                qk_norm=qk_norm,
+            ),
+        )
     chunk, splits = _attention_splits(length, chunk)
     group = heads // hkv
     block_g = max(16, next_power_of_2(group))
@@ -929,19 +1558,61 @@ def decode_attention(
         part_o = part_ml = out
     qn, kn, eps, offset = qk_norm if qk_norm is not None else (cos, cos, 0.0, 0.0)
     _decode_attention_kernel[(b * hkv, splits)](
-        qkv, qkv.stride(0), cos, sin, cos.stride(0), pos, qn, kn, float(eps), float(offset),
-        k_cache, v_cache, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.view(torch.uint8),
-        valid.stride(0), slot, out, out.stride(0), part_o, part_ml,
-        heads, hkv, group, d, length, int(window or 0), float(scaling), float(softcap or 1.0),
-        CHUNK=chunk, SPLITS=splits, HAS_QK_NORM=qk_norm is not None,
-        GEMMA_NORM=qk_norm is not None and float(offset) != 0.0, SOFTCAP=softcap is not None,
-        WINDOW=window is not None and not ring, RING=ring, PRECISION=_precision(qkv.dtype),
-        BLOCK_G=block_g, BLOCK_H=block_h, BLOCK_S=block_s, num_warps=4,
+        qkv,
+        qkv.stride(0),
+        cos,
+        sin,
+        cos.stride(0),
+        pos,
+        qn,
+        kn,
+        float(eps),
+        float(offset),
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        valid.view(torch.uint8),
+        valid.stride(0),
+        slot,
+        out,
+        out.stride(0),
+        part_o,
+        part_ml,
+        heads,
+        hkv,
+        group,
+        d,
+        length,
+        int(window or 0),
+        float(scaling),
+        float(softcap or 1.0),
+        CHUNK=chunk,
+        SPLITS=splits,
+        HAS_QK_NORM=qk_norm is not None,
+        GEMMA_NORM=qk_norm is not None and float(offset) != 0.0,
+        SOFTCAP=softcap is not None,
+        WINDOW=window is not None and not ring,
+        RING=ring,
+        PRECISION=_precision(qkv.dtype),
+        BLOCK_G=block_g,
+        BLOCK_H=block_h,
+        BLOCK_S=block_s,
+        num_warps=4,
     )
     if splits > 1:
         _attention_combine_kernel[(b * heads,)](
-            part_o, part_ml, out, out.stride(0), heads, d,
-            SPLITS=splits, BLOCK_SPLITS=next_power_of_2(splits), BLOCK_D=next_power_of_2(d), num_warps=4,
+            part_o,
+            part_ml,
+            out,
+            out.stride(0),
+            heads,
+            d,
+            SPLITS=splits,
+            BLOCK_SPLITS=next_power_of_2(splits),
+            BLOCK_D=next_power_of_2(d),
+            num_warps=4,
         )
     return out
 
@@ -952,8 +1623,23 @@ def _rotate(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def decode_attention_reference(qkv, k_cache, v_cache, valid, slot, pos, cos, sin, *, heads, scaling, softcap=None,
-                               window=None, ring=False, qk_norm=None) -> torch.Tensor:
+def decode_attention_reference(
+    qkv,
+    k_cache,
+    v_cache,
+    valid,
+    slot,
+    pos,
+    cos,
+    sin,
+    *,
+    heads,
+    scaling,
+    softcap=None,
+    window=None,
+    ring=False,
+    qk_norm=None,
+) -> torch.Tensor:
     """decode_attention in torch (fp32 maths, q/k rounded to the cache dtype as the unfused path rounds)."""
     from .norms import rms_norm_reference
 
@@ -999,8 +1685,19 @@ def ring_columns(slot, window: int, device=None) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- add + RMSNorm
 @triton.jit
-def _add_rms_norm_kernel(h_ptr, stride_h, y_ptr, stride_y, w_ptr, N, eps, offset,
-                         GEMMA_NORM: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr = True):
+def _add_rms_norm_kernel(
+    h_ptr,
+    stride_h,
+    y_ptr,
+    stride_y,
+    w_ptr,
+    N,
+    eps,
+    offset,
+    GEMMA_NORM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr = True,
+):
     """h += RMSNorm(y) a row (ADD), or h = RMSNorm(y)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -1023,8 +1720,9 @@ def _add_rms_norm_kernel(h_ptr, stride_h, y_ptr, stride_y, w_ptr, N, eps, offset
 def add_rms_norm(h: torch.Tensor, y: torch.Tensor, norm: tuple) -> torch.Tensor:
     """h += RMSNorm(y) in place (h, y [M, N]); norm (weight [N], eps, offset) as in `gemv`."""
     if not torch.is_tensor(h) or not torch.is_tensor(y) or h.dim() != 2 or y.shape != h.shape:
-        raise ValueError(f"h and y must be 2-D tensors of one shape; got {getattr(h, 'shape', None)} and "
-                         f"{getattr(y, 'shape', None)}")
+        raise ValueError(
+            f"h and y must be 2-D tensors of one shape; got {getattr(h, 'shape', None)} and {getattr(y, 'shape', None)}"
+        )
     if h.dtype != y.dtype:
         raise ValueError(f"y must have h's dtype {h.dtype}; got {y.dtype}")
     check_dtype("h", h)
@@ -1043,16 +1741,42 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, norm: tuple) -> torch.Tensor:
 
 def _launch_rms_norm(h: torch.Tensor, y: torch.Tensor, norm: tuple, add: bool) -> torch.Tensor:
     weight, eps, offset = norm
-    _add_rms_norm_kernel[(h.shape[0],)](h, h.stride(0), y, y.stride(0), weight, h.shape[1], float(eps),
-                                        float(offset), GEMMA_NORM=float(offset) != 0.0,
-                                        BLOCK=next_power_of_2(h.shape[1]), ADD=add, num_warps=8)
+    _add_rms_norm_kernel[(h.shape[0],)](
+        h,
+        h.stride(0),
+        y,
+        y.stride(0),
+        weight,
+        h.shape[1],
+        float(eps),
+        float(offset),
+        GEMMA_NORM=float(offset) != 0.0,
+        BLOCK=next_power_of_2(h.shape[1]),
+        ADD=add,
+        num_warps=8,
+    )
     return h
 
 
 # ------------------------------------------------------------------------------------ greedy step emit
 @triton.jit
-def _greedy_emit_kernel(logits_ptr, stride_l, V, finished_ptr, done_ptr, count_ptr, eos_ptr, pad_ptr, out_ptr,
-                        stride_out, tok_ptr, pos_ptr, N_EOS, BLOCK_EOS: tl.constexpr, BLOCK: tl.constexpr):
+def _greedy_emit_kernel(
+    logits_ptr,
+    stride_l,
+    V,
+    finished_ptr,
+    done_ptr,
+    count_ptr,
+    eos_ptr,
+    pad_ptr,
+    out_ptr,
+    stride_out,
+    tok_ptr,
+    pos_ptr,
+    N_EOS,
+    BLOCK_EOS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     b = tl.program_id(0)
     best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     idx = tl.full([BLOCK], 2147483647, dtype=tl.int32)
@@ -1085,12 +1809,19 @@ def greedy_emit(logits, finished, done_at, count, eos, pad, out, tok, pos) -> No
     finished); a row whose token is in `eos` (-1: unused entries) finishes with done_at = count;
     out[:, count] = tok = token; pos += 1. count (1 element) is left to the caller to advance."""
     if not torch.is_tensor(logits) or logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a 2-D float32 tensor with contiguous rows; got {getattr(logits, 'dtype', None)}")
+        raise ValueError(
+            f"logits must be a 2-D float32 tensor with contiguous rows; got {getattr(logits, 'dtype', None)}"
+        )
     b = logits.shape[0]
     if finished.dtype != torch.bool or finished.shape != (b,):
         raise ValueError(f"finished must be a bool tensor ({b},); got {finished.dtype} {tuple(finished.shape)}")
-    for name, t, shape in (("done_at", done_at, (b,)), ("tok", tok.reshape(-1), (b,)), ("pos", pos.reshape(-1), (b,)),
-                           ("count", count.reshape(-1), (1,)), ("pad", pad.reshape(-1), (1,))):
+    for name, t, shape in (
+        ("done_at", done_at, (b,)),
+        ("tok", tok.reshape(-1), (b,)),
+        ("pos", pos.reshape(-1), (b,)),
+        ("count", count.reshape(-1), (1,)),
+        ("pad", pad.reshape(-1), (1,)),
+    ):
         if t.dtype != torch.long or tuple(t.shape) != shape:
             raise ValueError(f"{name} must be an int64 tensor of shape {shape}; got {t.dtype} {tuple(t.shape)}")
     if eos.dtype != torch.long or eos.dim() != 1 or out.dtype != torch.long or out.shape[0] != b:
@@ -1106,6 +1837,21 @@ def greedy_emit(logits, finished, done_at, count, eos, pad, out, tok, pos) -> No
         tok.copy_(token.view(tok.shape))
         pos.add_(1)
         return
-    _greedy_emit_kernel[(b,)](logits, logits.stride(0), logits.shape[1], finished.view(torch.int8), done_at, count,
-                              eos, pad, out, out.stride(0), tok, pos, eos.numel(), BLOCK_EOS=max(2, next_power_of_2(eos.numel())),
-                              BLOCK=2048 if not interpreter_enabled() else 64, num_warps=8)
+    _greedy_emit_kernel[(b,)](
+        logits,
+        logits.stride(0),
+        logits.shape[1],
+        finished.view(torch.int8),
+        done_at,
+        count,
+        eos,
+        pad,
+        out,
+        out.stride(0),
+        tok,
+        pos,
+        eos.numel(),
+        BLOCK_EOS=max(2, next_power_of_2(eos.numel())),
+        BLOCK=2048 if not interpreter_enabled() else 64,
+        num_warps=8,
+    )

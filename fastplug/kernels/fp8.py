@@ -9,8 +9,8 @@ are partial. An activation x [..., K] is quantized the same way with one scale p
 
 GEMM. y = x W^T: one memory-bound kernel quantizes x, then cuBLAS's block-scaled GEMM where it exists (torch's
 scaled_mm, CUDA 12.9+ on Hopper) and takes the shapes (see CUBLAS_ROWS), else a Triton GEMM that walks K one
-block at a time (BLOCK_K = b): each step's fp8 product, summed by the tensor cores, is multiplied by its two scales (of its
-rows of x, of its column block of W) and added to an fp32 accumulator. Applying the scales at every K block
+block at a time (BLOCK_K = b): each step's fp8 product, summed by the tensor cores, is multiplied by its two scales
+(of its rows of x, of its column block of W) and added to an fp32 accumulator. Applying the scales at every K block
 is what the format needs, and it also bounds the reduced-precision accumulation of Hopper's fp8 tensor
 cores to one block. The same kernel gives dY W (the input gradient) by reading W through swapped strides.
 
@@ -43,8 +43,18 @@ except ImportError:  # triton without host-side tensor descriptors: pointer load
 
 from . import tuning
 from ._utils import (
-    cdiv, check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, kernel_path,
-    no_autocast, rows_view, scratch, triton_available, use_triton,
+    cdiv,
+    check_dtype,
+    check_same_device,
+    compute_dtype,
+    keep_for_backward,
+    kept_for_backward,
+    kernel_path,
+    no_autocast,
+    rows_view,
+    scratch,
+    triton_available,
+    use_triton,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -57,7 +67,6 @@ FP8_OPS = ("quantize_weight_blockwise", "quantize_activation", "dequantize_block
 _MAX = tl.constexpr(FP8_MAX)
 _INV_MAX = tl.constexpr(1.0 / FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +87,13 @@ class Fp8GemmConfig:
         return cls(d["BLOCK_M"], d["BLOCK_N"], d["GROUP_M"], d["num_warps"], d["num_stages"], d.get("TMA", False))
 
     def launch_args(self) -> dict:
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, GROUP_M=self.group_m, num_warps=self.num_warps,
-                    num_stages=self.num_stages)
+        return dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            GROUP_M=self.group_m,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+        )
 
 
 # scripts/fp8_gpu.py sweeps the alternatives: at 8192^3 the large-M launch beat 128x128, 8 warps, 4 stages
@@ -105,8 +119,19 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quantize_blocks(
-    x_ptr, q_ptr, s_ptr, R, C, stride_xr, stride_qr, stride_sr, stride_sc,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUPS: tl.constexpr, INTERPRETER: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    stride_xr,
+    stride_qr,
+    stride_sr,
+    stride_sc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUPS: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     """GROUPS scale blocks of BLOCK_R x BLOCK_C, one above the other: each gets scale amax / 448 and its values
     x / scale in e4m3. Weights: BLOCK_R = BLOCK_C = b, GROUPS = 1; activations: BLOCK_R = 1, many rows."""
@@ -130,8 +155,18 @@ def _quantize_blocks(
 
 @triton.jit
 def _dequantize_blocks(
-    q_ptr, s_ptr, out_ptr, R, C, stride_qr, stride_or, stride_sr, stride_sc,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUPS: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    C,
+    stride_qr,
+    stride_or,
+    stride_sr,
+    stride_sc,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     """out = q * scale of its block, over the tiling of `_quantize_blocks`."""
     rows = tl.program_id(0) * (GROUPS * BLOCK_R) + tl.arange(0, GROUPS * BLOCK_R)
@@ -147,12 +182,33 @@ def _dequantize_blocks(
 
 @triton.jit
 def _fp8_gemm(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr,
-    M, N, K,
-    stride_am, stride_asm, stride_ask, stride_bn, stride_bk, stride_bsn, stride_bsk, stride_cm,
-    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr, INPUT_GRAD: tl.constexpr,
-    TMA: tl.constexpr, INTERPRETER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_asm,
+    stride_ask,
+    stride_bn,
+    stride_bk,
+    stride_bsn,
+    stride_bsk,
+    stride_cm,
+    HAS_BIAS: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_GRAD: tl.constexpr,
+    TMA: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """c[m, n] (+)= sum over K blocks j of (a[m, j-block] . b[j-block, n]) * as[m, j] * bs[j, n // BLOCK_K] (+ bias[n]).
 
@@ -259,8 +315,12 @@ def fp8_path(device: str | torch.device, op: str = "fp8_block_matmul") -> str:
         if reason is None and op not in _MATMUL_OPS:
             return "Triton (compiled for the GPU)"
         if reason is None:
-            return ("cuBLAS block-scaled FP8 GEMM (torch scaled_mm) where K (and N for dX) are multiples of 512, "
-                    "else Triton's" if _cublas_blockwise(device) else "Triton FP8 block-scaled GEMM")
+            return (
+                "cuBLAS block-scaled FP8 GEMM (torch scaled_mm) where K (and N for dX) are multiples of 512, "
+                "else Triton's"
+                if _cublas_blockwise(device)
+                else "Triton FP8 block-scaled GEMM"
+            )
     else:
         path = kernel_path(device)
         if path.startswith("Triton"):
@@ -326,8 +386,19 @@ def _quantize_2d(x2: torch.Tensor, block_r: int, block_c: int, q: torch.Tensor, 
     groups = 1 if block_r > 1 else (32 if x2.is_cuda else 64)
     grid = (cdiv(cdiv(R, block_r), groups), cdiv(C, block_c))
     _quantize_blocks[grid](
-        x2, q, s, R, C, x2.stride(0), q.stride(0), s.stride(0), s.stride(1),
-        BLOCK_R=block_r, BLOCK_C=block_c, GROUPS=groups, INTERPRETER=not x2.is_cuda,
+        x2,
+        q,
+        s,
+        R,
+        C,
+        x2.stride(0),
+        q.stride(0),
+        s.stride(0),
+        s.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        GROUPS=groups,
+        INTERPRETER=not x2.is_cuda,
         num_warps=8 if block_r > 1 else 4,
     )
 
@@ -396,7 +467,10 @@ def quantize_activation_reference(x: torch.Tensor, group: int = 128) -> tuple[to
 
 
 def dequantize_blockwise(
-    q: torch.Tensor, scale: torch.Tensor, block=128, dtype: torch.dtype = torch.bfloat16,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block=128,
+    dtype: torch.dtype = torch.bfloat16,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q * its block's scale in `dtype` (or written into `out`, whose dtype wins). block: b for a weight's
@@ -409,8 +483,10 @@ def dequantize_blockwise(
     R, C = q2.shape
     blocks = (cdiv(R, block_r), cdiv(C, block_c))
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.numel() != blocks[0] * blocks[1]:
-        raise ValueError(f"scale must be a float32 tensor of {blocks[0]} x {blocks[1]} block scales for q of shape "
-                         f"{tuple(q.shape)} and block {(block_r, block_c)}")
+        raise ValueError(
+            f"scale must be a float32 tensor of {blocks[0]} x {blocks[1]} block scales for q of shape "
+            f"{tuple(q.shape)} and block {(block_r, block_c)}"
+        )
     check_same_device(q=q, scale=scale, out=out)
     s2 = scale.reshape(blocks)
     if out is None:
@@ -426,14 +502,26 @@ def dequantize_blockwise(
         groups = 1 if block_r > 1 else (32 if q.is_cuda else 64)
         out2 = out.view(R, C)
         _dequantize_blocks[(cdiv(cdiv(R, block_r), groups), cdiv(C, block_c))](
-            q2, s2, out2, R, C, q2.stride(0), out2.stride(0), s2.stride(0), s2.stride(1),
-            BLOCK_R=block_r, BLOCK_C=block_c, GROUPS=groups, num_warps=8 if block_r > 1 else 4,
+            q2,
+            s2,
+            out2,
+            R,
+            C,
+            q2.stride(0),
+            out2.stride(0),
+            s2.stride(0),
+            s2.stride(1),
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            GROUPS=groups,
+            num_warps=8 if block_r > 1 else 4,
         )
     return out
 
 
-def dequantize_blockwise_reference(q: torch.Tensor, scale: torch.Tensor, block=128,
-                                   dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_blockwise_reference(
+    q: torch.Tensor, scale: torch.Tensor, block=128, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     block_r, block_c = _block_pair(block)
     q2 = q.reshape(-1, q.shape[-1])
     R, C = q2.shape
@@ -461,8 +549,18 @@ def _tma_ready(device: torch.device, *tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.stride(1) == 1 for t in tensors)
 
 
-def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Tensor, accumulate: bool,
-             bias: torch.Tensor | None, config: Fp8GemmConfig | dict | None = None) -> torch.Tensor:
+def _gemm_2d(
+    a,
+    a_scale,
+    w,
+    w_scale,
+    block: int,
+    input_grad: bool,
+    out: torch.Tensor,
+    accumulate: bool,
+    bias: torch.Tensor | None,
+    config: Fp8GemmConfig | dict | None = None,
+) -> torch.Tensor:
     """out (+)= a @ W^T (+ bias), or a @ W when input_grad; a [M, Ka] fp8, out [M, N] unit-stride columns."""
     M, N = out.shape
     K = a.shape[1]
@@ -483,10 +581,28 @@ def _gemm_2d(a, a_scale, w, w_scale, block: int, input_grad: bool, out: torch.Te
         w = TensorDescriptor.from_tensor(w, [block, config.block_n] if input_grad else [config.block_n, block])
     grid = (cdiv(M, config.block_m) * cdiv(N, config.block_n),)
     _fp8_gemm[grid](
-        a, a_scale, w, w_scale, out, bias if bias is not None else out,
-        M, N, K, stride_am, a_scale.stride(0), a_scale.stride(1), *strides, out.stride(0),
-        HAS_BIAS=bias is not None, ACCUMULATE=accumulate, EVEN_K=K % block == 0, INPUT_GRAD=input_grad, TMA=tma,
-        INTERPRETER=not out.is_cuda, BLOCK_K=block, **config.launch_args(),
+        a,
+        a_scale,
+        w,
+        w_scale,
+        out,
+        bias if bias is not None else out,
+        M,
+        N,
+        K,
+        stride_am,
+        a_scale.stride(0),
+        a_scale.stride(1),
+        *strides,
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        ACCUMULATE=accumulate,
+        EVEN_K=K % block == 0,
+        INPUT_GRAD=input_grad,
+        TMA=tma,
+        INTERPRETER=not out.is_cuda,
+        BLOCK_K=block,
+        **config.launch_args(),
     )
     return out
 
@@ -503,16 +619,25 @@ CUBLAS_ROWS = 16  # cuBLAS refused M = 5 and M = 8190 (CUBLAS_STATUS_NOT_SUPPORT
 
 def _cublas_takes(x2: torch.Tensor, block: int, contracted: int, other: int, input_grad: bool) -> bool:
     """True when cuBLAS's block-scaled GEMM runs x2 [M, contracted] against a weight with `other` features."""
-    return (block == 128 and x2.is_cuda and x2.dtype == torch.bfloat16  # fp16 and fp32: not tried on a GPU yet
-            and contracted % 512 == 0 and (other % 512 == 0 if input_grad else other % 128 == 0)
-            and _cublas_blockwise(x2.device))
+    return (
+        block == 128
+        and x2.is_cuda
+        and x2.dtype == torch.bfloat16  # fp16 and fp32: not tried on a GPU yet
+        and contracted % 512 == 0
+        and (other % 512 == 0 if input_grad else other % 128 == 0)
+        and _cublas_blockwise(x2.device)
+    )
 
 
 @functools.cache
 def _cublas_blockwise_on(index: int) -> bool:
     scaled_mm = getattr(torch.nn.functional, "scaled_mm", None)
-    if (scaled_mm is None or not hasattr(torch.nn.functional, "ScalingType") or torch.version.hip is not None
-            or not torch.cuda.is_available()):
+    if (
+        scaled_mm is None
+        or not hasattr(torch.nn.functional, "ScalingType")
+        or torch.version.hip is not None
+        or not torch.cuda.is_available()
+    ):
         return False
     device = torch.device("cuda", index)
     if _cuda_reason(device) is not None:
@@ -539,8 +664,9 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
     """W^T [K, N] of an FP8 weight W [N, K], in the shared buffer of its dtype (use at once)."""
     N, K = w.shape
     out = scratch((K, N), FP8_DTYPE, w.device)
-    _transpose_bytes[(cdiv(N, 64), cdiv(K, 64))](w.view(torch.uint8), out.view(torch.uint8), N, K,
-                                                 BLOCK_R=64, BLOCK_C=64, num_warps=4)
+    _transpose_bytes[(cdiv(N, 64), cdiv(K, 64))](
+        w.view(torch.uint8), out.view(torch.uint8), N, K, BLOCK_R=64, BLOCK_C=64, num_warps=4
+    )
     return out
 
 
@@ -553,12 +679,14 @@ def _cublas_mm(aq: tuple, w: torch.Tensor, w_scale: torch.Tensor, input_grad: bo
         b, b_scale = _transposed(w).t(), w_scale.t().contiguous().t()
     else:  # b = W^T [K, N], K-contiguous as stored; scales [K/128, N/128] row-minor as stored
         b, b_scale = w.t(), w_scale.t()
-    return F.scaled_mm(a, b, a_scale, F.ScalingType.BlockWise1x128, b_scale, F.ScalingType.BlockWise128x128,
-                       output_dtype=dtype)
+    return F.scaled_mm(
+        a, b, a_scale, F.ScalingType.BlockWise1x128, b_scale, F.ScalingType.BlockWise128x128, output_dtype=dtype
+    )
 
 
-def _fp8_product(aq: tuple, m: int, w, w_scale, block: int, input_grad: bool, dtype, cublas: bool, *,
-                 bias=None, out=None) -> torch.Tensor:
+def _fp8_product(
+    aq: tuple, m: int, w, w_scale, block: int, input_grad: bool, dtype, cublas: bool, *, bias=None, out=None
+) -> torch.Tensor:
     """a W^T (or a W) (+ bias) for aq = (a, a_scale) from `_quantize_rows` (its first m rows; more when padded),
     in dtype or added into `out`: by cuBLAS's block-scaled GEMM (`cublas`, where `_cublas_takes`), else by the
     Triton GEMM."""
@@ -580,9 +708,17 @@ def _quantize_operand(x2: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
 
 
 def fp8_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *, block: int = 128,
-    input_grad: bool = False, out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, config: Fp8GemmConfig | dict | None = None,
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    block: int = 128,
+    input_grad: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: Fp8GemmConfig | dict | None = None,
 ) -> torch.Tensor:
     """The block-scaled GEMM on operands already in FP8: a [..., Ka] with a_scale [..., ceil(Ka/block)] (from
     `quantize_activation`), w [N, K] with w_scale [ceil(N/block), ceil(K/block)].
@@ -597,8 +733,10 @@ def fp8_gemm(
     N_w, K_w = _check_weight(w, w_scale, block)
     k_in, n_out = (N_w, K_w) if input_grad else (K_w, N_w)
     if a.dim() == 0 or a.shape[-1] != k_in:
-        raise ValueError(f"a must have shape [..., {k_in}] for w of shape {(N_w, K_w)} (input_grad={input_grad}); "
-                         f"got {tuple(a.shape)}")
+        raise ValueError(
+            f"a must have shape [..., {k_in}] for w of shape {(N_w, K_w)} (input_grad={input_grad}); "
+            f"got {tuple(a.shape)}"
+        )
     lead = tuple(a.shape[:-1])
     _check_scale("a_scale", a_scale, (*lead, cdiv(k_in, block)), f"one per row and group of {block}")
     if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (n_out,)):
@@ -653,12 +791,14 @@ def _project_grad(dy2, w, w_scale, block: int, *, out=None, fp8: bool | None = N
     if fp8 is False or not kernels or (fp8 is None and not cublas):
         dense = _dense_weight(w, w_scale, block, dy2.dtype)
         return dy2 @ dense if out is None else out.addmm_(dy2, dense)
-    return _fp8_product(_quantize_operand(dy2, block), dy2.shape[0], w, w_scale, block, True, dy2.dtype, cublas,
-                        out=out)
+    return _fp8_product(
+        _quantize_operand(dy2, block), dy2.shape[0], w, w_scale, block, True, dy2.dtype, cublas, out=out
+    )
 
 
-def fp8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *,
-                     x_group: int = 128) -> torch.Tensor:
+def fp8_block_matmul(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, x_group: int = 128
+) -> torch.Tensor:
     """y = x W^T for x [..., K] (bf16, fp16 or fp32; y in x's dtype) and a block-quantized weight (w_fp8 [N, K],
     w_scale [ceil(N/x_group), ceil(K/x_group)]): x is quantized per token and group of x_group columns, the
     scales are applied per K block in fp32. Without the FP8 kernels (`fp8_path`): x @ dequantized(W)^T."""
@@ -671,8 +811,9 @@ def fp8_block_matmul(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor
     return _project(rows_view(x), w_fp8, w_scale, block).view(*x.shape[:-1], N)
 
 
-def fp8_block_matmul_reference(x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *,
-                               x_group: int = 128) -> torch.Tensor:
+def fp8_block_matmul_reference(
+    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, *, x_group: int = 128
+) -> torch.Tensor:
     """Plain torch, the kernel's maths: x quantized per token group, both operands dequantized in fp32."""
     xq, xs = quantize_activation_reference(x, x_group)
     xd = dequantize_blockwise_reference(xq, xs, (1, x_group), torch.float32)
@@ -714,8 +855,13 @@ class FP8Linear(torch.autograd.Function):
 
 
 def fp8_linear(
-    x: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None, *,
-    block: int = 128, dx_fp8: bool | None = None,
+    x: torch.Tensor,
+    w_fp8: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: int = 128,
+    dx_fp8: bool | None = None,
 ) -> torch.Tensor:
     """x W^T + bias for a frozen block-quantized W, differentiable in x (and bias): forward through the FP8
     GEMM; dX through the dequantized weight (dx_fp8=False), through an FP8 GEMM with dY quantized per token
@@ -781,7 +927,8 @@ def fp8_project_grad(dy2, weight, *, out=None) -> torch.Tensor:
 
 
 @torch.library.custom_op(
-    "fastplug::fp8_linear", mutates_args=(),
+    "fastplug::fp8_linear",
+    mutates_args=(),
     schema="(Tensor x, Tensor weight, Tensor scale, Tensor? bias, int block, bool? dx_fp8) -> Tensor",
 )
 def _fp8_linear_op(x, weight, scale, bias, block, dx_fp8):
@@ -794,7 +941,8 @@ def _(x, weight, scale, bias, block, dx_fp8):
 
 
 @torch.library.custom_op(
-    "fastplug::fp8_linear_input_grad", mutates_args=(),
+    "fastplug::fp8_linear_input_grad",
+    mutates_args=(),
     schema="(Tensor dy, Tensor weight, Tensor scale, int block, bool? dx_fp8) -> Tensor",
 )
 def _fp8_input_grad_op(dy, weight, scale, block, dx_fp8):

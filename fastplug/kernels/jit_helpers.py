@@ -59,9 +59,22 @@ def erfc(z):
     # between triton versions.
     a = tl.abs(z)
     t = 1.0 / (1.0 + 0.5 * a)
-    poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277))))))))
+    poly = -1.26551223 + t * (
+        1.00002368
+        + t
+        * (
+            0.37409196
+            + t
+            * (
+                0.09678418
+                + t
+                * (
+                    -0.18628806
+                    + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))
+                )
+            )
+        )
+    )
     r = t * tl.exp(-a * a + poly)
     return tl.where(z >= 0, r, 2.0 - r)
 
@@ -69,9 +82,9 @@ def erfc(z):
 @triton.jit
 def gate_factor(x, ACT: tl.constexpr):
     """p(x) and p'(x) with act(x) = x * p(x); a forward kernel drops p' (the compiler removes its maths).
-        silu       p = sigmoid(x)
-        gelu_tanh  p = sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)   (0.5 (1 + tanh u) == sigmoid(2u))
-        gelu       p = Phi(x) = 0.5 erfc(-x / sqrt(2))"""
+    silu       p = sigmoid(x)
+    gelu_tanh  p = sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)   (0.5 (1 + tanh u) == sigmoid(2u))
+    gelu       p = Phi(x) = 0.5 erfc(-x / sqrt(2))"""
     if ACT == 0:  # silu
         p, dp = sigmoid_and_slope(x)
     elif ACT == 1:  # gelu_tanh: sigmoid(2u), 2u = 2 sqrt(2/pi) (x + 0.044715 x^3)

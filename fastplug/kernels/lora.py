@@ -37,13 +37,19 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch.autograd.graph import increment_version
 
 from . import state
 from ._utils import (
-    check_dtype, check_same_device, compute_dtype, keep_for_backward, kept_for_backward, no_autocast, promote_types,
-    rows_view, use_triton,
+    check_dtype,
+    check_same_device,
+    compute_dtype,
+    keep_for_backward,
+    kept_for_backward,
+    no_autocast,
+    promote_types,
+    rows_view,
+    use_triton,
 )
 from .activations import ACTIVATIONS, glu_backward, glu_forward
 from .fp8 import fp8_project, fp8_project_grad, is_fp8
@@ -122,9 +128,14 @@ def is_stacked(stacked: StackedBase, weights, biases) -> bool:
     """Whether `weights` (and `biases`) are, in order, the row blocks of `stacked` (same storage)."""
     w, b, row = stacked.weight, stacked.bias, 0
     for weight, bias in zip(weights, biases):
-        if (weight.dim() != 2 or weight.stride() != w.stride() or weight.shape[1] != w.shape[1]
-                or weight.data_ptr() != _block_ptr(w, row) or (bias is None) != (b is None)
-                or (b is not None and bias.data_ptr() != _block_ptr(b, row))):
+        if (
+            weight.dim() != 2
+            or weight.stride() != w.stride()
+            or weight.shape[1] != w.shape[1]
+            or weight.data_ptr() != _block_ptr(w, row)
+            or (bias is None) != (b is None)
+            or (b is not None and bias.data_ptr() != _block_ptr(b, row))
+        ):
             return False
         row += weight.shape[0]
     return row == w.shape[0]
@@ -140,8 +151,10 @@ def _check_stacked(stacked, projs, x: torch.Tensor) -> None:
     if any(is_4bit(p.weight) or is_fp8(p.weight) or p.weight.requires_grad for p in projs):
         raise ValueError("stacked bases must be frozen dense weights (not quantized, no grad)")
     if not is_stacked(stacked, [p.weight for p in projs], [p.bias for p in projs]):
-        raise ValueError("stacked.weight (and .bias) must hold the projections' weights (biases) as consecutive "
-                         "row blocks, in the same storage")
+        raise ValueError(
+            "stacked.weight (and .bias) must hold the projections' weights (biases) as consecutive "
+            "row blocks, in the same storage"
+        )
     check_same_device(x=x, **{"stacked.weight": stacked.weight})
 
 
@@ -242,8 +255,13 @@ def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
         return t
     if _caching:
         hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
-        if (hit is not None and hit.ref() is t and hit.dtype == dtype and hit.version == t._version
-                and hit.generation == _generation):
+        if (
+            hit is not None
+            and hit.ref() is t
+            and hit.dtype == dtype
+            and hit.version == t._version
+            and hit.generation == _generation
+        ):
             return hit.cast
     if is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
         return t
@@ -331,8 +349,9 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     adapters = _adapters(casts)
     # one block_diag (a single op for the host, however many projections); a [out, 0] block stands for a
     # projection without adapter. With one scaling for all (peft's default) it is applied once to the whole.
-    blocks = [p.lora_B if p.lora_A is not None else adapters.a_cat.new_empty((_weight_shape(p.weight)[0], 0))
-              for p in casts]
+    blocks = [
+        p.lora_B if p.lora_A is not None else adapters.a_cat.new_empty((_weight_shape(p.weight)[0], 0)) for p in casts
+    ]
     scalings = {p.scaling for p in casts if p.lora_A is not None}
     if len(scalings) == 1:
         b_blk = torch.block_diag(*blocks).mul_(scalings.pop())
@@ -443,8 +462,11 @@ def _forward(x2: torch.Tensor, projs, adapters: _Adapters | None, out: list | No
             if block is None:
                 ys.append(_base_mm(x2, p.weight, bias=p.bias, quantized=quantized))
             else:
-                ys.append(torch.mm(x2, p.weight.t(), out=block) if p.bias is None
-                          else torch.addmm(p.bias, x2, p.weight.t(), out=block))
+                ys.append(
+                    torch.mm(x2, p.weight.t(), out=block)
+                    if p.bias is None
+                    else torch.addmm(p.bias, x2, p.weight.t(), out=block)
+                )
             continue
         xa_i, b_t = xa[:, sl[0] : sl[1]], p.lora_B.t()
         if block is None:
@@ -588,7 +610,7 @@ class _SharedInputLoRA(torch.autograd.Function):
         n = len(ctx.scalings)
         fwd = ctx.fwd._replace(xa=xa, projs=_unflatten(kept[: 4 * n], ctx.scalings))
         dys = [g.reshape(-1, g.shape[-1]) for g in grad_outputs]
-        rotary = (*kept[4 * n:], ctx.x_shape[0], ctx.head_dim) if ctx.head_dim else None
+        rotary = (*kept[4 * n :], ctx.x_shape[0], ctx.head_dim) if ctx.head_dim else None
         dx, grads = _project_grads(dys, x2, fwd, ctx.stacked, rotary, ctx.needs_input_grad[0], ctx.needs_input_grad[4:])
         return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
 
@@ -680,11 +702,18 @@ class _LoRAMLP(torch.autograd.Function):
         if ctx.stacked is not None:
             gate_up = gate
             gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
-        fwd = ctx.fwd._replace(gate_up=gate_up, gate=gate, up=up, xa_gu=xa_gu, xa_down=xa_down,
-                               projs=_unflatten(kept_for_backward(ctx), ctx.scalings))
+        fwd = ctx.fwd._replace(
+            gate_up=gate_up,
+            gate=gate,
+            up=up,
+            xa_gu=xa_gu,
+            xa_down=xa_down,
+            projs=_unflatten(kept_for_backward(ctx), ctx.scalings),
+        )
         dy = grad_y.reshape(-1, grad_y.shape[-1])
-        dx, grads = _mlp_grads(dy, x2, fwd, ctx.stacked, ctx.activation, ctx.needs_input_grad[0],
-                               ctx.needs_input_grad[4:])
+        dx, grads = _mlp_grads(
+            dy, x2, fwd, ctx.stacked, ctx.activation, ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        )
         return (None if dx is None else dx.view(ctx.x_shape), None, None, None, *grads)
 
 
@@ -708,8 +737,11 @@ def _unpack(tensors, present) -> list:
 
 def _rows_ahead(t: torch.Tensor, rows: int) -> torch.Tensor | None:
     """t extended to `rows` rows along its storage (t's strides), or None when the storage is shorter."""
-    end = t.storage_offset() + (rows - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + 1 if t.dim() == 2 \
+    end = (
+        t.storage_offset() + (rows - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + 1
+        if t.dim() == 2
         else t.storage_offset() + rows
+    )
     if end * t.element_size() > t.untyped_storage().nbytes():
         return None
     return t.as_strided((rows, *t.shape[1:]), t.stride())
@@ -719,8 +751,13 @@ def _stacked_in_memory(projs, dtype: torch.dtype) -> StackedBase | None:
     """The StackedBase the projections' frozen dense weights (biases) form where they lie, or None."""
     weights, biases = [p.weight for p in projs], [p.bias for p in projs]
     first = weights[0]
-    if (len(projs) < 2 or first.dtype != dtype or first.dim() != 2 or all(p.lora_A is None for p in projs)
-            or any(w.requires_grad or is_4bit(w) or is_fp8(w) for w in weights)):
+    if (
+        len(projs) < 2
+        or first.dtype != dtype
+        or first.dim() != 2
+        or all(p.lora_A is None for p in projs)
+        or any(w.requires_grad or is_4bit(w) or is_fp8(w) for w in weights)
+    ):
         return None
     rows = sum(w.shape[0] for w in weights)
     weight = _rows_ahead(first, rows)
@@ -777,7 +814,8 @@ def _backward_op_out(dx, grads, present, x, tensors) -> list:
 
 def _fake_grads(x, tensors, needs) -> list:
     return [x.new_empty(x.shape) if needs[0] else x.new_empty(0)] + [
-        torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(tensors, needs[1:])]
+        torch.empty_like(p) if need else x.new_empty(0) for p, need in zip(tensors, needs[1:])
+    ]
 
 
 def _rotary_args(cos, sin, head_dim):
@@ -785,7 +823,8 @@ def _rotary_args(cos, sin, head_dim):
 
 
 @torch.library.custom_op(
-    "fastplug::lora_projections", mutates_args=(),
+    "fastplug::lora_projections",
+    mutates_args=(),
     schema="(Tensor x, Tensor[] tensors, bool[] present, float[] scalings, Tensor? cos, Tensor? sin, int head_dim) "
     "-> (Tensor, Tensor)",
 )
@@ -793,8 +832,15 @@ def _projections_op(x, tensors, present, scalings, cos, sin, head_dim):
     """(y [N, sum out_i] with q and k rotated when cos is given, xa [N, R]); params packed by `_pack`."""
     params = _unpack(tensors, present)
     projs = _unflatten(params, scalings)
-    fwd = _project(x, rows_view(x), scalings, params, _stacked_in_memory(projs, x.dtype),
-                   _rotary_args(cos, sin, head_dim), joined=True)
+    fwd = _project(
+        x,
+        rows_view(x),
+        scalings,
+        params,
+        _stacked_in_memory(projs, x.dtype),
+        _rotary_args(cos, sin, head_dim),
+        joined=True,
+    )
     return fwd.y, _or_empty(fwd.xa, fwd.y)
 
 
@@ -808,7 +854,8 @@ def _(x, tensors, present, scalings, cos, sin, head_dim):
 
 
 @torch.library.custom_op(
-    "fastplug::lora_projections_backward", mutates_args=(),
+    "fastplug::lora_projections_backward",
+    mutates_args=(),
     schema="(Tensor dy, Tensor x, Tensor xa, Tensor[] tensors, bool[] present, float[] scalings, Tensor? cos, "
     "Tensor? sin, int head_dim, bool[] needs) -> Tensor[]",
 )
@@ -818,12 +865,14 @@ def _projections_backward_op(dy, x, xa, tensors, present, scalings, cos, sin, he
     projs = _unflatten(params, scalings)
     stacked = _stacked_in_memory(projs, x.dtype)
     cast = _unflatten(_cast_params(params, x.dtype), scalings)
-    fwd = _Projected(None, None, xa if xa.shape[1] else None, _group_adapters(projs, cast, stacked, x.dtype), cast,
-                     projs)
+    fwd = _Projected(
+        None, None, xa if xa.shape[1] else None, _group_adapters(projs, cast, stacked, x.dtype), cast, projs
+    )
     rotary = None if cos is None else (cos, sin, x.shape[0], head_dim)
     dys = list(dy.split([p.weight.shape[0] for p in projs], dim=1))
-    dx, grads = _project_grads(dys, rows_view(x), fwd, stacked, rotary, needs[0], _param_needs(needs, present),
-                               joined=dy)
+    dx, grads = _project_grads(
+        dys, rows_view(x), fwd, stacked, rotary, needs[0], _param_needs(needs, present), joined=dy
+    )
     return _backward_op_out(dx, grads, present, x, tensors)
 
 
@@ -849,7 +898,8 @@ _projections_op.register_autograd(_projections_op_backward, setup_context=_setup
 
 
 @torch.library.custom_op(
-    "fastplug::lora_mlp", mutates_args=(),
+    "fastplug::lora_mlp",
+    mutates_args=(),
     schema="(Tensor x, Tensor[] tensors, bool[] present, float[] scalings, str activation) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
 )
@@ -868,12 +918,17 @@ def _(x, tensors, present, scalings, activation):
     width, out = params[0].shape[0], params[8].shape[0]
     rank_gu = sum(a.shape[0] for a in (params[2], params[6]) if a is not None)
     rank_down = params[10].shape[0] if params[10] is not None else 0
-    return (x.new_empty((rows, out)), x.new_empty((rows, 2 * width)), x.new_empty((rows, rank_gu)),
-            x.new_empty((rows, rank_down)))
+    return (
+        x.new_empty((rows, out)),
+        x.new_empty((rows, 2 * width)),
+        x.new_empty((rows, rank_gu)),
+        x.new_empty((rows, rank_down)),
+    )
 
 
 @torch.library.custom_op(
-    "fastplug::lora_mlp_backward", mutates_args=(),
+    "fastplug::lora_mlp_backward",
+    mutates_args=(),
     schema="(Tensor dy, Tensor x, Tensor gate_up, Tensor xa_gu, Tensor xa_down, Tensor[] tensors, bool[] present, "
     "float[] scalings, str activation, bool[] needs) -> Tensor[]",
 )
@@ -885,10 +940,27 @@ def _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, present, scalings,
     cast = _unflatten(_cast_params(params, x.dtype), scalings)
     adapters = (_group_adapters(projs[:2], cast[:2], stacked, x.dtype), _adapters(cast[2:]))
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
-    fwd = _MLPForward(None, gate_up, gate, up, xa_gu if xa_gu.shape[1] else None,
-                      xa_down if xa_down.shape[1] else None, adapters, cast, projs[:2])
-    dx, grads = _mlp_grads(dy.reshape(-1, dy.shape[-1]), rows_view(x), fwd, stacked, activation, needs[0],
-                           _param_needs(needs, present), into=torch.empty_like(gate_up))
+    fwd = _MLPForward(
+        None,
+        gate_up,
+        gate,
+        up,
+        xa_gu if xa_gu.shape[1] else None,
+        xa_down if xa_down.shape[1] else None,
+        adapters,
+        cast,
+        projs[:2],
+    )
+    dx, grads = _mlp_grads(
+        dy.reshape(-1, dy.shape[-1]),
+        rows_view(x),
+        fwd,
+        stacked,
+        activation,
+        needs[0],
+        _param_needs(needs, present),
+        into=torch.empty_like(gate_up),
+    )
     return _backward_op_out(dx, grads, present, x, tensors)
 
 
@@ -906,8 +978,9 @@ def _setup_mlp(ctx, inputs, output):
 
 def _mlp_op_backward(ctx, dy, *_):
     x, gate_up, xa_gu, xa_down, *tensors = ctx.saved_tensors
-    grads = _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, ctx.present, ctx.scalings, ctx.activation,
-                             ctx.needs)
+    grads = _mlp_backward_op(
+        dy, x, gate_up, xa_gu, xa_down, tensors, ctx.present, ctx.scalings, ctx.activation, ctx.needs
+    )
     return *_op_grads(grads, ctx.needs), None, None, None
 
 
@@ -947,8 +1020,13 @@ def _rotary_in_node(x: torch.Tensor, rotary) -> bool:
     """Whether the QKV node can rotate q and k itself: [B, T, in] input, cos/sin that do not promote q's
     dtype (RoPE then keeps it: Llama's rotary tables come in the hidden states' dtype) and take no grads."""
     cos, sin, _ = rotary
-    return (x.dim() == 3 and cos.dtype == sin.dtype and promote_types(x.dtype, cos.dtype) == x.dtype
-            and not (cos.requires_grad or sin.requires_grad) and use_triton(x, cos, sin))
+    return (
+        x.dim() == 3
+        and cos.dtype == sin.dtype
+        and promote_types(x.dtype, cos.dtype) == x.dtype
+        and not (cos.requires_grad or sin.requires_grad)
+        and use_triton(x, cos, sin)
+    )
 
 
 def _rope_after(ys: tuple, rotary) -> tuple:
@@ -979,8 +1057,9 @@ def _launch_shared(x, named_projs: dict, rotary=None, stacked=None):
     if _compiling_dense(projs):
         return _registered_shared(x, projs, rotary)
     in_node = rotary is not None and _rotary_in_node(x, rotary)
-    ys = _SharedInputLoRA.apply(x, tuple(float(p.scaling) for p in projs), rotary if in_node else None, stacked,
-                                *_flatten(projs))
+    ys = _SharedInputLoRA.apply(
+        x, tuple(float(p.scaling) for p in projs), rotary if in_node else None, stacked, *_flatten(projs)
+    )
     return _rope_after(ys, rotary) if rotary is not None and not in_node else ys
 
 
@@ -990,8 +1069,14 @@ def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     return y
 
 
-def lora_qkv(x: torch.Tensor, q_proj: LoRAProjection, k_proj: LoRAProjection, v_proj: LoRAProjection,
-             rotary: tuple | None = None, stacked: StackedBase | None = None):
+def lora_qkv(
+    x: torch.Tensor,
+    q_proj: LoRAProjection,
+    k_proj: LoRAProjection,
+    v_proj: LoRAProjection,
+    rotary: tuple | None = None,
+    stacked: StackedBase | None = None,
+):
     """(q, k, v) projections of one x [..., in] (GQA: k/v may be narrower, ranks may differ); one node.
 
     rotary (cos, sin, head_dim): q and k come out with RoPE applied (`fastplug.kernels.rope` maths, cos/sin

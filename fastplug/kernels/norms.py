@@ -24,8 +24,17 @@ import triton.language as tl
 
 from . import state, tuning
 from ._utils import (
-    cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, next_power_of_2,
-    num_sms, promote_types, rows_view, use_triton,
+    cdiv,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    keep_for_backward,
+    kept_for_backward,
+    next_power_of_2,
+    num_sms,
+    promote_types,
+    rows_view,
+    use_triton,
 )
 
 # ----------------------------------------------------------------------------------------------------
@@ -47,10 +56,25 @@ def _affine(h, W, B, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS:
 
 @triton.jit
 def _norm_fwd(
-    X, x_row_stride, W, B, Y, y_row_stride, MEAN, RSTD,
-    n_rows, n_cols, eps, offset,
-    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, CENTER: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_SCALE: tl.constexpr,
+    X,
+    x_row_stride,
+    W,
+    B,
+    Y,
+    y_row_stride,
+    MEAN,
+    RSTD,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOPED: tl.constexpr,
+    CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_SCALE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -118,10 +142,28 @@ def _grad_terms(x, dy, W, cols, col_mask, mask, mean, rstd, offset, CENTER: tl.c
 
 @triton.jit
 def _norm_bwd(
-    DY, dy_row_stride, X, x_row_stride, W, MEAN, RSTD, DX, dx_row_stride, DW_PARTIAL, DB_PARTIAL,
-    n_rows, n_cols, offset,
-    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, CENTER: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    DY,
+    dy_row_stride,
+    X,
+    x_row_stride,
+    W,
+    MEAN,
+    RSTD,
+    DX,
+    dx_row_stride,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    n_rows,
+    n_cols,
+    offset,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    LOOPED: tl.constexpr,
+    CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     # dx = rstd * (g - x_hat * mean(g * x_hat) - [CENTER] mean(g)),  g = dy * (w + offset)
     # dW = sum_rows dy * x_hat,  db = sum_rows dy
@@ -217,10 +259,10 @@ class NormConstants:
     LayerNorm's differ in `resident_warps_per_sm` (LAYER_NORM_CONSTANTS). scripts/tune_kernels.py measures
     others through `tuning.override("norm", functools.partial(norm_config, constants=...))`."""
 
-    max_fused_cols: int = 8192     # widest row kept whole in registers (no spills on sm_90 up to here)
-    looped_block_n: int = 4096     # column block for wider rows
-    fwd_min_tile: int = 4096       # pack narrow rows up to this many elements per forward tile
-    bwd_min_tile: int = 2048       # ... per backward tile
+    max_fused_cols: int = 8192  # widest row kept whole in registers (no spills on sm_90 up to here)
+    looped_block_n: int = 4096  # column block for wider rows
+    fwd_min_tile: int = 4096  # pack narrow rows up to this many elements per forward tile
+    bwd_min_tile: int = 2048  # ... per backward tile
     fwd_elems_per_warp: int = 512  # 4096 cols -> 8 warps: two 16-byte bf16 vectors per thread per tensor
     bwd_elems_per_warp: int = 1024
     # Backward programs resident per SM, counted in warps. Each holds one fp32 dW (and db) partial row, so
@@ -241,17 +283,23 @@ LAYER_NORM_CONSTANTS = NormConstants(resident_warps_per_sm=16)
 class NormConfig:
     """One launch of `_norm_fwd` or `_norm_bwd`."""
 
-    block_n: int          # columns per tile (a power of two)
-    block_rows: int       # rows per tile: narrow rows (q/k norms over a head dim) pack several per program
-    looped: bool          # row wider than block_n: walk it in column blocks
+    block_n: int  # columns per tile (a power of two)
+    block_rows: int  # rows per tile: narrow rows (q/k norms over a head dim) pack several per program
+    looped: bool  # row wider than block_n: walk it in column blocks
     num_warps: int
     programs_per_sm: int  # backward's persistent grid
     loop_stages: int = 1  # num_stages of backward's row loop
 
 
 @functools.lru_cache(maxsize=256)
-def norm_config(n_cols: int, dtype: torch.dtype | None = None, *, backward: bool, center: bool,
-                constants: NormConstants | None = None) -> NormConfig:
+def norm_config(
+    n_cols: int,
+    dtype: torch.dtype | None = None,
+    *,
+    backward: bool,
+    center: bool,
+    constants: NormConstants | None = None,
+) -> NormConfig:
     """The launch of a norm over rows of n_cols (RMSNorm, or LayerNorm when `center`), forward or backward."""
     tune = constants or (LAYER_NORM_CONSTANTS if center else RMS_NORM_CONSTANTS)
     min_tile = tune.bwd_min_tile if backward else tune.fwd_min_tile
@@ -261,16 +309,18 @@ def norm_config(n_cols: int, dtype: torch.dtype | None = None, *, backward: bool
     block_n = tune.looped_block_n if looped else cols
     block_rows = 1 if looped else max(1, min_tile // block_n)
     num_warps = min(16, max(1, block_rows * block_n // elems_per_warp))
-    return NormConfig(block_n, block_rows, looped, num_warps, max(1, tune.resident_warps_per_sm // num_warps),
-                      tune.bwd_loop_stages)
+    return NormConfig(
+        block_n, block_rows, looped, num_warps, max(1, tune.resident_warps_per_sm // num_warps), tune.bwd_loop_stages
+    )
 
 
 def _config(n_cols: int, dtype: torch.dtype, backward: bool, center: bool) -> NormConfig:
     return tuning.pick("norm", norm_config, n_cols, dtype, backward=backward, center=center)
 
 
-def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype,
-                  config: NormConfig | None = None):
+def _norm_forward(
+    x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype, config: NormConfig | None = None
+):
     n_rows, n_cols = x2.shape
     cfg = config or _config(n_cols, x2.dtype, backward=False, center=center)
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
@@ -278,10 +328,25 @@ def _norm_forward(x2, weight, bias, eps, offset, *, center, cast_before_scale, o
     mean = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if center else rstd  # rstd: unused stand-in
     grid = (cdiv(n_rows, cfg.block_rows),)
     _norm_fwd[grid](
-        x2, x2.stride(0), weight if weight is not None else rstd, bias if bias is not None else rstd,
-        y, y.stride(0), mean, rstd, n_rows, n_cols, eps, offset,
-        BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, CENTER=center,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, CAST_BEFORE_SCALE=cast_before_scale,
+        x2,
+        x2.stride(0),
+        weight if weight is not None else rstd,
+        bias if bias is not None else rstd,
+        y,
+        y.stride(0),
+        mean,
+        rstd,
+        n_rows,
+        n_cols,
+        eps,
+        offset,
+        BLOCK_ROWS=cfg.block_rows,
+        BLOCK_N=cfg.block_n,
+        LOOPED=cfg.looped,
+        CENTER=center,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        CAST_BEFORE_SCALE=cast_before_scale,
         num_warps=cfg.num_warps,
     )
     return y, (mean if center else None), rstd
@@ -298,13 +363,29 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
     dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else None
     db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_db else None
     _norm_bwd[(n_programs,)](
-        dy2, dy2.stride(0), x2, x2.stride(0), weight if weight is not None else rstd,
-        mean if mean is not None else rstd, rstd, dx, dx.stride(0),
-        dw_partial if dw_partial is not None else rstd, db_partial if db_partial is not None else rstd,
-        n_rows, n_cols, offset,
-        BLOCK_ROWS=cfg.block_rows, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, CENTER=mean is not None,
-        HAS_WEIGHT=weight is not None, COMPUTE_DW=dw_partial is not None, COMPUTE_DB=db_partial is not None,
-        LOOP_STAGES=cfg.loop_stages, num_warps=cfg.num_warps,
+        dy2,
+        dy2.stride(0),
+        x2,
+        x2.stride(0),
+        weight if weight is not None else rstd,
+        mean if mean is not None else rstd,
+        rstd,
+        dx,
+        dx.stride(0),
+        dw_partial if dw_partial is not None else rstd,
+        db_partial if db_partial is not None else rstd,
+        n_rows,
+        n_cols,
+        offset,
+        BLOCK_ROWS=cfg.block_rows,
+        BLOCK_N=cfg.block_n,
+        LOOPED=cfg.looped,
+        CENTER=mean is not None,
+        HAS_WEIGHT=weight is not None,
+        COMPUTE_DW=dw_partial is not None,
+        COMPUTE_DB=db_partial is not None,
+        LOOP_STAGES=cfg.loop_stages,
+        num_warps=cfg.num_warps,
     )
     return dx, _reduce_partials(dw_partial), _reduce_partials(db_partial)
 
@@ -357,7 +438,13 @@ def _rms_norm_forward(x, weight, eps, offset):
     autograd Function and the operator."""
     x2 = rows_view(x)
     y, _, rstd = _norm_forward(
-        x2, weight, None, eps, offset, center=False, cast_before_scale=offset == 0.0,
+        x2,
+        weight,
+        None,
+        eps,
+        offset,
+        center=False,
+        cast_before_scale=offset == 0.0,
         out_dtype=_rms_out_dtype(x, weight, offset),
     )
     return y.view(x.shape), rstd, x2
@@ -385,8 +472,14 @@ class RMSNorm(torch.autograd.Function):
         x2, rstd = ctx.saved_tensors
         (weight,) = kept_for_backward(ctx)
         dx, dw, _ = _norm_backward(
-            rows_view(dy), x2, weight, None, rstd, ctx.offset,
-            compute_dw=ctx.needs_input_grad[1], compute_db=False,
+            rows_view(dy),
+            x2,
+            weight,
+            None,
+            rstd,
+            ctx.offset,
+            compute_dw=ctx.needs_input_grad[1],
+            compute_db=False,
         )
         return dx.view(ctx.x_shape), (dw.to(weight.dtype) if dw is not None else None), None, None
 
@@ -406,8 +499,14 @@ class LayerNorm(torch.autograd.Function):
         x2, mean, rstd = ctx.saved_tensors
         (weight,) = kept_for_backward(ctx)
         dx, dw, db = _norm_backward(
-            rows_view(dy), x2, weight, mean, rstd, 0.0,
-            compute_dw=ctx.needs_input_grad[1], compute_db=ctx.needs_input_grad[2],
+            rows_view(dy),
+            x2,
+            weight,
+            mean,
+            rstd,
+            0.0,
+            compute_dw=ctx.needs_input_grad[1],
+            compute_db=ctx.needs_input_grad[2],
         )
         dw = dw.to(weight.dtype) if dw is not None else None
         db = db.to(ctx.bias_dtype) if db is not None else None
@@ -482,7 +581,9 @@ def layer_norm_reference(
 
 
 @torch.library.custom_op(
-    "fastplug::rms_norm", mutates_args=(), schema="(Tensor x, Tensor? weight, float eps, float offset) -> (Tensor, Tensor)"
+    "fastplug::rms_norm",
+    mutates_args=(),
+    schema="(Tensor x, Tensor? weight, float eps, float offset) -> (Tensor, Tensor)",
 )
 def _rms_norm_op(x, weight, eps, offset):
     return _rms_norm_forward(x, weight, eps, offset)[:2]
@@ -490,11 +591,14 @@ def _rms_norm_op(x, weight, eps, offset):
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset):
-    return x.new_empty(x.shape, dtype=_rms_out_dtype(x, weight, offset)), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=_rms_out_dtype(x, weight, offset)), x.new_empty(
+        x.numel() // x.shape[-1], dtype=torch.float32
+    )
 
 
 @torch.library.custom_op(
-    "fastplug::layer_norm", mutates_args=(),
+    "fastplug::layer_norm",
+    mutates_args=(),
     schema="(Tensor x, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
 )
 def _layer_norm_op(x, weight, bias, eps):
@@ -508,14 +612,21 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op(
-    "fastplug::norm_backward", mutates_args=(),
+    "fastplug::norm_backward",
+    mutates_args=(),
     schema="(Tensor dy, Tensor x, Tensor? weight, Tensor? mean, Tensor rstd, float offset, bool need_dw, bool need_db) "
     "-> (Tensor, Tensor, Tensor)",
 )
 def _norm_backward_op(dy, x, weight, mean, rstd, offset, need_dw, need_db):
     """(dx, dw, db); a gradient not asked for is an empty tensor (operators cannot return None)."""
-    dx, dw, db = _norm_backward(rows_view(dy), rows_view(x), weight, mean, rstd, offset, compute_dw=need_dw, compute_db=need_db)
-    return dx.view(x.shape), x.new_empty(0) if dw is None else dw.to(weight.dtype), x.new_empty(0) if db is None else db.to(x.dtype)
+    dx, dw, db = _norm_backward(
+        rows_view(dy), rows_view(x), weight, mean, rstd, offset, compute_dw=need_dw, compute_db=need_db
+    )
+    return (
+        dx.view(x.shape),
+        x.new_empty(0) if dw is None else dw.to(weight.dtype),
+        x.new_empty(0) if db is None else db.to(x.dtype),
+    )
 
 
 @_norm_backward_op.register_fake

@@ -50,8 +50,10 @@ def scale_ptx(nested: bool, pack: int) -> tuple[tl.constexpr, tl.constexpr]:
     arg = [f"${pack * (i + 1)}" for i in range(5 if nested else 2)]
     if nested:
         absmax, code2, absmax2, valid, offset = arg
-        load = (f"@p ld.global.nc.u8 q, [{absmax}]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, {code2}; "
-                f"@p ld.global.nc.f32 c, [a]; @p ld.global.nc.f32 s, [{absmax2}]; @p fma.rn.f32 r, c, s, {offset};")
+        load = (
+            f"@p ld.global.nc.u8 q, [{absmax}]; @p mul.wide.u32 a, q, 4; @p add.s64 a, a, {code2}; "
+            f"@p ld.global.nc.f32 c, [a]; @p ld.global.nc.f32 s, [{absmax2}]; @p fma.rn.f32 r, c, s, {offset};"
+        )
         regs, inputs = ".reg .b32 q; .reg .b64 a; .reg .f32 c, s, r;", "l" * 3 + "r" + "f"
     else:
         absmax, valid = arg
@@ -68,7 +70,8 @@ SCALE_FLAT4, SCALE_FLAT4_CONSTRAINTS = scale_ptx(False, 4)
 
 LANE_TABLE = tl.constexpr(
     "{ .reg .b32 l; .reg .b64 a; mov.u32 l, %laneid; and.b32 l, l, 15; mul.wide.u32 a, l, 4; "
-    "add.s64 a, a, $2; ld.global.nc.b32 $0, [a]; }")
+    "add.s64 a, a, $2; ld.global.nc.b32 $0, [a]; }"
+)
 LANE_TABLE_CONSTRAINTS = tl.constexpr("=r,r,l")
 
 TABLE_SHUFFLE = tl.constexpr("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;")
@@ -78,28 +81,51 @@ BF16X8_LOAD = tl.constexpr(
     "{ .reg .pred p; .reg .b32 a, b, c, d; setp.ne.b32 p, $9, 0; mov.b32 a, 0; mov.b32 b, 0; mov.b32 c, 0; "
     "mov.b32 d, 0; @p ld.global.nc.v4.b32 {a, b, c, d}, [$8]; shl.b32 $0, a, 16; and.b32 $1, a, 0xffff0000; "
     "shl.b32 $2, b, 16; and.b32 $3, b, 0xffff0000; shl.b32 $4, c, 16; and.b32 $5, c, 0xffff0000; "
-    "shl.b32 $6, d, 16; and.b32 $7, d, 0xffff0000; }")
+    "shl.b32 $6, d, 16; and.b32 $7, d, 0xffff0000; }"
+)
 BF16X8_LOAD_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,l,r")
 
 
 @triton.jit
-def block_scale(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2: tl.constexpr,
-                NESTED: tl.constexpr, PACK4: tl.constexpr = False):
+def block_scale(
+    blk,
+    valid,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    PACK4: tl.constexpr = False,
+):
     """Variant 1: `quant.block_scale` with its loads in inline PTX (0 where not `valid`), so that it takes the
     layout of its use instead of one of its own and a trip through shared memory; `offset` is the nested offset,
     loaded once. PACK4: one load for each 4 consecutive elements of a thread, which must share a block."""
     valid = valid.to(tl.int32)
     if NESTED:
-        args = [(absmax_ptr + blk).to(tl.int64, bitcast=True), (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
-                (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True), valid,
-                tl.zeros(blk.shape, dtype=tl.float32) + offset]
-        return tl.inline_asm_elementwise(SCALE_NESTED4 if PACK4 else SCALE_NESTED,
-                                         SCALE_NESTED4_CONSTRAINTS if PACK4 else SCALE_NESTED_CONSTRAINTS, args,
-                                         dtype=tl.float32, is_pure=True, pack=4 if PACK4 else 1)
-    return tl.inline_asm_elementwise(SCALE_FLAT4 if PACK4 else SCALE_FLAT,
-                                     SCALE_FLAT4_CONSTRAINTS if PACK4 else SCALE_FLAT_CONSTRAINTS,
-                                     [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid], dtype=tl.float32,
-                                     is_pure=True, pack=4 if PACK4 else 1)
+        args = [
+            (absmax_ptr + blk).to(tl.int64, bitcast=True),
+            (code2_ptr + 0 * blk).to(tl.int64, bitcast=True),
+            (absmax2_ptr + (blk >> BLOCKSIZE2_LOG2)).to(tl.int64, bitcast=True),
+            valid,
+            tl.zeros(blk.shape, dtype=tl.float32) + offset,
+        ]
+        return tl.inline_asm_elementwise(
+            SCALE_NESTED4 if PACK4 else SCALE_NESTED,
+            SCALE_NESTED4_CONSTRAINTS if PACK4 else SCALE_NESTED_CONSTRAINTS,
+            args,
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4 if PACK4 else 1,
+        )
+    return tl.inline_asm_elementwise(
+        SCALE_FLAT4 if PACK4 else SCALE_FLAT,
+        SCALE_FLAT4_CONSTRAINTS if PACK4 else SCALE_FLAT_CONSTRAINTS,
+        [(absmax_ptr + blk).to(tl.int64, bitcast=True), valid],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=4 if PACK4 else 1,
+    )
 
 
 @triton.jit
@@ -108,16 +134,18 @@ def lane_table(code_ptr, units):
     `units` (int32), in their layout. The lane id and the load are one inline PTX block, which nothing makes
     Triton re-lay out, and which ptxas computes once a step for all of a thread's elements."""
     table_addr = (code_ptr + tl.zeros(units.shape, dtype=tl.int32)).to(tl.int64, bitcast=True)
-    return tl.inline_asm_elementwise(LANE_TABLE, LANE_TABLE_CONSTRAINTS, [units.to(tl.int32), table_addr],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        LANE_TABLE, LANE_TABLE_CONSTRAINTS, [units.to(tl.int32), table_addr], dtype=tl.int32, is_pure=True, pack=1
+    )
 
 
 @triton.jit
 def table_lookup(table, index):
     """Variant 3: code[index & 15] as fp32, by a warp shuffle from the lane that holds it (`table` from
     `lane_table`, in `index`'s layout): registers only, no shared memory, no barrier."""
-    bits = tl.inline_asm_elementwise(TABLE_SHUFFLE, TABLE_SHUFFLE_CONSTRAINTS, [table, index], dtype=tl.int32,
-                                     is_pure=True, pack=1)
+    bits = tl.inline_asm_elementwise(
+        TABLE_SHUFFLE, TABLE_SHUFFLE_CONSTRAINTS, [table, index], dtype=tl.int32, is_pure=True, pack=1
+    )
     return bits.to(tl.float32, bitcast=True)
 
 
@@ -126,8 +154,9 @@ def bf16x8_load(x_ptr, word, valid):
     """Variant 4: x[8 word .. 8 word + 7] as eight fp32 tensors (x bf16, 16-byte aligned; zeros where not
     `valid`), one 16-byte load a word, in the layout of `word`."""
     addr = (x_ptr + word * 8).to(tl.int64, bitcast=True)
-    return tl.inline_asm_elementwise(BF16X8_LOAD, BF16X8_LOAD_CONSTRAINTS, [addr, valid.to(tl.int32)],
-                                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(
+        BF16X8_LOAD, BF16X8_LOAD_CONSTRAINTS, [addr, valid.to(tl.int32)], dtype=(tl.float32,) * 8, is_pure=True, pack=1
+    )
 
 
 _LAYOUTS_CHECKED: dict[str, bool] = state.register_cache("ptx.layouts_checked", {})
@@ -146,20 +175,25 @@ def layouts_agree(compiled) -> bool:
     key = compiled.hash
     if key not in _LAYOUTS_CHECKED:
         ir = compiled.asm["ttgir"]
-        blocked = {name: (list(map(int, per.split(","))), int(order.split(",")[0])) for name, per, order in re.findall(
-            r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", ir, re.M)}
+        blocked = {
+            name: (list(map(int, per.split(","))), int(order.split(",")[0]))
+            for name, per, order in re.findall(
+                r"^(#blocked\d*) = #ttg\.blocked<\{sizePerThread = \[([\d, ]+)\].*order = \[([\d, ]+)\]", ir, re.M
+            )
+        }
         lane, shuffle, packs_ok = set(), set(), True
         for line in ir.splitlines():
             if "elementwise_inline_asm" in line:
                 layouts = set(re.findall(r"tensor<[^,>]*, (#[\w.]+(?:<[^>]*>)?)", line.split(" : ", 1)[-1]))
                 (lane if "%laneid" in line else shuffle if "shfl.sync" in line else set()).update(layouts)
                 if "packed_element = 4" in line:
-                    packs_ok &= all(name in blocked and blocked[name][0][blocked[name][1]] % 4 == 0
-                                    for name in layouts)
+                    packs_ok &= all(name in blocked and blocked[name][0][blocked[name][1]] % 4 == 0 for name in layouts)
         ok = (len(lane) == 1 and lane == shuffle or not lane | shuffle) and packs_ok
         if not ok:
-            warnings.warn("fastplug: this Triton build laid out the 4-bit GEMV's inline PTX in another way than it "
-                          "was written for; the GEMV runs with tl.gather lookups instead (correct, slower)",
-                          stacklevel=4)
+            warnings.warn(
+                "fastplug: this Triton build laid out the 4-bit GEMV's inline PTX in another way than it "
+                "was written for; the GEMV runs with tl.gather lookups instead (correct, slower)",
+                stacklevel=4,
+            )
         _LAYOUTS_CHECKED[key] = ok
     return _LAYOUTS_CHECKED[key]

@@ -22,12 +22,18 @@ from torch.autograd.graph import increment_version
 
 from . import tuning
 from ._utils import (
-    cdiv, check_dtype, check_same_device, keep_for_backward, kept_for_backward, made_by_autograd, next_power_of_2,
-    promote_types, use_triton,
+    cdiv,
+    check_dtype,
+    check_same_device,
+    keep_for_backward,
+    kept_for_backward,
+    made_by_autograd,
+    next_power_of_2,
+    promote_types,
+    use_triton,
 )
 
 MAX_HEAD_DIM = 512
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +60,23 @@ ROPE_CONSTANTS = RopeConstants()
 class RopeConfig:
     """One launch of `_rope_kernel`."""
 
-    block_t: int        # tokens a program
-    block_hq: int       # q heads a step (a power of two)
-    block_hk: int       # k heads a step
-    half_block: int     # half the rotary dim, padded to a power of two
-    split_heads: bool   # a program per head block (grid axis 2) instead of one walking all heads
+    block_t: int  # tokens a program
+    block_hq: int  # q heads a step (a power of two)
+    block_hk: int  # k heads a step
+    half_block: int  # half the rotary dim, padded to a power of two
+    split_heads: bool  # a program per head block (grid axis 2) instead of one walking all heads
     num_warps: int
 
 
-def rope_config(n_heads_q: int, n_heads_k: int, tokens: int, rot_dim: int, dtype: torch.dtype | None = None,
-                *, constants: RopeConstants | None = None) -> RopeConfig:
+def rope_config(
+    n_heads_q: int,
+    n_heads_k: int,
+    tokens: int,
+    rot_dim: int,
+    dtype: torch.dtype | None = None,
+    *,
+    constants: RopeConstants | None = None,
+) -> RopeConfig:
     """The launch for q [B, n_heads_q, tokens, D] and k [B, n_heads_k, tokens, D] rotated over rot_dim dims."""
     tune = constants or ROPE_CONSTANTS
     half_block = next_power_of_2(rot_dim // 2)
@@ -79,10 +92,29 @@ def rope_config(n_heads_q: int, n_heads_k: int, tokens: int, rot_dim: int, dtype
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _rotate_heads(
-    x_ptr, y_ptr, stride_xb, stride_xh, stride_xt, stride_yb, stride_yh, stride_yt,
-    b, t, t_mask, h_start, h_end, c1, c2, m1, m2,
-    HALF: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_yb,
+    stride_yh,
+    stride_yt,
+    b,
+    t,
+    t_mask,
+    h_start,
+    h_end,
+    c1,
+    c2,
+    m1,
+    m2,
+    HALF: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    PASS_BLOCK: tl.constexpr,
 ):
     """y = rotate(x) for heads [h_start, h_end) of one tensor at tokens t [BLOCK_T, 1, 1]; c*/m* are
     [BLOCK_T, 1, HALF_BLOCK]."""
@@ -108,14 +140,39 @@ def _rotate_heads(
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    n_tokens, n_heads_q, n_heads_k,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_qob, stride_qoh, stride_qot, stride_kob, stride_koh, stride_kot,
-    stride_cb, stride_ct,
-    HALF: tl.constexpr, ROT_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BACKWARD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, SPLIT_HEADS: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    n_tokens,
+    n_heads_q,
+    n_heads_k,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_qob,
+    stride_qoh,
+    stride_qot,
+    stride_kob,
+    stride_koh,
+    stride_kot,
+    stride_cb,
+    stride_ct,
+    HALF: tl.constexpr,
+    ROT_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    PASS_BLOCK: tl.constexpr,
+    SPLIT_HEADS: tl.constexpr,
 ):
     b = tl.program_id(1).to(tl.int64)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
@@ -146,12 +203,54 @@ def _rope_kernel(
         k_start = tl.maximum(block - n_blocks_q, 0) * BLOCK_HK
         k_end = tl.where(block >= n_blocks_q, tl.minimum(k_start + BLOCK_HK, n_heads_k), 0)
     _rotate_heads(
-        q_ptr, q_out_ptr, stride_qb, stride_qh, stride_qt, stride_qob, stride_qoh, stride_qot,
-        b, t, t_mask, q_start, q_end, c1, c2, m1, m2, HALF, ROT_DIM, HEAD_DIM, BLOCK_HQ, HALF_BLOCK, PASS_BLOCK,
+        q_ptr,
+        q_out_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_qob,
+        stride_qoh,
+        stride_qot,
+        b,
+        t,
+        t_mask,
+        q_start,
+        q_end,
+        c1,
+        c2,
+        m1,
+        m2,
+        HALF,
+        ROT_DIM,
+        HEAD_DIM,
+        BLOCK_HQ,
+        HALF_BLOCK,
+        PASS_BLOCK,
     )
     _rotate_heads(
-        k_ptr, k_out_ptr, stride_kb, stride_kh, stride_kt, stride_kob, stride_koh, stride_kot,
-        b, t, t_mask, k_start, k_end, c1, c2, m1, m2, HALF, ROT_DIM, HEAD_DIM, BLOCK_HK, HALF_BLOCK, PASS_BLOCK,
+        k_ptr,
+        k_out_ptr,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_kob,
+        stride_koh,
+        stride_kot,
+        b,
+        t,
+        t_mask,
+        k_start,
+        k_end,
+        c1,
+        c2,
+        m1,
+        m2,
+        HALF,
+        ROT_DIM,
+        HEAD_DIM,
+        BLOCK_HK,
+        HALF_BLOCK,
+        PASS_BLOCK,
     )
 
 
@@ -177,7 +276,8 @@ def _check_inputs(q, k, cos, sin) -> None:
         raise ValueError(f"q's head_dim must be at most {MAX_HEAD_DIM}; got {head_dim}")
     if cos.dim() not in (2, 3) or cos.shape[-2] != tokens or (cos.dim() == 3 and cos.shape[0] not in (1, batch)):
         raise ValueError(
-            f"cos must have shape [{batch} or 1, {tokens}, rotary_dim] or [{tokens}, rotary_dim]; got {tuple(cos.shape)}"
+            f"cos must have shape [{batch} or 1, {tokens}, rotary_dim] or [{tokens}, rotary_dim]; "
+            f"got {tuple(cos.shape)}"
         )
     rot_dim = cos.shape[-1]
     if rot_dim % 2 or not 0 < rot_dim <= head_dim:
@@ -205,8 +305,9 @@ def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
     return cos.stride(0), cos.stride(1)
 
 
-def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | None = None,
-                 config: RopeConfig | None = None):
+def _rope_launch(
+    q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | None = None, config: RopeConfig | None = None
+):
     """out: (q_out, k_out) to write, in q and k's shapes with unit last stride (q and k themselves: in place, for
     a caller that owns them); q_dtype/k_dtype are then theirs."""
     if out is not None and any(t.stride(-1) != 1 for t in out):
@@ -231,21 +332,56 @@ def _rope_launch(q, k, cos, sin, q_dtype, k_dtype, backward: bool, out: tuple | 
     if cfg.split_heads:
         grid += (cdiv(n_heads_q, block_hq) + cdiv(n_heads_k, block_hk),)
     _rope_kernel[grid](
-        q, k, q_out, k_out, cos, sin,
-        tokens, n_heads_q, n_heads_k,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        stride_cb, stride_ct,
-        HALF=rot_dim // 2, ROT_DIM=rot_dim, HEAD_DIM=head_dim, BACKWARD=backward,
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, HALF_BLOCK=half_block,
-        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)), SPLIT_HEADS=cfg.split_heads,
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        tokens,
+        n_heads_q,
+        n_heads_k,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        q_out.stride(0),
+        q_out.stride(1),
+        q_out.stride(2),
+        k_out.stride(0),
+        k_out.stride(1),
+        k_out.stride(2),
+        stride_cb,
+        stride_ct,
+        HALF=rot_dim // 2,
+        ROT_DIM=rot_dim,
+        HEAD_DIM=head_dim,
+        BACKWARD=backward,
+        BLOCK_T=block_t,
+        BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk,
+        HALF_BLOCK=half_block,
+        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)),
+        SPLIT_HEADS=cfg.split_heads,
         num_warps=cfg.num_warps,
     )
     return q_out, k_out
 
 
-def rope_projections(yq: torch.Tensor, yk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
-                     head_dim: int, *, backward: bool = False, inplace: bool = False, out: tuple | None = None):
+def rope_projections(
+    yq: torch.Tensor,
+    yk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    batch: int,
+    head_dim: int,
+    *,
+    backward: bool = False,
+    inplace: bool = False,
+    out: tuple | None = None,
+):
     """RoPE on the q/k projection outputs themselves, rows [batch * T, heads * head_dim] (no autograd): for
     callers that own those buffers, e.g. the fused LoRA QKV node, which rotates its outputs in place in
     forward (no second copy of q and k) and un-rotates the incoming gradients in backward. Returns the
@@ -300,8 +436,9 @@ class RotaryEmbedding(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------------------- public API
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
-         inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_rot, k_rot), as transformers' apply_rotary_pos_emb (rotate-half; partial rotary when Dr < D).
 
     inplace=True: the rotated values go into q's and k's own buffers (the returned tensors alias them), and
@@ -322,8 +459,10 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def _rotatable_in_place(q, k, cos) -> bool:
-    return (all(t.stride(-1) == 1 and made_by_autograd(t) for t in (q, k))
-            and _output_dtypes(q, k, cos) == (q.dtype, k.dtype))
+    return all(t.stride(-1) == 1 and made_by_autograd(t) for t in (q, k)) and _output_dtypes(q, k, cos) == (
+        q.dtype,
+        k.dtype,
+    )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -350,7 +489,8 @@ def rope_reference(
 # ------------------------------------------------------------------------------- registered operators
 # What torch.compile traces; eager calls keep the autograd Function (less host time per call).
 @torch.library.custom_op(
-    "fastplug::rope", mutates_args=(),
+    "fastplug::rope",
+    mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward, ScalarType q_dtype, ScalarType k_dtype) "
     "-> (Tensor, Tensor)",
 )

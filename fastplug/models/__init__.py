@@ -14,5 +14,12 @@ from .rules import MatchContext, Patch, Skip
 RULES = (match_lm_head, match_attention, match_moe, match_mlp, match_rms_norm, match_layer_norm)
 
 __all__ = [
-    "FAMILIES", "SUPPORTED_FAMILIES", "Family", "family_of", "MatchContext", "Patch", "Skip", "RULES",
+    "FAMILIES",
+    "SUPPORTED_FAMILIES",
+    "Family",
+    "family_of",
+    "MatchContext",
+    "Patch",
+    "Skip",
+    "RULES",
 ]

@@ -83,8 +83,12 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
         if cache is not None and not torch.is_grad_enabled():
             # Generation / cached inference: transformers' own forward, cache handling and all.
             return type(self).forward(
-                self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-                **{cache_keyword(type(self)): cache}, **kwargs,
+                self,
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                **{cache_keyword(type(self)): cache},
+                **kwargs,
             )
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -169,4 +173,6 @@ def _attention_route(module: nn.Module, ctx: MatchContext):
     if current not in (None, "eager", "sdpa"):
         return None, f"transformers' {current} attention, as loaded (fastplug replaces eager and sdpa)"
     decoder = decoder_stack(ctx.root)
-    return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(module, ctx.family, current or "eager")
+    return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(
+        module, ctx.family, current or "eager"
+    )

@@ -178,7 +178,8 @@ def _dense_mask(query, key, causal, window, start, end) -> torch.Tensor:
 
     seen = visible_keys(query.shape[2], key.shape[2], causal, window, start, end, query.device)
     return torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~seen, torch.finfo(query.dtype).min)
+        ~seen, torch.finfo(query.dtype).min
+    )
 
 
 def _family_eager(module: nn.Module):
@@ -194,9 +195,18 @@ def _fallback_function(module: nn.Module, name: str):
 
 
 # ------------------------------------------------------------------------- the attention function
-def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                               attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                               sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+def fastplug_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+):
     """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
     unpacked = kwargs.pop(UNPACKED, False)
@@ -240,8 +250,17 @@ def fastplug_attention_forward(module: nn.Module, query: torch.Tensor, key: torc
             start = end = None
     if key.dtype != query.dtype or value.dtype != query.dtype:  # RoPE under autocast returns fp32 q/k
         key, value = key.to(query.dtype), value.to(query.dtype)
-    out = flash_attention(query, key, value, causal=causal, sliding_window=sliding_window, softcap=softcap,
-                          scale=scaling, doc_start=start, doc_end=end)
+    out = flash_attention(
+        query,
+        key,
+        value,
+        causal=causal,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        scale=scaling,
+        doc_start=start,
+        doc_end=end,
+    )
     return out, None
 
 
@@ -251,7 +270,8 @@ def describe(module: nn.Module, family, fallback: str) -> str:
     window, softcap = extra.get("sliding_window"), extra.get("softcap")
     if softcap is not None or window is not None:
         quirks = ([f"softcap {softcap:g}"] if softcap is not None else []) + (
-            [f"sliding window {window}"] if window is not None else [])
+            [f"sliding window {window}"] if window is not None else []
+        )
         what = f"Triton flash kernel ({', '.join(quirks)})"
     else:
         what = "torch SDPA on CUDA, Triton flash kernel for packed rows"

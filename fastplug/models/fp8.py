@@ -35,7 +35,14 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import (
-    FP8_DTYPE, dequantize_blockwise, fp8_linear, fp8_parameter, fp8_path, fp8_weight, is_fp8, quantize_weight_blockwise,
+    FP8_DTYPE,
+    dequantize_blockwise,
+    fp8_linear,
+    fp8_parameter,
+    fp8_path,
+    fp8_weight,
+    is_fp8,
+    quantize_weight_blockwise,
 )
 
 BLOCK = 128
@@ -141,8 +148,11 @@ class FP8Conversion:
     def describe(self) -> str:
         parts = []
         if self.quantized:
-            back = ("restore() puts back the originals kept in CPU memory" if self.keep_original
-                    else "restore() puts back weights dequantized from FP8 (lossy: fp8_keep_original=False)")
+            back = (
+                "restore() puts back the originals kept in CPU memory"
+                if self.keep_original
+                else "restore() puts back weights dequantized from FP8 (lossy: fp8_keep_original=False)"
+            )
             parts.append(
                 f"{self.quantized} linear layers quantized to FP8 in {BLOCK}x{BLOCK} blocks: weights "
                 f"{_size(self.original_bytes)} -> {_size(self.fp8_bytes)} with scales, "

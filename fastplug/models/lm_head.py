@@ -135,15 +135,22 @@ def _causal_lm_forward(moe: bool, cache_field: str):
         head = _fused_head(self) if wants_fused else None
         fused = (
             head is not None
-            and isinstance(logits_to_keep, int) and logits_to_keep == 0
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep == 0
             and kwargs.get("return_dict", True) is not False
             and _default_causal_lm_loss(self)
         )
         if not fused:
             return type(self).forward(
-                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                logits_to_keep=logits_to_keep, **kwargs,
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
             )
         kwargs.pop("return_dict", None)  # the original's @can_return_tuple consumes it too
         router_logits_wanted = False
@@ -152,8 +159,12 @@ def _causal_lm_forward(moe: bool, cache_field: str):
             router_logits_wanted = self.config.output_router_logits if requested is None else requested
             kwargs["output_router_logits"] = router_logits_wanted
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
         )
         hidden = outputs.last_hidden_state
         ignore_index = kwargs.get("ignore_index", -100)
@@ -161,12 +172,15 @@ def _causal_lm_forward(moe: bool, cache_field: str):
         if shift_labels is None:  # tokens < n predict token n (transformers' ForCausalLMLoss)
             shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         # num_items_in_batch: the Trainer's count over all micro-batches and ranks (the loss is a sum over it)
-        loss = head(hidden.reshape(-1, hidden.shape[-1]), fused_loss=dict(
-            labels=shift_labels.reshape(-1).to(hidden.device),
-            ignore_index=ignore_index,
-            softcap=getattr(self.config, "final_logit_softcapping", None),
-            num_items_in_batch=kwargs.get("num_items_in_batch"),
-        ))
+        loss = head(
+            hidden.reshape(-1, hidden.shape[-1]),
+            fused_loss=dict(
+                labels=shift_labels.reshape(-1).to(hidden.device),
+                ignore_index=ignore_index,
+                softcap=getattr(self.config, "final_logit_softcapping", None),
+                num_items_in_batch=kwargs.get("num_items_in_batch"),
+            ),
+        )
         aux_loss = None
         if router_logits_wanted:
             aux_loss = _moe_aux_loss(self, outputs, attention_mask)
@@ -200,4 +214,8 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         return Skip("lm_head_loss", reason)
     if ctx.family.moe and not hasattr(sys.modules[own_class(module).__module__], "load_balancing_loss_func"):
         return Skip("lm_head_loss", "MoE family without load_balancing_loss_func")
-    return Patch("lm_head_loss", _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe)), switch=_install_head_forward(module.lm_head))
+    return Patch(
+        "lm_head_loss",
+        _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe)),
+        switch=_install_head_forward(module.lm_head),
+    )

@@ -40,8 +40,14 @@ def _experts_interface():
 def unsupported_reason(experts: nn.Module) -> str | None:
     """Why the grouped kernels cannot run these experts (None: they can)."""
     moe = _experts_interface()
-    flags = {"has_bias": False, "has_gate": True, "is_transposed": False, "is_concatenated": True,
-             "has_post_expert_norm": False, "_is_expert_parallel": False}
+    flags = {
+        "has_bias": False,
+        "has_gate": True,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+        "_is_expert_parallel": False,
+    }
     for flag, wanted in flags.items():
         if getattr(experts, flag, wanted) != wanted:
             return f"{flag}={not wanted} is not supported by the grouped kernels"
@@ -55,8 +61,16 @@ def unsupported_reason(experts: nn.Module) -> str | None:
 
 def _run_experts(experts, hidden_states, top_k_index, top_k_weights, gate_up_lora=None, down_lora=None):
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    out = moe_experts(hidden_states.to(gate_up.dtype), gate_up, down, top_k_index, top_k_weights,
-                      activation=activation_name(experts.act_fn), gate_up_lora=gate_up_lora, down_lora=down_lora)
+    out = moe_experts(
+        hidden_states.to(gate_up.dtype),
+        gate_up,
+        down,
+        top_k_index,
+        top_k_weights,
+        activation=activation_name(experts.act_fn),
+        gate_up_lora=gate_up_lora,
+        down_lora=down_lora,
+    )
     return out.to(hidden_states.dtype)
 
 
@@ -88,8 +102,10 @@ def _switch(root: nn.Module):
 
 
 def _is_experts(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
-               for n in ("gate_up_proj", "down_proj")) and hasattr(module, "has_gate")
+    return all(
+        isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
+        for n in ("gate_up_proj", "down_proj")
+    ) and hasattr(module, "has_gate")
 
 
 def _match_experts(module: nn.Module, ctx: MatchContext):
@@ -140,8 +156,9 @@ def _expert_adapters(chain) -> dict | str:
             continue
         A, B = wrapper.lora_A[active[0]].weight, wrapper.lora_B[active[0]].weight
         E = wrapper.num_experts
-        adapters[name] = ExpertLoRA(A.view(E, -1, A.shape[1]), B.view(B.shape[0], -1, E).permute(2, 0, 1),
-                                    wrapper.scaling[active[0]])
+        adapters[name] = ExpertLoRA(
+            A.view(E, -1, A.shape[1]), B.view(B.shape[0], -1, E).permute(2, 0, 1), wrapper.scaling[active[0]]
+        )
     return adapters
 
 
@@ -151,8 +168,14 @@ def _lora_experts_forward(self, hidden_states, top_k_index, top_k_weights, *args
     adapters = _expert_adapters(chain)
     if isinstance(adapters, str) or args or kwargs or unsupported_reason(experts) or not use_triton(hidden_states):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    return _run_experts(experts, hidden_states, top_k_index, top_k_weights,
-                        gate_up_lora=adapters.get("gate_up_proj"), down_lora=adapters.get("down_proj"))
+    return _run_experts(
+        experts,
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_lora=adapters.get("gate_up_proj"),
+        down_lora=adapters.get("down_proj"),
+    )
 
 
 def _match_lora_experts(module: nn.Module, ctx: MatchContext):
@@ -169,8 +192,12 @@ def _match_lora_experts(module: nn.Module, ctx: MatchContext):
     if reason is not None:
         return Skip("experts_lora", f"{reason}: peft folds the adapters into the expert weights")
     ranks = ", ".join(f"{name} r={a.A.shape[1]}" for name, a in adapters.items() if a is not None)
-    return Patch("experts_lora", _lora_experts_forward, lora_fused=True,
-                 path_taken=f"LoRA on experts as grouped rank-r terms ({ranks}), no dense delta weight")
+    return Patch(
+        "experts_lora",
+        _lora_experts_forward,
+        lora_fused=True,
+        path_taken=f"LoRA on experts as grouped rank-r terms ({ranks}), no dense delta weight",
+    )
 
 
 # ------------------------------------------------------------------------------------------- the router
@@ -179,8 +206,9 @@ def _router_forward(normalize, fp32_weights: bool):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         logits = nn.functional.linear(hidden_states, self.weight)
         renorm = normalize if isinstance(normalize, bool) else bool(getattr(self, normalize))
-        weights, index = moe_router(logits, self.top_k, normalize=renorm,
-                                    weights_dtype=torch.float32 if fp32_weights else logits.dtype)
+        weights, index = moe_router(
+            logits, self.top_k, normalize=renorm, weights_dtype=torch.float32 if fp32_weights else logits.dtype
+        )
         return logits, weights, index
 
     return forward
@@ -193,9 +221,15 @@ def _match_router(module: nn.Module, ctx: MatchContext):
 
 def _is_router(module: nn.Module, ctx: MatchContext) -> bool:
     weight = getattr(module, "weight", None)
-    return (ctx.family is not None and ctx.family.name in _ROUTERS and type(module).__name__.endswith("TopKRouter")
-            and isinstance(weight, torch.Tensor) and weight.dim() == 2 and hasattr(module, "top_k")
-            and hasattr(module, "hidden_dim"))
+    return (
+        ctx.family is not None
+        and ctx.family.name in _ROUTERS
+        and type(module).__name__.endswith("TopKRouter")
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and hasattr(module, "top_k")
+        and hasattr(module, "hidden_dim")
+    )
 
 
 # --------------------------------------------------------------------------------------------- the rule

@@ -25,7 +25,6 @@ from ..kernels.lora import LoRAProjection, invalidate_adapter_casts
 from ..kernels.quant import layout_reason
 from .fp8 import is_fp8_linear
 
-
 _CLASSES: dict[tuple, type] = {}  # (module, name) -> a class, once its module is imported
 
 
@@ -64,9 +63,20 @@ def _param(module: nn.Module, name: str):
 
 # substrings of a quantized layer's module path or class name -> the format named in the summary
 _FINEGRAINED_FP8 = "fine-grained FP8"
-_QUANT_FORMATS = (("finegrained_fp8", _FINEGRAINED_FP8), ("fp8", "FP8"), ("8bit", "8-bit bitsandbytes"),
-                  ("int8", "8-bit bitsandbytes"), ("gptq", "GPTQ"), ("awq", "AWQ"), ("hqq", "HQQ"), ("eetq", "EETQ"),
-                  ("aqlm", "AQLM"), ("quanto", "quanto"), ("torchao", "torchao"), ("bitsandbytes", "bitsandbytes"))
+_QUANT_FORMATS = (
+    ("finegrained_fp8", _FINEGRAINED_FP8),
+    ("fp8", "FP8"),
+    ("8bit", "8-bit bitsandbytes"),
+    ("int8", "8-bit bitsandbytes"),
+    ("gptq", "GPTQ"),
+    ("awq", "AWQ"),
+    ("hqq", "HQQ"),
+    ("eetq", "EETQ"),
+    ("aqlm", "AQLM"),
+    ("quanto", "quanto"),
+    ("torchao", "torchao"),
+    ("bitsandbytes", "bitsandbytes"),
+)
 
 
 def _quant_format(module: nn.Module) -> str | None:
@@ -190,8 +200,13 @@ def _fused_view(module: nn.Module, quantized: bool) -> tuple[LoRAProjection | No
         reason = _plain_linear_reason(part, what)
         if reason:
             return None, reason
-    return LoRAProjection(_param(base, "weight"), _param(base, "bias"), _param(lora_A, "weight"),
-                          _param(lora_B, "weight"), float(module.scaling[name])), None
+    return LoRAProjection(
+        _param(base, "weight"),
+        _param(base, "bias"),
+        _param(lora_A, "weight"),
+        _param(lora_B, "weight"),
+        float(module.scaling[name]),
+    ), None
 
 
 def lora_projection(module: nn.Module, quantized: bool = False) -> LoRAProjection | None:

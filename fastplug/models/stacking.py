@@ -125,8 +125,11 @@ def switch(owner: nn.Module, root: nn.Module, names: tuple[str, ...]):
 
 def _quantized_group(weights: list, biases: list) -> bool:
     """4-bit bases of one input width without biases: dequantized together at each use (nothing is moved)."""
-    return (all(is_4bit(w) for w in weights) and all(b is None for b in biases)
-            and len({shape_4bit(w)[1] for w in weights}) == 1)
+    return (
+        all(is_4bit(w) for w in weights)
+        and all(b is None for b in biases)
+        and len({shape_4bit(w)[1] for w in weights}) == 1
+    )
 
 
 def _in_compiled_run() -> bool:

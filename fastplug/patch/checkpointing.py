@@ -204,7 +204,10 @@ class AutoCheckpointing:
         self._set_unchecked(0)
         if self.layers:
             first = self.layers[0]
-            self._hooks += [first.register_forward_pre_hook(self._layer_start), first.register_forward_hook(self._layer_end)]
+            self._hooks += [
+                first.register_forward_pre_hook(self._layer_start),
+                first.register_forward_hook(self._layer_end),
+            ]
 
     def checkpointed(self) -> int:
         """How many layers run checkpointed now."""
@@ -304,6 +307,7 @@ class _Stash:
 
 _side_streams: dict[int, Any] = {}
 
+
 def _no_stash() -> None:
     return None
 
@@ -400,7 +404,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 outputs = ctx.run(hidden, *args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [
-            (o, g) for o, g in zip((o for o in outputs if isinstance(o, torch.Tensor)), grads)
+            (o, g)
+            for o, g in zip((o for o in outputs if isinstance(o, torch.Tensor)), grads)
             if g is not None and o.requires_grad
         ]
         wanted = [t for t in (hidden, *args, *ctx.params) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -443,8 +448,9 @@ def offload_checkpoint(function, *args, **kwargs):
     if _force_grad is None:
         _force_grad = torch.empty(0, requires_grad=True)
     spec: dict = {}
-    tensors = _OffloadedCheckpoint.apply(function, spec, _force_grad, len(args) - 1, *args,
-                                         *_trainable_parameters(function))
+    tensors = _OffloadedCheckpoint.apply(
+        function, spec, _force_grad, len(args) - 1, *args, *_trainable_parameters(function)
+    )
     outputs = [None] * spec["n"]
     for i, t in zip(spec["tensor_at"], tensors):
         outputs[i] = t

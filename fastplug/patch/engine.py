@@ -129,7 +129,9 @@ class PatchHandle:
                     continue
                 replaced_by_someone = "forward" in vars(module) or (module is self.model and "forward" in vars(outer))
                 if isinstance(result, Patch) and replaced_by_someone:
-                    result = Skip(result.kind, "forward already replaced on this instance by another library; left alone")
+                    result = Skip(
+                        result.kind, "forward already replaced on this instance by another library; left alone"
+                    )
                 if isinstance(result, Skip):
                     self.skipped.append((path or type(module).__name__, f"{result.kind}: {result.reason}"))
                 else:
@@ -235,7 +237,8 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
                 if getattr(options, name) != getattr(existing.options, name)
             ]
             raise ValueError(
-                "fastplug: this model is already patched with other options: " + ", ".join(changed)
+                "fastplug: this model is already patched with other options: "
+                + ", ".join(changed)
                 + ". Call restore() on its handle (fastplug.patch.engine.active_handle(model)) before patching again."
             )
         return existing

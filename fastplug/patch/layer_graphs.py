@@ -37,7 +37,10 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
@@ -60,7 +63,8 @@ def install(layers: list[nn.Module], max_signatures: int = 4) -> "LayerGraphs | 
     if not torch.cuda.is_available():
         return "needs a CUDA device"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for layer in layers for m in layer.modules()) or any(
-            getattr(getattr(layer, "self_attn", None), "attention_dropout", 0) for layer in layers):
+        getattr(getattr(layer, "self_attn", None), "attention_dropout", 0) for layer in layers
+    ):
         return "dropout in the layers (random numbers inside graphs are not supported here)"
     return LayerGraphs(layers, max_signatures)
 
@@ -94,14 +98,22 @@ class LayerGraphs:
     def __str__(self) -> str:
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
-        return (f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
-                + (f", {failed} failed (eager)" if failed else "") + f", {self.replays} layer calls replayed")
+        return (
+            f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
+            + (f", {failed} failed (eager)" if failed else "")
+            + f", {self.replays} layer calls replayed"
+        )
 
     # -- routing
     def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
         """The layer's output from its graphs, or _EAGER."""
-        if (not (layer.training and torch.is_grad_enabled() and kwargs.get(UNPACKED)) or _busy()
-                or not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer)):
+        if (
+            not (layer.training and torch.is_grad_enabled() and kwargs.get(UNPACKED))
+            or _busy()
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+            or _foreign_hooks(layer)
+        ):
             return _EAGER
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors, key = [], [spec]
@@ -179,8 +191,11 @@ class LayerGraphs:
                 for index in reversed(range(len(graphs))):
                     grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
         except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
-            warnings.warn(f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
-                          f"for this batch shape: {type(error).__name__}: {error}", stacklevel=4)
+            warnings.warn(
+                f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
+                f"for this batch shape: {type(error).__name__}: {error}",
+                stacklevel=4,
+            )
             return _FAILED
         return graphs
 
@@ -208,8 +223,9 @@ class _LayerGraph:
 
     def _call(self, tensors):
         it = iter(tensors)
-        args, kwargs = pytree.tree_unflatten([next(it) if isinstance(leaf, torch.Tensor) else leaf
-                                              for leaf in self.leaves], self.spec)
+        args, kwargs = pytree.tree_unflatten(
+            [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves], self.spec
+        )
         return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
 
     def _differentiable(self, outputs):
@@ -241,14 +257,19 @@ class _LayerGraph:
     def capture_backward(self, grad_of_output: torch.Tensor, into: torch.Tensor, pool) -> torch.Tensor:
         """grad_of_output: where the output's gradient arrives (the next layer's `into`); into: where the input's
         gradient goes. Returns `into`."""
-        self.grad_outputs = [None if not o.requires_grad else grad_of_output if i == 0 else torch.empty_like(o)
-                             for i, o in enumerate(self.outputs)]
+        self.grad_outputs = [
+            None if not o.requires_grad else grad_of_output if i == 0 else torch.empty_like(o)
+            for i, o in enumerate(self.outputs)
+        ]
         grads_of, wrt = self._differentiable(self.outputs)
         grads = [None] * len(wrt)
         if grads_of:
             with torch.cuda.graph(self.bwd, pool=pool):
-                grads = list(torch.autograd.grad(grads_of, wrt, [g for g in self.grad_outputs if g is not None],
-                                                 allow_unused=True))
+                grads = list(
+                    torch.autograd.grad(
+                        grads_of, wrt, [g for g in self.grad_outputs if g is not None], allow_unused=True
+                    )
+                )
                 if self.inputs[0].requires_grad:
                     into.copy_(grads[0])
                     grads[0] = into
@@ -317,10 +338,14 @@ class _Fixed:
 
     def __init__(self, layers: list[nn.Module]):
         modules = [m for layer in layers for m in layer.modules()]
-        self.params = [(p, p.data_ptr(), p.requires_grad) for m in modules for p in m._parameters.values()
-                       if p is not None]
-        self.hook_dicts = [d for m in modules
-                           for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
+        self.params = [
+            (p, p.data_ptr(), p.requires_grad) for m in modules for p in m._parameters.values() if p is not None
+        ]
+        self.hook_dicts = [
+            d
+            for m in modules
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+        ]
         self.hooks = sum(map(len, self.hook_dicts))
         tuner = sys.modules.get("peft.tuners.tuners_utils")
         self.tuners = [m for m in modules if tuner is not None and isinstance(m, tuner.BaseTunerLayer)]
@@ -333,8 +358,14 @@ class _Fixed:
             if fixed is not None and id(module) in ids:
                 fixed.changed = True
 
-        self._handles = [register_module_parameter_registration_hook(registered),
-                         register_module_module_registration_hook(registered)] if modules else []
+        self._handles = (
+            [
+                register_module_parameter_registration_hook(registered),
+                register_module_module_registration_hook(registered),
+            ]
+            if modules
+            else []
+        )
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
 
     def _adapters(self) -> list:
@@ -370,8 +401,9 @@ def _graphed_subclass(cls: type) -> type:
             out = _EAGER if entry is None else entry[0].call(self, entry[1], args, kwargs)
             return super(sub, self).__call__(*args, **kwargs) if out is _EAGER else out
 
-        sub = _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
-                                                               "__qualname__": cls.__qualname__})
+        sub = _SUBCLASSES[cls] = type(
+            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        )
     return sub
 
 
@@ -399,8 +431,12 @@ def _is_plain_checkpoint(layer) -> bool:
 
 def _foreign_hooks(module: nn.Module) -> bool:
     """Hooks a replay would skip: any but fastplug's own (auto checkpointing measures layer 0 at step one)."""
-    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
-             *module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    hooks = [
+        *module._forward_hooks.values(),
+        *module._forward_pre_hooks.values(),
+        *module._backward_hooks.values(),
+        *module._backward_pre_hooks.values(),
+    ]
     return any(not type(getattr(h, "__self__", None)).__module__.startswith("fastplug.") for h in hooks)
 
 

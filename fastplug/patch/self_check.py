@@ -236,8 +236,11 @@ def _output_capturing_untouched(model: nn.Module):
                 del module._output_capturing_hooks_installed
             for key in set(module._forward_hooks) - hooks_before.get(id(module), set()):
                 if "output_capturing" in getattr(module._forward_hooks[key], "__qualname__", ""):
-                    for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
-                                  module._forward_hooks_always_called):
+                    for hooks in (
+                        module._forward_hooks,
+                        module._forward_hooks_with_kwargs,
+                        module._forward_hooks_always_called,
+                    ):
                         hooks.pop(key, None)
 
 
@@ -327,7 +330,8 @@ class Report:
             return [f"  self-check: not run ({self.reason})"]
         when = "verdict of an identical model checked earlier" if self.reused else f"{self.seconds:.2f} s"
         head = (
-            f"  self-check ({self.dtype}, {TOKENS} tokens{'' if self.no_decode else ' + 1 cached'}, {self.layers} layer(s), {when}): "
+            f"  self-check ({self.dtype}, {TOKENS} tokens{'' if self.no_decode else ' + 1 cached'}, "
+            f"{self.layers} layer(s), {when}): "
             f"agree: {', '.join(self.passed) or 'nothing'}; largest difference {self.worst:.1e} ({self.where}), "
             f"bound {self.bound:.0e} (gradients x{GRADIENT_FACTOR})"
         )
@@ -411,8 +415,13 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         return _attempt(probe, SEEDS[1], references[1], bound)
 
     verdict = agreement()
-    report = Report(ran=True, bound=bound, layers=probe.n_layers, dtype=str(probe.dtype).replace("torch.", ""),
-                    no_decode=probe.no_decode)
+    report = Report(
+        ran=True,
+        bound=bound,
+        layers=probe.n_layers,
+        dtype=str(probe.dtype).replace("torch.", ""),
+        no_decode=probe.no_decode,
+    )
     if not verdict.ok:  # find the kinds responsible: add them back one at a time
         for r in reversed(in_scope):
             r.uninstall()
@@ -475,7 +484,9 @@ def _structure_key(model: nn.Module, probe: Probe, in_scope: list) -> tuple:
         functions.append((cls.__qualname__, id(cls.forward)))
         namespace = vars(sys.modules.get(cls.__module__, object))
         functions += [(name, id(value)) for name, value in namespace.items() if callable(value)]
-    attentions = {type(m): m for layer in probe.layers[: probe.n_layers] for m in layer.modules() if hasattr(m, "q_proj")}
+    attentions = {
+        type(m): m for layer in probe.layers[: probe.n_layers] for m in layer.modules() if hasattr(m, "q_proj")
+    }
     for module in attentions.values():
         if hasattr(module, "config"):
             with contextlib.suppress(Exception):
@@ -488,8 +499,14 @@ def _structure_key(model: nn.Module, probe: Probe, in_scope: list) -> tuple:
     patches = [(r.path, r.patch.kind, r.patch.path_taken, r.patch.lora_fused) for r in in_scope]
     config = getattr(model, "config", None)
     return (
-        type(model), config.to_json_string() if config is not None else "", probe.dtype, str(probe.device),
-        probe.n_layers, tuple(functions), tuple(parameters), tuple(patches),
+        type(model),
+        config.to_json_string() if config is not None else "",
+        probe.dtype,
+        str(probe.device),
+        probe.n_layers,
+        tuple(functions),
+        tuple(parameters),
+        tuple(patches),
     )
 
 

@@ -8,8 +8,8 @@ import torch
 import transformers
 
 from fastplug import FastModel, KernelOptions
-from fastplug.patch import checkpointing
 from fastplug.models.peft_lora import lora_projection
+from fastplug.patch import checkpointing
 from fastplug.patch.engine import active_handle
 from tests.model_path_helpers import EOS, save_tiny
 
@@ -102,9 +102,14 @@ def test_get_peft_model_warns_when_the_fused_path_turns_off(llama_path, kwargs, 
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [({"r": 0}, "r must"), ({"lora_alpha": -1}, "lora_alpha"), ({"lora_dropout": 1.5}, "lora_dropout"),
-     ({"bias": "some"}, "bias"), ({"use_gradient_checkpointing": "sometimes"}, "use_gradient_checkpointing"),
-     ({"use_gradient_checkpointing": 1}, "use_gradient_checkpointing")],
+    [
+        ({"r": 0}, "r must"),
+        ({"lora_alpha": -1}, "lora_alpha"),
+        ({"lora_dropout": 1.5}, "lora_dropout"),
+        ({"bias": "some"}, "bias"),
+        ({"use_gradient_checkpointing": "sometimes"}, "use_gradient_checkpointing"),
+        ({"use_gradient_checkpointing": 1}, "use_gradient_checkpointing"),
+    ],
 )
 def test_get_peft_model_rejects_bad_arguments(llama_path, kwargs, match):
     model, _ = FastModel.from_pretrained(llama_path)
@@ -126,8 +131,9 @@ def test_inference_and_training_modes_toggle(llama_path):
     FastModel.for_training(peft_model)
     assert peft_model.training and checkpointing.is_enabled(peft_model) and not model.config.use_cache
     assert active_handle(peft_model) is not None  # the patches stay through both
-    no_checkpointing = FastModel.get_peft_model(FastModel.from_pretrained(llama_path)[0], r=4,
-                                                use_gradient_checkpointing=False)
+    no_checkpointing = FastModel.get_peft_model(
+        FastModel.from_pretrained(llama_path)[0], r=4, use_gradient_checkpointing=False
+    )
     assert not checkpointing.is_enabled(no_checkpointing)
     FastModel.for_training(no_checkpointing)
     assert not checkpointing.is_enabled(no_checkpointing)

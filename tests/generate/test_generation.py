@@ -31,8 +31,9 @@ def prompts(seed=3):
 
 
 def reference(model, ids, mask, eos, new=NEW, **kwargs):
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
-                          pad_token_id=PAD, **kwargs)
+    return model.generate(
+        ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=PAD, **kwargs
+    )
 
 
 def an_early_eos(model, ids, mask, new=NEW):
@@ -51,10 +52,11 @@ def test_greedy_equals_transformers(tmp_path, family):
     ids, mask = prompts()
     eos = an_early_eos(ref_model, ids, mask)
     expected = reference(ref_model, ids, mask, eos)
-    got = model.fast_generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos,
-                              pad_token_id=PAD)
+    got = model.fast_generate(
+        ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+    )
     assert torch.equal(got, expected)
-    assert (got[1, PROMPT + 3:] == PAD).all()  # the middle row stopped at its EOS
+    assert (got[1, PROMPT + 3 :] == PAD).all()  # the middle row stopped at its EOS
 
 
 def lora_pair(path, seed=0):
@@ -62,8 +64,9 @@ def lora_pair(path, seed=0):
     model, _ = FastModel.from_pretrained(path)
     fast = FastModel.get_peft_model(model, r=4, lora_alpha=8, init_lora_weights=False, random_state=seed)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path)
-    ref = peft.get_peft_model(ref, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                   init_lora_weights=False))
+    ref = peft.get_peft_model(
+        ref, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    )
     ref.load_state_dict(fast.state_dict())
     return fast, ref.eval()
 
@@ -77,8 +80,12 @@ def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
     expected = reference(ref, ids, mask, eos)
     with ref.disable_adapter():
         assert not torch.equal(expected, reference(ref, ids, mask, eos))  # the adapters matter
-    assert torch.equal(fast.fast_generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                          eos_token_id=eos, pad_token_id=PAD), expected)
+    assert torch.equal(
+        fast.fast_generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+        ),
+        expected,
+    )
     assert fast.training  # the caller's mode comes back
 
     # a "training step" in place, then disabled adapters: each call generates with the adapters as they are
@@ -87,11 +94,19 @@ def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
             if "lora_B" in name:
                 p.mul_(-1.5)
     ref.load_state_dict(fast.state_dict())
-    assert torch.equal(fast_generate(fast, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                     eos_token_id=eos, pad_token_id=PAD), reference(ref, ids, mask, eos))
+    assert torch.equal(
+        fast_generate(
+            fast, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+        ),
+        reference(ref, ids, mask, eos),
+    )
     with fast.disable_adapter(), ref.disable_adapter():
-        assert torch.equal(fast_generate(fast, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                                         eos_token_id=eos, pad_token_id=PAD), reference(ref, ids, mask, eos))
+        assert torch.equal(
+            fast_generate(
+                fast, ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+            ),
+            reference(ref, ids, mask, eos),
+        )
 
 
 def decode_kernels_on_cpu(monkeypatch):
@@ -112,8 +127,9 @@ def model_and_reference(path, lora: bool):
 
 # Mistral is Llama with a window (here a ring); Llama without LoRA adds nothing the others miss: the LM head's
 # GEMV runs without an adapter in every case. 6 new tokens: each interpreted decode step costs ~0.7 s.
-@pytest.mark.parametrize("family, lora", [("mistral", True), ("qwen3", True), ("gemma2", False),
-                                          ("gemma3_text", False)])
+@pytest.mark.parametrize(
+    "family, lora", [("mistral", True), ("qwen3", True), ("gemma2", False), ("gemma3_text", False)]
+)
 def test_decode_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family, lora):
     """Fused norm + GEMVs, LoRA in the epilogue, attention over the cache (rings for the windowed layers),
     the one-kernel greedy emit."""
@@ -123,13 +139,21 @@ def test_decode_kernels_greedy_equals_transformers(tmp_path, monkeypatch, family
     new = 6
     eos = an_early_eos(ref, ids, mask, new)
     expected = reference(ref, ids, mask, eos, new)
-    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos,
-                        pad_token_id=PAD)
+    got = fast_generate(
+        model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=PAD
+    )
     assert "decode kernels" in graph_status(model), graph_status(model)
     assert torch.equal(got, expected)
-    assert (got[1, PROMPT + 3:] == PAD).all()
-    alone = fast_generate(model, ids[1:2], attention_mask=mask[1:2], max_new_tokens=3, do_sample=False,
-                          eos_token_id=None, pad_token_id=PAD)  # batch 1: the GEMV's FMA path
+    assert (got[1, PROMPT + 3 :] == PAD).all()
+    alone = fast_generate(
+        model,
+        ids[1:2],
+        attention_mask=mask[1:2],
+        max_new_tokens=3,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )  # batch 1: the GEMV's FMA path
     assert torch.equal(alone, reference(ref, ids[1:2], mask[1:2], None, new=3))
 
 
@@ -146,8 +170,9 @@ def test_windowed_layers_keep_a_ring_of_window_columns(tmp_path, monkeypatch, ke
     short_mask[1, 0] = 0
     short_ids[1, 0] = PAD
     for ids, mask, new in ((ids, mask, 4), (short_ids, short_mask, 3)):
-        got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
-                            pad_token_id=PAD)
+        got = fast_generate(
+            model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=PAD
+        )
         assert torch.equal(got, reference(ref, ids, mask, None, new=new))
     decoder = _DECODERS[unwrap(model)]
     assert ("decode kernels" in graph_status(model)) == kernels
@@ -175,7 +200,7 @@ def test_ring_attention_equals_the_window_over_a_full_cache(chunk):
     pos = torch.tensor([slot - 20, slot])
     angles = torch.arange(length)[:, None] * torch.logspace(0, -3, d // 2)[None]
     cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
-    kw = dict(heads=heads, scaling=d ** -0.5, window=window, chunk=chunk)
+    kw = dict(heads=heads, scaling=d**-0.5, window=window, chunk=chunk)
     slot_t = torch.tensor([slot])
     expected = decode_attention(qkv, full_k, full_v, valid, slot_t, pos, cos, sin, **kw)
     got = decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, **kw)
@@ -183,28 +208,38 @@ def test_ring_attention_equals_the_window_over_a_full_cache(chunk):
     assert torch.equal(ring_k[:, :, slot % window], full_k[:, :, slot])
     assert torch.equal(ring_v[:, :, slot % window], full_v[:, :, slot])
     with pytest.raises(ValueError, match="window"):
-        decode_attention(qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, heads=heads, scaling=1.0,
-                         window=window + 1)
+        decode_attention(
+            qkv, ring_k, ring_v, valid, slot_t, pos, cos, sin, ring=True, heads=heads, scaling=1.0, window=window + 1
+        )
 
 
 def load_4bit(path, lora: bool):
     """The tiny model loaded in 4 bits by transformers (NF4, double quantization; fp32 compute and activations:
     the dequantized weights are exact in fp32, so only the order of the sums differs from bitsandbytes')."""
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32,
-                                                              device_map="cpu")
+    config = transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=config, dtype=torch.float32, device_map="cpu"
+    )
     for module in model.modules():  # on CPUs with AVX512-BF16 bitsandbytes would repack the weights at the
         if hasattr(module, "support_avx512bf16_for_cpu"):  # first eval forward into a layout fastplug leaves
-            module.support_avx512bf16_for_cpu = False       # to the module: keep the standard one
+            module.support_avx512bf16_for_cpu = False  # to the module: keep the standard one
     if lora:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                           init_lora_weights=False))
+        model = peft.get_peft_model(
+            model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
     return model.eval()
 
 
-@pytest.mark.parametrize("lora, kernels", [(False, False), (True, False), (True, True)],
-                         ids=["4bit", "4bit_lora", "4bit_lora_decode_kernels"])
+@pytest.mark.parametrize(
+    "lora, kernels",
+    [(False, False), (True, False), (True, True)],
+    ids=["4bit", "4bit_lora", "4bit_lora_decode_kernels"],
+)
 def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, request, lora, kernels):
     """QLoRA: a tiny Llama in 4 bits (with unmerged LoRA on every projection) generates transformers' greedy
     tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call): gemv_4bit in
@@ -218,7 +253,8 @@ def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, request, l
 
     # the interpreter's cost is per program: one program per weight (the tiles are tested in tests/kernels)
     one_program = tuning.override(
-        "gemv_4bit", lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128))
+        "gemv_4bit", lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128)
+    )
     request.addfinalizer(one_program.undo)
     rows_seen = []
 
@@ -229,8 +265,9 @@ def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, request, l
     monkeypatch.setattr(plan, "gemv_4bit", counted)
     model = load_4bit(save_tiny(tmp_path, "llama"), lora)
     ids, mask = prompts()
-    got = fast_generate(model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None,
-                        pad_token_id=PAD)
+    got = fast_generate(
+        model, ids, attention_mask=mask, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=PAD
+    )
     decoder = _DECODERS[unwrap(model)]
     projs = [p for lp in decoder.plan.layers for p in lp.projs]
     assert all(p.module is None and p.packed for p in projs) and len(projs) == 14
@@ -263,8 +300,13 @@ def dense_reference(model, ids, mask, new):
 def packed_4bit(out, k, nested, quant_type, blocksize=64):
     """A bitsandbytes 4-bit weight [out, k] on the CPU (normal values scaled by 1/8)."""
     bnb = pytest.importorskip("bitsandbytes")
-    w = bnb.nn.Params4bit(torch.randn(out, k) / 8, requires_grad=False, quant_type=quant_type,
-                          compress_statistics=nested, blocksize=blocksize)
+    w = bnb.nn.Params4bit(
+        torch.randn(out, k) / 8,
+        requires_grad=False,
+        quant_type=quant_type,
+        compress_statistics=nested,
+        blocksize=blocksize,
+    )
     return w._quantize("cpu")
 
 
@@ -283,9 +325,14 @@ def test_decode_gemv_reads_4bit_weights_as_their_dequantization(rows):
         gate_up = [packed_4bit(32, 64, nested, quant_type) for _ in range(2)]
         down = [packed_4bit(64, 64, nested, quant_type)]
         lora = (torch.randn(rows, 8), [torch.randn(48, 4), None, torch.randn(16, 4)], [2.0, 0.0, 0.5])
-        cases = [(qkv, dict(norm=(torch.rand(64) + 0.5, 1e-6, 0.0), biases=[torch.randn(n) for n in (48, 16, 16)],
-                            lora=lora)),
-                 (gate_up, dict(activation="silu")), (down, dict(residual=torch.randn(rows, 64)))]
+        cases = [
+            (
+                qkv,
+                dict(norm=(torch.rand(64) + 0.5, 1e-6, 0.0), biases=[torch.randn(n) for n in (48, 16, 16)], lora=lora),
+            ),
+            (gate_up, dict(activation="silu")),
+            (down, dict(residual=torch.randn(rows, 64))),
+        ]
         for weights, kw in cases:
             dense = [dequantize_4bit_reference(w, torch.float32) for w in weights]
             assert torch.equal(gemv(x, weights, **kw), gemv(x, dense, **kw))
@@ -338,8 +385,15 @@ def test_streamer_gets_the_prompt_then_the_tokens(llama):
 
     ids, mask = prompts()
     streamer = Collect()
-    out = fast_generate(llama, ids[1:2], attention_mask=mask[1:2], max_new_tokens=NEW, do_sample=False,
-                        eos_token_id=None, streamer=streamer)
+    out = fast_generate(
+        llama,
+        ids[1:2],
+        attention_mask=mask[1:2],
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+        streamer=streamer,
+    )
     assert streamer.parts[0] == ids[1].tolist() and streamer.ended
     assert sum(streamer.parts[1:], []) == out[0, PROMPT:].tolist()
 
@@ -373,8 +427,9 @@ def test_generation_config_and_batch_buckets(llama):
     out = fast_generate(llama, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=config)
     # 3 rows run in a bucket of 4; each row alone (bucket 1) gives the same tokens
     for row in range(3):
-        alone = fast_generate(llama, ids[row:row + 1, mask[row].argmax():], max_new_tokens=NEW,
-                              generation_config=config)
+        alone = fast_generate(
+            llama, ids[row : row + 1, mask[row].argmax() :], max_new_tokens=NEW, generation_config=config
+        )
         assert torch.equal(alone[0, -NEW:], out[row, -NEW:])
     decoder = _DECODERS[llama]
     assert list(decoder.sessions) == [(1, 256)]
@@ -383,12 +438,12 @@ def test_generation_config_and_batch_buckets(llama):
     assert decoder.sessions[(1, 256)] is held
     copy = deepcopy(llama)  # TRL copies models (reference models): the cache stays with the original
     assert copy not in _DECODERS
-    assert torch.equal(fast_generate(copy, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=config),
-                       out)
+    assert torch.equal(fast_generate(copy, ids, attention_mask=mask, max_new_tokens=NEW, generation_config=config), out)
 
 
-@pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (1, torch.bfloat16), (3, torch.float32),
-                                        (8, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "rows,dtype", [(1, torch.float32), (1, torch.bfloat16), (3, torch.float32), (8, torch.bfloat16)]
+)
 def test_decode_gemv_word_wise_path_matches_decoded_tiles(rows, dtype):
     """decode_kernels.gemv on 4-bit weights read as 32-bit words (the path the decode step takes on a GPU, 1-8
     rows of x) equals the path without it (decoded tiles at one row, the dequantized weights at more) within the
@@ -402,15 +457,18 @@ def test_decode_gemv_word_wise_path_matches_decoded_tiles(rows, dtype):
     for k, nested, quant_type, blocksize in ((64, True, "nf4", 64), (1024, False, "fp4", 128), (520, True, "nf4", 64)):
         x = torch.randn(rows, k, dtype=dtype)
         qkv = [packed_4bit(n, k, nested, quant_type, blocksize) for n in (48, 16, 12)]
-        lora = (torch.randn(rows, 8, dtype=dtype),
-                [torch.randn(48, 4, dtype=dtype), None, torch.randn(12, 4, dtype=dtype)], [2.0, 0.0, 0.5])
+        lora = (
+            torch.randn(rows, 8, dtype=dtype),
+            [torch.randn(48, 4, dtype=dtype), None, torch.randn(12, 4, dtype=dtype)],
+            [2.0, 0.0, 0.5],
+        )
         nw = (torch.rand(k) + 0.5).to(dtype)
-        cases = [(qkv, dict(norm=(nw, 1e-6, 0.0), biases=[torch.randn(n, dtype=dtype) for n in (48, 16, 12)],
-                            lora=lora)),
-                 (qkv, dict(norm=(nw, 1e-6, 1.0))),
-                 ([packed_4bit(32, k, nested, quant_type, blocksize) for _ in range(2)], dict(activation="silu")),
-                 ([packed_4bit(64, k, nested, quant_type, blocksize)],
-                  dict(residual=torch.randn(rows, 64, dtype=dtype)))]
+        cases = [
+            (qkv, dict(norm=(nw, 1e-6, 0.0), biases=[torch.randn(n, dtype=dtype) for n in (48, 16, 12)], lora=lora)),
+            (qkv, dict(norm=(nw, 1e-6, 1.0))),
+            ([packed_4bit(32, k, nested, quant_type, blocksize) for _ in range(2)], dict(activation="silu")),
+            ([packed_4bit(64, k, nested, quant_type, blocksize)], dict(residual=torch.randn(rows, 64, dtype=dtype))),
+        ]
         for weights, kw in cases:
             tiles = gemv(x, weights, words=False, **kw).float()
             if "residual" in kw:  # in place, as the decode step's o/down projections

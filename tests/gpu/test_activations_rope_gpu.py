@@ -64,6 +64,7 @@ def test_glu_backward_inplace_recompute_h(dtype):
 
 def _hf_qk(batch, heads_q, heads_k, tokens, head_dim, dtype):
     """proj(x).view(B, T, H, D).transpose(1, 2), as transformers' attention builds q and k."""
+
     def make(heads):
         x = torch.randn(batch, tokens, heads, head_dim, device="cuda").to(dtype)
         return x.transpose(1, 2).requires_grad_()
@@ -94,10 +95,10 @@ def test_rope_benchmark_shape_with_llama_rotary_embedding(dtype):
     [
         (32, 8, 64, 64, "batched"),
         (16, 2, 80, 80, "broadcast"),
-        (32, 32, 80, 40, "2d"),       # partial rotary
+        (32, 32, 80, 40, "2d"),  # partial rotary
         (12, 4, 96, 96, "batched"),
         (8, 1, 256, 256, "broadcast"),  # Gemma-like head dim, MQA
-        (64, 8, 128, 64, "batched"),   # many heads: several head blocks per program, partial rotary
+        (64, 8, 128, 64, "batched"),  # many heads: several head blocks per program, partial rotary
     ],
 )
 def test_rope_head_dims_and_cos_forms(heads_q, heads_k, head_dim, rot_dim, cos_form):

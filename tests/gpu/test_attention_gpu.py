@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastplug.kernels import attention, attention_reference
+from fastplug.kernels import attention, attention_reference, tuning
 from fastplug.kernels.attention import FlashAttention, _problem, packed_bounds, right_padding_bounds
-from fastplug.kernels import tuning
 from tests.helpers import rel_err
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -41,32 +40,39 @@ def _check(fn, ref_fn, inputs, tol=2e-2):
 
 def _triton(options):
     """The Triton kernel itself, past the dispatcher (which may pick SDPA)."""
+
     def run(q, k, v):
         D = q.shape[3]
-        p = _problem(q, k, options.get("causal", True), options.get("sliding_window"), options.get("softcap"),
-                     D ** -0.5)
+        p = _problem(q, k, options.get("causal", True), options.get("sliding_window"), options.get("softcap"), D**-0.5)
         return FlashAttention.apply(q, k, v, p, None, None)
+
     return run
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape, options", [
-    ((1, 8, 2, 4096, 128), {}),  # Llama causal, GQA 4:1
-    ((1, 4, 1, 3000, 64), {"causal": False}),  # MQA, full
-    ((1, 4, 2, 2500, 80), {"sliding_window": 700}),
-    ((1, 2, 1, 8192, 256), {"softcap": 50.0, "sliding_window": 4096}),  # Gemma2 at T8192
-    ((1, 4, 2, 2047, 96), {"softcap": 30.0}),
-])
+@pytest.mark.parametrize(
+    "shape, options",
+    [
+        ((1, 8, 2, 4096, 128), {}),  # Llama causal, GQA 4:1
+        ((1, 4, 1, 3000, 64), {"causal": False}),  # MQA, full
+        ((1, 4, 2, 2500, 80), {"sliding_window": 700}),
+        ((1, 2, 1, 8192, 256), {"softcap": 50.0, "sliding_window": 4096}),  # Gemma2 at T8192
+        ((1, 4, 2, 2047, 96), {"softcap": 30.0}),
+    ],
+)
 def test_triton_kernel_matches_reference(shape, options, dtype):
     inputs = _inputs(*shape, dtype)
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
 
 
 @pytest.mark.parametrize("tma", [("fwd", "dkdv", "dq"), ()], ids=["tma", "pointers"])
-@pytest.mark.parametrize("shape, options", [
-    ((1, 8, 2, 2049, 128), {}),
-    ((1, 2, 1, 3001, 256), {"softcap": 50.0, "sliding_window": 1000}),
-])
+@pytest.mark.parametrize(
+    "shape, options",
+    [
+        ((1, 8, 2, 2049, 128), {}),
+        ((1, 2, 1, 3001, 256), {"softcap": 50.0, "sliding_window": 1000}),
+    ],
+)
 def test_every_kernel_with_and_without_tma(shape, options, tma, request):
     """AttentionTables.tma picks TMA descriptors per kernel and head dim; each kernel is right both ways."""
     tables = dataclasses.replace(A.ATTENTION_TABLES, tma=((256, tma),))
@@ -105,8 +111,13 @@ def test_varlen_8_documents_matches_per_document_reference():
     inputs = _inputs(1, 8, 2, sum(lengths), 128, torch.bfloat16)
 
     def per_document(q, k, v):
-        return torch.cat([attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
-                          for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
+        return torch.cat(
+            [
+                attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+            ],
+            dim=1,
+        )
 
     _check(lambda *x: attention(*x, cu_seqlens=cu), per_document, inputs)
     position_ids = torch.cat([torch.arange(n, device=DEV) for n in lengths])[None]

@@ -13,8 +13,11 @@ from tests.helpers import assert_close, train_losses
 
 @pytest.mark.parametrize("family, lora", [("llama", False), ("gemma", False), ("llama", True), ("gemma2", True)])
 def test_patched_decoder_layer_compiles_with_inductor(family, lora):
-    config_class = {"llama": transformers.LlamaConfig, "gemma": transformers.GemmaConfig,
-                    "gemma2": transformers.Gemma2Config}[family]
+    config_class = {
+        "llama": transformers.LlamaConfig,
+        "gemma": transformers.GemmaConfig,
+        "gemma2": transformers.Gemma2Config,
+    }[family]
     config = config_class(hidden_size=1024, intermediate_size=2816, num_hidden_layers=1, num_attention_heads=16,
                           num_key_value_heads=4, head_dim=64, vocab_size=1000)  # fmt: skip
     if family == "gemma2":
@@ -48,8 +51,9 @@ def test_patched_decoder_layer_compiles_with_inductor(family, lora):
                 out = fn(x, position_embeddings=cos_sin, attention_mask=None, position_ids=position_ids)
                 out = out[0] if isinstance(out, tuple) else out
                 out.float().square().mean().backward()
-                results.append((out.detach(), x.grad,
-                                [p.grad.clone() for p in layer.parameters() if p.grad is not None]))
+                results.append(
+                    (out.detach(), x.grad, [p.grad.clone() for p in layer.parameters() if p.grad is not None])
+                )
                 model.zero_grad()
             (out_c, dx_c, dp_c), (out_e, dx_e, dp_e) = results
             assert_close(out_c, out_e, torch.bfloat16, "output")
@@ -66,8 +70,15 @@ def test_compiled_auto_checkpointing_trains_like_eager_with_stacked_bases():
     eager stretch of the compiled run moved weights that compiled graphs read where they had been."""
     from peft import LoraConfig, get_peft_model
 
-    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=3,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    config = transformers.LlamaConfig(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
     ids = torch.randint(0, 1000, (3, 2, 256), generator=torch.Generator().manual_seed(1)).cuda()
     losses = []
     for compiled in (False, True):
@@ -76,7 +87,9 @@ def test_compiled_auto_checkpointing_trains_like_eager_with_stacked_bases():
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
         handle = fastplug.patch_model(model, gradient_checkpointing="auto", stack_projections=True, freeze_gc=False)
         attn = model.get_base_model().model.layers[0].self_attn
-        storages = {getattr(attn, n).base_layer.weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")}
+        storages = {
+            getattr(attn, n).base_layer.weight.untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")
+        }
         assert len(storages) == 1, "q/k/v bases are stacked when patched on the GPU"
         run = torch.compile(model) if compiled else model
         torch._dynamo.reset()

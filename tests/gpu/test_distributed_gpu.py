@@ -26,8 +26,9 @@ HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets
 def _launch(scenarios, *extra, launcher="torchrun", nproc=2):
     # not pytest's tmp_path: a concurrent pytest session of the same user may prune it while the workers write
     with tempfile.TemporaryDirectory(prefix="fastplug_distributed_gpu_") as out_dir:
-        return worker.launch(scenarios, out_dir, device="cuda", nproc=nproc, timeout=120, extra=extra,
-                             launcher=launcher)
+        return worker.launch(
+            scenarios, out_dir, device="cuda", nproc=nproc, timeout=120, extra=extra, launcher=launcher
+        )
 
 
 @pytest.fixture(scope="module")

@@ -80,8 +80,12 @@ def test_cublas_path_against_the_same_maths(shape, m):
     w64 = F8.dequantize_blockwise_reference(q, s, 128, torch.float64)
     y = F8.fp8_block_matmul(x, q, s)
     xq, xs = F8.quantize_activation_reference(x)
-    assert_close(y, F8.dequantize_blockwise_reference(xq, xs, (1, 128), torch.float64) @ w64.t(), torch.bfloat16,
-                 f"x W^T cublas={fwd_cublas}")
+    assert_close(
+        y,
+        F8.dequantize_blockwise_reference(xq, xs, (1, 128), torch.float64) @ w64.t(),
+        torch.bfloat16,
+        f"x W^T cublas={fwd_cublas}",
+    )
     dx = F8._project_grad(dy, q, s, 128, fp8=True)
     dq, ds = F8.quantize_activation_reference(dy)
     assert_close(dx, F8.dequantize_blockwise_reference(dq, ds, (1, 128), torch.float64) @ w64, torch.bfloat16, "dY W")
@@ -108,9 +112,16 @@ def test_fp8_linear_gradients_at_llama_8b_shapes():
 def _llama(hidden=1024, layers=2):
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                                      num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256,
-                                      vocab_size=4096, max_position_embeddings=1024, use_cache=False)
+    config = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+        vocab_size=4096,
+        max_position_embeddings=1024,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16)
 
@@ -179,12 +190,17 @@ class _SameMathsLinear(nn.Module):
 
 
 def test_transformers_fine_grained_fp8_checkpoint_on_fastplugs_kernel(tmp_path):
-    import fastplug
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+    import fastplug
+
     _llama(hidden=512).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda",
-                                                 quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]))
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        dtype=torch.bfloat16,
+        device_map="cuda",
+        quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]),
+    )
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
     assert len(layers) == 14 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers.values())
     ref = copy.deepcopy(model)

@@ -37,8 +37,9 @@ def _adapters(model):
     return {n: p.detach().float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True),
-                                                   ("llama-fp8", True)])
+@pytest.mark.parametrize(
+    "family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True), ("llama-fp8", True)]
+)
 def test_graphed_layers_train_like_eager(family, checkpointing):
     """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
     dequantized dX elsewhere; the transposed-weight buffer inside the graphs)."""
@@ -49,8 +50,9 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
         model = _model(family.removesuffix("-fp8"))
         layer = model.get_base_model().model.layers[0]
         original = type(layer)
-        handle = fastplug.patch_model(model, gradient_checkpointing=checkpointing, cuda_graphs=graphs,
-                                      fp8=family.endswith("-fp8"))
+        handle = fastplug.patch_model(
+            model, gradient_checkpointing=checkpointing, cuda_graphs=graphs, fp8=family.endswith("-fp8")
+        )
         results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
         if graphs:
             assert handle.graphs.replays >= 8 * 4, handle.summary()  # steps 3..12 of 4 layers replayed

@@ -39,8 +39,10 @@ def test_llama_1b_qkv_with_rotary_in_the_node():
     angles = torch.arange(SEQ, device="cuda")[:, None] * (1e4 ** -(torch.arange(32, device="cuda") / 32))
     cos = torch.cat((angles, angles), -1).cos().to(torch.bfloat16).expand(BATCH, -1, -1)
     sin = torch.cat((angles, angles), -1).sin().to(torch.bfloat16).expand(BATCH, -1, -1)
-    grads_out = [torch.randn(BATCH, SEQ, n, device="cuda", dtype=torch.bfloat16)
-                 for n in (LLAMA_1B["q_out"], LLAMA_1B["kv_out"], LLAMA_1B["kv_out"])]
+    grads_out = [
+        torch.randn(BATCH, SEQ, n, device="cuda", dtype=torch.bfloat16)
+        for n in (LLAMA_1B["q_out"], LLAMA_1B["kv_out"], LLAMA_1B["kv_out"])
+    ]
 
     def run(in_node):
         model.zero_grad(set_to_none=True)

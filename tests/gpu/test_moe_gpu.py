@@ -5,7 +5,12 @@ import pytest
 import torch
 
 from fastplug.kernels.moe import (
-    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
+    ExpertLoRA,
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_experts,
+    moe_experts_reference,
+    moe_router,
     moe_router_reference,
 )
 from tests.helpers import assert_close
@@ -28,8 +33,9 @@ def test_grouped_gemm_large(dtype):
     ref = grouped_gemm_reference(ref_in[0], ref_in[1], offsets, row_weights=ref_in[2], **kw)
     assert_close(out, ref, dtype, "out")
     grad = torch.randn_like(out)
-    for name, g, r in zip(("dx", "dw", "drw"), torch.autograd.grad(out, (x, w, rw), grad),
-                          torch.autograd.grad(ref, ref_in, grad.double())):
+    for name, g, r in zip(
+        ("dx", "dw", "drw"), torch.autograd.grad(out, (x, w, rw), grad), torch.autograd.grad(ref, ref_in, grad.double())
+    ):
         assert_close(g, r, dtype, name)
 
 
@@ -40,8 +46,9 @@ def test_moe_experts_qwen3_shape(lora):
     gate_up = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16().requires_grad_()
     down = (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16().requires_grad_()
     logits = torch.randn(T, E, device="cuda", requires_grad=True)
-    adapters = [(torch.randn(*s, device="cuda") / 8).requires_grad_()
-                for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    adapters = [
+        (torch.randn(*s, device="cuda") / 8).requires_grad_() for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))
+    ]
     inputs = [x, gate_up, down, logits] + (adapters if lora else [])
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     outs = []

@@ -40,8 +40,12 @@ def test_rms_norm_gpu(shape, dtype, offset):
     w = _leaf(torch.randn(shape[-1], device="cuda", dtype=dtype))
     dy = torch.randn(shape, device="cuda", dtype=dtype)
     _check(
-        lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
-        [x, w], dy, dtype, ["x", "weight"],
+        lambda x, w: rms_norm(x, w, 1e-6, offset),
+        lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
+        [x, w],
+        dy,
+        dtype,
+        ["x", "weight"],
     )
 
 

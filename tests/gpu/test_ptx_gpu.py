@@ -15,8 +15,20 @@ BLOCK = 1024  # elements a program; 4 warps: 8 a thread
 
 
 @triton.jit
-def _scale_kernel(blk_ptr, valid_ptr, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, n,
-                  BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PACK4: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_kernel(
+    blk_ptr,
+    valid_ptr,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    n,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    PACK4: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     # 16-byte loads: 4 consecutive elements a thread, the layout PACK4 needs (as the GEMV's word loads give)
     blk = tl.load(blk_ptr + offs, mask=offs < n, other=0)
@@ -52,8 +64,20 @@ def test_block_scale_matches_torch(nested, pack4):
     ref = torch.where(valid != 0, ref[blk.long()], 0.0)
     out = torch.empty(n, device="cuda")
     compiled = _scale_kernel[(triton.cdiv(n, BLOCK),)](
-        blk, valid, absmax, absmax2, code2, offset, out, n, BLOCKSIZE2_LOG2=blocksize2.bit_length() - 1,
-        NESTED=nested, PACK4=pack4, BLOCK=BLOCK, num_warps=4)
+        blk,
+        valid,
+        absmax,
+        absmax2,
+        code2,
+        offset,
+        out,
+        n,
+        BLOCKSIZE2_LOG2=blocksize2.bit_length() - 1,
+        NESTED=nested,
+        PACK4=pack4,
+        BLOCK=BLOCK,
+        num_warps=4,
+    )
     assert ptx.layouts_agree(compiled)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)  # fma.rn against torch's multiply, add
 
@@ -72,7 +96,7 @@ def test_lane_table_and_shuffle_lookup_match_torch():
     `layouts_agree` accepts the compiled kernel (the lane ids read in the shuffles' layout)."""
     torch.manual_seed(0)
     n = 3 * BLOCK + 100
-    index = torch.randint(-2**31, 2**31 - 1, (n,), device="cuda", dtype=torch.int32)
+    index = torch.randint(-(2**31), 2**31 - 1, (n,), device="cuda", dtype=torch.int32)
     code = torch.randn(16, device="cuda")
     out = torch.empty(n, device="cuda")
     compiled = _lookup_kernel[(triton.cdiv(n, BLOCK),)](index, code, out, n, BLOCK=BLOCK, num_warps=4)
@@ -112,7 +136,8 @@ def test_bf16x8_load_matches_torch():
 def test_ptx_text_is_the_measured_text():
     """The scale template's output for each variant (its text is what the GEMV's timings measured)."""
     flat, flat_c = ptx.scale_ptx(False, 1)
-    assert flat.value == ("{ .reg .pred p; .reg .f32 r; setp.ne.b32 p, $2, 0; mov.b32 r, 0; "
-                          "@p ld.global.nc.f32 r, [$1]; mov.b32 $0, r; }")
+    assert flat.value == (
+        "{ .reg .pred p; .reg .f32 r; setp.ne.b32 p, $2, 0; mov.b32 r, 0; @p ld.global.nc.f32 r, [$1]; mov.b32 $0, r; }"
+    )
     assert flat_c.value == "=f,l,r"
     assert ptx.SCALE_NESTED4_CONSTRAINTS.value == "=f,=f,=f,=f," + ",".join(c for c in "lllrf" for _ in range(4))

@@ -13,7 +13,11 @@ peft = pytest.importorskip("peft")
 
 from fastplug.kernels.lora import lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_stacked, gemv_4bit, gemv_config,
+    dequantize_4bit,
+    dequantize_4bit_reference,
+    dequantize_4bit_stacked,
+    gemv_4bit,
+    gemv_config,
 )
 from fastplug.models.projections import fused_projections  # noqa: E402
 from tests.helpers import assert_close, rel_err  # noqa: E402
@@ -21,8 +25,9 @@ from tests.helpers import assert_close, rel_err  # noqa: E402
 
 def quantized(out, inn, quant_type="nf4", double_quant=True, blocksize=64):
     w = torch.randn(out, inn, dtype=torch.bfloat16, device="cuda")
-    p = bnb.nn.Params4bit(w.cpu(), requires_grad=False, blocksize=blocksize, compress_statistics=double_quant,
-                          quant_type=quant_type)
+    p = bnb.nn.Params4bit(
+        w.cpu(), requires_grad=False, blocksize=blocksize, compress_statistics=double_quant, quant_type=quant_type
+    )
     return p.to("cuda")
 
 
@@ -38,7 +43,7 @@ def test_dequantize_equals_bitsandbytes_cuda(quant_type, double_quant, shape, bl
     # double quant: bitsandbytes adds the offset in a separate op; a fused multiply-add may round once less
     bound = 1e-3 if double_quant else 0.0
     assert mismatch <= bound, f"{mismatch:.2e} of the values differ"
-    torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize("outs", [(2048, 512, 512), (8192, 8192), (300, 77)])
@@ -50,8 +55,10 @@ def test_dequantize_stacked_cuda(outs):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-@pytest.mark.parametrize("shape,blocksize", [((14336, 4096), 64), ((4096, 14336), 64), ((777, 1030), 128),
-                                              ((512, 2048), 64), ((300, 333), 64)])
+@pytest.mark.parametrize(
+    "shape,blocksize",
+    [((14336, 4096), 64), ((4096, 14336), 64), ((777, 1030), 128), ((512, 2048), 64), ((300, 333), 64)],
+)
 def test_gemv_cuda(rows, shape, blocksize):
     p = quantized(*shape, blocksize=blocksize)
     x = torch.randn(rows, shape[1], dtype=torch.bfloat16, device="cuda")
@@ -60,8 +67,16 @@ def test_gemv_cuda(rows, shape, blocksize):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("tile", [dict(dot=False), dict(dot=False, lookup="gather"), dict(dot=False, lookup="load"),
-                                  dict(dot=False, words=False), dict(dot=True)])
+@pytest.mark.parametrize(
+    "tile",
+    [
+        dict(dot=False),
+        dict(dot=False, lookup="gather"),
+        dict(dot=False, lookup="load"),
+        dict(dot=False, words=False),
+        dict(dot=True),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_tiles_cuda(rows, tile, dtype):
     """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles; dot=False is the word-wise kernel where K
@@ -75,9 +90,17 @@ def test_gemv_tiles_cuda(rows, tile, dtype):
         assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv rows={rows} {cfg}")
 
 
-@pytest.mark.parametrize("tile", [dict(), dict(lookup="gather"), dict(lookup="load"),
-                                  dict(split=2, block_n=16, chunk=1024), dict(block_n=16, chunk=256, num_warps=2),
-                                  dict(block_n=2, chunk=1024, num_warps=8)])
+@pytest.mark.parametrize(
+    "tile",
+    [
+        dict(),
+        dict(lookup="gather"),
+        dict(lookup="load"),
+        dict(split=2, block_n=16, chunk=1024),
+        dict(block_n=16, chunk=256, num_warps=2),
+        dict(block_n=2, chunk=1024, num_warps=8),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_words_cuda(tile, dtype):
     """The word-wise kernel at one row of x, split-K included; the shuffle's per-lane table passes the layout
@@ -92,9 +115,15 @@ def test_gemv_words_cuda(tile, dtype):
             assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv words {cfg}")
 
 
-@pytest.mark.parametrize("quant_type,double_quant,blocksize", [
-    ("fp4", False, 64), ("nf4", False, 128), ("nf4", True, 256), ("fp4", True, 32),
-])
+@pytest.mark.parametrize(
+    "quant_type,double_quant,blocksize",
+    [
+        ("fp4", False, 64),
+        ("nf4", False, 128),
+        ("nf4", True, 256),
+        ("fp4", True, 32),
+    ],
+)
 def test_gemv_words_formats_cuda(quant_type, double_quant, blocksize):
     """The default one-row path (shuffle lookups, x and scales by inline PTX) for both 4-bit types, plain and
     nested absmax, several blocksizes; and x 2 bytes off a 16-byte boundary, which takes tl.load for x."""
@@ -105,8 +134,12 @@ def test_gemv_words_formats_cuda(quant_type, double_quant, blocksize):
             w = dequantize_4bit_reference(p, torch.float64)
             buf = torch.randn(1, shape[1] + 1, dtype=torch.bfloat16, device="cuda")
             for x in (buf[:, : shape[1]], buf[:, 1:]):
-                assert_close(gemv_4bit(x, p), x.double() @ w.t(), torch.bfloat16,
-                             f"{quant_type} nested={double_quant} blocksize={blocksize} x at +{x.data_ptr() % 16}")
+                assert_close(
+                    gemv_4bit(x, p),
+                    x.double() @ w.t(),
+                    torch.bfloat16,
+                    f"{quant_type} nested={double_quant} blocksize={blocksize} x at +{x.data_ptr() % 16}",
+                )
 
 
 class Block4bit(torch.nn.Module):
@@ -114,8 +147,9 @@ class Block4bit(torch.nn.Module):
         super().__init__()
 
         def linear(i, o):
-            return bnb.nn.Linear4bit(i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
-                                     compress_statistics=True)
+            return bnb.nn.Linear4bit(
+                i, o, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True
+            )
 
         self.q_proj, self.k_proj, self.v_proj = linear(hidden, hidden), linear(hidden, kv), linear(hidden, kv)
         self.gate_proj, self.up_proj = linear(hidden, intermediate), linear(hidden, intermediate)
@@ -124,8 +158,12 @@ class Block4bit(torch.nn.Module):
 
 def _llama_1b_4bit():
     block = Block4bit(2048, 8192, 512).to("cuda")
-    config = peft.LoraConfig(r=16, lora_alpha=32, init_lora_weights=False,
-                             target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    config = peft.LoraConfig(
+        r=16,
+        lora_alpha=32,
+        init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     model = peft.get_peft_model(block, config).to(torch.bfloat16)
     return model.base_model.model
 
@@ -193,15 +231,23 @@ def test_decode_gemv_word_wise_cuda(rows):
         qkv = [quantized(n, h) for n in (h, 256, 256)]
         x = torch.randn(rows, h, dtype=torch.bfloat16, device="cuda")
         xi = torch.randn(rows, inter, dtype=torch.bfloat16, device="cuda")
-        lora = (torch.randn(rows, 16, dtype=torch.bfloat16, device="cuda"),
-                [torch.randn(h, 8, dtype=torch.bfloat16, device="cuda"), None,
-                 torch.randn(256, 8, dtype=torch.bfloat16, device="cuda")], [0.5, 0.0, 2.0])
+        lora = (
+            torch.randn(rows, 16, dtype=torch.bfloat16, device="cuda"),
+            [
+                torch.randn(h, 8, dtype=torch.bfloat16, device="cuda"),
+                None,
+                torch.randn(256, 8, dtype=torch.bfloat16, device="cuda"),
+            ],
+            [0.5, 0.0, 2.0],
+        )
         norm = (torch.rand(h, dtype=torch.bfloat16, device="cuda") + 0.5, 1e-6, 0.0)
         down = [quantized(h, inter)]
         residual = torch.randn(rows, h, dtype=torch.bfloat16, device="cuda")
-        for x_in, weights, kw in ((x, qkv, dict(norm=norm, lora=lora)),
-                                  (x, [quantized(inter, h) for _ in range(2)], dict(activation="silu")),
-                                  (xi, down, dict(residual=residual))):
+        for x_in, weights, kw in (
+            (x, qkv, dict(norm=norm, lora=lora)),
+            (x, [quantized(inter, h) for _ in range(2)], dict(activation="silu")),
+            (xi, down, dict(residual=residual)),
+        ):
             dense = [dequantize_4bit(w, dtype=torch.bfloat16) for w in weights]
             ref = gemv(x_in, dense, **kw).float()
             if "residual" in kw:

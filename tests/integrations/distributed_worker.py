@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from fastplug import FastKernels, KernelOptions
-from fastplug.patch.engine import active_handle, patch_model
 from fastplug.models import stacking
+from fastplug.patch.engine import active_handle, patch_model
 from tests.models.tiny import tiny_model
 
 STEPS = 2
@@ -41,13 +41,35 @@ LR = 0.5  # SGD: large enough that a wrong gradient shows in the second step's l
 # CPU runs the Triton interpreter: the tiny model; on GPUs a bigger one with fastplug's attention kernel.
 SHAPES = {
     "cpu": dict(overrides={}, seq=12),
-    "cuda": dict(overrides=dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4,
-                                head_dim=32, vocab_size=1024, max_position_embeddings=512), seq=192),
+    "cuda": dict(
+        overrides=dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            vocab_size=1024,
+            max_position_embeddings=512,
+        ),
+        seq=192,
+    ),
 }
 # transformers 5.17 and 5.23 both read "version" (default 2); fsdp=True, the string form is deprecated
 FSDP2_CONFIG = {"version": 2, "reshard_after_forward": True}
-SCENARIOS = ("ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer", "trainer_fsdp2",
-             "trainer_fsdp2_presharded", "lightning_ddp", "lightning_fsdp", "sft", "sft_fsdp2")
+SCENARIOS = (
+    "ddp",
+    "fsdp2",
+    "fsdp2_bf16",
+    "fsdp2_after",
+    "ddp_offload",
+    "trainer",
+    "trainer_fsdp2",
+    "trainer_fsdp2_presharded",
+    "lightning_ddp",
+    "lightning_fsdp",
+    "sft",
+    "sft_fsdp2",
+)
 
 
 def options(kind: str, checkpointing=True) -> KernelOptions:
@@ -150,8 +172,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenarios: list[str], out_dir, device: str = "cpu", nproc: int = 2, timeout: float = 300,
-           extra: tuple = (), launcher: str = "torchrun") -> dict:
+def launch(
+    scenarios: list[str],
+    out_dir,
+    device: str = "cpu",
+    nproc: int = 2,
+    timeout: float = 300,
+    extra: tuple = (),
+    launcher: str = "torchrun",
+) -> dict:
     """Runs the scenarios in `nproc` fresh processes; returns {scenario: [rank 0's result, rank 1's, ...]}, or
     for a scenario without results what went wrong (the end of the log): one failing scenario does not hide the
     ones that ran before it. launcher "torchrun" (--standalone picks a free port) or "accelerate" (`accelerate
@@ -272,8 +301,9 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # find_unused_parameters=True: what the HF Trainer passes for a PeftModel
-        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      find_unused_parameters=offload)
+        wrapped = DDP(
+            model, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=offload
+        )
         out = train_loop(model, wrapped, micro_batches(kind, dtype), rank, world, device, no_sync=wrapped.no_sync)
     else:
         shard_model(model)  # a no-op for fsdp2_after
@@ -344,8 +374,12 @@ def run_trainer(kind, world, fsdp, checkpointing, preshard_on=None) -> dict:
         shard_model(model.to(preshard_on))
     fast, probe = FastKernels(options(kind, checkpointing)), _probe()
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = Trainer(model=model, args=trainer_args(kind, out_dir, GLOBAL_ROWS // world, fsdp),
-                          train_dataset=trainer_dataset(kind), callbacks=[fast, probe])
+        trainer = Trainer(
+            model=model,
+            args=trainer_args(kind, out_dir, GLOBAL_ROWS // world, fsdp),
+            train_dataset=trainer_dataset(kind),
+            callbacks=[fast, probe],
+        )
         patched_before_wrap = active_handle(model) is not None and not _is_wrapped(model)
         trainer.train()
     return {
@@ -390,8 +424,9 @@ def lightning_fit(kind: str, strategy, devices: int, batch_size: int, checkpoint
     samples = [{k: v[i] for k, v in data.items()} for i in range(len(data["input_ids"]))]
     module = lightning_module(kind)
     if isinstance(strategy, str) and strategy.startswith("fastkernels"):
-        from fastplug.integrations.lightning import strategy_classes
         from lightning.pytorch import strategies
+
+        from fastplug.integrations.lightning import strategy_classes
 
         strategy = strategy_classes(strategies)[strategy](options=options(kind, checkpointing))
     trainer = L.Trainer(
@@ -422,8 +457,10 @@ def run_lightning(kind, world, strategy_name, checkpointing) -> dict:
 
 def reference_lightning(kind: str) -> dict:
     module, _ = lightning_fit(kind, "fastkernels", 1, GLOBAL_ROWS)
-    return {"losses": [x.item() for x in module.losses],
-            "weights": {n: full(p) for n, p in lora_params(module.lm).items()}}
+    return {
+        "losses": [x.item() for x in module.losses],
+        "weights": {n: full(p) for n, p in lora_params(module.lm).items()},
+    }
 
 
 def run_sft(kind, world, fsdp, checkpointing) -> dict:

@@ -71,8 +71,15 @@ def _stale_copies(model) -> list[str]:
 
 def _train(model, make_optimizer, batches, check_copies=False):
     """Per-step losses; with check_copies, each forward's adapter copies are checked against the parameters."""
-    return torch.tensor(train_losses(model, model, batches, make_optimizer=make_optimizer,
-                                     after_forward=_assert_fresh_copies if check_copies else None))
+    return torch.tensor(
+        train_losses(
+            model,
+            model,
+            batches,
+            make_optimizer=make_optimizer,
+            after_forward=_assert_fresh_copies if check_copies else None,
+        )
+    )
 
 
 def _assert_fresh_copies(model):

@@ -103,13 +103,16 @@ def test_trainer_ddp_matches_one_process_and_patches_before_wrapping(runs):
 
 
 def test_trainer_fsdp2_runs_on_gpus_only():
-    pytest.skip("accelerate shards with FSDP only on GPUs (with use_cpu=True the Trainer falls back to DDP); "
-                "tests/gpu/test_distributed_gpu.py runs the Trainer with FSDP2 on 2 GPUs")
+    pytest.skip(
+        "accelerate shards with FSDP only on GPUs (with use_cpu=True the Trainer falls back to DDP); "
+        "tests/gpu/test_distributed_gpu.py runs the Trainer with FSDP2 on 2 GPUs"
+    )
 
 
 @pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning")
-@pytest.mark.parametrize(("scenario", "base"), [("lightning_ddp", "DDPStrategy"),
-                                                ("lightning_fsdp", "ModelParallelStrategy")])
+@pytest.mark.parametrize(
+    ("scenario", "base"), [("lightning_ddp", "DDPStrategy"), ("lightning_fsdp", "ModelParallelStrategy")]
+)
 def test_lightning_strategies_match_one_process(runs, one_lightning_process, scenario, base):
     ranks = worker.ranks_of(runs, scenario)
     worker.assert_training_matches(ranks, one_lightning_process, TOL)

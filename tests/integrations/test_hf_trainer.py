@@ -21,9 +21,20 @@ def _dataset(n=8, tokens=10):
 
 def _args(tmp_path, **overrides):
     base = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2, max_steps=2, learning_rate=5e-3, logging_steps=1, eval_strategy="steps",
-        eval_steps=2, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=5e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
     return TrainingArguments(**{**base, **overrides})
 
@@ -45,8 +56,12 @@ class _WatchPatch(TrainerCallback):
 
 def _run(tmp_path, callbacks, model=None, args=None, **kwargs):
     trainer = Trainer(
-        model=model, args=args or _args(tmp_path), train_dataset=_dataset(), eval_dataset=_dataset(4, 10),
-        callbacks=callbacks, **kwargs,
+        model=model,
+        args=args or _args(tmp_path),
+        train_dataset=_dataset(),
+        eval_dataset=_dataset(4, 10),
+        callbacks=callbacks,
+        **kwargs,
     )
     trainer.train()
     history = trainer.state.log_history
@@ -103,8 +118,11 @@ def test_trainer_with_lora_matches(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     def lora_model():
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                               "gate_proj", "up_proj", "down_proj"])
+        config = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
         return get_peft_model(tiny_model("qwen2"), config)
 
     fast = FastKernels()
@@ -133,8 +151,12 @@ def test_trainer_model_init_patches_the_new_model(tmp_path):
 def test_liger_conflict_warns_and_fastplug_steps_back(tmp_path):
     model = tiny_model("llama")
     with pytest.warns(UserWarning, match="Liger wins"):
-        Trainer(model=model, args=_args(tmp_path, use_liger_kernel=True, eval_strategy="no"), train_dataset=_dataset(),
-                callbacks=[FastKernels()])
+        Trainer(
+            model=model,
+            args=_args(tmp_path, use_liger_kernel=True, eval_strategy="no"),
+            train_dataset=_dataset(),
+            callbacks=[FastKernels()],
+        )
     assert active_handle(model) is None
 
 

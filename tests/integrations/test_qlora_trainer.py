@@ -28,7 +28,9 @@ def saved_llama(tmp_path_factory):
 
 def _qlora_model(path):
     config = transformers.BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -48,8 +50,16 @@ def _dataset(n=8, tokens=10):
 def _train(path, tmp_path, callbacks):
     model = _qlora_model(path)
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4, learning_rate=5e-3, logging_steps=1,
-        report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
     trainer.train()

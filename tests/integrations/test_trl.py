@@ -14,8 +14,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noq
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
+from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
@@ -232,8 +232,14 @@ def test_sft_checkpointing_modes_apply_to_the_layers_and_are_undone(tmp_path, mo
     model = tiny_lora_llama()
     flags = LayerFlags()
     args = SFTConfig(**common_args(tmp_path), gradient_checkpointing=False)
-    trainer = FastSFTTrainer(model=model, args=args, train_dataset=sft_dataset(), processing_class=TOKENIZER,
-                             callbacks=[flags], fast_kernels=KernelOptions(gradient_checkpointing=mode))
+    trainer = FastSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=sft_dataset(),
+        processing_class=TOKENIZER,
+        callbacks=[flags],
+        fast_kernels=KernelOptions(gradient_checkpointing=mode),
+    )
     assert ("auto" in trainer.fast_kernels_summary) == (mode == "auto")
     trainer.train()
     assert flags.steps == [[True, False]] * STEPS

@@ -124,7 +124,8 @@ def test_glu_backward_variants(activation, dtype, recompute_h, inplace):
 
 
 @pytest.mark.parametrize(
-    "tuning", [dict(flat=True, tile_elements=512, num_warps=4), dict(max_block_cols=64, tile_elements=256)],
+    "tuning",
+    [dict(flat=True, tile_elements=512, num_warps=4), dict(max_block_cols=64, tile_elements=256)],
     ids=["flat", "small-2d-tiles"],
 )
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -132,7 +133,9 @@ def test_tuning_variants_match_float64(request, tuning, activation):
     # The launch shapes scripts/tune_kernels.py may pick. Flat: 37 x 129 is not a multiple of the block
     # (a masked tail); the chunks of a fused gate_up are not contiguous and take the 2-D path even then.
     constants = dataclasses.replace(activations.GLU_CONSTANTS, **tuning)
-    request.addfinalizer(kernel_tuning.override("glu", functools.partial(activations.glu_config, constants=constants)).undo)
+    request.addfinalizer(
+        kernel_tuning.override("glu", functools.partial(activations.glu_config, constants=constants)).undo
+    )
     gate, up = _inputs((37, 129), torch.bfloat16)
     grad_h = torch.randn(37, 129).to(torch.bfloat16)
     ref_h, ref_dgate, ref_dup = _reference_grads(activation, gate, up, grad_h)
@@ -209,8 +212,10 @@ def test_reference_is_the_plain_torch_formula():
     assert torch.equal(geglu_reference(gate, up, "none"), F.gelu(gate) * up)
 
 
-REUSING = {"silu": lambda g, u: swiglu(g, u, reuse_inputs=True),
-           "gelu_tanh": lambda g, u: geglu(g, u, "tanh", reuse_inputs=True)}
+REUSING = {
+    "silu": lambda g, u: swiglu(g, u, reuse_inputs=True),
+    "gelu_tanh": lambda g, u: geglu(g, u, "tanh", reuse_inputs=True),
+}
 
 
 @pytest.mark.parametrize("activation", list(REUSING))
@@ -264,4 +269,3 @@ def test_reuse_inputs_makes_another_saver_of_gate_fail_loudly():
     loss = swiglu(gate, up, reuse_inputs=True).sum() + other.sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
-

@@ -8,9 +8,8 @@ import importlib
 import pytest
 import torch
 
-from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids
+from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids, tuning
 from fastplug.kernels.attention import flash_attention, packed_bounds, right_padding_bounds
-from fastplug.kernels import tuning
 from tests.helpers import assert_close
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
@@ -74,8 +73,7 @@ CASES = {
 def test_attention_matches_reference_fp32(case, path):
     B, Hq, Hkv, T, S, D, options = CASES[case]
     inputs = _inputs(B, Hq, Hkv, T, S, D)
-    _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs,
-             torch.float32)
+    _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -83,8 +81,9 @@ def test_attention_half_precision(dtype, path):
     inputs = _inputs(1, 4, 2, 39, 39, 96, dtype)
     options = {"sliding_window": 11, "softcap": 20.0}
     # the reference rounds nothing: bf16/fp16 kernels round p and dS to the input dtype for the dots
-    _compare(lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs, dtype,
-             tol=2e-2)
+    _compare(
+        lambda *x: attention(*x, **options), lambda *x: attention_reference(*x, **options), inputs, dtype, tol=2e-2
+    )
 
 
 DOCS = (11, 17, 9)
@@ -97,12 +96,13 @@ def test_varlen_matches_per_document_reference(options, path):
     inputs = _inputs(1, 4, 2, total, total, 64)
 
     def per_document(q, k, v):
-        outs = [attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **options)
-                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        outs = [
+            attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], **options)
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+        ]
         return torch.cat(outs, dim=1)
 
-    _compare(lambda *x: attention(*x, cu_seqlens=cu, max_seqlen=17, **options), per_document, inputs,
-             torch.float32)
+    _compare(lambda *x: attention(*x, cu_seqlens=cu, max_seqlen=17, **options), per_document, inputs, torch.float32)
 
 
 def test_tma_only_where_the_layout_allows():
@@ -121,8 +121,12 @@ def test_strides_unfit_for_tma(request):
     """Rows of 7 fp32 (28 bytes, not 16-byte aligned) take the pointer loads in every kernel."""
     with_tma_table(request, PATHS["TMA"])
     inputs = _inputs(1, 4, 2, 23, 23, 7)
-    _compare(lambda *x: attention(*x, sliding_window=6), lambda *x: attention_reference(*x, sliding_window=6), inputs,
-             torch.float32)
+    _compare(
+        lambda *x: attention(*x, sliding_window=6),
+        lambda *x: attention_reference(*x, sliding_window=6),
+        inputs,
+        torch.float32,
+    )
 
 
 def test_packed_bounds_and_cu_seqlens_from_position_ids():
@@ -186,24 +190,29 @@ def _bad(**changes):
     return args.pop("q"), args.pop("k"), args.pop("v"), args
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"q": torch.randn(4, 8, 32)}, "q must have rank 4"),
-    ({"k": torch.randn(1, 3, 8, 32), "v": torch.randn(1, 3, 8, 32)}, "k's head count 3 must divide"),
-    ({"v": torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)}, "k and v must have q's dtype"),
-    ({"q": torch.randn(1, 4, 8, 32, dtype=torch.float64)}, "q must have dtype"),
-    ({"q": torch.randn(1, 4, 8, 288), "k": torch.randn(1, 2, 8, 288), "v": torch.randn(1, 2, 8, 288)},
-     "head_dim must be between 1 and 256"),
-    ({"k": torch.randn(1, 2, 8, 16), "v": torch.randn(1, 2, 8, 16)}, "k must have q's batch"),
-    ({"k": torch.randn(1, 2, 4, 32), "v": torch.randn(1, 2, 4, 32)}, "causal attention needs k at least"),
-    ({"cu_seqlens": torch.tensor([0, 5, 3, 8], dtype=torch.int32)}, "cu_seqlens must increase"),
-    ({"cu_seqlens": torch.tensor([0, 5, 7], dtype=torch.int32)}, "cu_seqlens must increase strictly from 0 to"),
-    ({"cu_seqlens": torch.tensor([0, 8])}, "cu_seqlens must be a 1-D int32"),
-    ({"max_seqlen": 8}, "max_seqlen is only meaningful with cu_seqlens"),
-    ({"sliding_window": 0}, "sliding_window must be None or an int >= 1"),
-    ({"softcap": -1.0}, "softcap must be None or a finite number > 0"),
-    ({"scale": float("nan")}, "scale must be None"),
-    ({"causal": 1}, "causal must be a bool"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"q": torch.randn(4, 8, 32)}, "q must have rank 4"),
+        ({"k": torch.randn(1, 3, 8, 32), "v": torch.randn(1, 3, 8, 32)}, "k's head count 3 must divide"),
+        ({"v": torch.randn(1, 2, 8, 32, dtype=torch.bfloat16)}, "k and v must have q's dtype"),
+        ({"q": torch.randn(1, 4, 8, 32, dtype=torch.float64)}, "q must have dtype"),
+        (
+            {"q": torch.randn(1, 4, 8, 288), "k": torch.randn(1, 2, 8, 288), "v": torch.randn(1, 2, 8, 288)},
+            "head_dim must be between 1 and 256",
+        ),
+        ({"k": torch.randn(1, 2, 8, 16), "v": torch.randn(1, 2, 8, 16)}, "k must have q's batch"),
+        ({"k": torch.randn(1, 2, 4, 32), "v": torch.randn(1, 2, 4, 32)}, "causal attention needs k at least"),
+        ({"cu_seqlens": torch.tensor([0, 5, 3, 8], dtype=torch.int32)}, "cu_seqlens must increase"),
+        ({"cu_seqlens": torch.tensor([0, 5, 7], dtype=torch.int32)}, "cu_seqlens must increase strictly from 0 to"),
+        ({"cu_seqlens": torch.tensor([0, 8])}, "cu_seqlens must be a 1-D int32"),
+        ({"max_seqlen": 8}, "max_seqlen is only meaningful with cu_seqlens"),
+        ({"sliding_window": 0}, "sliding_window must be None or an int >= 1"),
+        ({"softcap": -1.0}, "softcap must be None or a finite number > 0"),
+        ({"scale": float("nan")}, "scale must be None"),
+        ({"causal": 1}, "causal must be a bool"),
+    ],
+)
 def test_bad_input_names_the_argument(changes, match):
     q, k, v, options = _bad(**changes)
     for fn in (attention, attention_reference):

@@ -24,8 +24,16 @@ ce_module = importlib.import_module("fastplug.kernels.cross_entropy")
 IGNORE = -100
 REDUCTIONS = ["mean", "sum", "none"]
 # Every option set meets every reduction somewhere in this list (the full product is slow in the interpreter).
-OPTION_REDUCTIONS = [("plain", "mean"), ("plain", "sum"), ("plain", "none"), ("smoothing", "mean"),
-                     ("softcap_zloss", "sum"), ("softcap_zloss", "none"), ("all", "mean"), ("all", "none")]
+OPTION_REDUCTIONS = [
+    ("plain", "mean"),
+    ("plain", "sum"),
+    ("plain", "none"),
+    ("smoothing", "mean"),
+    ("softcap_zloss", "sum"),
+    ("softcap_zloss", "none"),
+    ("all", "mean"),
+    ("all", "none"),
+]
 OPTIONS = {
     "plain": {},
     "smoothing": {"label_smoothing": 0.1},
@@ -102,7 +110,10 @@ def test_cross_entropy_matches_float64(dtype, option, reduction):
     _check(
         lambda x: cross_entropy(x, labels, **kw),
         lambda x: cross_entropy_reference(x, labels, **kw),
-        [logits], reduction, dtype, ["logits"],
+        [logits],
+        reduction,
+        dtype,
+        ["logits"],
     )
 
 
@@ -115,7 +126,10 @@ def test_cross_entropy_odd_vocab_leading_shape_non_contiguous(dtype):
     out, _ = _check(
         lambda x: cross_entropy(x.permute(1, 2, 0), labels, **kw),
         lambda x: cross_entropy_reference(x.permute(1, 2, 0), labels, **kw),
-        [base], "none", dtype, ["logits"],
+        [base],
+        "none",
+        dtype,
+        ["logits"],
     )
     assert out.shape == (2, 5) and out.dtype == dtype and out[0, 3] == 0
 
@@ -168,7 +182,10 @@ def _check_fused(tensors, labels, dtype, **kw):
     return _check(
         lambda h, w, b: fused_linear_cross_entropy(h, w, labels, bias=b, **kw),
         lambda h, w, b: fused_linear_cross_entropy_reference(h, w, labels, bias=b, **kw),
-        tensors, kw.get("reduction", "mean"), dtype, ["hidden", "weight", "bias"],
+        tensors,
+        kw.get("reduction", "mean"),
+        dtype,
+        ["hidden", "weight", "bias"],
     )
 
 
@@ -187,8 +204,7 @@ def test_fused_matches_float64(dtype, option, reduction):
 def test_fused_odd_vocab_leading_shape():
     hidden, weight, bias = _fused_inputs(6, 48, 3001, torch.float32)
     hidden = _leaf(hidden.detach().reshape(2, 3, 48))
-    out, _ = _check_fused([hidden, weight, bias], _labels(6, 3001, [4]), torch.float32,
-                          reduction="none", softcap=30.0)
+    out, _ = _check_fused([hidden, weight, bias], _labels(6, 3001, [4]), torch.float32, reduction="none", softcap=30.0)
     assert out.shape == (2, 3)
 
 
@@ -211,8 +227,9 @@ def test_fused_num_items_in_batch_and_no_grad(reduction):
     _check_fused([hidden, weight, bias], labels, torch.float32, num_items_in_batch=torch.tensor(91))
     with torch.no_grad():  # eval: loss only, no gradient buffers
         loss = fused_linear_cross_entropy(hidden, weight, labels, bias=bias, num_items_in_batch=91)
-    ref = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), labels, bias=bias.double(),
-                                               num_items_in_batch=91)
+    ref = fused_linear_cross_entropy_reference(
+        hidden.double(), weight.double(), labels, bias=bias.double(), num_items_in_batch=91
+    )
     assert_close(loss, ref, torch.float32)
 
 
@@ -265,8 +282,9 @@ def test_gradient_accumulation_matches_one_big_batch():
     one_batch = [t.grad.clone() for t in (weight, bias)]
     weight.grad = bias.grad = None
     for part in (slice(0, n // 2), slice(n // 2, n)):
-        loss = fused_linear_cross_entropy(hidden[part], weight, labels[part], bias=bias,
-                                          num_items_in_batch=torch.tensor(total))
+        loss = fused_linear_cross_entropy(
+            hidden[part], weight, labels[part], bias=bias, num_items_in_batch=torch.tensor(total)
+        )
         loss.backward()
     for name, acc, ref in zip(("weight", "bias"), (weight.grad, bias.grad), one_batch):
         assert_close(acc, ref, torch.float32, f"accumulated grad {name}")

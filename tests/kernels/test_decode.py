@@ -5,9 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastplug.kernels import decode
-from fastplug.kernels.decode import (add_rms_norm, decode_attention, decode_attention_reference, gemv,
-                                     gemv_reference, greedy_emit)
+from fastplug.kernels.decode import (
+    add_rms_norm,
+    decode_attention,
+    decode_attention_reference,
+    gemv,
+    gemv_reference,
+    greedy_emit,
+)
 from fastplug.kernels.norms import rms_norm_reference
 
 # bf16: the kernels round several times (norm, projection, LoRA, residual) as the unfused modules do, and the
@@ -26,11 +31,12 @@ def rand(*shape, dtype=torch.float32, scale=1.0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m, ns, k, dot", [(1, (24,), 40, False), (2, (13, 5, 7), 33, False),
-                                           (3, (20, 6), 48, True), (5, (17,), 70, True)])
+@pytest.mark.parametrize(
+    "m, ns, k, dot", [(1, (24,), 40, False), (2, (13, 5, 7), 33, False), (3, (20, 6), 48, True), (5, (17,), 70, True)]
+)
 def test_gemv_segments_norm_bias_lora_residual(dtype, m, ns, k, dot):
     x = rand(m, k, dtype=dtype)
-    weights = [rand(n, k, dtype=dtype, scale=k ** -0.5) for n in ns]
+    weights = [rand(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
     norm = (rand(k, dtype=dtype) + 1.0, 1e-5, 0.0)
     biases = [rand(n, dtype=dtype) for n in ns]
     bs = [rand(n, r, dtype=dtype) for n, r in zip(ns, (4, 3, 5))]
@@ -51,7 +57,7 @@ def test_gemv_segments_norm_bias_lora_residual(dtype, m, ns, k, dot):
             if b is not None:
                 start = sum(bb.shape[1] for bb in bs[:i] if bb is not None)
                 sl = slice(sum(ns[:i]), sum(ns[: i + 1]))
-                plain[:, sl] += lora[2][i] * lora[0][:, start: start + b.shape[1]] @ b.t()
+                plain[:, sl] += lora[2][i] * lora[0][:, start : start + b.shape[1]] @ b.t()
         assert rel(out, plain + res) < 1e-5
 
 
@@ -122,8 +128,16 @@ def attention_case(dtype, b=2, heads=6, hkv=2, d=24, length=40, slot=29, seed=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("opts", [dict(), dict(chunk=16), dict(softcap=5.0, window=7, chunk=16),
-                                  dict(qk_norm=True), dict(d=16, heads=2, hkv=2, slot=39)])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(chunk=16),
+        dict(softcap=5.0, window=7, chunk=16),
+        dict(qk_norm=True),
+        dict(d=16, heads=2, hkv=2, slot=39),
+    ],
+)
 def test_decode_attention(dtype, opts):
     opts = dict(opts)
     shape = {k: opts.pop(k) for k in ("d", "heads", "hkv", "slot") if k in opts}
@@ -132,10 +146,9 @@ def test_decode_attention(dtype, opts):
     if opts.pop("qk_norm", False):
         opts["qk_norm"] = (rand(d, dtype=dtype) + 1, rand(d, dtype=dtype) + 1, 1e-6, 0.0)
     kc2, vc2 = kc.clone(), vc.clone()
-    out = decode_attention(qkv, kc, vc, valid, slot, pos, cos, sin, heads=heads, scaling=d ** -0.5, **opts)
+    out = decode_attention(qkv, kc, vc, valid, slot, pos, cos, sin, heads=heads, scaling=d**-0.5, **opts)
     opts.pop("chunk", None)
-    ref = decode_attention_reference(qkv, kc2, vc2, valid, slot, pos, cos, sin, heads=heads, scaling=d ** -0.5,
-                                     **opts)
+    ref = decode_attention_reference(qkv, kc2, vc2, valid, slot, pos, cos, sin, heads=heads, scaling=d**-0.5, **opts)
     assert rel(out, ref) < TOL[dtype]
     assert rel(kc, kc2) < TOL[dtype] and torch.equal(vc, vc2)  # the new column written, nothing else
     # the reference against plain attention over the updated cache (row 0 in fp32, no extras)
@@ -143,10 +156,10 @@ def test_decode_attention(dtype, opts):
         s = int(slot)
         q = qkv[0, : heads * d].view(heads, d)
         c, sn = cos[int(pos[0])], sin[int(pos[0])]
-        rot = lambda t: t * c + torch.cat([-t[..., d // 2:], t[..., : d // 2]], -1) * sn  # noqa: E731
+        rot = lambda t: t * c + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sn  # noqa: E731
         keys = kc2[0].repeat_interleave(heads // kc.shape[1], 0)[:, : s + 1]
         vals = vc2[0].repeat_interleave(heads // kc.shape[1], 0)[:, : s + 1]
-        probs = torch.softmax(torch.einsum("hd,hld->hl", rot(q), keys) * d ** -0.5, -1)
+        probs = torch.softmax(torch.einsum("hd,hld->hl", rot(q), keys) * d**-0.5, -1)
         assert rel(out[0].view(heads, d), torch.einsum("hl,hld->hd", probs, vals)) < 1e-5
 
 

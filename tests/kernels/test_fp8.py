@@ -71,8 +71,9 @@ def test_dequantize_into_a_buffer_in_its_dtype():
 
 
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("lead,n,k,block", [((37,), 70, 100, 32), ((2, 3), 40, 64, 32), ((1,), 33, 96, 32),
-                                            ((9,), 130, 200, 128)])
+@pytest.mark.parametrize(
+    "lead,n,k,block", [((37,), 70, 100, 32), ((2, 3), 40, 64, 32), ((1,), 33, 96, 32), ((9,), 130, 200, 128)]
+)
 def test_fp8_block_matmul_against_reference_and_bf16(lead, n, k, block, x_dtype):
     w = _weight(n, k)
     q, s = F8.quantize_weight_blockwise(w, block)
@@ -129,8 +130,11 @@ def test_fp8_linear_registered_operator_passes_opcheck():
     q, s = F8.quantize_weight_blockwise(_weight(40, 64), 32)
     x = torch.randn(5, 64, requires_grad=True)
     # test_schema is left out: it perturbs every input with a multiplication, which torch lacks for float8
-    torch.library.opcheck(F8._fp8_linear_op, (x, q, s, torch.randn(40, requires_grad=True), 32, False),
-                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        F8._fp8_linear_op,
+        (x, q, s, torch.randn(40, requires_grad=True), 32, False),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
 
 
 def test_bad_inputs_raise_value_errors():
@@ -230,8 +234,9 @@ def test_fused_lora_linear_with_bias_on_an_fp8_parameter():
     assert torch.equal(F8.dequantize_blockwise_reference(*F8.fp8_weight(weight), 32, torch.bfloat16), dense)
     proj = LoRAProjection(weight, torch.randn(40, dtype=torch.bfloat16), None, None, 0.0)
     x = torch.randn(7, 64, dtype=torch.bfloat16)
-    assert_close(lora_linear(x, proj), x.double() @ dense.double().t() + proj.bias.double(), torch.bfloat16,
-                 tol=FP8_TOL)
+    assert_close(
+        lora_linear(x, proj), x.double() @ dense.double().t() + proj.bias.double(), torch.bfloat16, tol=FP8_TOL
+    )
 
 
 @pytest.mark.parametrize("input_grad", [False, True])

@@ -119,8 +119,9 @@ def test_qkv_matches_peft(dtype, qkv_bias, use_rslora):
 
 def _rotary_tables(batch, tokens, head_dim, dtype):
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = (torch.arange(tokens, dtype=torch.float64)[:, None] + torch.rand(batch, 1, 1, dtype=torch.float64) * 50) \
-        * inv_freq  # per-row offsets: the batch dim of cos/sin is read, not broadcast
+    freqs = (
+        torch.arange(tokens, dtype=torch.float64)[:, None] + torch.rand(batch, 1, 1, dtype=torch.float64) * 50
+    ) * inv_freq  # per-row offsets: the batch dim of cos/sin is read, not broadcast
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -146,8 +147,13 @@ def test_qkv_with_rotary_matches_peft_then_rope(dtype, table_dtype):
     cos, sin = _rotary_tables(2, 9, head_dim, dtype if table_dtype == "same" else torch.float32)
 
     def fused(m, t):
-        return lora_qkv(t, lora_projection(m.q_proj), lora_projection(m.k_proj), lora_projection(m.v_proj),
-                        rotary=(cos, sin, head_dim))
+        return lora_qkv(
+            t,
+            lora_projection(m.q_proj),
+            lora_projection(m.k_proj),
+            lora_projection(m.v_proj),
+            rotary=(cos, sin, head_dim),
+        )
 
     def reference(m, t):
         q, k, v = peft_qkv(m, t)
@@ -242,12 +248,15 @@ def test_stacked_adapters_are_not_served_to_parameters_that_reuse_dead_ids():
     enable_stacking(old)
     x = torch.randn(3, 7, HIDDEN)
     stacked_qkv(layers(old), x.bfloat16())
-    (old_key, old_entry), = lora_kernels._STACKED_ADAPTERS.items()
+    ((old_key, old_entry),) = lora_kernels._STACKED_ADAPTERS.items()
     model, ref = peft_block(torch.bfloat16, True, rank_pattern={"k_proj": 2, "v_proj": 6})
     enable_stacking(model)
     m = layers(model)
-    new_ids = tuple(id(getattr(getattr(m, n), f"lora_{ab}")["default"].weight)
-                    for n in ("q_proj", "k_proj", "v_proj") for ab in "AB")
+    new_ids = tuple(
+        id(getattr(getattr(m, n), f"lora_{ab}")["default"].weight)
+        for n in ("q_proj", "k_proj", "v_proj")
+        for ab in "AB"
+    )
     lora_kernels._STACKED_ADAPTERS.clear()  # the dead block's entry under the new block's ids, same versions
     lora_kernels._STACKED_ADAPTERS[(*new_ids, old_key[-1])] = old_entry
     del old
@@ -297,8 +306,10 @@ def test_stacked_bf16_base_with_fp32_adapters_follows_optimizer_steps():
     runs = []
     for stack in (False, True):
         torch.manual_seed(0)
-        model = peft.get_peft_model(TinyBlock().to(torch.bfloat16), peft.LoraConfig(
-            r=RANK, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION + MLP))
+        model = peft.get_peft_model(
+            TinyBlock().to(torch.bfloat16),
+            peft.LoraConfig(r=RANK, lora_alpha=8, init_lora_weights=False, target_modules=ATTENTION + MLP),
+        )
         if stack:
             enable_stacking(model)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -348,8 +359,9 @@ def test_stacking_skips_trainable_bases_and_stops_when_a_weight_is_re_pointed():
     ref.base_model.model.k_proj.base_layer.weight.data *= 2
     projs = [lora_projection(getattr(m, n)) for n in ("q_proj", "k_proj", "v_proj")]
     assert stacking.stacked_base(m, projs) is None
-    assert_matches_peft(model, ref, stacked_qkv, peft_qkv, torch.randn(5, HIDDEN), [Q_OUT, KV_OUT, KV_OUT],
-                        torch.float32)
+    assert_matches_peft(
+        model, ref, stacked_qkv, peft_qkv, torch.randn(5, HIDDEN), [Q_OUT, KV_OUT, KV_OUT], torch.float32
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -559,8 +571,10 @@ def test_one_optimizer_step_refreshes_every_cast_adapter_together():
     # own parameter's values (shapes differ, so a mix-up in the shared buffer would show).
     x = torch.randn(5, 16, dtype=torch.bfloat16)
     weights = [torch.randn(n, 16, dtype=torch.bfloat16) for n in (12, 7)]
-    adapters = [(torch.nn.Parameter(torch.randn(r, 16)), torch.nn.Parameter(torch.randn(w.shape[0], r)))
-                for r, w in zip((4, 3), weights)]
+    adapters = [
+        (torch.nn.Parameter(torch.randn(r, 16)), torch.nn.Parameter(torch.randn(w.shape[0], r)))
+        for r, w in zip((4, 3), weights)
+    ]
     projs = [LoRAProjection(w, None, a, b, 0.5) for w, (a, b) in zip(weights, adapters)]
     for proj in projs:
         lora_linear(x, proj)

@@ -7,14 +7,21 @@ import json
 import pytest
 import torch
 
-from fastplug.kernels.moe import (
-    ExpertLoRA, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, moe_router,
-    moe_router_reference, routing_metadata, routing_metadata_reference,
-)
-from fastplug.kernels.moe.grouped_gemm import sweep as sweep_configs
-from fastplug.kernels.moe import tuning
 from fastplug.kernels.activations import gate_factor_torch
+from fastplug.kernels.moe import (
+    ExpertLoRA,
+    grouped_gemm,
+    grouped_gemm_reference,
+    moe_experts,
+    moe_experts_reference,
+    moe_router,
+    moe_router_reference,
+    routing_metadata,
+    routing_metadata_reference,
+    tuning,
+)
 from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
+from fastplug.kernels.moe.grouped_gemm import sweep as sweep_configs
 from tests.helpers import assert_close
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,13 +37,16 @@ def _grads(out, inputs, grad):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("counts, K, N, fused", [
-    ([3, 0, 1, 17, 2], 40, 24, True),   # uneven, an empty and a single-row expert, odd K/N
-    ([40, 0, 1, 70], 150, 70, True),    # several row tiles per expert, K and N past one block
-    ([0, 0, 5], 16, 33, True),          # leading empty experts
-    ([1, 1], 8, 16, False),             # rows already grouped: no gather/scatter
-    ([70, 3, 0, 161, 33, 9, 1], 24, 150, True),  # > 8 row tiles: a full and a partial group of row tiles
-])
+@pytest.mark.parametrize(
+    "counts, K, N, fused",
+    [
+        ([3, 0, 1, 17, 2], 40, 24, True),  # uneven, an empty and a single-row expert, odd K/N
+        ([40, 0, 1, 70], 150, 70, True),  # several row tiles per expert, K and N past one block
+        ([0, 0, 5], 16, 33, True),  # leading empty experts
+        ([1, 1], 8, 16, False),  # rows already grouped: no gather/scatter
+        ([70, 3, 0, 161, 33, 9, 1], 24, 150, True),  # > 8 row tiles: a full and a partial group of row tiles
+    ],
+)
 def test_grouped_gemm_matches_loop(dtype, counts, K, N, fused):
     E, M = len(counts), sum(counts)
     offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
@@ -45,8 +55,11 @@ def test_grouped_gemm_matches_loop(dtype, counts, K, N, fused):
     w = (torch.randn(E, N, K, device=DEVICE) / K**0.5).to(dtype).requires_grad_()
     kw = {}
     if fused:
-        kw = dict(gather_index=torch.randint(0, T, (M,), device=DEVICE), scatter_index=torch.randperm(M, device=DEVICE),
-                  row_weights=torch.rand(M, device=DEVICE, requires_grad=True))
+        kw = dict(
+            gather_index=torch.randint(0, T, (M,), device=DEVICE),
+            scatter_index=torch.randperm(M, device=DEVICE),
+            row_weights=torch.rand(M, device=DEVICE, requires_grad=True),
+        )
     out = grouped_gemm(x, w, offsets, **kw)
     assert out.dtype == dtype and out.shape == (M, N)
     x64, w64 = _f64(x, w)
@@ -57,7 +70,9 @@ def test_grouped_gemm_matches_loop(dtype, counts, K, N, fused):
     inputs, inputs64 = [x, w], [x64, w64]
     if fused:
         inputs.append(kw["row_weights"]), inputs64.append(kw64["row_weights"])
-    for name, g, g64 in zip(("dx", "dw", "drow_weights"), _grads(out, inputs, grad), _grads(ref, inputs64, grad.double())):
+    for name, g, g64 in zip(
+        ("dx", "dw", "drow_weights"), _grads(out, inputs, grad), _grads(ref, inputs64, grad.double())
+    ):
         assert_close(g, g64, dtype, name)
 
 
@@ -84,8 +99,12 @@ def test_router_matches_torch(T, E, k, normalize):
     assert torch.equal(index, ref_index)
     assert_close(weights, ref_weights, torch.float32, "weights")
     grad = torch.randn(weights.shape, device=DEVICE)
-    assert_close(_grads(weights, [logits], grad)[0], _grads(ref_weights, [ref_logits], grad.double())[0],
-                 torch.float32, "dlogits")
+    assert_close(
+        _grads(weights, [logits], grad)[0],
+        _grads(ref_weights, [ref_logits], grad.double())[0],
+        torch.float32,
+        "dlogits",
+    )
     with pytest.raises(ValueError, match="top_k"):
         moe_router(logits, E + 1)
 
@@ -108,7 +127,9 @@ def test_moe_experts_matches_loop(dtype, lora):
     logits = torch.randn(T, E, device=DEVICE)
     logits[:, E - 1] = -1e4  # one expert gets no tokens
     logits = logits.requires_grad_()
-    adapters = [torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    adapters = [
+        torch.randn(*s, device=DEVICE, requires_grad=True) for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))
+    ]
 
     def run(fn, x, gate_up, down, logits, adapters):
         weights, index = moe_router_reference(logits, k, weights_dtype=x.dtype)
@@ -156,28 +177,40 @@ def test_launch_paths_match_loop(impl, K, N):
     got = grouped_mm_rows(x, w, offsets, a_index=gather, out_index=scatter, row_weights=rw, config=cfg)
     ref = grouped_gemm_reference(d(x), d(w), offsets, gather_index=gather, scatter_index=scatter, row_weights=d(rw))
     assert_close(got, ref, dtype, "fused rows")
-    assert_close(grouped_mm_rows(xm, w, offsets, config=cfg), grouped_gemm_reference(d(xm), d(w), offsets), dtype, "rows")
-    assert_close(grouped_mm_rows(xm, wt.transpose(1, 2), offsets, config=cfg),
-                 grouped_gemm_reference(d(xm), d(wt).transpose(1, 2), offsets), dtype, "rows, transposed weights")
-    assert_close(grouped_mm_dw(dy, x, offsets, E, dy_index=scatter, x_index=gather, row_weights=rw, config=cfg),
-                 dw_loop(d(dy)[scatter] * d(rw)[:, None], d(x)[gather]), dtype, "dw, gathered")
+    assert_close(
+        grouped_mm_rows(xm, w, offsets, config=cfg), grouped_gemm_reference(d(xm), d(w), offsets), dtype, "rows"
+    )
+    assert_close(
+        grouped_mm_rows(xm, wt.transpose(1, 2), offsets, config=cfg),
+        grouped_gemm_reference(d(xm), d(wt).transpose(1, 2), offsets),
+        dtype,
+        "rows, transposed weights",
+    )
+    assert_close(
+        grouped_mm_dw(dy, x, offsets, E, dy_index=scatter, x_index=gather, row_weights=rw, config=cfg),
+        dw_loop(d(dy)[scatter] * d(rw)[:, None], d(x)[gather]),
+        dtype,
+        "dw, gathered",
+    )
     assert_close(grouped_mm_dw(dy, xm, offsets, E, scale=0.5, config=cfg), dw_loop(d(dy), d(xm), 0.5), dtype, "dw")
     if impl != "torch":  # the gate_up GEMM with the activation in its epilogue (Triton only)
         I = N // 2
         for activation in ("silu", "gelu_tanh"):
-            gu, h = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather, config=cfg)
-            ref_gu = grouped_gemm_reference(d(x), d(w[:, :2 * I]), offsets, gather_index=gather)
+            gu, h = grouped_mm_glu(x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, config=cfg)
+            ref_gu = grouped_gemm_reference(d(x), d(w[:, : 2 * I]), offsets, gather_index=gather)
             assert_close(gu, ref_gu, dtype, "glu: gu")
             gate, up = gu.double()[:, :I], gu.double()[:, I:]  # h from the rounded gu, as a separate pass reads it
             ref_h = gate * gate_factor_torch(gate, activation)[0] * up
             assert_close(h, ref_h, dtype, f"glu: h ({activation})")
-            none, h2 = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
-                                      store_gu=False, config=cfg)
+            none, h2 = grouped_mm_glu(
+                x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, store_gu=False, config=cfg
+            )
             assert none is None and torch.equal(h2, h)
             if impl == "ptr":  # the unfused pair the tuner may pick instead: the GEMM, then the activation pass
                 split = tuning.as_config((0, 0, 0, 0, 0, "split"))
-                gu_s, h_s = grouped_mm_glu(x, w[:, :2 * I].contiguous(), offsets, activation, a_index=gather,
-                                           config=split)
+                gu_s, h_s = grouped_mm_glu(
+                    x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, config=split
+                )
                 assert_close(gu_s, ref_gu, dtype, "split glu: gu")
                 assert_close(h_s, ref_h, dtype, f"split glu: h ({activation})")
 
@@ -194,8 +227,10 @@ def test_moe_experts_frozen_down_split_path(lora):
     logits = torch.randn(T, E, device=DEVICE)
     logits[:, 1] = -1e4  # an expert without tokens
     logits = logits.requires_grad_()
-    adapters = [torch.randn(E, r, H, device=DEVICE, requires_grad=True), torch.randn(E, 2 * I, r, device=DEVICE,
-                                                                                       requires_grad=True)]
+    adapters = [
+        torch.randn(E, r, H, device=DEVICE, requires_grad=True),
+        torch.randn(E, 2 * I, r, device=DEVICE, requires_grad=True),
+    ]
 
     def run(fn, x, gate_up, logits, adapters):
         weights, index = moe_router_reference(logits, k)
@@ -209,8 +244,9 @@ def test_moe_experts_frozen_down_split_path(lora):
     ref = run(moe_experts_reference, *inputs64[:3], inputs64[3:])
     assert_close(out, ref, dtype, "out")
     grad = torch.randn(out.shape, device=DEVICE)
-    for name, g, g64 in zip(["dx", "dgate_up", "dlogits", "dA1", "dB1"], _grads(out, inputs, grad),
-                            _grads(ref, inputs64, grad.double())):
+    for name, g, g64 in zip(
+        ["dx", "dgate_up", "dlogits", "dA1", "dB1"], _grads(out, inputs, grad), _grads(ref, inputs64, grad.double())
+    ):
         assert_close(g, g64, dtype, name)
 
 
@@ -250,7 +286,9 @@ def test_tuning_candidates_fit_shared_memory():
     assert len(big) > len(small)
     tiny = tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, smem_limit=228 * 1024)
     assert [c["impl"] for c in tiny] == ["torch", "ptr"]  # no Triton block fits the shape: the smallest one
-    assert [c["impl"] for c in tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, 228 * 1024, ("ptr", "tma"))] == ["ptr"]
+    assert [c["impl"] for c in tuning.candidates("fwd", torch.bfloat16, 16, 16, 4, 8, 228 * 1024, ("ptr", "tma"))] == [
+        "ptr"
+    ]
 
 
 def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
@@ -289,8 +327,13 @@ def test_tuning_cache_written_read_back_and_keyed(tmp_path, monkeypatch):
         assert tuning.config_for(*args, run=lambda cfg: None, variant="t") == best
 
         # a cache entry from before the impl field is ignored (retuned), never misread
-        data["Fake GPU|triton 0"][tuning.shape_key(*args[:6], "old")] = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64,
-                                                                          "num_warps": 4, "num_stages": 3}
+        data["Fake GPU|triton 0"][tuning.shape_key(*args[:6], "old")] = {
+            "BLOCK_M": 64,
+            "BLOCK_N": 64,
+            "BLOCK_K": 64,
+            "num_warps": 4,
+            "num_stages": 3,
+        }
         path.write_text(json.dumps(data))
         tuning.reset_cache_state()
         assert tuning.config_for(*args, variant="old") == tuning.as_config(tuning.DEFAULTS["fwd"])

@@ -51,7 +51,10 @@ def test_rms_norm_matches_float64(shape, dtype, offset):
     _check_against_float64(
         lambda x, w: rms_norm(x, w, 1e-6, offset),
         lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
-        [x, w], dy, dtype, ["x", "weight"],
+        [x, w],
+        dy,
+        dtype,
+        ["x", "weight"],
     )
 
 
@@ -101,14 +104,16 @@ def _check_variant(variant, dtype):
     dy = torch.randn(shape, dtype=dtype)
     for offset in (0.0, 1.0):
         _check_against_float64(
-            lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
-            [x, w], dy, dtype, ["x", "weight"],
+            lambda x, w: rms_norm(x, w, 1e-6, offset),
+            lambda x, w: rms_norm_reference(x, w, 1e-6, offset),
+            [x, w],
+            dy,
+            dtype,
+            ["x", "weight"],
         )
     _check_against_float64(layer_norm, layer_norm_reference, [x, w, b], dy, dtype, ["x", "weight", "bias"])
     # frozen weight, trainable bias: the split backward computes db alone
-    _check_against_float64(
-        layer_norm, layer_norm_reference, [x, w.detach(), b], dy, dtype, ["x", "weight", "bias"]
-    )
+    _check_against_float64(layer_norm, layer_norm_reference, [x, w.detach(), b], dy, dtype, ["x", "weight", "bias"])
 
 
 @pytest.mark.parametrize("affine", ["weight", "bias", "none"])
@@ -180,8 +185,12 @@ def _hf_module(kind, hidden, eps):
 @pytest.mark.parametrize("kind", ["llama", "gemma"])
 @pytest.mark.parametrize(
     "x_dtype, w_dtype",
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-     (torch.bfloat16, torch.float32)],  # fp32 master weights, bf16 activations: Llama promotes, Gemma does not
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.float32),
+    ],  # fp32 master weights, bf16 activations: Llama promotes, Gemma does not
 )
 def test_matches_transformers_modules(kind, x_dtype, w_dtype):
     module, ours = _hf_module(kind, 80, 1e-5)

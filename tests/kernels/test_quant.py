@@ -15,11 +15,17 @@ import torch.nn.functional as F
 bnb = pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")
 
-from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels import quant  # noqa: E402
+from fastplug.kernels.lora import QUANTIZED_STACK, LoRAProjection, lora_linear, lora_mlp, lora_qkv  # noqa: E402
 from fastplug.kernels.quant import (  # noqa: E402
-    GEMV_MAX_ROWS, dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch, dequantize_4bit_stacked,
-    gemv_4bit, gemv_config, require_bitsandbytes,
+    GEMV_MAX_ROWS,
+    dequantize_4bit,
+    dequantize_4bit_reference,
+    dequantize_4bit_scratch,
+    dequantize_4bit_stacked,
+    gemv_4bit,
+    gemv_config,
+    require_bitsandbytes,
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
@@ -31,8 +37,14 @@ HIDDEN, INTERMEDIATE, KV_OUT, RANK = 48, 40, 16, 4
 
 def quantized(out, inn, quant_type="nf4", double_quant=True, blocksize=64, dtype=torch.bfloat16, storage=torch.uint8):
     w = torch.randn(out, inn, dtype=dtype)
-    p = bnb.nn.Params4bit(w, requires_grad=False, blocksize=blocksize, compress_statistics=double_quant,
-                          quant_type=quant_type, quant_storage=storage)
+    p = bnb.nn.Params4bit(
+        w,
+        requires_grad=False,
+        blocksize=blocksize,
+        compress_statistics=double_quant,
+        quant_type=quant_type,
+        quant_storage=storage,
+    )
     return p._quantize("cpu")
 
 
@@ -56,14 +68,14 @@ def test_dequantize_equals_bitsandbytes(quant_type, double_quant, shape, blocksi
     for dtype in (torch.bfloat16, torch.float16):
         out = dequantize_4bit(p, dtype=dtype)
         # one rounding of the same fp32 value; the interpreter truncates where a GPU rounds to nearest
-        torch.testing.assert_close(out, ref.to(dtype), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=0)
+        torch.testing.assert_close(out, ref.to(dtype), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
 
 
 def test_dequantize_into_buffer_and_other_storage():
     p = quantized(24, 40, storage=torch.bfloat16)  # quant_storage for FSDP: the same bytes in bf16 elements
     buf = torch.empty(24, 40, dtype=torch.bfloat16)
     assert dequantize_4bit(p, out=buf) is buf
-    torch.testing.assert_close(buf, bnb_dequant(p, torch.bfloat16), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(buf, bnb_dequant(p, torch.bfloat16), rtol=2**-7, atol=0)
     shared = dequantize_4bit_scratch(p, torch.bfloat16)
     assert torch.equal(shared, buf)
     small = quantized(8, 40)
@@ -89,14 +101,18 @@ def test_cached_fields_follow_the_weight():
     x = torch.randn(3, 40)
 
     def same(out, ref):  # one rounding of the same fp32 value (the interpreter truncates)
-        torch.testing.assert_close(out, ref, rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
 
     same(dequantize_4bit(p), bnb_dequant(p, torch.bfloat16))
     gemv_4bit(x, p)
     p.data, p.quant_state = other.data, other.quant_state  # what module._apply and re-quantization do
     same(dequantize_4bit(p), bnb_dequant(other, torch.bfloat16))
-    assert_close(gemv_4bit(x, p), x.double() @ dequantize_4bit_reference(other, torch.float64).t(), torch.float32,
-                 "gemv after the weight changed")
+    assert_close(
+        gemv_4bit(x, p),
+        x.double() @ dequantize_4bit_reference(other, torch.float64).t(),
+        torch.float32,
+        "gemv after the weight changed",
+    )
     p.data = quantized(24, 40).data  # new bytes, the same state
     same(dequantize_4bit_scratch(p, torch.bfloat16), bnb_dequant(p, torch.bfloat16))
     with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
@@ -112,19 +128,25 @@ def test_dequantize_stacked(quant_type, double_quant):
     assert out.shape == (41, 40) and torch.equal(out, ref)
     for dtype in (torch.bfloat16, torch.float16):
         out = dequantize_4bit_stacked(group, dtype)
-        torch.testing.assert_close(out, ref.to(dtype), rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10, atol=0)
+        torch.testing.assert_close(out, ref.to(dtype), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
     assert out.data_ptr() == dequantize_4bit_scratch(group[0], torch.float16).data_ptr(), "the shared buffer"
-    group[1].data, group[1].quant_state = (q := quantized(8, 40, quant_type, double_quant, 32, torch.float32)).data, q.quant_state
+    group[1].data, group[1].quant_state = (
+        (q := quantized(8, 40, quant_type, double_quant, 32, torch.float32)).data,
+        q.quant_state,
+    )
     torch.testing.assert_close(dequantize_4bit_stacked(group, torch.float32)[24:32], bnb_dequant(q, torch.float32))
 
 
 def test_dequantize_stacked_mixed_and_errors():
     # mixed settings, odd element counts: one launch a weight, the same result
     f32 = torch.float32
-    for group in ([quantized(6, 40, dtype=f32), quantized(5, 40, "fp4", False, 128, f32)],
-                  [quantized(5, 7, dtype=f32), quantized(3, 7, dtype=f32)]):
-        torch.testing.assert_close(dequantize_4bit_stacked(group, torch.float32),
-                                   torch.cat([bnb_dequant(p, torch.float32) for p in group]))
+    for group in (
+        [quantized(6, 40, dtype=f32), quantized(5, 40, "fp4", False, 128, f32)],
+        [quantized(5, 7, dtype=f32), quantized(3, 7, dtype=f32)],
+    ):
+        torch.testing.assert_close(
+            dequantize_4bit_stacked(group, torch.float32), torch.cat([bnb_dequant(p, torch.float32) for p in group])
+        )
     with pytest.raises(ValueError, match="share their input width"):
         dequantize_4bit_stacked([quantized(4, 40), quantized(4, 32)], torch.bfloat16)
     with pytest.raises(ValueError, match="at least one"):
@@ -141,8 +163,10 @@ def test_require_bitsandbytes_says_how_to_install(monkeypatch):
 
 
 def test_fastplug_never_imports_bitsandbytes():
-    code = ("import sys, fastplug, fastplug.kernels.quant, fastplug.kernels.lora, fastplug.models.peft_lora;"
-            "assert 'bitsandbytes' not in sys.modules")
+    code = (
+        "import sys, fastplug, fastplug.kernels.quant, fastplug.kernels.lora, fastplug.models.peft_lora;"
+        "assert 'bitsandbytes' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -150,10 +174,15 @@ def test_fastplug_never_imports_bitsandbytes():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
-@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
-    ("nf4", True, (19, 64), 64), ("fp4", False, (13, 45), 32), ("nf4", False, (7, 130), 128),
-    ("nf4", True, (5, 1030), 64),  # K even, blocks straddle rows, a row is 515 bytes: 1-byte sub-chunks
-])
+@pytest.mark.parametrize(
+    "quant_type,double_quant,shape,blocksize",
+    [
+        ("nf4", True, (19, 64), 64),
+        ("fp4", False, (13, 45), 32),
+        ("nf4", False, (7, 130), 128),
+        ("nf4", True, (5, 1030), 64),  # K even, blocks straddle rows, a row is 515 bytes: 1-byte sub-chunks
+    ],
+)
 def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize):
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_4bit_reference(p, torch.float64)  # the fp32 values, unrounded (the GEMV never rounds them)
@@ -164,15 +193,27 @@ def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize
     assert gemv_4bit(x3, p).shape == (2, 1, shape[0])
 
 
-@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
-    ("nf4", True, (11, 256), 64), ("fp4", True, (6, 300), 128), ("nf4", False, (9, 512), 256),
-    ("fp4", False, (4, 96), 32),
-])
-@pytest.mark.parametrize("override", [
-    dict(dot=False, x_split=False), dict(dot=False, split=3), dict(dot=False, split=2, block_n=2, chunk=32),
-    dict(dot=False, block_n=1, chunk=64), dict(dot=False, lookup="gather", split=2),
-    dict(dot=True), dict(dot=True, split=2, chunk=16, block_n=32),
-])
+@pytest.mark.parametrize(
+    "quant_type,double_quant,shape,blocksize",
+    [
+        ("nf4", True, (11, 256), 64),
+        ("fp4", True, (6, 300), 128),
+        ("nf4", False, (9, 512), 256),
+        ("fp4", False, (4, 96), 32),
+    ],
+)
+@pytest.mark.parametrize(
+    "override",
+    [
+        dict(dot=False, x_split=False),
+        dict(dot=False, split=3),
+        dict(dot=False, split=2, block_n=2, chunk=32),
+        dict(dot=False, block_n=1, chunk=64),
+        dict(dot=False, lookup="gather", split=2),
+        dict(dot=True),
+        dict(dot=True, split=2, chunk=16, block_n=32),
+    ],
+)
 def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
     """Every tile of both kernels (CUDA cores: x loaded whole and split in registers or strided, the table
     read by tl.gather or by loads; tensor cores; split-K with its second pass; narrow tiles) gives the same
@@ -188,10 +229,17 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
         gemv_config(1, *shape, blocksize, x.device, block_m=2)
 
 
-@pytest.mark.parametrize("quant_type,double_quant,shape,blocksize", [
-    ("nf4", True, (11, 256), 64), ("fp4", True, (6, 320), 128), ("nf4", False, (9, 512), 256),
-    ("fp4", False, (5, 96), 32), ("nf4", True, (7, 136), 32), ("nf4", True, (16, 512), 64),
-])
+@pytest.mark.parametrize(
+    "quant_type,double_quant,shape,blocksize",
+    [
+        ("nf4", True, (11, 256), 64),
+        ("fp4", True, (6, 320), 128),
+        ("nf4", False, (9, 512), 256),
+        ("fp4", False, (5, 96), 32),
+        ("nf4", True, (7, 136), 32),
+        ("nf4", True, (16, 512), 64),
+    ],
+)
 @pytest.mark.parametrize("override", [dict(), dict(lookup="gather", split=2, block_n=2), dict(chunk=32, split=3)])
 def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
@@ -225,14 +273,21 @@ def test_shuffle_layout_check():
     from types import SimpleNamespace
 
     def ir(lane_layout, shuffle_layout):
-        return SimpleNamespace(hash=f"{lane_layout}-{shuffle_layout}", asm={"ttgir": "\n".join([
-            f'%lane = tt.elementwise_inline_asm "mov.u32 $0, %laneid;" {{pure = true}} %u : tensor<8x16xi32, '
-            f'{lane_layout}> -> tensor<8x16xi32, {lane_layout}> loc(#loc1)',
-            f'%b = ttg.convert_layout %t : tensor<8x16xi32, {lane_layout}> -> tensor<8x16xi32, {shuffle_layout}>',
-            f'%bits = tt.elementwise_inline_asm "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;" {{pure = true}} '
-            f'%b, %i : tensor<8x16xi32, {shuffle_layout}>, tensor<8x16xi32, {shuffle_layout}> -> tensor<8x16xi32, '
-            f'{shuffle_layout}> loc(#loc2)',
-        ])})
+        return SimpleNamespace(
+            hash=f"{lane_layout}-{shuffle_layout}",
+            asm={
+                "ttgir": "\n".join(
+                    [
+                        f'%lane = tt.elementwise_inline_asm "mov.u32 $0, %laneid;" {{pure = true}} %u : tensor<8x16xi32, '
+                        f"{lane_layout}> -> tensor<8x16xi32, {lane_layout}> loc(#loc1)",
+                        f"%b = ttg.convert_layout %t : tensor<8x16xi32, {lane_layout}> -> tensor<8x16xi32, {shuffle_layout}>",
+                        f'%bits = tt.elementwise_inline_asm "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;" {{pure = true}} '
+                        f"%b, %i : tensor<8x16xi32, {shuffle_layout}>, tensor<8x16xi32, {shuffle_layout}> -> tensor<8x16xi32, "
+                        f"{shuffle_layout}> loc(#loc2)",
+                    ]
+                )
+            },
+        )
 
     assert quant.layouts_agree(ir("#blocked1", "#blocked1"))
     with pytest.warns(UserWarning, match="tl.gather lookups instead"):
@@ -247,13 +302,20 @@ def test_pack4_layout_check():
     from types import SimpleNamespace
 
     def ir(size_per_thread):
-        return SimpleNamespace(hash=f"pack4-{size_per_thread}", asm={"ttgir": "\n".join([
-            f"#blocked = #ttg.blocked<{{sizePerThread = [{size_per_thread}], threadsPerWarp = [1, 32], "
-            "warpsPerCTA = [1, 1], order = [1, 0]}>",
-            '%s = tt.elementwise_inline_asm "ld.global.nc.f32 r, [$4];" {constraints = "=f,=f,=f,=f,l,l,l,l", '
-            "packed_element = 4 : i32, pure = true} %a : tensor<4x128xi64, #blocked> -> tensor<4x128xf32, "
-            "#blocked> loc(#loc1)",
-        ])})
+        return SimpleNamespace(
+            hash=f"pack4-{size_per_thread}",
+            asm={
+                "ttgir": "\n".join(
+                    [
+                        f"#blocked = #ttg.blocked<{{sizePerThread = [{size_per_thread}], threadsPerWarp = [1, 32], "
+                        "warpsPerCTA = [1, 1], order = [1, 0]}>",
+                        '%s = tt.elementwise_inline_asm "ld.global.nc.f32 r, [$4];" {constraints = "=f,=f,=f,=f,l,l,l,l", '
+                        "packed_element = 4 : i32, pure = true} %a : tensor<4x128xi64, #blocked> -> tensor<4x128xf32, "
+                        "#blocked> loc(#loc1)",
+                    ]
+                )
+            },
+        )
 
     assert quant.layouts_agree(ir("1, 4"))
     assert quant.layouts_agree(ir("2, 8"))
@@ -284,8 +346,9 @@ class TinyBlock4bit(nn.Module):
         super().__init__()
 
         def linear(i, o, b=False):
-            return bnb.nn.Linear4bit(i, o, bias=b, compute_dtype=torch.bfloat16, quant_type="nf4",
-                                     compress_statistics=True)
+            return bnb.nn.Linear4bit(
+                i, o, bias=b, compute_dtype=torch.bfloat16, quant_type="nf4", compress_statistics=True
+            )
 
         self.q_proj = linear(HIDDEN, HIDDEN, bias)
         self.k_proj, self.v_proj = linear(HIDDEN, KV_OUT, bias), linear(HIDDEN, KV_OUT, bias)
@@ -326,6 +389,7 @@ def _grads(outputs, inputs, grads_out):
 @pytest.fixture
 def no_bnb_dequantize(monkeypatch):
     """bitsandbytes' Python dequantization raises while a test builds its float64 reference."""
+
     def refuse(*_, **__):
         raise AssertionError("the float64 reference must not come from bitsandbytes' CPU dequantization")
 
@@ -333,6 +397,7 @@ def no_bnb_dequantize(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(bnb.functional, "dequantize_4bit", refuse)
             return _reference(layer)
+
     return reference
 
 

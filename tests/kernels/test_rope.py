@@ -19,6 +19,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _qk(batch, heads_q, heads_k, tokens, head_dim, dtype, layout="hf"):
     """q, k leaves [B, H, T, D]; "hf" makes them proj(x).view(B, T, H, D).transpose(1, 2) like transformers."""
+
     def make(heads):
         if layout == "hf":
             return torch.randn(batch, tokens, heads, head_dim).to(dtype).transpose(1, 2).requires_grad_()
@@ -45,7 +46,9 @@ def check_rope(q, k, cos, sin, dtype, check_layout=True):
     torch.autograd.backward((ref_q, ref_k), (grad_q.double(), grad_k.double()))
 
     assert q_rot.shape == q.shape and k_rot.shape == k.shape
-    for out, x in ((q_rot, q), (k_rot, k)) if check_layout else ():  # outputs keep the inputs' layout (strides of size-1 dims are free)
+    for out, x in (
+        ((q_rot, q), (k_rot, k)) if check_layout else ()
+    ):  # outputs keep the inputs' layout (strides of size-1 dims are free)
         assert [s for s, n in zip(out.stride(), x.shape) if n > 1] == [s for s, n in zip(x.stride(), x.shape) if n > 1]
     assert_close(q_rot, ref_q, dtype, "q_rot")
     assert_close(k_rot, ref_k, dtype, "k_rot")
@@ -72,8 +75,9 @@ def test_cos_broadcast_and_layouts(form, layout):
 
 def _override_constants(request, **changes):
     constants = dataclasses.replace(rope_module.ROPE_CONSTANTS, **changes)
-    request.addfinalizer(kernel_tuning.override("rope", functools.partial(rope_module.rope_config,
-                                                                          constants=constants)).undo)
+    request.addfinalizer(
+        kernel_tuning.override("rope", functools.partial(rope_module.rope_config, constants=constants)).undo
+    )
 
 
 def test_many_heads_loop_over_head_blocks(request):
@@ -167,17 +171,17 @@ def test_bad_input_raises_value_error_naming_the_argument():
     q, k = _qk(2, 4, 2, 7, 80, torch.float32)
     cos, sin = _cos_sin(2, 7, 80, torch.float32)
     bad = [
-        ("k", (q, k[..., :64], cos, sin)),                        # head dim mismatch
-        ("k", (q, k[:, :, :5], cos, sin)),                        # token mismatch
-        ("k", (q, k.bfloat16(), cos, sin)),                       # dtype mismatch
-        ("q", (q[0], k, cos, sin)),                               # not 4-D
-        ("q", (q.to(torch.float64), k, cos, sin)),                # unsupported dtype
-        ("cos", (q, k, cos[:, :5], sin[:, :5])),                  # tokens mismatch
+        ("k", (q, k[..., :64], cos, sin)),  # head dim mismatch
+        ("k", (q, k[:, :, :5], cos, sin)),  # token mismatch
+        ("k", (q, k.bfloat16(), cos, sin)),  # dtype mismatch
+        ("q", (q[0], k, cos, sin)),  # not 4-D
+        ("q", (q.to(torch.float64), k, cos, sin)),  # unsupported dtype
+        ("cos", (q, k, cos[:, :5], sin[:, :5])),  # tokens mismatch
         ("cos", (q, k, torch.randn(3, 7, 80), torch.randn(3, 7, 80))),  # batch neither 1 nor B
-        ("cos", (q, k, cos[..., :47], sin[..., :47])),            # odd rotary dim
+        ("cos", (q, k, cos[..., :47], sin[..., :47])),  # odd rotary dim
         ("cos", (q, k, torch.randn(2, 7, 96), torch.randn(2, 7, 96))),  # rotary dim > head dim
-        ("sin", (q, k, cos, sin[..., :64])),                      # sin shape differs
-        ("sin", (q, k, cos, sin.half())),                         # sin dtype differs
+        ("sin", (q, k, cos, sin[..., :64])),  # sin shape differs
+        ("sin", (q, k, cos, sin.half())),  # sin dtype differs
     ]
     for name, args in bad:
         with pytest.raises(ValueError, match=name):

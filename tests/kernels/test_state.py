@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.optim.optimizer as optim_hooks
 
-from fastplug.kernels import lora_linear, rms_norm, state
 from fastplug.kernels import lora as lora_kernels
+from fastplug.kernels import lora_linear, rms_norm, state
 from fastplug.kernels.lora import LoRAProjection
 
 

@@ -35,8 +35,9 @@ def _lora_model(family):
     from peft import LoraConfig, get_peft_model
 
     model = tiny_model(family, max_position_embeddings=64, **FAMILIES[family]).to(DEVICE)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
     return get_peft_model(model, config)
 
 
@@ -70,8 +71,11 @@ def test_patched_attention_matches_unpatched(family):
     with patch_model(model, **ATTENTION_FOCUS) as handle:
         assert base.config._attn_implementation == "fastplug"
         summary = handle.summary()
-        padded = ("right-padded batches: the same kernel" if original == "eager"
-                  else f"padded batches: transformers' {original}")
+        padded = (
+            "right-padded batches: the same kernel"
+            if original == "eager"
+            else f"padded batches: transformers' {original}"
+        )
         assert summary.count("fastplug attention") == 2 and padded in summary
         if family == "gemma2":
             assert "softcap 50, sliding window 6" in summary
@@ -91,8 +95,13 @@ def test_packed_rows_see_only_their_document():
     with torch.no_grad(), patch_model(model, gradient_checkpointing=False):
         logits = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False).logits
         starts = [0, DOCS[0], DOCS[0] + DOCS[1], TOKENS]
-        per_doc = torch.cat([reference(input_ids=inputs["input_ids"][:, a:b], use_cache=False).logits
-                             for a, b in zip(starts[:-1], starts[1:])], dim=1)
+        per_doc = torch.cat(
+            [
+                reference(input_ids=inputs["input_ids"][:, a:b], use_cache=False).logits
+                for a, b in zip(starts[:-1], starts[1:])
+            ],
+            dim=1,
+        )
     assert_close(logits, per_doc, torch.float32, "packed logits")
 
 
@@ -148,8 +157,12 @@ def test_attention_option_off_and_loading_as_fastplug():
     reference = tiny_model("llama").to(DEVICE)
     inputs = _inputs(2)
     with torch.no_grad():
-        assert_close(loaded(input_ids=inputs["input_ids"]).logits, reference(input_ids=inputs["input_ids"]).logits,
-                     torch.float32, "logits")
+        assert_close(
+            loaded(input_ids=inputs["input_ids"]).logits,
+            reference(input_ids=inputs["input_ids"]).logits,
+            torch.float32,
+            "logits",
+        )
 
 
 def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
@@ -162,8 +175,9 @@ def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
     hooks_before = len(decoder._forward_pre_hooks)
     bounded = []
     real = kernels.flash_attention
-    monkeypatch.setattr(kernels, "flash_attention",
-                        lambda *a, **kw: bounded.append(kw["doc_start"] is not None) or real(*a, **kw))
+    monkeypatch.setattr(
+        kernels, "flash_attention", lambda *a, **kw: bounded.append(kw["doc_start"] is not None) or real(*a, **kw)
+    )
     inputs = _inputs(2)
     # checkpointed (the recompute must see the flag too); the bounds are under test, not RoPE or LoRA
     with patch_model(model, **{**ATTENTION_FOCUS, "gradient_checkpointing": True, "rope": False, "lora": False}):

@@ -21,6 +21,7 @@ def _model(family, **overrides):
 def _batch(**kwargs):
     return {k: v.to(DEVICE) for k, v in batch(**kwargs).items()}
 
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Dense MLP modules per family (MoE experts are fused 3-D parameters; Qwen2-MoE has shared experts).
 DENSE_MLPS = {"mixtral": 0, "qwen3_moe": 0}

@@ -13,7 +13,9 @@ from torch import nn
 
 import fastplug
 from fastplug.kernels.fp8 import (
-    dequantize_blockwise_reference, quantize_activation_reference, quantize_weight_blockwise,
+    dequantize_blockwise_reference,
+    quantize_activation_reference,
+    quantize_weight_blockwise,
     quantize_weight_blockwise_reference,
 )
 from fastplug.models.fp8 import is_fp8_linear
@@ -32,8 +34,9 @@ def _rounded_to_fp8(model):
     """The same model with its decoder linears' weights replaced by their FP8 values (bf16)."""
     with torch.no_grad():
         for m in _decoder_linears(model).values():
-            m.weight.copy_(dequantize_blockwise_reference(*quantize_weight_blockwise_reference(m.weight, 128), 128,
-                                                          m.weight.dtype))
+            m.weight.copy_(
+                dequantize_blockwise_reference(*quantize_weight_blockwise_reference(m.weight, 128), 128, m.weight.dtype)
+            )
     return model
 
 
@@ -145,8 +148,11 @@ def _transformers_fp8_model():
 
     model = tiny_model("llama")
     weights = {n: m.weight.detach().clone() for n, m in _decoder_linears(model).items()}
-    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"],
-                            quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128)))
+    replace_with_fp8_linear(
+        model,
+        modules_to_not_convert=["lm_head"],
+        quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128)),
+    )
     for name, w in weights.items():
         m = model.get_submodule(name)
         m.to_empty(device="cpu")
@@ -195,8 +201,9 @@ def test_fast_model_quantizes_the_bases_once_peft_freezes_them(tmp_path):
     from fastplug.patch.engine import active_handle
     from tests.model_path_helpers import save_tiny
 
-    model, _ = FastModel.from_pretrained(save_tiny(tmp_path, "llama"), dtype="bfloat16",
-                                         options=KernelOptions(fp8=True, gradient_checkpointing=False))
+    model, _ = FastModel.from_pretrained(
+        save_tiny(tmp_path, "llama"), dtype="bfloat16", options=KernelOptions(fp8=True, gradient_checkpointing=False)
+    )
     assert "fp8_linear" not in active_handle(model).counts  # trainable when loaded: nothing to quantize yet
     peft_model = FastModel.get_peft_model(model, r=4)
     handle = active_handle(peft_model)

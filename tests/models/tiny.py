@@ -6,8 +6,15 @@ import transformers
 
 VOCAB = 128
 _COMMON = dict(
-    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
 )
 _MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)
 
@@ -17,14 +24,27 @@ FAMILY_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"hidden_activation": "gelu_pytorch_tanh"}),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               {"query_pre_attn_scalar": 16, "sliding_window": 6, "final_logit_softcapping": 30.0,
-                "attn_logit_softcapping": 50.0}),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                    {"query_pre_attn_scalar": 16, "sliding_window": 6, "final_logit_softcapping": 30.0}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 6,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"query_pre_attn_scalar": 16, "sliding_window": 6, "final_logit_softcapping": 30.0},
+    ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "sliding_window": 6, **_MOE}),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **_MOE}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **_MOE},
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 32, **_MOE}),
 }
 FAMILIES = list(FAMILY_CONFIGS)

@@ -1,7 +1,7 @@
 """gradient_checkpointing="auto": checkpoint only as many layers as memory needs, measured at the first step.
 
-On CPU there is no device memory to measure: every layer but the last (never checkpointed) stays checkpointed. The planning is checked with
-torch.cuda's memory counters replaced by a fake device of a chosen size.
+On CPU there is no device memory to measure: every layer but the last (never checkpointed) stays checkpointed. The
+planning is checked with torch.cuda's memory counters replaced by a fake device of a chosen size.
 """
 
 import pytest

@@ -137,8 +137,9 @@ def test_training_steps_leave_no_tensors_behind():
 
     model = peft.get_peft_model(
         tiny_model("llama").to(torch.bfloat16),
-        peft.LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                             "down_proj"]),
+        peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        ),
     )
     patch_model(model, gradient_checkpointing=True)
     model.train()

@@ -6,10 +6,10 @@ Replays themselves are tested on CUDA (tests/gpu/test_layer_graphs_gpu.py)."""
 import torch
 
 import fastplug
-from fastplug.patch import layer_graphs
-from fastplug.models.structure import decoder_layers
-from fastplug.patch.checkpointing import enable_native
 from fastplug.kernels import lora
+from fastplug.models.structure import decoder_layers
+from fastplug.patch import layer_graphs
+from fastplug.patch.checkpointing import enable_native
 from tests.helpers import assert_close
 from tests.models.tiny import batch, tiny_model
 

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-from fastplug.patch import self_check
 from fastplug.models import families
+from fastplug.patch import self_check
 from fastplug.patch.engine import patch_model
 from tests.models.tiny import batch, tiny_model
 
@@ -171,10 +171,9 @@ NEW_FAMILIES = {
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_unknown_families_keep_only_checked_patches(family, monkeypatch):
     import transformers
-
-    import fastplug.patch.engine
     from peft import LoraConfig, get_peft_model
 
+    import fastplug.patch.engine
     from tests.models.tiny import _COMMON
 
     config_name, model_name, extra = NEW_FAMILIES[family]

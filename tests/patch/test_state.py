@@ -31,8 +31,9 @@ def clean_state():
 
 def _lora_model(seed: int = 0):
     """A bf16 base with fp32 adapters (peft's default): fused LoRA caches compute-dtype copies of them."""
-    return peft.get_peft_model(tiny_model("llama", seed=seed).to(torch.bfloat16),
-                               peft.LoraConfig(r=4, target_modules=_TARGETS))
+    return peft.get_peft_model(
+        tiny_model("llama", seed=seed).to(torch.bfloat16), peft.LoraConfig(r=4, target_modules=_TARGETS)
+    )
 
 
 def _train_steps(model, steps: int) -> None:

@@ -7,6 +7,13 @@ from .grouped_gemm import grouped_gemm, grouped_gemm_reference
 from .routing import moe_router, moe_router_reference, routing_metadata, routing_metadata_reference
 
 __all__ = [
-    "grouped_gemm", "grouped_gemm_reference", "moe_router", "moe_router_reference", "routing_metadata",
-    "routing_metadata_reference", "ExpertLoRA", "moe_experts", "moe_experts_reference",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "moe_router",
+    "moe_router_reference",
+    "routing_metadata",
+    "routing_metadata_reference",
+    "ExpertLoRA",
+    "moe_experts",
+    "moe_experts_reference",
 ]

@@ -28,8 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import cdiv, check_dtype, check_same_device, check_shape, keep_for_backward, kept_for_backward, \
-    next_power_of_2, use_triton
+from .._utils import (
+    cdiv,
+    check_dtype,
+    check_same_device,
+    check_shape,
+    keep_for_backward,
+    kept_for_backward,
+    next_power_of_2,
+    use_triton,
+)
 from ..activations import ACTIVATIONS, gate_factor_torch, glu_forward
 from ..jit_helpers import gate_factor
 from .grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
@@ -50,9 +58,20 @@ class ExpertLoRA(NamedTuple):
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _glu_rows_bwd(
-    dh_ptr, gu_ptr, rw_ptr, dgu_ptr, drw_ptr, M, I,
-    stride_dh, stride_gu, stride_dgu,
-    ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_I: tl.constexpr,
+    dh_ptr,
+    gu_ptr,
+    rw_ptr,
+    dgu_ptr,
+    drw_ptr,
+    M,
+    I,
+    stride_dh,
+    stride_gu,
+    stride_dgu,
+    ACT: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_I: tl.constexpr,
 ):
     """dh: d(unweighted h) [M, I]; gu: [gate | up] [M, 2I]. Writes dgu = rw * d[gate | up], drw = <dh, h>
     and (STORE_H) h into dh's buffer (each element is read before this program overwrites it)."""
@@ -73,10 +92,14 @@ def _glu_rows_bwd(
         if STORE_H:
             tl.store(dh_ptr + rows[:, None] * stride_dh + cols[None, :], h.to(dh_ptr.dtype.element_ty), mask=mask)
         gw = g * rw[:, None]
-        tl.store(dgu_ptr + rows[:, None] * stride_dgu + cols[None, :],
-                 (gw * u * (p + x * dp)).to(dgu_ptr.dtype.element_ty), mask=mask)
-        tl.store(dgu_ptr + rows[:, None] * stride_dgu + I + cols[None, :],
-                 (gw * act).to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            dgu_ptr + rows[:, None] * stride_dgu + cols[None, :],
+            (gw * u * (p + x * dp)).to(dgu_ptr.dtype.element_ty),
+            mask=mask,
+        )
+        tl.store(
+            dgu_ptr + rows[:, None] * stride_dgu + I + cols[None, :], (gw * act).to(dgu_ptr.dtype.element_ty), mask=mask
+        )
     tl.store(drw_ptr + rows, dot, mask=row_ok)
 
 
@@ -87,8 +110,19 @@ def _glu_rows_backward(dh: torch.Tensor, gu: torch.Tensor, rw: torch.Tensor, act
     drw = torch.empty(M, dtype=torch.float32, device=dh.device)
     if M:
         _glu_rows_bwd[(cdiv(M, _BLOCK_ROWS),)](
-            dh, gu, rw, dgu, drw, M, I, dh.stride(0), gu.stride(0), dgu.stride(0),
-            ACT=ACTIVATIONS.index(activation), STORE_H=store_h, BLOCK_ROWS=_BLOCK_ROWS,
+            dh,
+            gu,
+            rw,
+            dgu,
+            drw,
+            M,
+            I,
+            dh.stride(0),
+            gu.stride(0),
+            dgu.stride(0),
+            ACT=ACTIVATIONS.index(activation),
+            STORE_H=store_h,
+            BLOCK_ROWS=_BLOCK_ROWS,
             BLOCK_I=min(_MAX_BLOCK_I, next_power_of_2(I)),
         )
     return dgu, (dh if store_h else None), drw
@@ -115,8 +149,9 @@ def _sum_slots(y: torch.Tensor, T: int, k: int) -> torch.Tensor:
     out = torch.empty((T, H), dtype=y.dtype, device=y.device)
     if T and H:
         block = min(1024, next_power_of_2(H))
-        _sum_slots_kernel[(T, cdiv(H, block))](y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block,
-                                               num_warps=4)
+        _sum_slots_kernel[(T, cdiv(H, block))](
+            y, out, H, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block, num_warps=4
+        )
     return out
 
 
@@ -156,8 +191,7 @@ def _experts_forward(x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b
     rw = top_k_weights.reshape(-1)[scatter.long()]
     t1, gu, h = _gate_up_forward(x, gate_up, a1, b1, offsets, gather, activation, True)
     t2 = grouped_mm_rows(h, a2, offsets) if a2 is not None else None
-    y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw,
-                        lora=(t2, b2) if a2 is not None else None)
+    y = grouped_mm_rows(h, down, offsets, out_index=scatter, row_weights=rw, lora=(t2, b2) if a2 is not None else None)
     return _sum_slots(y, T, k), (gu, t1, t2, offsets, gather, scatter, rw)
 
 
@@ -190,8 +224,9 @@ def _experts_backward(g, x, saved, gate_up, down, a1, b1, a2, b2, scales, activa
     # gate_up projection (dgu already carries the routing weights)
     u1 = grouped_mm_rows(dgu, _t(b1), offsets) if a1 is not None else None
     if needs[0]:
-        slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
-                                lora=(u1, _t(a1)) if a1 is not None else None)
+        slots = grouped_mm_rows(
+            dgu, _t(gate_up), offsets, out_index=scatter, lora=(u1, _t(a1)) if a1 is not None else None
+        )
         grads[0] = _sum_slots(slots, T, k)
     if needs[2]:
         grads[2] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
@@ -218,8 +253,17 @@ class MoEExperts(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grads = _experts_backward(grad_out, x, saved, *kept_for_backward(ctx), ctx.scales, ctx.activation, ctx.k,
-                                  ctx.weights_dtype, needs[:2] + needs[3:9])
+        grads = _experts_backward(
+            grad_out,
+            x,
+            saved,
+            *kept_for_backward(ctx),
+            ctx.scales,
+            ctx.activation,
+            ctx.k,
+            ctx.weights_dtype,
+            needs[:2] + needs[3:9],
+        )
         # inputs: x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation
         return (*grads[:2], None, *grads[2:], None, None, None)
 
@@ -250,8 +294,9 @@ class ExpertsUp(torch.autograd.Function):
             grads[1] = drw.to(rw.dtype)
         u1 = grouped_mm_rows(dgu, _t(b1), offsets) if a1 is not None else None
         if needs[0]:
-            slots = grouped_mm_rows(dgu, _t(gate_up), offsets, out_index=scatter,
-                                    lora=(u1, _t(a1)) if a1 is not None else None)
+            slots = grouped_mm_rows(
+                dgu, _t(gate_up), offsets, out_index=scatter, lora=(u1, _t(a1)) if a1 is not None else None
+            )
             grads[0] = _sum_slots(slots, x.shape[0], ctx.k)
         if needs[2]:
             grads[2] = grouped_mm_dw(dgu, x, offsets, E, x_index=gather, dtype=gate_up.dtype)
@@ -300,7 +345,9 @@ def _check_experts(x, gate_up, down, top_k_index, top_k_weights, activation, lor
         if w.dtype != x.dtype:
             raise ValueError(f"{name} must have x's dtype {x.dtype}; got {w.dtype}")
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T or top_k_index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"top_k_index must be int32/int64 [{T}, k]; got {top_k_index.dtype} {tuple(top_k_index.shape)}")
+        raise ValueError(
+            f"top_k_index must be int32/int64 [{T}, k]; got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
     check_shape("top_k_weights", top_k_weights, tuple(top_k_index.shape), "the shape of top_k_index")
     check_dtype("top_k_weights", top_k_weights)
     for name, (w, adapter) in (lora or {}).items():
@@ -328,25 +375,42 @@ def moe_experts(
     """The routed experts of an MoE block: x [T, H]; gate_up_proj [E, 2I, H] ([gate; up] halves, as in
     transformers); down_proj [E, H, I]; top_k_index / top_k_weights [T, k]. Returns [T, H] in x's dtype.
     LoRA adapters are cast to the weights' dtype (as peft does) and differentiable."""
-    _check_experts(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation,
-                   {"gate_up_lora": (gate_up_proj, gate_up_lora), "down_lora": (down_proj, down_lora)})
+    _check_experts(
+        x,
+        gate_up_proj,
+        down_proj,
+        top_k_index,
+        top_k_weights,
+        activation,
+        {"gate_up_lora": (gate_up_proj, gate_up_lora), "down_lora": (down_proj, down_lora)},
+    )
     if not use_triton(x, gate_up_proj, down_proj):
-        return moe_experts_reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights, activation=activation,
-                                     gate_up_lora=gate_up_lora, down_lora=down_lora)
+        return moe_experts_reference(
+            x,
+            gate_up_proj,
+            down_proj,
+            top_k_index,
+            top_k_weights,
+            activation=activation,
+            gate_up_lora=gate_up_lora,
+            down_lora=down_lora,
+        )
     if x.shape[0] == 0:
         return x.new_zeros(x.shape)
     a1, b1, s1 = _adapter(gate_up_lora, gate_up_proj.dtype)
     a2, b2, s2 = _adapter(down_lora, down_proj.dtype)
     if torch.compiler.is_compiling():  # one registered operator (the split path's trick is eager-only)
-        return _moe_experts_op(x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2,
-                               activation)[0]
+        return _moe_experts_op(
+            x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2, activation
+        )[0]
     if down_lora is None and not (torch.is_grad_enabled() and down_proj.requires_grad):
         # frozen down projection: the split path (ExpertsDown is not recomputed under checkpointing)
         k = top_k_index.shape[1]
         offsets, gather, scatter = routing_metadata(top_k_index, gate_up_proj.shape[0])
         rw = top_k_weights.reshape(-1)[scatter.long()]
         need_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, top_k_weights, gate_up_proj, a1, b1))
+            t is not None and t.requires_grad for t in (x, top_k_weights, gate_up_proj, a1, b1)
+        )
         h = ExpertsUp.apply(x, rw, gate_up_proj, a1, b1, s1, offsets, gather, scatter, activation, k, need_grad)
         return ExpertsDown.apply(h, rw.detach(), down_proj, offsets, gather, scatter, k)
     return MoEExperts.apply(x, top_k_weights, top_k_index, gate_up_proj, down_proj, a1, b1, a2, b2, s1, s2, activation)
@@ -358,8 +422,9 @@ def _adapter(adapter: ExpertLoRA | None, dtype: torch.dtype):
     return adapter.A.to(dtype), adapter.B.to(dtype), float(adapter.scaling)
 
 
-def moe_experts_reference(x, gate_up_proj, down_proj, top_k_index, top_k_weights, *, activation="silu",
-                          gate_up_lora=None, down_lora=None):
+def moe_experts_reference(
+    x, gate_up_proj, down_proj, top_k_index, top_k_weights, *, activation="silu", gate_up_lora=None, down_lora=None
+):
     """Per-expert loop in plain torch (the maths of transformers' eager experts, LoRA as W + s B A)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     inter = down_proj.shape[2]
@@ -390,15 +455,26 @@ def _or_empty(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fastplug::moe_experts", mutates_args=())
 def _moe_experts_op(
-    x: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, gate_up: torch.Tensor,
-    down: torch.Tensor, a1: torch.Tensor | None, b1: torch.Tensor | None, a2: torch.Tensor | None,
-    b2: torch.Tensor | None, s1: float, s2: float, activation: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-           torch.Tensor]:
+    x: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    top_k_index: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    s1: float,
+    s2: float,
+    activation: str,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]:
     """(out, gu, t1, t2, offsets, gather, scatter, rw)."""
     (a1, b1), (a2, b2) = _prepared(a1, b1, s1), _prepared(a2, b2, s2)
     out, (gu, t1, t2, offsets, gather, scatter, rw) = _experts_forward(
-        x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, activation)
+        x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, activation
+    )
     return out, gu, _or_empty(t1, x), _or_empty(t2, x), offsets, gather, scatter, rw
 
 
@@ -406,32 +482,75 @@ def _moe_experts_op(
 def _(x, top_k_weights, top_k_index, gate_up, down, a1, b1, a2, b2, s1, s2, activation):
     rows = top_k_index.numel()
     ints = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty(x.shape), x.new_empty((rows, gate_up.shape[1])),
-            x.new_empty((rows, a1.shape[1]) if a1 is not None else 0),
-            x.new_empty((rows, a2.shape[1]) if a2 is not None else 0),
-            torch.empty(gate_up.shape[0], **ints), torch.empty(rows, **ints), torch.empty(rows, **ints),
-            top_k_weights.new_empty(rows))
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((rows, gate_up.shape[1])),
+        x.new_empty((rows, a1.shape[1]) if a1 is not None else 0),
+        x.new_empty((rows, a2.shape[1]) if a2 is not None else 0),
+        torch.empty(gate_up.shape[0], **ints),
+        torch.empty(rows, **ints),
+        torch.empty(rows, **ints),
+        top_k_weights.new_empty(rows),
+    )
 
 
 @torch.library.custom_op("fastplug::moe_experts_backward", mutates_args=())
 def _moe_experts_backward_op(
-    grad_out: torch.Tensor, x: torch.Tensor, top_k_weights: torch.Tensor, gu: torch.Tensor, t1: torch.Tensor,
-    t2: torch.Tensor, offsets: torch.Tensor, gather: torch.Tensor, scatter: torch.Tensor, rw: torch.Tensor,
-    gate_up: torch.Tensor, down: torch.Tensor, a1: torch.Tensor | None, b1: torch.Tensor | None,
-    a2: torch.Tensor | None, b2: torch.Tensor | None, s1: float, s2: float, activation: str, k: int,
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gu: torch.Tensor,
+    t1: torch.Tensor,
+    t2: torch.Tensor,
+    offsets: torch.Tensor,
+    gather: torch.Tensor,
+    scatter: torch.Tensor,
+    rw: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    s1: float,
+    s2: float,
+    activation: str,
+    k: int,
     needs: list[bool],
 ) -> list[torch.Tensor]:
     """Grads of (x, top_k_weights, gate_up, down, a1, b1, a2, b2); an empty tensor where not needed."""
     (a1p, b1p), (a2p, b2p) = _prepared(a1, b1, s1), _prepared(a2, b2, s2)
     saved = (gu, t1 if a1 is not None else None, t2 if a2 is not None else None, offsets, gather, scatter, rw)
-    grads = _experts_backward(grad_out, x, saved, gate_up, down, a1p, b1p, a2p, b2p, (s1, s2), activation, k,
-                              top_k_weights.dtype, needs)
+    grads = _experts_backward(
+        grad_out, x, saved, gate_up, down, a1p, b1p, a2p, b2p, (s1, s2), activation, k, top_k_weights.dtype, needs
+    )
     return [x.new_empty(0) if g is None else g for g in grads]
 
 
 @_moe_experts_backward_op.register_fake
-def _(grad_out, x, top_k_weights, gu, t1, t2, offsets, gather, scatter, rw, gate_up, down, a1, b1, a2, b2, s1, s2,
-      activation, k, needs):
+def _(
+    grad_out,
+    x,
+    top_k_weights,
+    gu,
+    t1,
+    t2,
+    offsets,
+    gather,
+    scatter,
+    rw,
+    gate_up,
+    down,
+    a1,
+    b1,
+    a2,
+    b2,
+    s1,
+    s2,
+    activation,
+    k,
+    needs,
+):
     like = (x, top_k_weights, gate_up, down, a1, b1, a2, b2)
     return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for t, need in zip(like, needs)]
 
@@ -445,10 +564,38 @@ def _setup_experts(ctx, inputs, output):
 def _experts_op_backward(ctx, grad_out, *_unused):
     x, top_k_weights, gu, t1, t2, offsets, gather, scatter, rw, gate_up, down, a1, b1, a2, b2 = ctx.saved_tensors
     n = ctx.needs_input_grad
-    needs = [n[0], n[1], n[3], n[4], n[5] and a1 is not None, n[6] and b1 is not None, n[7] and a2 is not None,
-             n[8] and b2 is not None]
-    grads = _moe_experts_backward_op(grad_out, x, top_k_weights, gu, t1, t2, offsets, gather, scatter, rw, gate_up,
-                                     down, a1, b1, a2, b2, *ctx.scales, ctx.activation, ctx.k, needs)
+    needs = [
+        n[0],
+        n[1],
+        n[3],
+        n[4],
+        n[5] and a1 is not None,
+        n[6] and b1 is not None,
+        n[7] and a2 is not None,
+        n[8] and b2 is not None,
+    ]
+    grads = _moe_experts_backward_op(
+        grad_out,
+        x,
+        top_k_weights,
+        gu,
+        t1,
+        t2,
+        offsets,
+        gather,
+        scatter,
+        rw,
+        gate_up,
+        down,
+        a1,
+        b1,
+        a2,
+        b2,
+        *ctx.scales,
+        ctx.activation,
+        ctx.k,
+        needs,
+    )
     grads = [g if need else None for g, need in zip(grads, needs)]
     return (*grads[:2], None, *grads[2:], None, None, None)
 

@@ -51,8 +51,7 @@ _GROUP_M = 8  # row tiles that share each weight tile while it is in L2 (see _ex
 
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _expert_tile(offsets_ptr, pid, n_col_tiles, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
-                 GROUP_M: tl.constexpr):
+def _expert_tile(offsets_ptr, pid, n_col_tiles, E, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
     """(expert, first row, end row, column tile) of program `pid` when each expert's rows are cut in BLOCK_M
     tiles; expert == E when the program lies beyond the last tile.
 
@@ -94,23 +93,55 @@ def _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX: tl.constexpr, BL
 
 @triton.jit
 def _grouped_mm(
-    a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, rw_ptr, offsets_ptr,
-    t_ptr, b_ptr,
-    M, N, K, E, R,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_tm, stride_tr, stride_be, stride_bn, stride_br,
-    HAS_A_INDEX: tl.constexpr, HAS_OUT_INDEX: tl.constexpr, HAS_RW: tl.constexpr, HAS_LORA: tl.constexpr,
-    A_TMA: tl.constexpr, W_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    a_index_ptr,
+    w_ptr,
+    out_ptr,
+    out_index_ptr,
+    rw_ptr,
+    offsets_ptr,
+    t_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    E,
+    R,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    stride_on,
+    stride_tm,
+    stride_tr,
+    stride_be,
+    stride_bn,
+    stride_br,
+    HAS_A_INDEX: tl.constexpr,
+    HAS_OUT_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr,
+    W_KMAJOR: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """A_TMA: a_ptr is a tensor descriptor over a [rows, K] (block [BLOCK_M, BLOCK_K]); a tile may run into
     the next expert's rows, whose products are not stored. W_TMA: w_ptr is a descriptor over the weights
     flattened to 2-D: [E * N, K] (W_KMAJOR, block [BLOCK_N, BLOCK_K]; a tile past N reads the next
     expert's rows, whose columns are not stored) or [E * K, N] (block [BLOCK_K, BLOCK_N]; the launcher
     takes this only when BLOCK_K divides K, so no tile reads another expert's rows into the sum)."""
-    expert, row_start, row_end, col_tile = _expert_tile(offsets_ptr, tl.program_id(0), tl.cdiv(N, BLOCK_N), E,
-                                                         BLOCK_E, BLOCK_M, GROUP_M)
+    expert, row_start, row_end, col_tile = _expert_tile(
+        offsets_ptr, tl.program_id(0), tl.cdiv(N, BLOCK_N), E, BLOCK_E, BLOCK_M, GROUP_M
+    )
     if expert >= E:
         return
     rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
@@ -142,10 +173,16 @@ def _grouped_mm(
         acc = dot_acc(a, w, acc, PRECISION)
     if HAS_LORA:
         rr = tl.arange(0, BLOCK_R)
-        t = tl.load(t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
-                    mask=mask_m[:, None] & (rr[None, :] < R), other=0.0)
-        b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
-                    mask=(rr[:, None] < R) & mask_n[None, :], other=0.0)
+        t = tl.load(
+            t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
+            mask=mask_m[:, None] & (rr[None, :] < R),
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
+            mask=(rr[:, None] < R) & mask_n[None, :],
+            other=0.0,
+        )
         acc = dot_acc(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
     if HAS_RW:
         acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -153,18 +190,42 @@ def _grouped_mm(
         dst = tl.load(out_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
     else:
         dst = rm.to(tl.int64)
-    tl.store(out_ptr + dst[:, None] * stride_om + rn[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        out_ptr + dst[:, None] * stride_om + rn[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
 def _grouped_mm_glu(
-    a_ptr, a_index_ptr, w_ptr, gu_ptr, h_ptr, offsets_ptr,
-    M, I, K, E,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_gm, stride_hm,
-    HAS_A_INDEX: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr, STORE_GU: tl.constexpr,
-    ACT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    a_index_ptr,
+    w_ptr,
+    gu_ptr,
+    h_ptr,
+    offsets_ptr,
+    M,
+    I,
+    K,
+    E,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_gm,
+    stride_hm,
+    HAS_A_INDEX: tl.constexpr,
+    A_TMA: tl.constexpr,
+    W_TMA: tl.constexpr,
+    STORE_GU: tl.constexpr,
+    ACT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """The gate_up GEMM with the gated activation in its epilogue: w [E, 2I, K] ([gate; up] halves); a
@@ -172,8 +233,9 @@ def _grouped_mm_glu(
     output dtype (as a separate activation pass would read them), and stores h = act(gate) * up [M, I]
     and, with STORE_GU, [gate | up] [M, 2I] for the backward. W_TMA: w_ptr is a descriptor over w as
     [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA as in _grouped_mm."""
-    expert, row_start, row_end, col_tile = _expert_tile(offsets_ptr, tl.program_id(0), tl.cdiv(I, BLOCK_N), E,
-                                                         BLOCK_E, BLOCK_M, GROUP_M)
+    expert, row_start, row_end, col_tile = _expert_tile(
+        offsets_ptr, tl.program_id(0), tl.cdiv(I, BLOCK_N), E, BLOCK_E, BLOCK_M, GROUP_M
+    )
     if expert >= E:
         return
     rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
@@ -215,16 +277,42 @@ def _grouped_mm_glu(
         tl.store(gu_ptr + rows * stride_gm + I + rn[None, :], up, mask=mask)
     g32 = gate.to(tl.float32)
     p, _ = gate_factor(g32, ACT)
-    tl.store(h_ptr + rows * stride_hm + rn[None, :], (g32 * p * up.to(tl.float32)).to(h_ptr.dtype.element_ty),
-             mask=mask)
+    tl.store(
+        h_ptr + rows * stride_hm + rn[None, :], (g32 * p * up.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
-def _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, m0, row_end, n0, k0, rn, rk,
-             mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
-             HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr,
-             DY_TMA: tl.constexpr, X_TMA: tl.constexpr, FULL: tl.constexpr, PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr):
+def _dw_step(
+    dy_ptr,
+    dy_desc,
+    dy_index_ptr,
+    x_ptr,
+    x_desc,
+    x_index_ptr,
+    rw_ptr,
+    m0,
+    row_end,
+    n0,
+    k0,
+    rn,
+    rk,
+    mask_n,
+    mask_k,
+    acc,
+    stride_dym,
+    stride_dyn,
+    stride_xm,
+    stride_xk,
+    HAS_DY_INDEX: tl.constexpr,
+    HAS_X_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    DY_TMA: tl.constexpr,
+    X_TMA: tl.constexpr,
+    FULL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """acc += (rw * dy)[m0:m0+BLOCK_M, rn]^T x[m0:m0+BLOCK_M, rk]. FULL: every row of the block is the
     expert's (no row mask). The last, partial block has FULL and the TMA flags off: rows past the expert's
     end must be masked, which bulk copies cannot do."""
@@ -240,8 +328,11 @@ def _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, 
             dy_rows = tl.load(dy_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             dy_rows = rm.to(tl.int64)
-        dy = tl.load(dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
-                     mask=mask_n[:, None] & mask_m[None, :], other=0.0)
+        dy = tl.load(
+            dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
+            mask=mask_n[:, None] & mask_m[None, :],
+            other=0.0,
+        )
     if HAS_RW:
         rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
         dy = (dy.to(tl.float32) * rw[None, :]).to(dy_ptr.dtype.element_ty)
@@ -252,19 +343,45 @@ def _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, 
             x_rows = tl.load(x_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             x_rows = rm.to(tl.int64)
-        x = tl.load(x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(
+            x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
     return dot_acc(dy, x, acc, PRECISION)
 
 
 @triton.jit
 def _grouped_mm_dw(
-    dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, offsets_ptr, dw_ptr, scale,
-    M, N, K,
-    stride_dym, stride_dyn, stride_xm, stride_xk, stride_we, stride_wn, stride_wk,
-    HAS_DY_INDEX: tl.constexpr, HAS_X_INDEX: tl.constexpr, HAS_RW: tl.constexpr,
-    DY_TMA: tl.constexpr, X_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    dy_ptr,
+    dy_desc,
+    dy_index_ptr,
+    x_ptr,
+    x_desc,
+    x_index_ptr,
+    rw_ptr,
+    offsets_ptr,
+    dw_ptr,
+    scale,
+    M,
+    N,
+    K,
+    stride_dym,
+    stride_dyn,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    HAS_DY_INDEX: tl.constexpr,
+    HAS_X_INDEX: tl.constexpr,
+    HAS_RW: tl.constexpr,
+    DY_TMA: tl.constexpr,
+    X_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """DY_TMA / X_TMA: dy_desc / x_desc are tensor descriptors over dy [rows, N] (block [BLOCK_M, BLOCK_N])
     and x [rows, K] (block [BLOCK_M, BLOCK_K]), used for the expert's whole BLOCK_M blocks of rows."""
@@ -283,21 +400,90 @@ def _grouped_mm_dw(
     full_end = row_start + ((row_end - row_start) // BLOCK_M) * BLOCK_M
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m0 in range(row_start, full_end, BLOCK_M):
-        acc = _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, m0, row_end, n0, k0, rn,
-                       rk, mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
-                       HAS_DY_INDEX, HAS_X_INDEX, HAS_RW, DY_TMA, X_TMA, True, PRECISION, BLOCK_M)
+        acc = _dw_step(
+            dy_ptr,
+            dy_desc,
+            dy_index_ptr,
+            x_ptr,
+            x_desc,
+            x_index_ptr,
+            rw_ptr,
+            m0,
+            row_end,
+            n0,
+            k0,
+            rn,
+            rk,
+            mask_n,
+            mask_k,
+            acc,
+            stride_dym,
+            stride_dyn,
+            stride_xm,
+            stride_xk,
+            HAS_DY_INDEX,
+            HAS_X_INDEX,
+            HAS_RW,
+            DY_TMA,
+            X_TMA,
+            True,
+            PRECISION,
+            BLOCK_M,
+        )
     if full_end < row_end:
-        acc = _dw_step(dy_ptr, dy_desc, dy_index_ptr, x_ptr, x_desc, x_index_ptr, rw_ptr, full_end, row_end, n0, k0,
-                       rn, rk, mask_n, mask_k, acc, stride_dym, stride_dyn, stride_xm, stride_xk,
-                       HAS_DY_INDEX, HAS_X_INDEX, HAS_RW, False, False, False, PRECISION, BLOCK_M)
+        acc = _dw_step(
+            dy_ptr,
+            dy_desc,
+            dy_index_ptr,
+            x_ptr,
+            x_desc,
+            x_index_ptr,
+            rw_ptr,
+            full_end,
+            row_end,
+            n0,
+            k0,
+            rn,
+            rk,
+            mask_n,
+            mask_k,
+            acc,
+            stride_dym,
+            stride_dyn,
+            stride_xm,
+            stride_xk,
+            HAS_DY_INDEX,
+            HAS_X_INDEX,
+            HAS_RW,
+            False,
+            False,
+            False,
+            PRECISION,
+            BLOCK_M,
+        )
     acc *= scale
-    tl.store(dw_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
-             acc.to(dw_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_k[None, :])
+    tl.store(
+        dw_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
+        acc.to(dw_ptr.dtype.element_ty),
+        mask=mask_n[:, None] & mask_k[None, :],
+    )
 
 
 @triton.jit
-def _scale_scatter_rows(y_ptr, rw_ptr, index_ptr, out_ptr, M, N, stride_y, stride_o,
-                        HAS_RW: tl.constexpr, HAS_INDEX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scale_scatter_rows(
+    y_ptr,
+    rw_ptr,
+    index_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_y,
+    stride_o,
+    HAS_RW: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """out[index[m]] = rw[m] * y[m] (the epilogue of the torch._grouped_mm path), fp32 product, one rounding."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = rm < M
@@ -307,8 +493,9 @@ def _scale_scatter_rows(y_ptr, rw_ptr, index_ptr, out_ptr, M, N, stride_y, strid
         rn = n0 + tl.arange(0, BLOCK_N)
         mask = mask_m[:, None] & (rn[None, :] < N)
         y = tl.load(y_ptr + rm.to(tl.int64)[:, None] * stride_y + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + dst[:, None] * stride_o + rn[None, :], (y * rw[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(
+            out_ptr + dst[:, None] * stride_o + rn[None, :], (y * rw[:, None]).to(out_ptr.dtype.element_ty), mask=mask
+        )
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -337,8 +524,12 @@ def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     E, N, K = w.shape
     if w.stride(2) == 1 and w.stride(0) == N * w.stride(1) and _descriptor_ok(w, w.stride(1)):
         return TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [block_n, block_k]), True
-    if (w.stride(1) == 1 and w.stride(0) == K * w.stride(2) and K % block_k == 0  # no tile reads two experts' rows
-            and _descriptor_ok(w, w.stride(2))):
+    if (
+        w.stride(1) == 1
+        and w.stride(0) == K * w.stride(2)
+        and K % block_k == 0  # no tile reads two experts' rows
+        and _descriptor_ok(w, w.stride(2))
+    ):
         return TensorDescriptor(w, [E * K, N], [w.stride(2), 1], [block_k, block_n]), False
     return None
 
@@ -352,9 +543,19 @@ def _scale_scatter(y: torch.Tensor, out: torch.Tensor, row_weights, out_index) -
     M, N = y.shape
     block_n = min(256, max(16, next_power_of_2(N)))
     _scale_scatter_rows[(cdiv(M, 16),)](
-        y, row_weights if row_weights is not None else y, out_index if out_index is not None else y, out, M, N,
-        y.stride(0), out.stride(0), HAS_RW=row_weights is not None, HAS_INDEX=out_index is not None,
-        BLOCK_M=16, BLOCK_N=block_n, num_warps=4,
+        y,
+        row_weights if row_weights is not None else y,
+        out_index if out_index is not None else y,
+        out,
+        M,
+        N,
+        y.stride(0),
+        out.stride(0),
+        HAS_RW=row_weights is not None,
+        HAS_INDEX=out_index is not None,
+        BLOCK_M=16,
+        BLOCK_N=block_n,
+        num_warps=4,
     )
 
 
@@ -425,24 +626,60 @@ def grouped_mm_rows(
                 a_tma = True
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(N, cfg["BLOCK_N"]),)
         _grouped_mm[grid](
-            a_arg, a_index if a_index is not None else dummy, w_arg, out,
+            a_arg,
+            a_index if a_index is not None else dummy,
+            w_arg,
+            out,
             out_index if out_index is not None else dummy,
-            row_weights if row_weights is not None else dummy, offsets,
-            t if t is not None else dummy, b if b is not None else dummy,
-            M, N, K, E, R,
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-            *(t.stride() if t is not None else (0, 0)), *(b.stride() if b is not None else (0, 0, 0)),
-            HAS_A_INDEX=a_index is not None, HAS_OUT_INDEX=out_index is not None, HAS_RW=row_weights is not None,
-            HAS_LORA=lora is not None, A_TMA=a_tma, W_TMA=w_tma, W_KMAJOR=w_kmajor,
-            PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2), BLOCK_R=max(16, next_power_of_2(R)),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=_GROUP_M,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            row_weights if row_weights is not None else dummy,
+            offsets,
+            t if t is not None else dummy,
+            b if b is not None else dummy,
+            M,
+            N,
+            K,
+            E,
+            R,
+            a.stride(0),
+            a.stride(1),
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            out.stride(0),
+            out.stride(1),
+            *(t.stride() if t is not None else (0, 0)),
+            *(b.stride() if b is not None else (0, 0, 0)),
+            HAS_A_INDEX=a_index is not None,
+            HAS_OUT_INDEX=out_index is not None,
+            HAS_RW=row_weights is not None,
+            HAS_LORA=lora is not None,
+            A_TMA=a_tma,
+            W_TMA=w_tma,
+            W_KMAJOR=w_kmajor,
+            PRECISION=_precision(a.dtype, a.device),
+            BLOCK_E=max(next_power_of_2(E), 2),
+            BLOCK_R=max(16, next_power_of_2(R)),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            GROUP_M=_GROUP_M,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         return out
 
     # tuning runs write `out`, which the real launch then overwrites
-    cfg = config or tuning.config_for("fwd", a.dtype, N, K, E, M, a.device, run=launch,
-                                      variant=_variant(a_index, out_index, row_weights, lora, torch_ok))
+    cfg = config or tuning.config_for(
+        "fwd",
+        a.dtype,
+        N,
+        K,
+        E,
+        M,
+        a.device,
+        run=launch,
+        variant=_variant(a_index, out_index, row_weights, lora, torch_ok),
+    )
     return launch(cfg)
 
 
@@ -485,19 +722,50 @@ def grouped_mm_glu(
                 a_tma = True
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(I, cfg["BLOCK_N"]),)
         _grouped_mm_glu[grid](
-            a_arg, a_index if a_index is not None else dummy, w_arg, gu if gu is not None else h, h, offsets,
-            M, I, K, E,
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-            gu.stride(0) if gu is not None else 0, h.stride(0),
-            HAS_A_INDEX=a_index is not None, A_TMA=a_tma, W_TMA=w_tma, STORE_GU=gu is not None, ACT=act,
-            PRECISION=_precision(a.dtype, a.device), BLOCK_E=max(next_power_of_2(E), 2),
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=_GROUP_M,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            a_arg,
+            a_index if a_index is not None else dummy,
+            w_arg,
+            gu if gu is not None else h,
+            h,
+            offsets,
+            M,
+            I,
+            K,
+            E,
+            a.stride(0),
+            a.stride(1),
+            w.stride(0),
+            w.stride(1),
+            w.stride(2),
+            gu.stride(0) if gu is not None else 0,
+            h.stride(0),
+            HAS_A_INDEX=a_index is not None,
+            A_TMA=a_tma,
+            W_TMA=w_tma,
+            STORE_GU=gu is not None,
+            ACT=act,
+            PRECISION=_precision(a.dtype, a.device),
+            BLOCK_E=max(next_power_of_2(E), 2),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            GROUP_M=_GROUP_M,
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         return gu, h
 
-    cfg = config or tuning.config_for("glu", a.dtype, two_i, K, E, M, a.device, run=launch,
-                                      variant=_variant(a_index, None, None, None, False) + ("u" if store_gu else ""))
+    cfg = config or tuning.config_for(
+        "glu",
+        a.dtype,
+        two_i,
+        K,
+        E,
+        M,
+        a.device,
+        run=launch,
+        variant=_variant(a_index, None, None, None, False) + ("u" if store_gu else ""),
+    )
     return launch(cfg)
 
 
@@ -505,8 +773,13 @@ def _variant(*flags) -> str:
     """The part of the tuning key beyond the shape: gathered rows, scattered rows, weights, LoRA, and
     whether torch._grouped_mm may run (each changes what is fastest)."""
     gather, scatter, rw, lora, torch_ok = flags
-    return "".join(c for c, on in zip("gswlt", (gather is not None, scatter is not None, rw is not None,
-                                                lora is not None, bool(torch_ok))) if on)
+    return "".join(
+        c
+        for c, on in zip(
+            "gswlt", (gather is not None, scatter is not None, rw is not None, lora is not None, bool(torch_ok))
+        )
+        if on
+    )
 
 
 def grouped_mm_dw(
@@ -541,7 +814,9 @@ def grouped_mm_dw(
                 raise RuntimeError("torch._grouped_mm path: bf16 tensors only")
             return _dw_torch(dy, x, offsets, dy_index, x_index, row_weights, scale, dw)
         dy_desc, x_desc = dummy, dummy
-        dy_tma = impl == "tma" and tma_device and dy_index is None and dy.stride(1) == 1 and _descriptor_ok(dy, dy.stride(0))
+        dy_tma = (
+            impl == "tma" and tma_device and dy_index is None and dy.stride(1) == 1 and _descriptor_ok(dy, dy.stride(0))
+        )
         x_tma = impl == "tma" and tma_device and x_index is None and x.stride(1) == 1 and _descriptor_ok(x, x.stride(0))
         if dy_tma:
             dy_desc = TensorDescriptor(dy, [dy.shape[0], N], [dy.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_N"]])
@@ -549,19 +824,51 @@ def grouped_mm_dw(
             x_desc = TensorDescriptor(x, [x.shape[0], K], [x.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         grid = (cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"]), num_experts)
         _grouped_mm_dw[grid](
-            dy, dy_desc, dy_index if dy_index is not None else dummy, x, x_desc,
+            dy,
+            dy_desc,
+            dy_index if dy_index is not None else dummy,
+            x,
+            x_desc,
             x_index if x_index is not None else dummy,
-            row_weights if row_weights is not None else dummy, offsets, dw, float(scale), M, N, K,
-            dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-            HAS_DY_INDEX=dy_index is not None, HAS_X_INDEX=x_index is not None, HAS_RW=row_weights is not None,
-            DY_TMA=dy_tma, X_TMA=x_tma,
-            PRECISION=_precision(x.dtype, x.device), BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            row_weights if row_weights is not None else dummy,
+            offsets,
+            dw,
+            float(scale),
+            M,
+            N,
+            K,
+            dy.stride(0),
+            dy.stride(1),
+            x.stride(0),
+            x.stride(1),
+            dw.stride(0),
+            dw.stride(1),
+            dw.stride(2),
+            HAS_DY_INDEX=dy_index is not None,
+            HAS_X_INDEX=x_index is not None,
+            HAS_RW=row_weights is not None,
+            DY_TMA=dy_tma,
+            X_TMA=x_tma,
+            PRECISION=_precision(x.dtype, x.device),
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
         return dw
 
-    cfg = config or tuning.config_for("dw", x.dtype, N, K, num_experts, M, x.device, run=launch,
-                                      variant=_variant(dy_index, x_index, row_weights, None, torch_ok))
+    cfg = config or tuning.config_for(
+        "dw",
+        x.dtype,
+        N,
+        K,
+        num_experts,
+        M,
+        x.device,
+        run=launch,
+        variant=_variant(dy_index, x_index, row_weights, None, torch_ok),
+    )
     return launch(cfg)
 
 
@@ -606,8 +913,14 @@ def _check_args(x, w, offsets, gather_index, scatter_index, row_weights) -> int:
         if row_weights.shape != (M,):
             raise ValueError(f"row_weights must have shape ({M},); got {tuple(row_weights.shape)}")
         check_dtype("row_weights", row_weights)
-    check_same_device(x=x, w=w, expert_offsets=offsets, gather_index=gather_index, scatter_index=scatter_index,
-                      row_weights=row_weights)
+    check_same_device(
+        x=x,
+        w=w,
+        expert_offsets=offsets,
+        gather_index=gather_index,
+        scatter_index=scatter_index,
+        row_weights=row_weights,
+    )
     return M
 
 
@@ -625,8 +938,13 @@ class GroupedGemm(torch.autograd.Function):
         dx = dw = drw = None
         if need_x or need_rw:
             # unweighted rows when the routing weights need their gradient <d(unweighted row), x row>
-            rows = grouped_mm_rows(grad_out, w.transpose(1, 2), offsets, a_index=scatter_index,
-                                   row_weights=None if need_rw else row_weights)
+            rows = grouped_mm_rows(
+                grad_out,
+                w.transpose(1, 2),
+                offsets,
+                a_index=scatter_index,
+                row_weights=None if need_rw else row_weights,
+            )
             if need_rw:
                 rows = rows.float()
                 x_rows = x[gather_index] if gather_index is not None else x
@@ -639,8 +957,16 @@ class GroupedGemm(torch.autograd.Function):
             elif need_x:
                 dx = rows.to(x.dtype)
         if need_w:
-            dw = grouped_mm_dw(grad_out, x, offsets, w.shape[0], dy_index=scatter_index, x_index=gather_index,
-                               row_weights=row_weights, dtype=w.dtype)
+            dw = grouped_mm_dw(
+                grad_out,
+                x,
+                offsets,
+                w.shape[0],
+                dy_index=scatter_index,
+                x_index=gather_index,
+                row_weights=row_weights,
+                dtype=w.dtype,
+            )
         return dx, dw, None, None, None, drw
 
 
@@ -664,8 +990,9 @@ def grouped_gemm(
     """
     _check_args(x, w, expert_offsets, gather_index, scatter_index, row_weights)
     if not use_triton(x, w):
-        return grouped_gemm_reference(x, w, expert_offsets, gather_index=gather_index, scatter_index=scatter_index,
-                                      row_weights=row_weights)
+        return grouped_gemm_reference(
+            x, w, expert_offsets, gather_index=gather_index, scatter_index=scatter_index, row_weights=row_weights
+        )
     return GroupedGemm.apply(x, w, expert_offsets, gather_index, scatter_index, row_weights)
 
 
@@ -693,8 +1020,16 @@ def grouped_gemm_reference(
     return out
 
 
-def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.bfloat16,
-          device: torch.device | str = "cuda", seed: int = 0) -> list[dict]:
+def sweep(
+    kind: str,
+    N: int,
+    K: int,
+    E: int,
+    M: int,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cuda",
+    seed: int = 0,
+) -> list[dict]:
     """Times every candidate config of one kernel on random data of this shape (rows spread over the
     experts at random); one dict per config: the config, ms, TFLOP/s, shared memory, and why it was
     skipped (pruned, or it failed to launch). What `python -m fastplug.bench moe-tune` reports."""
@@ -728,8 +1063,19 @@ def sweep(kind: str, N: int, K: int, E: int, M: int, dtype: torch.dtype = torch.
     for values in tuning.CANDIDATES[kind]:
         cfg = tuning.as_config(values)
         smem = tuning.shared_memory_bytes(kind, cfg, dtype)
-        row = {"kind": kind, "N": N, "K": K, "E": E, "M": M, "dtype": str(dtype).replace("torch.", ""), **cfg,
-               "smem_KiB": smem // 1024, "ms": None, "TFLOPs": None, "skipped": ""}
+        row = {
+            "kind": kind,
+            "N": N,
+            "K": K,
+            "E": E,
+            "M": M,
+            "dtype": str(dtype).replace("torch.", ""),
+            **cfg,
+            "smem_KiB": smem // 1024,
+            "ms": None,
+            "TFLOPs": None,
+            "skipped": "",
+        }
         if cfg not in kept:
             row["skipped"] = "shared memory" if smem > limit else "blocks larger than the shape"
         else:

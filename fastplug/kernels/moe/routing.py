@@ -43,8 +43,16 @@ def _pick(remaining, cols, BLOCK_E: tl.constexpr):
 
 @triton.jit
 def _router_fwd(
-    logits_ptr, weights_ptr, index_ptr, T, E, stride_t,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr,
+    weights_ptr,
+    index_ptr,
+    T,
+    E,
+    stride_t,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -68,8 +76,18 @@ def _router_fwd(
 
 @triton.jit
 def _router_bwd(
-    logits_ptr, index_ptr, dweights_ptr, dlogits_ptr, T, E, stride_t, stride_dt,
-    TOP_K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr,
+    index_ptr,
+    dweights_ptr,
+    dlogits_ptr,
+    T,
+    E,
+    stride_t,
+    stride_dt,
+    TOP_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -91,13 +109,22 @@ def _router_bwd(
         dsel = (dsel - wdot[:, None]) / total[:, None] * sel
     # softmax backward; dp is zero outside the selected experts
     dlogits = p * (dsel - tl.sum(dsel * p, 1)[:, None])
-    tl.store(dlogits_ptr + rows[:, None] * stride_dt + cols[None, :], dlogits.to(dlogits_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (cols[None, :] < E))
+    tl.store(
+        dlogits_ptr + rows[:, None] * stride_dt + cols[None, :],
+        dlogits.to(dlogits_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (cols[None, :] < E),
+    )
 
 
 @triton.jit
 def _routing_metadata(
-    ids_ptr, offsets_ptr, gather_ptr, scatter_ptr, S, TOP_K, BLOCK_S: tl.constexpr,
+    ids_ptr,
+    offsets_ptr,
+    gather_ptr,
+    scatter_ptr,
+    S,
+    TOP_K,
+    BLOCK_S: tl.constexpr,
 ):
     expert = tl.program_id(0)
     before = tl.zeros((), dtype=tl.int32)
@@ -126,8 +153,16 @@ def _router_forward(logits, top_k, normalize):
     index = torch.empty((T, top_k), dtype=torch.int64, device=logits.device)
     if T:
         _router_fwd[(cdiv(T, _BLOCK_T),)](
-            logits, weights, index, T, E, logits.stride(0),
-            TOP_K=top_k, NORMALIZE=normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
+            logits,
+            weights,
+            index,
+            T,
+            E,
+            logits.stride(0),
+            TOP_K=top_k,
+            NORMALIZE=normalize,
+            BLOCK_T=_BLOCK_T,
+            BLOCK_E=next_power_of_2(E),
         )
     return weights, index
 
@@ -138,8 +173,18 @@ def _router_backward(dweights, logits, index, normalize):
     if T:
         dweights = dweights.contiguous()
         _router_bwd[(cdiv(T, _BLOCK_T),)](
-            logits, index, dweights, dlogits, T, E, logits.stride(0), dlogits.stride(0),
-            TOP_K=index.shape[1], NORMALIZE=normalize, BLOCK_T=_BLOCK_T, BLOCK_E=next_power_of_2(E),
+            logits,
+            index,
+            dweights,
+            dlogits,
+            T,
+            E,
+            logits.stride(0),
+            dlogits.stride(0),
+            TOP_K=index.shape[1],
+            NORMALIZE=normalize,
+            BLOCK_T=_BLOCK_T,
+            BLOCK_E=next_power_of_2(E),
         )
     return dlogits
 
@@ -170,8 +215,9 @@ def _check_router(logits: torch.Tensor, top_k: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------- public API
-def moe_router(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
-               weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_router(
+    logits: torch.Tensor, top_k: int, *, normalize: bool = True, weights_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, expert indices [T, k] int64) from router logits [T, E]: softmax in fp32, top k
     (sorted descending), renormalised to sum 1 when `normalize`. Weights come in `weights_dtype` (default
     fp32); differentiable in logits."""
@@ -187,8 +233,9 @@ def moe_router(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
     return TopKRouter.apply(logits, top_k, normalize, weights_dtype)
 
 
-def moe_router_reference(logits: torch.Tensor, top_k: int, *, normalize: bool = True,
-                         weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_router_reference(
+    logits: torch.Tensor, top_k: int, *, normalize: bool = True, weights_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, index = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -200,8 +247,9 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch
     """(offsets [E] int32 cumulative rows per expert, gather_index [T*k] int32: the token of each grouped
     row, scatter_index [T*k] int32: its flat (token, slot) position) for top_k_index [T, k]."""
     if top_k_index.dim() != 2 or top_k_index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"top_k_index must be an int32/int64 [tokens, k] tensor; got {top_k_index.dtype} "
-                         f"{tuple(top_k_index.shape)}")
+        raise ValueError(
+            f"top_k_index must be an int32/int64 [tokens, k] tensor; got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1; got {num_experts}")
     if not use_triton(top_k_index):
@@ -214,8 +262,9 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch
     offsets = torch.empty(num_experts, dtype=torch.int32, device=device)
     gather = torch.empty(S, dtype=torch.int32, device=device)
     scatter = torch.empty(S, dtype=torch.int32, device=device)
-    _routing_metadata[(num_experts,)](ids, offsets, gather, scatter, S, top_k_index.shape[1],
-                                      BLOCK_S=min(_BLOCK_S, max(16, next_power_of_2(S))))
+    _routing_metadata[(num_experts,)](
+        ids, offsets, gather, scatter, S, top_k_index.shape[1], BLOCK_S=min(_BLOCK_S, max(16, next_power_of_2(S)))
+    )
     return offsets, gather, scatter
 
 
@@ -241,8 +290,9 @@ def _(logits, top_k, normalize):
 
 
 @torch.library.custom_op("fastplug::moe_router_backward", mutates_args=())
-def _router_backward_op(dweights: torch.Tensor, logits: torch.Tensor, index: torch.Tensor,
-                        normalize: bool) -> torch.Tensor:
+def _router_backward_op(
+    dweights: torch.Tensor, logits: torch.Tensor, index: torch.Tensor, normalize: bool
+) -> torch.Tensor:
     return _router_backward(dweights, logits, index, normalize)
 
 

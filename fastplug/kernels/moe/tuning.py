@@ -45,22 +45,35 @@ _SPLIT = (0, 0, 0, 0, 0, "split")  # glu only: the tuned gate_up GEMM, then the 
 _BLOCKLESS = ("torch", "split")  # impls whose tiles are not ours: never pruned by size
 CANDIDATES = {
     "fwd": [
-        (128, 128, 64, 8, 3, "ptr"), (128, 256, 64, 8, 3, "ptr"), (128, 128, 64, 4, 4, "ptr"),
+        (128, 128, 64, 8, 3, "ptr"),
+        (128, 256, 64, 8, 3, "ptr"),
+        (128, 128, 64, 4, 4, "ptr"),
         (64, 128, 64, 4, 4, "ptr"),
-        (128, 256, 64, 8, 3, "tma"), (128, 256, 64, 8, 4, "tma"), (128, 128, 64, 8, 4, "tma"),
-        (128, 128, 64, 4, 4, "tma"), (64, 256, 64, 4, 3, "tma"),
+        (128, 256, 64, 8, 3, "tma"),
+        (128, 256, 64, 8, 4, "tma"),
+        (128, 128, 64, 8, 4, "tma"),
+        (128, 128, 64, 4, 4, "tma"),
+        (64, 256, 64, 4, 3, "tma"),
         _TORCH,
         # narrow outputs: the rank-r LoRA products
-        (128, 16, 128, 4, 3, "ptr"), (64, 32, 128, 4, 4, "ptr"),
+        (128, 16, 128, 4, 3, "ptr"),
+        (64, 32, 128, 4, 4, "ptr"),
     ],
     "dw": [
-        (64, 128, 128, 8, 3, "ptr"), (32, 128, 128, 8, 4, "ptr"), (64, 256, 128, 8, 3, "ptr"),
+        (64, 128, 128, 8, 3, "ptr"),
+        (32, 128, 128, 8, 4, "ptr"),
+        (64, 256, 128, 8, 3, "ptr"),
         (64, 128, 64, 4, 4, "ptr"),
-        (64, 128, 128, 8, 3, "tma"), (64, 128, 128, 8, 4, "tma"), (64, 256, 128, 8, 3, "tma"),
-        (128, 128, 128, 8, 3, "tma"), (64, 128, 64, 4, 4, "tma"),
+        (64, 128, 128, 8, 3, "tma"),
+        (64, 128, 128, 8, 4, "tma"),
+        (64, 256, 128, 8, 3, "tma"),
+        (128, 128, 128, 8, 3, "tma"),
+        (64, 128, 64, 4, 4, "tma"),
         _TORCH,
         # one narrow side: dA [r, in] and dB [out, r] of LoRA
-        (64, 16, 128, 4, 4, "ptr"), (64, 128, 16, 4, 4, "ptr"), (128, 32, 128, 4, 3, "ptr"),
+        (64, 16, 128, 4, 4, "ptr"),
+        (64, 128, 16, 4, 4, "ptr"),
+        (128, 32, 128, 4, 3, "ptr"),
         (128, 128, 32, 8, 3, "ptr"),
     ],
     # the gate_up GEMM with the activation in its epilogue: two [BLOCK_M, BLOCK_N] accumulators (gate, up)
@@ -68,8 +81,12 @@ CANDIDATES = {
     # not hidden behind a second program on the SM at 1 CTA/SM, so small-footprint tiles and the unfused pair are
     # candidates too)
     "glu": [
-        (128, 128, 64, 8, 3, "ptr"), (128, 64, 64, 4, 3, "ptr"), (128, 128, 64, 8, 3, "tma"),
-        (128, 128, 64, 8, 4, "tma"), (64, 128, 64, 4, 4, "tma"), (128, 64, 64, 4, 3, "tma"),
+        (128, 128, 64, 8, 3, "ptr"),
+        (128, 64, 64, 4, 3, "ptr"),
+        (128, 128, 64, 8, 3, "tma"),
+        (128, 128, 64, 8, 4, "tma"),
+        (64, 128, 64, 4, 4, "tma"),
+        (128, 64, 64, 4, 3, "tma"),
         _SPLIT,
     ],
 }
@@ -134,8 +151,9 @@ def shared_memory_bytes(kind: str, cfg: dict, dtype: torch.dtype) -> int:
     return cfg["num_stages"] * per_stage * torch.empty((), dtype=dtype).element_size()
 
 
-def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, smem_limit: int,
-               impls=IMPLS) -> list[dict]:
+def candidates(
+    kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, smem_limit: int, impls=IMPLS
+) -> list[dict]:
     """The configs worth timing for this shape: they fit shared memory and their blocks fit the shape;
     `impls` leaves out the paths the launch cannot take (torch._grouped_mm: bf16 without LoRA)."""
     rows_per_expert = max(1, M // max(E, 1))
@@ -156,10 +174,17 @@ def candidates(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, sm
         too_small = (cfg["BLOCK_N"] < 64 and N >= 128) or (kind == "dw" and cfg["BLOCK_K"] < 64 and K >= 128)
         if not (too_big or too_small):
             fits.append(cfg)
-    if not any(c["impl"] not in _BLOCKLESS for c in fits):  # tiny shapes: the smallest Triton config that fits the device
-        fits += sorted((as_config(v) for v in CANDIDATES[kind] if v[5] == "ptr"
-                        and shared_memory_bytes(kind, as_config(v), dtype) <= smem_limit),
-                       key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"])[:1]
+    if not any(
+        c["impl"] not in _BLOCKLESS for c in fits
+    ):  # tiny shapes: the smallest Triton config that fits the device
+        fits += sorted(
+            (
+                as_config(v)
+                for v in CANDIDATES[kind]
+                if v[5] == "ptr" and shared_memory_bytes(kind, as_config(v), dtype) <= smem_limit
+            ),
+            key=lambda c: c["BLOCK_M"] * c["BLOCK_N"] * c["BLOCK_K"],
+        )[:1]
     return fits
 
 
@@ -215,13 +240,28 @@ def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
         run(cfg)
         # 100 ms of repeats: fewer moved the winners between two runs of one tuning (docs/benchmarks/kernels.md)
         return triton.testing.do_bench(lambda: run(cfg), warmup=20, rep=100, return_mode="median")
-    except (triton.runtime.errors.OutOfResources, triton.CompilationError, RuntimeError, AssertionError,
-            ValueError, NotImplementedError):
+    except (
+        triton.runtime.errors.OutOfResources,
+        triton.CompilationError,
+        RuntimeError,
+        AssertionError,
+        ValueError,
+        NotImplementedError,
+    ):
         return None
 
 
-def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, device: torch.device,
-               run: Callable[[dict], None] | None = None, variant: str = "") -> dict:
+def config_for(
+    kind: str,
+    dtype: torch.dtype,
+    N: int,
+    K: int,
+    E: int,
+    M: int,
+    device: torch.device,
+    run: Callable[[dict], None] | None = None,
+    variant: str = "",
+) -> dict:
     """The launch config for this shape: memory, then the disk cache, then (if allowed) timing every
     candidate with `run(config)`, which must launch the kernel without side effects the caller keeps.
     A "t" in `variant` says torch._grouped_mm may run this launch (it is a candidate only then)."""
@@ -237,8 +277,10 @@ def config_for(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, de
     with _lock:
         cfg = _memory.get(key) or _load_disk(device).get(key)
         if cfg is None and run is not None and _may_time(device):
-            timed = [(time_config(run, c), c)
-                     for c in candidates(kind, dtype, N, K, E, M, shared_memory_limit(device), impls)]
+            timed = [
+                (time_config(run, c), c)
+                for c in candidates(kind, dtype, N, K, E, M, shared_memory_limit(device), impls)
+            ]
             TIMINGS[key] = timed
             timed = [(ms, c) for ms, c in timed if ms is not None]
             if timed:

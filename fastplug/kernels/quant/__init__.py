@@ -16,14 +16,33 @@ from __future__ import annotations
 
 from ..ptx import layouts_agree
 from .dequant import (
-    DEQUANT_BLOCK, GROUP_MAX, block_scale, dequantize_4bit, dequantize_4bit_reference, dequantize_4bit_scratch,
+    DEQUANT_BLOCK,
+    GROUP_MAX,
+    block_scale,
+    dequantize_4bit,
+    dequantize_4bit_reference,
+    dequantize_4bit_scratch,
     dequantize_4bit_stacked,
 )
 from .formats import (  # noqa: F401 (_unpack, _unpacked: for decode and older callers)
-    INSTALL_HINT, Packed4bit, _unpack, _unpacked, is_4bit, layout_reason, require_bitsandbytes, shape_4bit, unpack,
+    INSTALL_HINT,
+    Packed4bit,
+    _unpack,
+    _unpacked,
+    is_4bit,
+    layout_reason,
+    require_bitsandbytes,
+    shape_4bit,
+    unpack,
 )
 from .gemv import (  # noqa: F401 (_default_config: the cached heuristic)
-    GEMV_KERNEL_ROWS, GEMV_MAX_ROWS, GemvConfig, _default_config, gemv_4bit, gemv_4bit_reference, gemv_config,
+    GEMV_KERNEL_ROWS,
+    GEMV_MAX_ROWS,
+    GemvConfig,
+    _default_config,
+    gemv_4bit,
+    gemv_4bit_reference,
+    gemv_config,
     launch_checked,
 )
 from .gemv_kernels import LOOKUP_GATHER, LOOKUP_LOAD, LOOKUP_SHFL, LOOKUPS, words_row_sums
@@ -33,9 +52,31 @@ _block_scale = block_scale
 _words_row_sums = words_row_sums
 
 __all__ = [
-    "DEQUANT_BLOCK", "GEMV_KERNEL_ROWS", "GEMV_MAX_ROWS", "GROUP_MAX", "INSTALL_HINT", "LOOKUPS", "LOOKUP_GATHER",
-    "LOOKUP_LOAD", "LOOKUP_SHFL", "GemvConfig", "Packed4bit", "block_scale", "dequantize_4bit",
-    "dequantize_4bit_reference", "dequantize_4bit_scratch", "dequantize_4bit_stacked", "gemv_4bit",
-    "gemv_4bit_reference", "gemv_config", "is_4bit", "launch_checked", "layout_reason", "layouts_agree",
-    "require_bitsandbytes", "shape_4bit", "unpack", "words_row_sums",
+    "DEQUANT_BLOCK",
+    "GEMV_KERNEL_ROWS",
+    "GEMV_MAX_ROWS",
+    "GROUP_MAX",
+    "INSTALL_HINT",
+    "LOOKUPS",
+    "LOOKUP_GATHER",
+    "LOOKUP_LOAD",
+    "LOOKUP_SHFL",
+    "GemvConfig",
+    "Packed4bit",
+    "block_scale",
+    "dequantize_4bit",
+    "dequantize_4bit_reference",
+    "dequantize_4bit_scratch",
+    "dequantize_4bit_stacked",
+    "gemv_4bit",
+    "gemv_4bit_reference",
+    "gemv_config",
+    "is_4bit",
+    "launch_checked",
+    "layout_reason",
+    "layouts_agree",
+    "require_bitsandbytes",
+    "shape_4bit",
+    "unpack",
+    "words_row_sums",
 ]

@@ -18,9 +18,11 @@ from .. import _utils, state
 from .._utils import cdiv, check_dtype, scratch, use_triton
 from .formats import Packed4bit, _unpack, _Unpacked, _unpacked
 
+
 @triton.jit
-def block_scale(blk, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2: tl.constexpr,
-                 NESTED: tl.constexpr):
+def block_scale(
+    blk, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr
+):
     """fp32 absmax of the blocks `blk` (decoded from 8 bits when double-quantized)."""
     if NESTED:
         q = tl.load(absmax_ptr + blk, mask=mask, other=0).to(tl.int32)
@@ -31,8 +33,18 @@ def block_scale(blk, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCK
 
 @triton.jit
 def _dequant_4bit_kernel(
-    data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr, numel,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr,
+    data_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    numel,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Each program turns BLOCK bytes into 2*BLOCK contiguous outputs."""
     pid = tl.program_id(0).to(tl.int64)
@@ -41,8 +53,9 @@ def _dequant_4bit_kernel(
     mask = byte < nbytes
     packed = tl.load(data_ptr + byte, mask=mask, other=0).to(tl.int32)
     # blocksize >= 2 is even: both elements of a byte share their block
-    scale = block_scale((byte * 2) >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                         BLOCKSIZE2_LOG2, NESTED)
+    scale = block_scale(
+        (byte * 2) >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED
+    )
     hi = tl.load(code_ptr + (packed >> 4)) * scale
     lo = tl.load(code_ptr + (packed & 15)) * scale
     vals = tl.reshape(tl.join(hi, lo), (2 * BLOCK,))  # element 2i from the high nibble, 2i+1 from the low
@@ -52,8 +65,14 @@ def _dequant_4bit_kernel(
 
 @triton.jit
 def _dequant_4bit_group_kernel(
-    table_ptr, out_ptr, G: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
-    NESTED: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    table_ptr,
+    out_ptr,
+    G: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """`_dequant_4bit_kernel` for G weights in one launch, written one under another into `out`. Row g of the
     int64 table [G, 9]: the addresses of its data, absmax, code, absmax2, code2 and offset, its first program,
@@ -82,8 +101,9 @@ def _dequant_4bit_group_kernel(
     byte = local * BLOCK + tl.arange(0, BLOCK)
     mask = byte < numel // 2
     packed = tl.load(data_ptr + byte, mask=mask, other=0).to(tl.int32)
-    scale = block_scale((byte * 2) >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                         BLOCKSIZE2_LOG2, NESTED)
+    scale = block_scale(
+        (byte * 2) >> BLOCKSIZE_LOG2, mask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED
+    )
     hi = tl.load(code_ptr + (packed >> 4)) * scale
     lo = tl.load(code_ptr + (packed & 15)) * scale
     vals = tl.reshape(tl.join(hi, lo), (2 * BLOCK,))
@@ -108,7 +128,8 @@ def _dequantize_into(u: _Unpacked, out: torch.Tensor) -> torch.Tensor:
     if not u.compiled and not use_triton(u.packed.data):
         return out.copy_(_reference(u.packed, out.dtype))
     _dequant_4bit_kernel[(cdiv(cdiv(u.numel, 2), DEQUANT_BLOCK),)](
-        *u.args, out, u.numel, **u.consts, BLOCK=DEQUANT_BLOCK, num_warps=4)
+        *u.args, out, u.numel, **u.consts, BLOCK=DEQUANT_BLOCK, num_warps=4
+    )
     return out
 
 
@@ -175,8 +196,10 @@ def _group(weights) -> _Group:
     ps = [e.packed for e in entries]
     first = ps[0]
     if any(p.shape[1] != first.shape[1] for p in ps) or any(p.data.device != first.data.device for p in ps):
-        raise ValueError("weights must share their input width and device to be stacked; got "
-                         f"{[p.shape for p in ps]} on {sorted({str(p.data.device) for p in ps})}")
+        raise ValueError(
+            "weights must share their input width and device to be stacked; got "
+            f"{[p.shape for p in ps]} on {sorted({str(p.data.device) for p in ps})}"
+        )
     shape = (sum(p.shape[0] for p in ps), first.shape[1])
     table, programs = None, 0
     same = all(e.consts == entries[0].consts and e.packed.absmax.dtype == first.absmax.dtype for e in entries)
@@ -215,7 +238,7 @@ def dequantize_4bit_stacked(weights, dtype: torch.dtype) -> torch.Tensor:
         row = 0
         for e in g.entries:  # one launch (or the torch reference) a weight, into its row block
             n = e.packed.shape[0]
-            _dequantize_into(e, out[row:row + n])
+            _dequantize_into(e, out[row : row + n])
             row += n
         return out
     _dequant_4bit_group_kernel[(g.programs,)](g.table, out, **g.consts, BLOCK=DEQUANT_BLOCK, num_warps=4)

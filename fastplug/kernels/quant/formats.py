@@ -28,10 +28,22 @@ INSTALL_HINT = 'pip install "fastplug[qlora]"'
 # The tables bitsandbytes defines for its two 4-bit types (NF4: quantiles of N(0, 1); FP4: 1 sign,
 # 2 exponent, 1 mantissa bit, in bit-pattern order, divided by its largest magnitude).
 _NF4 = (
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
-    0.7229568362236023, 1.0,
+    -1.0,
+    -0.6961928009986877,
+    -0.5250730514526367,
+    -0.39491748809814453,
+    -0.28444138169288635,
+    -0.18477343022823334,
+    -0.09105003625154495,
+    0.0,
+    0.07958029955625534,
+    0.16093020141124725,
+    0.24611230194568634,
+    0.33791524171829224,
+    0.44070982933044434,
+    0.5626170039176941,
+    0.7229568362236023,
+    1.0,
 )
 _FP4 = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0, -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0)
 
@@ -117,12 +129,20 @@ def _from_cpu_layout(data: torch.Tensor, qs, shape: tuple) -> Packed4bit:
     so the weight is read here with the bf16 absmax its forward now computes with."""
     out, k = shape
     blocks = k // qs.blocksize if k % qs.blocksize == 0 else 0
-    if out % _CPU_BLOCK_N or k % 2 or not blocks or data.numel() != out * k // 2 or \
-            tuple(qs.absmax.shape) != (blocks, out) or getattr(qs, "nested", False):
-        raise ValueError(f"weight is in bitsandbytes' CPU inference layout (packing_format_for_cpu) with shape "
-                         f"{shape}, {data.numel()} bytes and absmax {tuple(qs.absmax.shape)}: not a layout fastplug "
-                         f"reads (it expects [out, in / 2] bytes, out % {_CPU_BLOCK_N} == 0, absmax [in / blocksize, "
-                         "out])")
+    if (
+        out % _CPU_BLOCK_N
+        or k % 2
+        or not blocks
+        or data.numel() != out * k // 2
+        or tuple(qs.absmax.shape) != (blocks, out)
+        or getattr(qs, "nested", False)
+    ):
+        raise ValueError(
+            f"weight is in bitsandbytes' CPU inference layout (packing_format_for_cpu) with shape "
+            f"{shape}, {data.numel()} bytes and absmax {tuple(qs.absmax.shape)}: not a layout fastplug "
+            f"reads (it expects [out, in / 2] bytes, out % {_CPU_BLOCK_N} == 0, absmax [in / blocksize, "
+            "out])"
+        )
     tiles = data.reshape(out // _CPU_BLOCK_N, k // 2, _CPU_BLOCK_N)
     nibbles = torch.cat([tiles & 15, tiles >> 4], -1).reshape(out // _CPU_BLOCK_N, k // 2, _CPU_BLOCK_N, 2)
     nibbles = nibbles.transpose(1, 2).reshape(-1)  # row-major [out, in]
@@ -177,9 +197,18 @@ def _unpacked(weight) -> _Unpacked:
         log2_b2 = blocksize2.bit_length() - 1
     consts = dict(BLOCKSIZE_LOG2=p.blocksize.bit_length() - 1, BLOCKSIZE2_LOG2=log2_b2, NESTED=p.nested is not None)
     words = p.data[: p.data.numel() // 4 * 4].view(torch.int32) if p.data.data_ptr() % 4 == 0 else None
-    entry = _Unpacked(ref, weight.quant_state, weight.quant_state.absmax, weight.data_ptr(), p,
-                      (p.data, p.absmax, p.code, absmax2, code2, offset), consts, p.shape[0] * p.shape[1],
-                      p.data.is_cuda and triton_available(), words)
+    entry = _Unpacked(
+        ref,
+        weight.quant_state,
+        weight.quant_state.absmax,
+        weight.data_ptr(),
+        p,
+        (p.data, p.absmax, p.code, absmax2, code2, offset),
+        consts,
+        p.shape[0] * p.shape[1],
+        p.data.is_cuda and triton_available(),
+        words,
+    )
     _UNPACKED[key] = entry
     return entry
 

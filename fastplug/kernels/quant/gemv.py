@@ -16,7 +16,12 @@ from ..ptx import layouts_agree
 from .dequant import dequantize_4bit, dequantize_4bit_reference
 from .formats import _Unpacked, _unpacked
 from .gemv_kernels import (
-    LOOKUP_SHFL, LOOKUPS, _gemv_4bit_dot_kernel, _gemv_4bit_kernel, _gemv_4bit_rows_kernel, _gemv_4bit_words_kernel,
+    LOOKUP_SHFL,
+    LOOKUPS,
+    _gemv_4bit_dot_kernel,
+    _gemv_4bit_kernel,
+    _gemv_4bit_rows_kernel,
+    _gemv_4bit_words_kernel,
     _sum_splits_kernel,
 )
 
@@ -81,8 +86,10 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     # --gemv-sweep`; docs/benchmarks/kernels.md, "4-bit GEMV").
     words = override.pop("words", words_fit and device.type == "cuda")
     if words and not words_fit:
-        raise ValueError(f"words=True takes at most {GEMV_MAX_ROWS} rows of x, K a multiple of 8 and blocksize >= 8 "
-                         "(CUDA-core kernel)")
+        raise ValueError(
+            f"words=True takes at most {GEMV_MAX_ROWS} rows of x, K a multiple of 8 and blocksize >= 8 "
+            "(CUDA-core kernel)"
+        )
     unit = 4 if words else 1  # bytes a unit of sub and chunk
     sub = min(32 // unit, max(1, blocksize // (2 * unit)), _lowbit(kb // unit))
     if device.type == "cuda":  # from the --gemv-sweep at 1, 2 and 8 rows of x
@@ -103,10 +110,13 @@ def gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.device, **
     compiled = device.type == "cuda" and not interpreter_enabled()
     lookup = override.pop("lookup", "shfl" if compiled else "load")
     if lookup not in LOOKUPS or (lookup == "shfl" and not compiled):
-        raise ValueError(f"lookup must be one of {sorted(LOOKUPS)} ('shfl' is inline PTX: compiled CUDA only); "
-                         f"got {lookup!r} on {device.type}")
-    cfg = GemvConfig(block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot,
-                     lookup, words)
+        raise ValueError(
+            f"lookup must be one of {sorted(LOOKUPS)} ('shfl' is inline PTX: compiled CUDA only); "
+            f"got {lookup!r} on {device.type}"
+        )
+    cfg = GemvConfig(
+        block_n, nb, sub, split, override.pop("num_warps", warps), override.pop("x_split", True), dot, lookup, words
+    )
     if override:
         raise ValueError(f"unknown gemv_config override(s): {sorted(override)}")
     return cfg
@@ -131,25 +141,50 @@ def _gemv_rows(x2: torch.Tensor, u: _Unpacked, cfg: GemvConfig) -> torch.Tensor:
     part = out if split == 1 else torch.empty((split, M, N), dtype=torch.float32, device=x2.device)
     if cfg.dot and not cfg.words and not (x2.is_cuda and x2.dtype == torch.float32):  # fp32 tl.dot spills
         _gemv_4bit_dot_kernel[(cdiv(N, cfg.block_n), split)](
-            x2, *u.args, part, M, N, kb, x2.stride(0), N, M * N, split_bytes, **u.consts,
-            BLOCK_M=16, BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
-            DOT_F32=not x2.is_cuda, num_warps=cfg.num_warps,
+            x2,
+            *u.args,
+            part,
+            M,
+            N,
+            kb,
+            x2.stride(0),
+            N,
+            M * N,
+            split_bytes,
+            **u.consts,
+            BLOCK_M=16,
+            BLOCK_N=cfg.block_n,
+            NB=cfg.nb,
+            SUB=cfg.sub,
+            DOT_F32=not x2.is_cuda,
+            num_warps=cfg.num_warps,
         )
     else:
         if cfg.words:
             kernel, fallback = _gemv_4bit_words_kernel, dict(LOOKUP=LOOKUPS["gather"], PTX=False)
             args = (x2, u.words, *u.args[1:], part, M, N, kb, x2.stride(0), N, M * N, split_bytes)
             aligned = x2.data_ptr() % 16 == 0 and (M == 1 or x2.stride(0) % 8 == 0)
-            consts = dict(BLOCK_N=cfg.block_n, NB=cfg.nb, SUBW=cfg.sub,
-                          PTX=cfg.lookup == "shfl" and x2.dtype == torch.bfloat16 and aligned,
-                          EVEN=N % cfg.block_n == 0 and kb % chunk == 0, BLOCK_M=next_power_of_2(M))
+            consts = dict(
+                BLOCK_N=cfg.block_n,
+                NB=cfg.nb,
+                SUBW=cfg.sub,
+                PTX=cfg.lookup == "shfl" and x2.dtype == torch.bfloat16 and aligned,
+                EVEN=N % cfg.block_n == 0 and kb % chunk == 0,
+                BLOCK_M=next_power_of_2(M),
+            )
         else:
             kernel, fallback = _gemv_4bit_rows_kernel, dict(LOOKUP=LOOKUPS["gather"])
             args = (x2, *u.args, part, N, kb, x2.stride(0), N, M * N, split_bytes)
-            consts = dict(M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub,
-                          X_SPLIT=cfg.x_split)
-        launch_checked(kernel, (cdiv(N, cfg.block_n), split), args,
-                       dict(**u.consts, **consts, LOOKUP=LOOKUPS[cfg.lookup], num_warps=cfg.num_warps), fallback)
+            consts = dict(
+                M=M, M_POW2=next_power_of_2(M), BLOCK_N=cfg.block_n, NB=cfg.nb, SUB=cfg.sub, X_SPLIT=cfg.x_split
+            )
+        launch_checked(
+            kernel,
+            (cdiv(N, cfg.block_n), split),
+            args,
+            dict(**u.consts, **consts, LOOKUP=LOOKUPS[cfg.lookup], num_warps=cfg.num_warps),
+            fallback,
+        )
     if split > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(M * N, block),)](part, out, M * N, SPLIT=split, BLOCK=block, num_warps=4)
@@ -191,8 +226,20 @@ def _gemv_general(x2: torch.Tensor, u: _Unpacked) -> torch.Tensor:
     block_k = min(p.blocksize, 128) if x2.is_cuda else 32
     row_scale = K % p.blocksize == 0 and p.blocksize % block_k == 0
     _gemv_4bit_kernel[(cdiv(N, block_n),)](
-        x2, *u.args, out, M, N, K, x2.stride(0), out.stride(0), **u.consts, ROW_SCALE=row_scale, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        x2,
+        *u.args,
+        out,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        out.stride(0),
+        **u.consts,
+        ROW_SCALE=row_scale,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
     )
     return out
 

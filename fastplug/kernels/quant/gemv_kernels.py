@@ -28,10 +28,26 @@ LOOKUPS = {"load": LOOKUP_LOAD, "gather": LOOKUP_GATHER, "shfl": LOOKUP_SHFL}
 
 @triton.jit
 def _gemv_4bit_kernel(
-    x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, ROW_SCALE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[m, n] = sum_k x[m, k] W[n, k] for BLOCK_N outputs of all M (<= BLOCK_M) rows, W decoded from its
     packed bytes in registers. Addresses are element indices n*K + k, so an odd K (rows straddling bytes)
@@ -51,11 +67,20 @@ def _gemv_4bit_kernel(
         packed = tl.load(data_ptr + (elem >> 1), mask=wmask, other=0).to(tl.int32)
         nibble = (packed >> ((1 - (elem & 1)) * 4).to(tl.int32)) & 15
         if ROW_SCALE:
-            scale = block_scale((row_start + k0) >> BLOCKSIZE_LOG2, rn < N, absmax_ptr, absmax2_ptr, code2_ptr,
-                                 offset_ptr, BLOCKSIZE2_LOG2, NESTED)[:, None]
+            scale = block_scale(
+                (row_start + k0) >> BLOCKSIZE_LOG2,
+                rn < N,
+                absmax_ptr,
+                absmax2_ptr,
+                code2_ptr,
+                offset_ptr,
+                BLOCKSIZE2_LOG2,
+                NESTED,
+            )[:, None]
         else:
-            scale = block_scale(elem >> BLOCKSIZE_LOG2, wmask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                                 BLOCKSIZE2_LOG2, NESTED)
+            scale = block_scale(
+                elem >> BLOCKSIZE_LOG2, wmask, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED
+            )
         w = tl.load(code_ptr + nibble) * scale  # [BLOCK_N, BLOCK_K] fp32
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
@@ -74,10 +99,27 @@ def _gemv_tile(N, KU, split, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.co
 
 
 @triton.jit
-def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                ELEMS: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr,
-                BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PTX: tl.constexpr = False, offset=0.0,
-                EVEN: tl.constexpr = False):
+def _gemv_chunk(
+    units_ptr,
+    c0,
+    stop,
+    row_unit,
+    nmask,
+    sub,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    ELEMS: tl.constexpr,
+    NB: tl.constexpr,
+    SUB: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    PTX: tl.constexpr = False,
+    offset=0.0,
+    EVEN: tl.constexpr = False,
+):
     """The chunk at unit c0 of each row: its units [BLOCK_N, NB, SUB] as stored (zeros past `stop`) and the
     absmax [BLOCK_N, NB] of its sub-chunks of SUB units (ELEMS elements a unit), none straddling a block.
     EVEN: every row and unit of the tile exists, so the loads need no mask (and become 16-byte vectors: a mask
@@ -89,8 +131,12 @@ def _gemv_chunk(units_ptr, c0, stop, row_unit, nmask, sub, absmax_ptr, absmax2_p
         units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]), eviction_policy="evict_first")
         valid = tl.full((row_unit.shape[0], NB), 1, tl.int1)
     else:
-        units = tl.load(units_ptr + (row_unit[:, None, None] + cu[None, :, :]),
-                        mask=nmask[:, None, None] & (cu < stop)[None, :, :], other=0, eviction_policy="evict_first")
+        units = tl.load(
+            units_ptr + (row_unit[:, None, None] + cu[None, :, :]),
+            mask=nmask[:, None, None] & (cu < stop)[None, :, :],
+            other=0,
+            eviction_policy="evict_first",
+        )
         valid = nmask[:, None] & (first < stop)[None, :]
     blk = ((row_unit[:, None] + first[None, :]) * ELEMS) >> BLOCKSIZE_LOG2
     if PTX:  # `offset`: *offset_ptr, loaded once by the caller
@@ -143,10 +189,29 @@ def _table_values(index, code_ptr, table, LOOKUP: tl.constexpr):
 
 @triton.jit
 def _gemv_4bit_rows_kernel(
-    x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    N, KB, stride_xm, stride_om, stride_os, split_bytes,
-    M: tl.constexpr, M_POW2: tl.constexpr, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr,
-    NESTED: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, X_SPLIT: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    N,
+    KB,
+    stride_xm,
+    stride_om,
+    stride_os,
+    split_bytes,
+    M: tl.constexpr,
+    M_POW2: tl.constexpr,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    SUB: tl.constexpr,
+    X_SPLIT: tl.constexpr,
     LOOKUP: tl.constexpr,
 ):
     """out[s, m, n] = sum over the bytes [s * split_bytes, (s + 1) * split_bytes) of row n (KB bytes a row, K even)
@@ -161,8 +226,24 @@ def _gemv_4bit_rows_kernel(
     acc = tl.zeros((M_POW2, BLOCK_N, NB), dtype=tl.float32)
     table = _lookup_table(code_ptr, sub, LOOKUP)
     for c0 in range(start, stop, NB * SUB):
-        packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
-                                    offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+        packed, scale = _gemv_chunk(
+            data_ptr,
+            c0,
+            stop,
+            row_byte,
+            nmask,
+            sub,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            2,
+            NB,
+            SUB,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+        )
         packed = packed.to(tl.int32)
         lut = _step_table(code_ptr, packed, table, LOOKUP)
         w_hi = _table_values(packed >> 4, code_ptr, lut, LOOKUP)
@@ -231,46 +312,131 @@ def _eight_of_words(ptr, c0, stop, jb, mask, NB: tl.constexpr, SUBW: tl.constexp
 
 
 @triton.jit
-def _word_scales(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, offset, BLOCKSIZE_LOG2: tl.constexpr,
-                 BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+def _word_scales(
+    blk,
+    valid,
+    absmax_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    offset,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """The fp32 absmax of each word's block `blk` [BLOCK_N, W]. In inline PTX where the tile is whole (EVEN), a
     block holds 32+ elements and the tile gives each thread 4+ words, each thread's 4 consecutive words share a
     block, so one load (chain) serves four words: the 16-byte word loads give every thread 4 consecutive words,
     which `layouts_agree` checks in the compiled kernel."""
     if PTX:
         pack4: tl.constexpr = EVEN and BLOCKSIZE_LOG2 >= 5 and blk.numel >= 4 * tl.extra.cuda.num_threads()
-        return block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED,
-                                pack4)
+        return block_scale_ptx(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset, BLOCKSIZE2_LOG2, NESTED, pack4)
     else:
         return block_scale(blk, valid, absmax_ptr, absmax2_ptr, code2_ptr, offset_ptr, BLOCKSIZE2_LOG2, NESTED)
 
 
 @triton.jit
-def words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                    row_word, nmask, start, stop,
-                    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-                    NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr,
-                    EVEN: tl.constexpr, M=1, stride_xm=0, BLOCK_M: tl.constexpr = 1):
+def words_row_sums(
+    x_ptr,
+    words_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    row_word,
+    nmask,
+    start,
+    stop,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    NB: tl.constexpr,
+    SUBW: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+    M=1,
+    stride_xm=0,
+    BLOCK_M: tl.constexpr = 1,
+):
     """x . W[n] in fp32 over the words [start, stop) of the rows whose first words are `row_word`: [BLOCK_N] for
     one row of x (BLOCK_M 1), else [BLOCK_M, BLOCK_N] for its M rows (stride_xm apart; 8-element aligned for
     PTX). The packed weight is read as 32-bit words: a word holds elements 8i..8i+7, element 8i+j in byte j // 2
     (little-endian), high nibble for even j. The bytes stay packed in registers and each of the eight nibbles is
     shifted out and looked up once for all rows of x, NB * SUBW words of each row a step."""
     if BLOCK_M == 1:
-        total = _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr,
-                                 row_word, nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB * SUBW,
-                                 LOOKUP, PTX, EVEN)
+        total = _words_one_x_row(
+            x_ptr,
+            words_ptr,
+            absmax_ptr,
+            code_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            row_word,
+            nmask,
+            start,
+            stop,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            NB * SUBW,
+            LOOKUP,
+            PTX,
+            EVEN,
+        )
     else:
-        total = _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
-                              nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW, LOOKUP, PTX,
-                              EVEN, M, stride_xm, BLOCK_M)
+        total = _words_x_rows(
+            x_ptr,
+            words_ptr,
+            absmax_ptr,
+            code_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            row_word,
+            nmask,
+            start,
+            stop,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            NB,
+            SUBW,
+            LOOKUP,
+            PTX,
+            EVEN,
+            M,
+            stride_xm,
+            BLOCK_M,
+        )
     return total
 
 
 @triton.jit
-def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word, nmask,
-                     start, stop, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-                     W: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr):
+def _words_one_x_row(
+    x_ptr,
+    words_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    row_word,
+    nmask,
+    start,
+    stop,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    W: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     """`words_row_sums` for one row of x, on [BLOCK_N, W] tiles of words, each word scaled by its block's absmax.
     The tile is 2-D so that its only contiguous axis is the words': Triton then gives each thread groups of 4
     consecutive words (16-byte vectors) of each of its rows, and x is loaded once for them. (A 3-D [rows,
@@ -290,8 +456,20 @@ def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_
             words = tl.load(words_ptr + woff, eviction_policy="evict_first")
         else:
             words = tl.load(words_ptr + woff, mask=wvalid, other=0, eviction_policy="evict_first")
-        scale = _word_scales((woff * 8) >> BLOCKSIZE_LOG2, wvalid | EVEN, absmax_ptr, absmax2_ptr, code2_ptr,
-                             offset_ptr, offset, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, EVEN)
+        scale = _word_scales(
+            (woff * 8) >> BLOCKSIZE_LOG2,
+            wvalid | EVEN,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            offset,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            PTX,
+            EVEN,
+        )
         lut = _step_table(code_ptr, words, table, LOOKUP)
         if PTX:  # [1, W] each, like the one-sub-chunk split below
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(x_ptr, cu[None, :], ((cu < stop) | EVEN)[None, :])
@@ -302,10 +480,30 @@ def _words_one_x_row(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_
 
 
 @triton.jit
-def _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word, nmask,
-                  start, stop, BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-                  NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, EVEN: tl.constexpr,
-                  M, stride_xm, BLOCK_M: tl.constexpr):
+def _words_x_rows(
+    x_ptr,
+    words_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    row_word,
+    nmask,
+    start,
+    stop,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    NB: tl.constexpr,
+    SUBW: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+    M,
+    stride_xm,
+    BLOCK_M: tl.constexpr,
+):
     """`words_row_sums` for M (2..BLOCK_M) rows of x, on tiles [BLOCK_N, NB, SUBW] of words, a sub-chunk of SUBW
     words inside one quantization block. Rows of x are a leading dimension of the words' own layout (the words are
     expanded to it before the lookups: expanding the looked-up values instead cost 8 layout conversions a step).
@@ -320,54 +518,152 @@ def _words_x_rows(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr
     if PTX and NESTED:
         offset = tl.load(offset_ptr)
     for c0 in tl.range(start, stop, NB * SUBW, loop_unroll_factor=2):  # the fastest factor (docs/benchmarks/kernels.md)
-        words, scale = _gemv_chunk(words_ptr, c0, stop, row_word, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
-                                   offset_ptr, 8, NB, SUBW, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, PTX, offset, EVEN)
+        words, scale = _gemv_chunk(
+            words_ptr,
+            c0,
+            stop,
+            row_word,
+            nmask,
+            sub,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            8,
+            NB,
+            SUBW,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+            PTX,
+            offset,
+            EVEN,
+        )
         valid = (c0 + sub < stop) | EVEN
         words = tl.expand_dims(words, 0)
         lut = _step_table(code_ptr, words, table, LOOKUP)
         row = (rm < M)[:, None, None]
         if PTX:
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_of_words(
-                x_ptr, (c0 + sub)[None, :, :] + rm[:, None, None] * (stride_xm // 8), valid[None, :, :] & row)
+                x_ptr, (c0 + sub)[None, :, :] + rm[:, None, None] * (stride_xm // 8), valid[None, :, :] & row
+            )
         else:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(x_ptr + rm[:, None, None] * stride_xm, c0, stop, jb,
-                                                             row, NB, SUBW, BLOCK_M)
-        acc += _eight_terms(words, x0[:, None, :, :], x1[:, None, :, :], x2[:, None, :, :], x3[:, None, :, :],
-                            x4[:, None, :, :], x5[:, None, :, :], x6[:, None, :, :], x7[:, None, :, :], code_ptr,
-                            lut, LOOKUP) * scale[None, :, :, None]
+            x0, x1, x2, x3, x4, x5, x6, x7 = _eight_of_words(
+                x_ptr + rm[:, None, None] * stride_xm, c0, stop, jb, row, NB, SUBW, BLOCK_M
+            )
+        acc += (
+            _eight_terms(
+                words,
+                x0[:, None, :, :],
+                x1[:, None, :, :],
+                x2[:, None, :, :],
+                x3[:, None, :, :],
+                x4[:, None, :, :],
+                x5[:, None, :, :],
+                x6[:, None, :, :],
+                x7[:, None, :, :],
+                code_ptr,
+                lut,
+                LOOKUP,
+            )
+            * scale[None, :, :, None]
+        )
     return tl.sum(tl.sum(acc, axis=3), axis=2)
 
 
 @triton.jit
 def _gemv_4bit_words_kernel(
-    x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    M, N, KW, stride_xm, stride_om, stride_os, split_words,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_N: tl.constexpr, NB: tl.constexpr, SUBW: tl.constexpr, LOOKUP: tl.constexpr,
-    PTX: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    x_ptr,
+    words_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    M,
+    N,
+    KW,
+    stride_xm,
+    stride_om,
+    stride_os,
+    split_words,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    SUBW: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """M rows of x (at most BLOCK_M) times W (KW words a row, K a multiple of 8) by `words_row_sums`: fewer
     registers than `_gemv_4bit_rows_kernel` spends on bytes, so more programs and more loads in flight per SM,
     and each nibble looked up once for all rows of x."""
     rn, nmask, row_word, sub, start, stop = _gemv_tile(N, KW, split_words, BLOCK_N, NB, SUBW)
-    total = words_row_sums(x_ptr, words_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, row_word,
-                            nmask, start, stop, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED, NB, SUBW,
-                            LOOKUP, PTX, EVEN, M, stride_xm, BLOCK_M)
+    total = words_row_sums(
+        x_ptr,
+        words_ptr,
+        absmax_ptr,
+        code_ptr,
+        absmax2_ptr,
+        code2_ptr,
+        offset_ptr,
+        row_word,
+        nmask,
+        start,
+        stop,
+        BLOCKSIZE_LOG2,
+        BLOCKSIZE2_LOG2,
+        NESTED,
+        NB,
+        SUBW,
+        LOOKUP,
+        PTX,
+        EVEN,
+        M,
+        stride_xm,
+        BLOCK_M,
+    )
     out = out_ptr + tl.program_id(1) * stride_os
     if BLOCK_M == 1:
         tl.store(out + rn, total.to(out_ptr.dtype.element_ty), mask=nmask)
     else:
         rm = tl.arange(0, BLOCK_M)
-        tl.store(out + rm[:, None] * stride_om + rn[None, :], total.to(out_ptr.dtype.element_ty),
-                 mask=(rm < M)[:, None] & nmask[None, :])
+        tl.store(
+            out + rm[:, None] * stride_om + rn[None, :],
+            total.to(out_ptr.dtype.element_ty),
+            mask=(rm < M)[:, None] & nmask[None, :],
+        )
 
 
 @triton.jit
 def _gemv_4bit_dot_kernel(
-    x_ptr, data_ptr, absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr, out_ptr,
-    M, N, KB, stride_xm, stride_om, stride_os, split_bytes,
-    BLOCKSIZE_LOG2: tl.constexpr, BLOCKSIZE2_LOG2: tl.constexpr, NESTED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr, DOT_F32: tl.constexpr,
+    x_ptr,
+    data_ptr,
+    absmax_ptr,
+    code_ptr,
+    absmax2_ptr,
+    code2_ptr,
+    offset_ptr,
+    out_ptr,
+    M,
+    N,
+    KB,
+    stride_xm,
+    stride_om,
+    stride_os,
+    split_bytes,
+    BLOCKSIZE_LOG2: tl.constexpr,
+    BLOCKSIZE2_LOG2: tl.constexpr,
+    NESTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NB: tl.constexpr,
+    SUB: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """The same product on the tensor cores, for several rows of x: the [BLOCK_N, NB, SUB] byte tile is decoded
     as in `_gemv_4bit_rows_kernel`, scaled per sub-chunk, interleaved back into element order (high nibble
@@ -380,15 +676,32 @@ def _gemv_4bit_dot_kernel(
     ek = tl.arange(0, 2 * NB * SUB)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for c0 in range(start, stop, NB * SUB):
-        packed, scale = _gemv_chunk(data_ptr, c0, stop, row_byte, nmask, sub, absmax_ptr, absmax2_ptr, code2_ptr,
-                                    offset_ptr, 2, NB, SUB, BLOCKSIZE_LOG2, BLOCKSIZE2_LOG2, NESTED)
+        packed, scale = _gemv_chunk(
+            data_ptr,
+            c0,
+            stop,
+            row_byte,
+            nmask,
+            sub,
+            absmax_ptr,
+            absmax2_ptr,
+            code2_ptr,
+            offset_ptr,
+            2,
+            NB,
+            SUB,
+            BLOCKSIZE_LOG2,
+            BLOCKSIZE2_LOG2,
+            NESTED,
+        )
         packed, scale = packed.to(tl.int32), scale[:, :, None]
         w_hi = tl.load(code_ptr + (packed >> 4)) * scale
         w_lo = tl.load(code_ptr + (packed & 15)) * scale
         w = tl.reshape(tl.join(w_hi, w_lo), (BLOCK_N, 2 * NB * SUB))  # element order within the chunk
         e = c0 * 2 + ek
-        xt = tl.load(x_ptr + rm[:, None] * stride_xm + e[None, :], mask=(rm < M)[:, None] & (e < stop * 2)[None, :],
-                     other=0.0)
+        xt = tl.load(
+            x_ptr + rm[:, None] * stride_xm + e[None, :], mask=(rm < M)[:, None] & (e < stop * 2)[None, :], other=0.0
+        )
         if DOT_F32:
             acc += tl.dot(xt.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:

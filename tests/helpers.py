@@ -2,7 +2,7 @@
 
 import torch
 
-# ||out - ref|| / ||ref|| bounds from DESIGN.md
+# ||out - ref|| / ||ref|| bounds: the tolerance policy of docs/contributing.md
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 

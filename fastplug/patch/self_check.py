@@ -27,10 +27,11 @@ import dataclasses
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from importlib import metadata
 
 import torch
 from torch import nn
+
+from ..versions import installed_version
 
 TOKENS = 8  # prompt tokens; one more is decoded from the cache
 MAX_LAYERS = 8
@@ -55,13 +56,8 @@ def bound_for(dtype: torch.dtype, device: torch.device) -> float:
 
 def versions() -> str:
     """The library versions a disagreement is reported with."""
-    found = []
-    for name in ("transformers", "torch", "peft", "bitsandbytes"):
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return ", ".join(found)
+    found = [(name, installed_version(name)) for name in ("transformers", "torch", "peft", "bitsandbytes")]
+    return ", ".join(f"{name} {version}" for name, version in found if version is not None)
 
 
 @dataclass
@@ -378,19 +374,16 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         if key in _VERDICTS:
             return _reuse(_VERDICTS[key], records)
         timer = Timer(probe.device)
-        for r in reversed(in_scope):
-            r.uninstall()
-        try:
-            references = [probe.run(SEEDS[0])]
-        except Exception as exc:
-            try:  # a model that cannot decode from its cache when cut short (linear-attention layers alone)
-                probe.decode = False
+        with _originals(in_scope):
+            try:
                 references = [probe.run(SEEDS[0])]
-                probe.no_decode = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # the model's own forward needs more than token ids (vision inputs, ...)
-                reason = f"the original model failed on random tokens: {type(exc).__name__}: {exc}"
-        for r in in_scope:
-            r.install()
+            except Exception as exc:
+                try:  # a model that cannot decode from its cache when cut short (linear-attention layers alone)
+                    probe.decode = False
+                    references = [probe.run(SEEDS[0])]
+                    probe.no_decode = f"{type(exc).__name__}: {exc}"
+                except Exception as exc:  # the model's own forward needs more than token ids (vision inputs, ...)
+                    reason = f"the original model failed on random tokens: {type(exc).__name__}: {exc}"
     if reason is not None:
         report = Report(ran=False, reason=reason)
         if not known_family:  # structural patches of an unknown family are kept only when shown equal
@@ -406,12 +399,8 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         if verdict.ok:
             return verdict
         if len(references) == 1:  # the second batch's reference, run with the original modules
-            active = [r for r in in_scope if r.active]
-            for r in reversed(active):
-                r.uninstall()
-            references.append(probe.run(SEEDS[1]))
-            for r in active:
-                r.install()
+            with _originals(in_scope):
+                references.append(probe.run(SEEDS[1]))
         return _attempt(probe, SEEDS[1], references[1], bound)
 
     verdict = agreement()
@@ -525,6 +514,19 @@ def _first_layer_of_each_type(model: nn.Module) -> list[int]:
     if not isinstance(types, (list, tuple)):
         return []
     return [types.index(t) for t in dict.fromkeys(types)]
+
+
+@contextlib.contextmanager
+def _originals(records: list):
+    """The original modules where these patches are active now; the same patches back afterwards."""
+    active = [r for r in records if r.active]
+    for r in reversed(active):
+        r.uninstall()
+    try:
+        yield
+    finally:
+        for r in active:
+            r.install()
 
 
 def _kinds(records) -> list[str]:

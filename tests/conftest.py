@@ -44,3 +44,17 @@ def _fp32_matmul_precision():
         saved = backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32
         yield
         backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32 = saved
+
+
+@pytest.fixture(autouse=True)
+def _no_freeze_outlives_its_test(request):
+    """A patch that freezes Python's collector (the trainer adapters' run) ends with its test: one left behind
+    made later tests in the same worker read a freeze they did not make (a Trainer run that raised, once)."""
+    yield
+    host_gc = __import__("sys").modules.get("fastplug.patch.host_gc")
+    if host_gc is not None and host_gc._holders:
+        held, host_gc._holders = host_gc._holders, 0
+        import gc
+
+        gc.unfreeze()
+        pytest.fail(f"{request.node.nodeid} left {held} hold(s) on Python's collector (a patch run not restored)")

@@ -2,6 +2,7 @@
 LM-head loss, FP8 restore, option types, the logits the fused loss skips, empty batches and meta models."""
 
 import dataclasses
+import gc
 import re
 
 import pytest
@@ -40,9 +41,17 @@ def test_trainer_stops_at_an_out_of_range_label(tmp_path):
     model = tiny_model("llama")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[fastplug.FastKernels()])
+    modules = dict(model.named_modules())
     with pytest.raises(IndexError, match=f"Target {VOCAB + 7} is out of bounds"):
         trainer.train()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # The Trainer has no event for a failed run: FastKernels restores through the train() it wraps
+    assert all(m is modules[n] for n, m in model.named_modules()) and active_handle(model) is None
+    assert gc.get_freeze_count() == 0, "the run's freeze of Python's collector ends with it"
+    data["labels"][2, 5] = 1  # a later train() patches again and runs
+    trainer.train_dataset = [{k: v[i] for k, v in data.items()} for i in range(4)]
+    trainer.train()
+    assert all(m is modules[n] for n, m in model.named_modules()) and gc.get_freeze_count() == 0
 
 
 # ----------------------------------------------------------------------------------------- option types

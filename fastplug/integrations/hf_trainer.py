@@ -9,6 +9,10 @@
 - on_log: tokens/s (non-padding tokens of the training forwards since the previous log) and peak GPU memory.
 - on_train_end: restore the model (and the checkpointing setting we changed).
 
+The Trainer has no event for a `train()` that raises, so `FastKernels` wraps the `train` of the Trainer that
+constructed it (found on the call stack of `on_init_end`): an exception restores the model as `on_train_end`
+does, and a later `train()` patches it again.
+
 Under accelerate's FSDP2 a peft model is sharded per decoder layer (`peft_units_for_accelerate`), as the
 model without peft is.
 
@@ -18,6 +22,8 @@ model's modules alone (a warning says so) and only does gradient checkpointing a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import time
 import warnings
@@ -118,7 +124,37 @@ class FastKernels(TrainerCallback):
         for n in kwargs_names:  # transformers 5.17 defaults to reentrant checkpointing
             setattr(args, n, {"use_reentrant": False, **(getattr(args, n) or {})})
 
+    def _restore_when_train_raises(self) -> None:
+        trainer = self._calling_trainer()
+        if trainer is None or getattr(trainer.train, "_fastplug_restores", False):
+            return
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_then_restore_on_error(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException:
+                self.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
+                self._ask_trainer_for_checkpointing(trainer.args, trainer.model)  # a retry starts as the first run
+                raise
+
+        train_then_restore_on_error._fastplug_restores = True
+        trainer.train = train_then_restore_on_error
+
+    def _calling_trainer(self):
+        """The Trainer whose __init__ is running this callback's on_init_end (the frame whose `self` lists us)."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            handler = getattr(candidate, "callback_handler", None)
+            if handler is not None and any(cb is self for cb in getattr(handler, "callbacks", ())):
+                return candidate
+            frame = frame.f_back
+        return None
+
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._restore_when_train_raises()
         if getattr(args, "use_liger_kernel", False):
             self._liger = True
             warnings.warn(LIGER_CONFLICT, stacklevel=2)

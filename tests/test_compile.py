@@ -85,8 +85,9 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
 @pytest.mark.parametrize(
     "module, op, make_args",
     [
-        ("norms", "_rms_norm_op", lambda: (torch.randn(3, 5, 24, requires_grad=True), torch.randn(24, requires_grad=True), 1e-6, 0.0)),
-        ("norms", "_rms_norm_op", lambda: (torch.randn(7, 24, requires_grad=True), torch.randn(24, requires_grad=True), 1e-6, 1.0)),
+        ("norms", "_rms_norm_op", lambda: (torch.randn(3, 5, 24, requires_grad=True), torch.randn(24, requires_grad=True), 1e-6, 0.0, False)),
+        ("norms", "_rms_norm_op", lambda: (torch.randn(7, 24, requires_grad=True), torch.randn(24, requires_grad=True), 1e-6, 1.0, False)),
+        ("norms", "_rms_norm_op", lambda: (torch.randn(7, 24, requires_grad=True), torch.randn(24, requires_grad=True), 1e-6, 0.0, True)),
         ("norms", "_layer_norm_op", lambda: (torch.randn(3, 5, 24, requires_grad=True), torch.randn(24, requires_grad=True),
                                              torch.randn(24, requires_grad=True), 1e-5)),
         ("rope", "_rope_launch_op", lambda: (torch.randn(2, 4, 6, 16, requires_grad=True), torch.randn(2, 2, 6, 16, requires_grad=True),

@@ -427,13 +427,17 @@ def _check_inputs(x, weight, bias, eps):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _rms_out_dtype(x, weight, offset):
-    # offset 0 is Llama: scale the row rounded to x's dtype, result dtype promotes with the weight.
-    # Any other offset is Gemma: scale in fp32 by (offset + w), result in x's dtype.
-    return promote_types(x.dtype, weight.dtype) if (offset == 0.0 and weight is not None) else x.dtype
+def _llama_form(weight, offset, scale_in_fp32) -> bool:
+    # Llama: scale the row rounded to x's dtype, result dtype promotes with the weight. Gemma (any other offset)
+    # and Gemma 4 (scale_in_fp32): scale in fp32 by (offset + w), result in x's dtype.
+    return offset == 0.0 and not scale_in_fp32 and weight is not None
 
 
-def _rms_norm_forward(x, weight, eps, offset):
+def _rms_out_dtype(x, weight, offset, scale_in_fp32=False):
+    return promote_types(x.dtype, weight.dtype) if _llama_form(weight, offset, scale_in_fp32) else x.dtype
+
+
+def _rms_norm_forward(x, weight, eps, offset, scale_in_fp32=False):
     """(y shaped like x, rstd per row, x2 the rows view of x that backward reads): the forward shared by the
     autograd Function and the operator."""
     x2 = rows_view(x)
@@ -444,8 +448,8 @@ def _rms_norm_forward(x, weight, eps, offset):
         eps,
         offset,
         center=False,
-        cast_before_scale=offset == 0.0,
-        out_dtype=_rms_out_dtype(x, weight, offset),
+        cast_before_scale=_llama_form(weight, offset, scale_in_fp32),
+        out_dtype=_rms_out_dtype(x, weight, offset, scale_in_fp32),
     )
     return y.view(x.shape), rstd, x2
 
@@ -459,8 +463,8 @@ def _layer_norm_forward(x, weight, bias, eps):
 
 class RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, offset):
-        y, rstd, x2 = _rms_norm_forward(x, weight, eps, offset)
+    def forward(ctx, x, weight, eps, offset, scale_in_fp32):
+        y, rstd, x2 = _rms_norm_forward(x, weight, eps, offset, scale_in_fp32)
         keep_for_backward(ctx, (weight,))
         ctx.save_for_backward(x2, rstd)
         ctx.offset = offset
@@ -481,7 +485,7 @@ class RMSNorm(torch.autograd.Function):
             compute_dw=ctx.needs_input_grad[1],
             compute_db=False,
         )
-        return dx.view(ctx.x_shape), (dw.to(weight.dtype) if dw is not None else None), None, None
+        return dx.view(ctx.x_shape), (dw.to(weight.dtype) if dw is not None else None), None, None, None
 
 
 class LayerNorm(torch.autograd.Function):
@@ -518,21 +522,26 @@ class LayerNorm(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0, scale_in_fp32: bool = False
+) -> torch.Tensor:
     """RMSNorm over the last dim of x.
 
     offset 0.0 is transformers' LlamaRMSNorm: normalise in fp32, round to x's dtype, multiply by weight
     (result dtype promotes x with weight). Any other offset is GemmaRMSNorm's form (offset 1.0):
-    x_norm * (offset + w) in fp32, then cast to x's dtype. weight None: no scaling.
+    x_norm * (offset + w) in fp32, then cast to x's dtype; scale_in_fp32=True takes that form at offset 0
+    too (Gemma 4's RMSNorm: x_norm * w in fp32). weight None: no scaling.
     """
     _check_inputs(x, weight, None, eps)
     if weight is None and offset != 0.0:
         raise ValueError(f"offset {offset!r} needs a weight (offset scales as offset + weight); got weight None")
+    if not isinstance(scale_in_fp32, bool):
+        raise ValueError(f"scale_in_fp32 must be a bool; got {scale_in_fp32!r}")
     if x.numel() == 0 or not use_triton(x, weight):
-        return rms_norm_reference(x, weight, eps, offset)
+        return rms_norm_reference(x, weight, eps, offset, scale_in_fp32)
     if torch.compiler.is_compiling():
-        return _rms_norm_op(x, weight, float(eps), float(offset))[0]
-    return RMSNorm.apply(x, weight, float(eps), float(offset))
+        return _rms_norm_op(x, weight, float(eps), float(offset), scale_in_fp32)[0]
+    return RMSNorm.apply(x, weight, float(eps), float(offset), scale_in_fp32)
 
 
 def layer_norm(
@@ -553,16 +562,16 @@ def layer_norm(
 
 
 def rms_norm_reference(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6, offset: float = 0.0, scale_in_fp32: bool = False
 ) -> torch.Tensor:
     compute = torch.promote_types(x.dtype, torch.float32)
     h = x.to(compute)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
         return h.to(x.dtype)
-    if offset == 0.0:
+    if _llama_form(weight, offset, scale_in_fp32):
         return weight * h.to(x.dtype)  # LlamaRMSNorm
-    return (h * (offset + weight.to(compute))).to(x.dtype)  # GemmaRMSNorm
+    return (h * (offset + weight.to(compute))).to(x.dtype)  # GemmaRMSNorm, Gemma4RMSNorm (offset 0)
 
 
 def layer_norm_reference(
@@ -583,15 +592,15 @@ def layer_norm_reference(
 @torch.library.custom_op(
     "fastplug::rms_norm",
     mutates_args=(),
-    schema="(Tensor x, Tensor? weight, float eps, float offset) -> (Tensor, Tensor)",
+    schema="(Tensor x, Tensor? weight, float eps, float offset, bool scale_in_fp32) -> (Tensor, Tensor)",
 )
-def _rms_norm_op(x, weight, eps, offset):
-    return _rms_norm_forward(x, weight, eps, offset)[:2]
+def _rms_norm_op(x, weight, eps, offset, scale_in_fp32):
+    return _rms_norm_forward(x, weight, eps, offset, scale_in_fp32)[:2]
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, eps, offset):
-    return x.new_empty(x.shape, dtype=_rms_out_dtype(x, weight, offset)), x.new_empty(
+def _(x, weight, eps, offset, scale_in_fp32):
+    return x.new_empty(x.shape, dtype=_rms_out_dtype(x, weight, offset, scale_in_fp32)), x.new_empty(
         x.numel() // x.shape[-1], dtype=torch.float32
     )
 
@@ -636,7 +645,7 @@ def _(dy, x, weight, mean, rstd, offset, need_dw, need_db):
 
 
 def _setup_rms(ctx, inputs, output):
-    x, weight, _, offset = inputs
+    x, weight, _, offset, _ = inputs
     ctx.save_for_backward(x, weight, output[1])
     ctx.offset = offset
 
@@ -645,7 +654,7 @@ def _rms_backward(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
     need_dw = weight is not None and ctx.needs_input_grad[1]
     dx, dw, _ = _norm_backward_op(dy, x, weight, None, rstd, ctx.offset, need_dw, False)
-    return dx, dw if need_dw else None, None, None
+    return dx, dw if need_dw else None, None, None, None
 
 
 def _setup_layer(ctx, inputs, output):

@@ -177,12 +177,16 @@ def _hf_module(kind, hidden, eps):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         return LlamaRMSNorm(hidden, eps=eps), lambda x, w: rms_norm(x, w, eps)
+    if kind == "gemma4":  # x_norm * w in fp32, as Gemma's 1 + w
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+        return Gemma4RMSNorm(hidden, eps=eps), lambda x, w: rms_norm(x, w, eps, scale_in_fp32=True)
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 
     return GemmaRMSNorm(hidden, eps=eps), lambda x, w: rms_norm(x, w, eps, offset=1.0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma"])
+@pytest.mark.parametrize("kind", ["llama", "gemma", "gemma4"])
 @pytest.mark.parametrize(
     "x_dtype, w_dtype",
     [
@@ -190,7 +194,7 @@ def _hf_module(kind, hidden, eps):
         (torch.bfloat16, torch.bfloat16),
         (torch.float16, torch.float16),
         (torch.bfloat16, torch.float32),
-    ],  # fp32 master weights, bf16 activations: Llama promotes, Gemma does not
+    ],  # fp32 master weights, bf16 activations: Llama promotes, Gemma (and Gemma 4) does not
 )
 def test_matches_transformers_modules(kind, x_dtype, w_dtype):
     module, ours = _hf_module(kind, 80, 1e-5)

@@ -11,6 +11,8 @@ from .cross_entropy import (
     cross_entropy_reference,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
+    fused_linear_log_probs,
+    fused_linear_log_probs_reference,
 )
 from .fp8 import (
     dequantize_blockwise,
@@ -52,6 +54,8 @@ __all__ = [
     "cross_entropy_reference",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "fused_linear_log_probs",
+    "fused_linear_log_probs_reference",
     "LoRAProjection",
     "lora_linear",
     "lora_qkv",

@@ -2,7 +2,12 @@
 
 Both ops share one Triton row kernel (`_ce_rows`): a program reads a row once to build the
 logsumexp online in fp32, then reads it again to write d(loss)/d(logits), possibly over the same buffer.
-Label smoothing, z-loss, Gemma2's softcap and a logit scale are constexpr flags of that one kernel.
+Label smoothing, z-loss, Gemma2's softcap, a logit scale and the entropy are constexpr flags of that one kernel.
+
+`fused_linear_log_probs` is the same op read the other way round, for RL trainers: the log-probability of each
+row's label is minus its cross-entropy (reduction "none"), under a sampling temperature applied after the
+softcap (as TRL divides the model's final logits), with the entropy of the row's distribution and the
+gradients of both.
 
 `fused_linear_cross_entropy` walks the rows in chunks: logits_chunk = hidden_chunk @ weight.T on tensor
 cores, the row kernel turns the chunk buffer into dlogits in place, and two more GEMMs give the chunk's
@@ -50,10 +55,12 @@ ROW_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _final_logits(x, logit_scale, softcap, HAS_SOFTCAP: tl.constexpr):
+def _final_logits(x, logit_scale, softcap, post_scale, HAS_SOFTCAP: tl.constexpr):
+    """z = post_scale * softcap(logit_scale * x). Without a softcap the launcher folds post_scale (1 / temperature)
+    into logit_scale, so only the softcapped path multiplies twice."""
     z = x.to(tl.float32) * logit_scale
     if HAS_SOFTCAP:
-        z = softcap * tanh(z / softcap)
+        z = softcap * tanh(z / softcap) * post_scale
     return z
 
 
@@ -68,22 +75,30 @@ def _ce_rows(
     bad_label_ptr,
     scale_ptr,
     scale_stride,
+    entropy_ptr,
+    ent_scale_ptr,
+    ent_scale_stride,
     n_rows,
     n_cols,
     ignore_index,
     logit_scale,
     softcap,
+    post_scale,
     smoothing,
     z_loss,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Per-row loss; with WRITE_GRAD also grad_scale[row] * d(loss_row)/d(logits_row) into grad_ptr.
 
-    loss_row = lse - (1 - eps) * z_label - eps * mean(z) + z_loss * lse^2, z = softcap(logit_scale * x).
+    loss_row = lse - (1 - eps) * z_label - eps * mean(z) + z_loss * lse^2, z = post_scale * softcap(logit_scale * x).
+    HAS_ENTROPY: also the entropy of softmax(z) into entropy_ptr; ENTROPY_GRAD (with WRITE_GRAD): the gradient
+    adds ent_scale[row] * d(entropy_row)/d(logits_row). Ignored rows get 0 for both and a zero gradient.
     grad_ptr may equal logits_ptr: each element is read before the same program overwrites it.
     A label outside [0, V) that is not ignore_index gives a NaN row and is written to bad_label_ptr (any one
     of them when several are: the launcher only asks whether one is there).
@@ -103,15 +118,21 @@ def _ce_rows(
             bad_label_ptr,
             scale_ptr,
             scale_stride,
+            entropy_ptr,
+            ent_scale_ptr,
+            ent_scale_stride,
             n_cols,
             ignore_index,
             logit_scale,
             softcap,
+            post_scale,
             smoothing,
             z_loss,
             HAS_SOFTCAP,
             HAS_SMOOTHING,
             HAS_Z_LOSS,
+            HAS_ENTROPY,
+            ENTROPY_GRAD,
             WRITE_GRAD,
             BLOCK,
         )
@@ -129,15 +150,21 @@ def _ce_row(
     bad_label_ptr,
     scale_ptr,
     scale_stride,
+    entropy_ptr,
+    ent_scale_ptr,
+    ent_scale_stride,
     n_cols,
     ignore_index,
     logit_scale,
     softcap,
+    post_scale,
     smoothing,
     z_loss,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -147,34 +174,47 @@ def _ce_row(
     cols = tl.arange(0, BLOCK)
     if label == ignore_index:
         tl.store(loss_ptr + row, 0.0)
+        if HAS_ENTROPY:
+            tl.store(entropy_ptr + row, 0.0)
         if WRITE_GRAD:
             zeros = tl.zeros([BLOCK], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK):
                 offs = start + cols
                 tl.store(out_row + offs, zeros.to(grad_ptr.dtype.element_ty), mask=offs < n_cols)
     else:
-        # Pass 1: online logsumexp (running max m, running sum s of exp(z - m)), plus sum(z) for smoothing.
+        # Pass 1: online logsumexp (running max m, running sum s of exp(z - m)), plus sum(z) for smoothing and
+        # the running sum t of exp(z - m) * z for the entropy (lse - t / s, the mean logit under p).
         m = -float("inf")
         s = 0.0
+        t = 0.0
         z_sum = 0.0
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
             # evict_last: pass 2 reads the row again (a few % faster: docs/benchmarks/kernels.md, "cross-entropy")
             raw = tl.load(in_row + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-            z = tl.where(mask, _final_logits(raw, logit_scale, softcap, HAS_SOFTCAP), -float("inf"))
+            z = tl.where(mask, _final_logits(raw, logit_scale, softcap, post_scale, HAS_SOFTCAP), -float("inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            e = tl.exp(z - m_new)
+            rescale = tl.exp(m - m_new)
+            s = s * rescale + tl.sum(e, axis=0)
+            if HAS_ENTROPY:
+                t = t * rescale + tl.sum(e * tl.where(mask, z, 0.0), axis=0)  # no 0 * -inf
             m = m_new
             if HAS_SMOOTHING:
                 z_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
         lse = m + tl.log(s)
+        mean_z = t / s
+        if HAS_ENTROPY:
+            tl.store(entropy_ptr + row, lse - mean_z)
 
         # A label outside [0, V) gives NaN rather than reading out of bounds, and is reported to the launcher.
         in_range = (label >= 0) & (label < n_cols)
         if (label < 0) | (label >= n_cols):
             tl.store(bad_label_ptr, label)
-        z_label = _final_logits(tl.load(in_row + label, mask=in_range, other=0.0), logit_scale, softcap, HAS_SOFTCAP)
+        z_label = _final_logits(
+            tl.load(in_row + label, mask=in_range, other=0.0), logit_scale, softcap, post_scale, HAS_SOFTCAP
+        )
         z_label = tl.where(in_range, z_label, float("nan"))
         if HAS_SMOOTHING:
             loss = lse - (1.0 - smoothing) * z_label - smoothing * (z_sum / n_cols)
@@ -185,9 +225,13 @@ def _ce_row(
         tl.store(loss_ptr + row, loss)
 
         if WRITE_GRAD:
-            # Pass 2: dloss/dz = p * (1 + 2 z_loss lse) - (1 - eps) [j == label] - eps / V, then through the
-            # softcap (1 - tanh^2) and the logit scale, all times this row's grad scale.
+            # Pass 2: dloss/dz = p * (1 + 2 z_loss lse) - (1 - eps) [j == label] - eps / V, plus the entropy's
+            # ent_scale * dH/dz = -ent_scale * p * (z - mean_z), then through the softcap (post_scale (1 - tanh^2))
+            # and the logit scale, all times this row's grad scale.
             scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+            ent_scale = 0.0
+            if ENTROPY_GRAD:
+                ent_scale = tl.load(ent_scale_ptr + row * ent_scale_stride).to(tl.float32)
             p_coef = scale
             if HAS_Z_LOSS:
                 p_coef = scale * (1.0 + 2.0 * z_loss * lse)
@@ -199,14 +243,17 @@ def _ce_row(
                 offs = last_start - back + cols
                 mask = offs < n_cols
                 raw = tl.load(in_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")  # read last
-                z = _final_logits(raw, logit_scale, softcap, HAS_SOFTCAP)
-                g = tl.exp(z - lse) * p_coef
+                z = _final_logits(raw, logit_scale, softcap, post_scale, HAS_SOFTCAP)
+                p = tl.exp(z - lse)
+                g = p * p_coef
+                if ENTROPY_GRAD:
+                    g -= p * ent_scale * (z - mean_z)
                 g = tl.where(offs == label, g - label_coef, g)
                 if HAS_SMOOTHING:
                     g -= scale * smoothing / n_cols
                 if HAS_SOFTCAP:
-                    capped = z / softcap
-                    g *= 1.0 - capped * capped
+                    capped = z / (softcap * post_scale)
+                    g *= post_scale * (1.0 - capped * capped)
                 g *= logit_scale
                 tl.store(out_row + offs, g.to(grad_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
@@ -234,6 +281,7 @@ class _LossConfig(NamedTuple):
     logit_scale: float
     z_loss: float
     reduction: str
+    temperature: float = 1.0  # the final logits are divided by it (after the softcap)
 
 
 def _row_block(n_cols: int) -> tuple[int, int]:
@@ -242,11 +290,15 @@ def _row_block(n_cols: int) -> tuple[int, int]:
     return block, max(1, min(16, block // 512))
 
 
-def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, bad_label) -> None:
+def _launch_rows(
+    logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, bad_label, entropy_rows=None, entropy_scale=None
+) -> None:
     """Row kernel over 2-D `logits` (unit last stride); `grad` None computes the loss only.
 
     grad_scale: fp32 tensor with one value per row, or a single value for every row.
     bad_label: `_no_bad_label(...)`, where the kernel writes a label out of range; `_check_bad_label` reads it.
+    entropy_rows: fp32 [rows] the kernel writes each row's entropy to (None: not computed); entropy_scale (with
+    `grad` and entropy_rows): fp32 per-row weights of the entropy's gradient.
     """
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -254,6 +306,13 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, 
     block, num_warps = _row_block(n_cols)
     write_grad = grad is not None
     scale_stride = 0 if grad_scale.numel() == 1 else 1
+    entropy_grad = write_grad and entropy_scale is not None
+    if entropy_grad and entropy_rows is None:
+        raise ValueError("entropy_scale needs entropy_rows (the kernel computes the entropy for its gradient)")
+    # 1 / temperature: folded into the logit scale, or after the softcap where there is one
+    logit_scale, post_scale = cfg.logit_scale, 1.0 / cfg.temperature
+    if cfg.softcap is None:
+        logit_scale, post_scale = logit_scale * post_scale, 1.0
     n_programs = min(n_rows, num_sms(logits.device) * ROW_PROGRAMS_PER_SM)
     _ce_rows[(n_programs,)](
         logits,
@@ -265,16 +324,22 @@ def _launch_rows(logits, grad, labels, loss_rows, grad_scale, cfg: _LossConfig, 
         bad_label,
         grad_scale,
         scale_stride,
+        loss_rows if entropy_rows is None else entropy_rows,
+        entropy_scale if entropy_grad else grad_scale,
+        (0 if entropy_scale.numel() == 1 else 1) if entropy_grad else 0,
         n_rows,
         n_cols,
         cfg.ignore_index,
-        cfg.logit_scale,
+        logit_scale,
         cfg.softcap or 1.0,
+        post_scale,
         cfg.label_smoothing,
         cfg.z_loss,
         HAS_SOFTCAP=cfg.softcap is not None,
         HAS_SMOOTHING=cfg.label_smoothing > 0,
         HAS_Z_LOSS=cfg.z_loss > 0,
+        HAS_ENTROPY=entropy_rows is not None,
+        ENTROPY_GRAD=entropy_grad,
         WRITE_GRAD=write_grad,
         BLOCK=block,
         num_warps=num_warps,
@@ -466,10 +531,13 @@ def _linear_ce_chunks(
     grad_hidden=None,
     grad_weight=None,
     grad_bias=None,
+    entropy_rows=None,
+    entropy_scale=None,
 ) -> None:
     """Loss rows of the given chunks, and (into the buffers that are not None) the gradients.
 
-    grad_weight is overwritten by the first chunk; grad_bias is an fp32 accumulator.
+    grad_weight is overwritten by the first chunk; grad_bias is an fp32 accumulator. entropy_rows / entropy_scale:
+    the rows' entropies and their gradient weights (`_launch_rows`).
     """
     write_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
     buf = torch.empty(min(chunk_rows, hidden.shape[0]), weight.shape[0], dtype=hidden.dtype, device=hidden.device)
@@ -484,9 +552,13 @@ def _linear_ce_chunks(
         else:
             torch.addmm(bias, h, weight.t(), out=logits)
         scale = grad_scale[start:end] if per_row_scale else grad_scale
+        entropy = None if entropy_rows is None else entropy_rows[start:end]
+        entropy_weight = None
+        if entropy_scale is not None:
+            entropy_weight = entropy_scale[start:end] if entropy_scale.numel() > 1 else entropy_scale
         # In place: the chunk's logits become its dlogits (the buffer is ours).
         _launch_rows(logits, logits if write_grad else None, labels[start:end], loss_rows[start:end], scale, cfg,
-                     bad_label)  # fmt: skip
+                     bad_label, entropy, entropy_weight)  # fmt: skip
         if grad_hidden is not None:
             torch.mm(logits, weight, out=grad_hidden[start:end])
         if grad_weight is not None:
@@ -502,7 +574,10 @@ def _linear_ce_chunks(
     _check_bad_label(bad_label, weight.shape[0], cfg.ignore_index)
 
 
-def _loss_and_grads(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale, needs):
+def _loss_and_grads(
+    hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale, needs, entropy_rows=None,
+    entropy_scale=None,
+):  # fmt: skip
     """Loss rows of all chunks (into loss_rows) and the gradients of (hidden, weight, bias) that `needs` asks
     for, None for the others; the bias gradient is summed in fp32 and returned in the bias dtype."""
     need_h, need_w, need_b = needs
@@ -510,7 +585,7 @@ def _loss_and_grads(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_
     grad_weight = torch.empty_like(weight) if need_w else None
     grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device) if need_b else None
     _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, loss_rows, grad_scale,
-                      grad_hidden, grad_weight, grad_bias)  # fmt: skip
+                      grad_hidden, grad_weight, grad_bias, entropy_rows, entropy_scale)  # fmt: skip
     return grad_hidden, grad_weight, None if grad_bias is None else grad_bias.to(bias.dtype)
 
 
@@ -571,6 +646,26 @@ def _inverse_divisor(reduction, labels, ignore_index, num_items_in_batch, device
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
+def _check_linear_inputs(hidden, weight, bias, labels) -> int:
+    """The shared input checks of the fused ops; returns the number of rows."""
+    check_dtype("hidden", hidden)
+    check_dtype("weight", weight)
+    if weight.dim() != 2 or 0 in weight.shape:
+        raise ValueError(f"weight must have shape [V, H] with V, H > 0; got {tuple(weight.shape)}")
+    vocab, hidden_size = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
+        raise ValueError(
+            f"hidden must have shape [..., {hidden_size}] to match weight [V, H]; got {tuple(hidden.shape)}"
+        )
+    if bias is not None:
+        check_dtype("bias", bias)
+        check_shape("bias", bias, (vocab,), "one per row of weight")
+    n_rows = hidden.numel() // hidden_size
+    _check_labels(labels, n_rows, "hidden")
+    check_same_device(hidden=hidden, weight=weight, bias=bias)
+    return n_rows
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -592,22 +687,8 @@ def fused_linear_cross_entropy(
     otherwise the semantics are those of `cross_entropy`, out-of-range labels included. The loss is fp32
     (reduction "none": [N] rows). No rows at all give 0 and zero gradients, as rows that are all ignored do.
     """
-    check_dtype("hidden", hidden)
-    check_dtype("weight", weight)
-    if weight.dim() != 2 or 0 in weight.shape:
-        raise ValueError(f"weight must have shape [V, H] with V, H > 0; got {tuple(weight.shape)}")
-    vocab, hidden_size = weight.shape
-    if hidden.dim() < 1 or hidden.shape[-1] != hidden_size:
-        raise ValueError(
-            f"hidden must have shape [..., {hidden_size}] to match weight [V, H]; got {tuple(hidden.shape)}"
-        )
-    if bias is not None:
-        check_dtype("bias", bias)
-        check_shape("bias", bias, (vocab,), "one per row of weight")
-    n_rows = hidden.numel() // hidden_size
-    _check_labels(labels, n_rows, "hidden")
+    n_rows = _check_linear_inputs(hidden, weight, bias, labels)
     _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale)
-    check_same_device(hidden=hidden, weight=weight, bias=bias)
     labels = labels.to(hidden.device)
     if not use_triton(hidden, weight, bias, labels):
         return fused_linear_cross_entropy_reference(
@@ -629,7 +710,7 @@ def fused_linear_cross_entropy(
     weight = weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
     labels = labels.reshape(-1).contiguous()
-    chunk_rows = logits_chunk_rows(max(n_rows, 1), vocab, dtype)
+    chunk_rows = logits_chunk_rows(max(n_rows, 1), weight.shape[0], dtype)
     chunks = _plan_chunks(n_rows, chunk_rows)
     inv_divisor = _inverse_divisor(reduction, labels, ignore_index, num_items_in_batch, hidden.device)
     cfg = _LossConfig(ignore_index, float(label_smoothing), softcap, float(logit_scale), float(z_loss), reduction)
@@ -639,6 +720,105 @@ def fused_linear_cross_entropy(
                              softcap, cfg.logit_scale, cfg.z_loss, *needs)[0]  # fmt: skip
     loss = _FusedLinearCrossEntropy.apply(hidden2, weight, bias, labels, cfg, inv_divisor, chunks, chunk_rows)
     return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+
+
+# ------------------------------------------------------------------------- per-token log-probabilities
+
+
+class _FusedLinearLogProbs(torch.autograd.Function):
+    """Minus the cross-entropy rows (and the entropies) of the chunks; the backward recomputes the chunks with each
+    row's grad_output, as reduction "none" of the loss does."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, cfg: _LossConfig, chunks, chunk_rows, with_entropy: bool):
+        ctx.set_materialize_grads(False)  # the entropy is often only logged: no gradient to fold in then
+        rows = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros_like(rows) if with_entropy else None
+        unused_scale = torch.ones(1, dtype=torch.float32, device=hidden.device)
+        _linear_ce_chunks(hidden, weight, bias, labels, cfg, chunks, chunk_rows, rows, unused_scale,
+                          entropy_rows=entropy)  # fmt: skip
+        ctx.cfg, ctx.chunks, ctx.chunk_rows = cfg, chunks, chunk_rows
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        return rows.neg_(), entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        if (grad_log_probs is None and grad_entropy is None) or not any(needs):
+            return (None,) * 8
+        device = hidden.device
+        # the kernel's rows are cross-entropies: d/d(-log p) = -grad_log_probs
+        if grad_log_probs is None:
+            scale = torch.zeros(1, dtype=torch.float32, device=device)
+        else:
+            scale = grad_log_probs.to(torch.float32).neg().contiguous()
+        entropy_scale = entropy = None
+        if grad_entropy is not None:
+            entropy_scale = grad_entropy.to(torch.float32).contiguous()
+            entropy = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
+        scratch = torch.empty(hidden.shape[0], dtype=torch.float32, device=device)
+        grads = _loss_and_grads(hidden, weight, bias, labels, ctx.cfg, ctx.chunks, ctx.chunk_rows, scratch, scale,
+                                needs, entropy, entropy_scale)  # fmt: skip
+        return (*grads, None, None, None, None, None)
+
+
+def _check_temperature(temperature) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a number > 0; got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature}")
+
+
+def fused_linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each row's label, and with `entropy=True` the entropy of the row's distribution, under
+    softmax(z / temperature) with z = softcap(logit_scale * (hidden @ weight.T + bias)), without the [N, V] logits.
+
+    The temperature divides the final (softcapped) logits, as TRL's trainers do. hidden [..., H], weight [V, H],
+    labels [...] (one per hidden row). Returns (log_probs, entropy or None), fp32, of shape hidden.shape[:-1];
+    rows whose label is ignore_index give 0 for both and no gradient. Both outputs are differentiable in hidden,
+    weight and bias (the backward recomputes the logits chunk by chunk). At temperature 1 the log-probs equal
+    -fused_linear_cross_entropy(..., reduction="none"); out-of-range labels raise as there.
+    """
+    n_rows = _check_linear_inputs(hidden, weight, bias, labels)
+    _check_options(ignore_index, 0.0, softcap, 0.0, "none", logit_scale)
+    _check_temperature(temperature)
+    labels = labels.to(hidden.device)
+    if not use_triton(hidden, weight, bias, labels):
+        return fused_linear_log_probs_reference(
+            hidden,
+            weight,
+            labels,
+            bias=bias,
+            temperature=temperature,
+            softcap=softcap,
+            logit_scale=logit_scale,
+            ignore_index=ignore_index,
+            entropy=entropy,
+        )
+    dtype = _compute_dtype(hidden, weight)
+    hidden2 = rows_view(hidden.to(dtype))
+    weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
+    labels = labels.reshape(-1).contiguous()
+    chunk_rows = logits_chunk_rows(max(n_rows, 1), weight.shape[0], dtype)
+    cfg = _LossConfig(ignore_index, 0.0, softcap, float(logit_scale), 0.0, "none", float(temperature))
+    log_probs, entropies = _FusedLinearLogProbs.apply(
+        hidden2, weight, bias, labels, cfg, _plan_chunks(n_rows, chunk_rows), chunk_rows, bool(entropy)
+    )
+    shape = hidden.shape[:-1]
+    return log_probs.reshape(shape), None if entropies is None else entropies.reshape(shape)
 
 
 # ------------------------------------------------------------------------------- registered operator
@@ -756,3 +936,38 @@ def fused_linear_cross_entropy_reference(
         z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, divisor=num_items_in_batch
     )
     return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+
+
+def fused_linear_log_probs_reference(
+    hidden,
+    weight,
+    labels,
+    *,
+    bias=None,
+    temperature=1.0,
+    softcap=None,
+    logit_scale=1.0,
+    ignore_index=-100,
+    entropy=False,
+):
+    """`fused_linear_log_probs` in plain torch: the [N, V] logits in (at least) fp32."""
+    _check_options(ignore_index, 0.0, softcap, 0.0, "none", logit_scale)
+    _check_temperature(temperature)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    z = hidden.reshape(-1, hidden.shape[-1]).to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    z = z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    log_p = torch.log_softmax(z / temperature, dim=-1)
+    labels = labels.reshape(-1).to(z.device)
+    _check_label_range(labels, z.shape[-1], ignore_index)
+    valid = labels != ignore_index
+    picked = log_p.gather(1, torch.where(valid, labels, 0).long().unsqueeze(1)).squeeze(1)
+    shape = hidden.shape[:-1]
+    log_probs = torch.where(valid, picked, torch.zeros_like(picked)).reshape(shape)
+    if not entropy:
+        return log_probs, None
+    rows = -(log_p.exp() * log_p).sum(-1)
+    return log_probs, torch.where(valid, rows, torch.zeros_like(rows)).reshape(shape)

@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import state, tuning
-from ._utils import cdiv, check_dtype, interpreter_enabled, next_power_of_2, use_triton
-from .jit_helpers import dot, gate_factor, tanh
-from .quant import (
+from .. import state, tuning
+from .._utils import cdiv, check_dtype, interpreter_enabled, next_power_of_2, use_triton
+from ..jit_helpers import dot, gate_factor, tanh
+from ..quant import (
     GEMV_MAX_ROWS,
     LOOKUPS,
     _unpacked,
@@ -1196,7 +1196,7 @@ def gemv_reference(
     x, weights, *, norm=None, biases=None, lora=None, activation=None, residual=None, out_dtype=None, softcap=None
 ) -> torch.Tensor:
     """gemv in torch, the unfused modules' maths and rounding (fp32 products)."""
-    from .norms import rms_norm_reference
+    from ..norms import rms_norm_reference
 
     dtype = x.dtype
     if norm is not None:
@@ -1641,7 +1641,7 @@ def decode_attention_reference(
     qk_norm=None,
 ) -> torch.Tensor:
     """decode_attention in torch (fp32 maths, q/k rounded to the cache dtype as the unfused path rounds)."""
-    from .norms import rms_norm_reference
+    from ..norms import rms_norm_reference
 
     b, hkv, length, d = k_cache.shape
     dtype = k_cache.dtype
@@ -1732,7 +1732,7 @@ def add_rms_norm(h: torch.Tensor, y: torch.Tensor, norm: tuple) -> torch.Tensor:
     if h.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("h and y must be contiguous along their last dimension")
     if not use_triton(h, y):
-        from .norms import rms_norm_reference
+        from ..norms import rms_norm_reference
 
         h.copy_(h + rms_norm_reference(y, weight, eps, offset))
         return h

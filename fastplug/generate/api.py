@@ -13,8 +13,9 @@ How it is fast:
   copies refreshed at each call), so what generates is what is being trained;
 - QLoRA: a bitsandbytes 4-bit base (NF4/FP4) is read packed, never run as a bitsandbytes module: the decode
   kernels' GEMV decodes it in its weight tiles (the per-op step: `gemv_4bit`), the prompt dequantizes it once;
-- sampling (temperature, top-k, top-p) draws its noise from a counter-based hash of (seed, step, index):
-  no RNG state inside the graph, and a seeded call gives the same tokens with or without a graph.
+- sampling (temperature, top-k, top-p, min-p; a repetition penalty greedy or sampled) draws its noise from a
+  counter-based hash of (seed, step, index): no RNG state inside the graph, and a seeded call gives the same
+  tokens with or without a graph.
 
 Supports the families fastplug patches (Llama, Mistral, Qwen2/3, Gemma 1/2/3, Mixtral, Qwen2/3-MoE):
 softcaps, sliding windows (a ring of the last `window` columns per windowed layer), q/k norms, scaled
@@ -109,6 +110,8 @@ def fast_generate(
     temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
     eos_token_id=_UNSET,
     pad_token_id=_UNSET,
     streamer=None,
@@ -118,7 +121,8 @@ def fast_generate(
     """Generate up to `max_new_tokens` tokens per row; returns [batch, prompt + generated] like
     transformers' `generate` (rows that stopped early are filled with `pad_token_id`).
 
-    `input_ids` [batch, prompt] with LEFT padding (`attention_mask` zeros first). Sampling settings come from
+    `input_ids` [batch, prompt] with LEFT padding (`attention_mask` zeros first). Sampling settings (do_sample,
+    temperature, top_k, top_p, min_p, and repetition_penalty, which applies to greedy decoding too) come from
     the keyword arguments, else `generation_config`, else the model's generation config; greedy by default.
     `eos_token_id` / `pad_token_id` likewise (None: no EOS stop). Sampling draws from torch's global RNG
     once per call (a seed), so `torch.manual_seed` makes a call reproducible. `max_seq_length` (default: the
@@ -130,7 +134,7 @@ def fast_generate(
         raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}")
     base = unwrap(model)
     config = generation_config if generation_config is not None else getattr(base, "generation_config", None)
-    sampling = sampling_of(config, do_sample, temperature, top_k, top_p)
+    sampling = sampling_of(config, do_sample, temperature, top_k, top_p, min_p, repetition_penalty)
     eos = _as_ids(getattr(config, "eos_token_id", None) if eos_token_id is _UNSET else eos_token_id, "eos_token_id")
     if len(eos) > MAX_EOS:
         raise ValueError(f"at most {MAX_EOS} eos_token_id values; got {len(eos)}")

@@ -17,7 +17,7 @@ from ..kernels._utils import interpreter_enabled
 from ..kernels.rope import rope, rope_reference
 from .fast_decode import FastDecode, fast_decode_reason
 from .plan import LayerPlan, Plan, apply_norm
-from .sampling import Sampling, choose
+from .sampling import Sampling, choose, penalize, see, see_prompt
 
 _EOS_CHECK_EVERY = 16  # decode steps between host checks of "has every row finished"
 _EAGER_WARMUP_STEPS = 2  # real decode steps run eagerly before capture (compiles Triton kernels, cuBLAS init)
@@ -60,8 +60,11 @@ class Session:
         self.seed = torch.zeros((), **longs)
         self.temperature = torch.ones((), device=device, dtype=torch.float32)
         self.top_p = torch.ones((), device=device, dtype=torch.float32)
+        self.min_p = torch.zeros((), device=device, dtype=torch.float32)
+        self.penalty = torch.ones((), device=device, dtype=torch.float32)  # the repetition penalty
+        self.seen = torch.zeros(batch, vocab, device=device, dtype=torch.bool)  # tokens each row has seen
         self.noise_index = torch.arange(batch * vocab, **longs).view(batch, vocab)
-        self.graphs: dict = {}  # (do_sample, top_k, uses top_p) -> CUDAGraph
+        self.graphs: dict = {}  # (do_sample, top_k, uses top_p, uses min_p, penalized, decode kernels) -> CUDAGraph
         self.rope: dict | None = None  # the decode kernels' RoPE tables, made at the first prefill
 
 
@@ -182,6 +185,8 @@ class Decoder:
     # -- choosing and recording tokens
     def _emit(self, logits: torch.Tensor, s: Session, sampling: Sampling) -> None:
         token = torch.where(s.finished, s.pad, choose(logits, s, sampling))
+        if sampling.penalized:
+            see(s, token)
         newly = ~s.finished & (token[:, None] == s.eos).any(-1)
         s.done_at.copy_(torch.where(newly, s.count, s.done_at))
         s.finished.logical_or_(newly)
@@ -203,8 +208,11 @@ class Decoder:
             s.pos.add_(1)
             s.slot.add_(1)
         else:  # argmax, EOS and the output column in one launch (it advances pos), then slot and count in one
+            logits = penalize(logits, s, sampling)
             decode_kernels.greedy_emit(logits, s.finished, s.done_at, s.count, s.eos, s.pad, s.out, s.tok, s.pos)
             s.counters.add_(1)
+            if sampling.penalized:
+                see(s, s.tok)
 
     # -- a whole call
     def session(self, batch: int, length: int) -> Session:
@@ -231,6 +239,10 @@ class Decoder:
         s.seed.fill_(seed)
         s.temperature.fill_(sampling.temperature)
         s.top_p.fill_(sampling.top_p)
+        s.min_p.fill_(sampling.min_p)
+        s.penalty.fill_(sampling.repetition_penalty)
+        if sampling.penalized:
+            see_prompt(s, ids, mask)
         s.count.zero_()
         if s.rope is None and self.uses_fast(s):
             s.rope = self.fast.rope_tables(s)
@@ -256,7 +268,14 @@ class Decoder:
     def decode(self, s: Session, sampling: Sampling, steps: int, streamer, cuda_graph: bool) -> int:
         """Runs up to `steps` decode steps after the prefill; returns how many tokens each row now has."""
         # a graph holds the step it captured: decode kernels or per-op (FAST_DECODE may change between calls)
-        key = (sampling.do_sample, sampling.top_k, sampling.top_p < 1.0, self.uses_fast(s))
+        key = (
+            sampling.do_sample,
+            sampling.top_k,
+            sampling.top_p < 1.0,
+            sampling.min_p > 0,
+            sampling.penalized,
+            self.uses_fast(s),
+        )
         graph = s.graphs.get(key) if cuda_graph else None
         may_capture = cuda_graph and s.tok.is_cuda and self.graph_failure is None
         streamed = 0

@@ -1069,6 +1069,14 @@ def lora_linear(x: torch.Tensor, proj: LoRAProjection) -> torch.Tensor:
     return y
 
 
+def lora_projections(x: torch.Tensor, *projs: LoRAProjection, stacked: StackedBase | None = None) -> tuple:
+    """The outputs of any number of projections of one x [..., in] (Gemma 4's q and k where v is k); one node,
+    as `lora_qkv` without RoPE. stacked: their frozen weights as one matrix (`StackedBase`)."""
+    if not projs:
+        raise ValueError("lora_projections needs at least one projection")
+    return _launch_shared(x, {f"projs[{i}]": p for i, p in enumerate(projs)}, None, stacked)
+
+
 def lora_qkv(
     x: torch.Tensor,
     q_proj: LoRAProjection,

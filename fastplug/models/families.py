@@ -36,6 +36,8 @@ class Family:
     name: str
     # 0.0: Llama's RMSNorm (weight * x_norm in x's dtype); 1.0: Gemma's (x_norm * (1 + weight) in fp32).
     rms_norm_offset: float = 0.0
+    # Gemma 4's RMSNorm: x_norm * weight in fp32 (offset 0, scaled before the cast to x's dtype).
+    rms_norm_scale_in_fp32: bool = False
     # Keyword arguments this family's attention forward passes to the attention function, beyond
     # dropout/scaling (read from transformers' modeling_<family>.py).
     attention_extra_kwargs: Callable[[nn.Module], dict] = field(default=_no_extra)
@@ -56,10 +58,13 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", attention_extra_kwargs=_sliding_from_config, moe=True),
         Family("qwen2_moe", moe=True),  # sets sliding_window on some layers but does not pass it
         Family("qwen3_moe", attention_extra_kwargs=_sliding_from_module, moe=True),
+        # Gemma 4 (text, and the language model of Gemma4ForConditionalGeneration): its router adds no loss
+        Family("gemma4_text", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
+        Family("gemma4", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
     )
 }
 
-SUPPORTED_FAMILIES = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe"
+SUPPORTED_FAMILIES = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe, gemma4"
 
 
 def family_of(model: nn.Module) -> Family | None:

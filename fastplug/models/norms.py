@@ -1,4 +1,4 @@
-"""RMSNorm (Llama-style and Gemma's 1 + w) and nn.LayerNorm."""
+"""RMSNorm (Llama-style, Gemma's 1 + w, Gemma 4's w in fp32 and its norms without a weight) and nn.LayerNorm."""
 
 from __future__ import annotations
 
@@ -8,12 +8,16 @@ from ..kernels.norms import layer_norm, rms_norm
 from .rules import MatchContext, Patch, Skip
 
 
-def _rms_norm_forward(offset: float):
+def _rms_norm_forward(offset: float, scale_in_fp32: bool = False):
     def forward(self, hidden_states):
         eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-        return rms_norm(hidden_states, self.weight, eps=eps, offset=offset)
+        return rms_norm(hidden_states, self.weight, eps=eps, offset=offset, scale_in_fp32=scale_in_fp32)
 
     return forward
+
+
+def _weightless_rms_norm_forward(self, hidden_states):
+    return rms_norm(hidden_states, None, eps=self.eps)
 
 
 def _looks_like_rms_norm(module: nn.Module) -> bool:
@@ -27,11 +31,25 @@ def _looks_like_rms_norm(module: nn.Module) -> bool:
     )
 
 
+def _weightless(module: nn.Module) -> bool:
+    # Gemma 4's v_norm and router norm: the normalised row alone, in x's dtype (with_scale=False, no weight)
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and getattr(module, "with_scale", None) is False
+        and getattr(module, "weight", None) is None
+        and isinstance(getattr(module, "eps", None), float)
+    )
+
+
 def match_rms_norm(module: nn.Module, ctx: MatchContext):
-    if not ctx.options.rms_norm or not _looks_like_rms_norm(module) or isinstance(module, nn.RMSNorm):
+    if not ctx.options.rms_norm or isinstance(module, nn.RMSNorm):
+        return None
+    if _weightless(module):
+        return Patch("rms_norm", _weightless_rms_norm_forward)
+    if not _looks_like_rms_norm(module):
         return None
     if ctx.family is not None:
-        return Patch("rms_norm", _rms_norm_forward(ctx.family.rms_norm_offset))
+        return Patch("rms_norm", _rms_norm_forward(ctx.family.rms_norm_offset, ctx.family.rms_norm_scale_in_fp32))
     # Unknown family: Llama's norm stores `variance_epsilon`; an `eps` norm may be Llama- or Gemma-style.
     if hasattr(module, "variance_epsilon"):
         return Patch("rms_norm", _rms_norm_forward(0.0))

@@ -35,6 +35,10 @@ class KernelOptions:
     # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
     # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/patch/layer_graphs.py).
     cuda_graphs: bool = False
+    # Training batches padded on the right (the collator's dynamic padding) run without a mask, and their rows
+    # are padded on to one of a few lengths (four per doubling) so that captured graphs serve every batch; the
+    # pads' labels are ignored, so losses and gradients are unchanged (models/padding.py). None: with cuda_graphs.
+    bucket_lengths: bool | None = None
     # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
     # blocks, the bf16 copies freed from the GPU) and run on the FP8 GEMM; layers already in FP8 (transformers'
     # fine-grained FP8 checkpoints) take fastplug's kernel. restore() gives back the originals, kept in CPU
@@ -76,6 +80,9 @@ class KernelOptions:
             raise ValueError(
                 f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"
             )
+
+    def buckets_on(self) -> bool:
+        return self.cuda_graphs if self.bucket_lengths is None else self.bucket_lengths
 
     def scoped_to_run(self) -> "KernelOptions":
         """These options as a trainer adapter applies them: its patch lasts one run, so freeze_gc and

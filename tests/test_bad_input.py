@@ -62,7 +62,7 @@ OPTIONAL_BOOL_OPTIONS = [f.name for f in dataclasses.fields(KernelOptions) if f.
 
 def test_every_switch_is_checked():
     assert {"rope", "rms_norm", "cross_entropy", "fp8", "fp8_keep_original", "cuda_graphs"} <= set(BOOL_OPTIONS)
-    assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc"}
+    assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc", "bucket_lengths"}
 
 
 @pytest.mark.parametrize("name", BOOL_OPTIONS + OPTIONAL_BOOL_OPTIONS)

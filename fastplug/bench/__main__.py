@@ -1,10 +1,10 @@
-"""python -m fastplug.bench micro|e2e|multi|frameworks|moe-tune|generate [options]   (each takes --help)"""
+"""python -m fastplug.bench micro|e2e|multi|frameworks|varlen|moe-tune|generate [options]   (each takes --help)"""
 
 import json
 import sys
 
 USAGE = (
-    "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,moe-tune,generate} [options]"
+    "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,varlen,moe-tune,generate} [options]"
     "   (--help after the command for its options)"
 )
 
@@ -39,13 +39,20 @@ def main(argv=None) -> int:
         from .frameworks import main as frameworks_main
 
         return frameworks_main(rest)
+    if command == "varlen":
+        from .varlen import main as varlen_main
+
+        return varlen_main(rest)
     if command == "_multi_worker":  # internal: every rank of one multi launch
         from .multi import worker_main
 
         return worker_main(*rest)
     if command == "_worker":  # internal: one run in a fresh process, e2e's or (by its spec) frameworks'
-        if json.loads(rest[0]).get("bench") == "frameworks":
+        bench = json.loads(rest[0]).get("bench")
+        if bench == "frameworks":
             from .frameworks import worker_main
+        elif bench == "varlen":
+            from .varlen import worker_main
         else:
             from .e2e import worker_main
 

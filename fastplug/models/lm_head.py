@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels.cross_entropy import fused_linear_cross_entropy
 from .attention import CACHE_KEYWORDS
+from .padding import loss_only_inputs
 from .rules import MatchContext, Patch, Skip, is_fsdp, own_class
 
 
@@ -113,7 +114,7 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
             )
 
 
-def _causal_lm_forward(moe: bool, cache_field: str):
+def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool):
     def forward(
         self,
         input_ids=None,
@@ -158,9 +159,14 @@ def _causal_lm_forward(moe: bool, cache_field: str):
             requested = kwargs.pop("output_router_logits", None)
             router_logits_wanted = self.config.output_router_logits if requested is None else requested
             kwargs["output_router_logits"] = router_logits_wanted
+        decoder_mask = attention_mask
+        if self.training and inputs_embeds is None:  # right padding needs no mask; lengths into buckets
+            padded = loss_only_inputs(self, input_ids, attention_mask, labels, position_ids, kwargs, buckets)
+            if padded is not None:
+                input_ids, labels, decoder_mask, attention_mask = padded
         outputs = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask,
+            attention_mask=decoder_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
@@ -216,6 +222,6 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         return Skip("lm_head_loss", "MoE family without load_balancing_loss_func")
     return Patch(
         "lm_head_loss",
-        _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe)),
+        _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe), ctx.options.buckets_on()),
         switch=_install_head_forward(module.lm_head),
     )

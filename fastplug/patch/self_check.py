@@ -170,6 +170,8 @@ class Probe:
         grads = torch.autograd.grad(loss, wanted, allow_unused=True)
         out.tensors["loss"] = loss.detach().float().reshape(1)
         names = ["gradient of the first layer's input", *(f"gradient of {n}" for n in params)]
+        if grads[0] is not None:  # the batch's own tokens: bucket_lengths pads the rows on (models/padding.py)
+            grads = (grads[0][:, : ids.shape[1]], *grads[1:])
         for name, grad in zip(names, grads):
             if grad is not None:
                 out.tensors[name] = grad.detach()

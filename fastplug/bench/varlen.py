@@ -1,0 +1,314 @@
+"""`python -m fastplug.bench varlen`: LoRA SFT on variable-length real text, as users train.
+
+Documents are cut from the Python standard library's sources (every machine has them) at lengths drawn
+log-uniformly from --min-len to --max-len tokens, tokenised by a byte-level BPE trained on that text here
+(nothing is downloaded). Runs, each in a fresh worker process, on e2e's random-init models (bf16, LoRA r=16 on
+the preset's targets, non-reentrant checkpointing, the Trainer's default optimizer, fused AdamW):
+  trainer                 transformers.Trainer, DataCollatorForLanguageModeling (pads each batch to its longest row)
+  trainer_liger           the same with use_liger_kernel=True
+  trainer_fastkernels     the same with callbacks=[FastKernels()] (the defaults)
+  trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (rows padded on to a few lengths)
+  sft_packed, fast_sft_packed  trl.SFTTrainer / FastSFTTrainer, packing=True (padding-free rows)
+tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
+torch.profiler's kernel time per step over the same steps, so wall / GPU says how far the host sets the pace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from ._report import short_error, write_csv
+from .e2e import MODELS, build_model, default_device, parse_list, print_table, run_worker, worker_deadline
+from .frameworks import StepTimer, _counts_note, _reset_peak, _train, _training_args
+
+RUNS = (
+    "trainer",
+    "trainer_liger",
+    "trainer_fastkernels",
+    "trainer_fastkernels_graphs",
+    "sft_packed",
+    "fast_sft_packed",
+)
+BASELINE = {
+    "trainer_liger": "trainer",
+    "trainer_fastkernels": "trainer",
+    "trainer_fastkernels_graphs": "trainer",
+    "fast_sft_packed": "sft_packed",
+}
+COLUMNS = ("model", "run", "batch", "tok/s", "vs baseline", "peak GiB", "wall ms", "GPU ms", "wall/GPU", "note")
+_TEXT_BYTES = 6_000_000
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on the standard library's sources (a few seconds), as a transformers tokenizer
+    that pads on the right."""
+    import glob
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    paths = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], show_progress=False)
+    tokenizer.train_from_iterator(_texts(paths, _TEXT_BYTES), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"), paths
+
+
+def _texts(paths, limit: int):
+    total = 0
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        yield text
+        total += len(text)
+        if total >= limit:
+            return
+
+
+def documents(tokenizer, paths, count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """`count` documents of the library's token stream at log-uniform lengths in [min_len, max_len]."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    stream: list[int] = []
+    for text in _texts(paths, 4 * _TEXT_BYTES):
+        stream += tokenizer(text)["input_ids"]
+        if len(stream) >= count * max_len:
+            break
+    docs, at = [], 0
+    for _ in range(count):
+        n = int(math.exp(rng.uniform(math.log(min_len), math.log(max_len))))
+        if at + n > len(stream):
+            at = 0
+        docs.append(stream[at : at + n])
+        at += n
+    return docs
+
+
+# --- the worker -----------------------------------------------------------------------------------------------
+
+
+class _Meter:
+    """Real tokens (attention-mask ones) per step, counted lazily on the device; kernel time of the measured
+    steps from torch.profiler."""
+
+    def __init__(self, device, warmup: int, deadline: float):
+        self.timer = StepTimer(device, deadline)
+        self.device, self.warmup = device, warmup
+        self.tokens: list = []
+        self._pending = []
+        self._profile = None
+        self.gpu_ms = None
+
+    def count(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        ids = kwargs.get("input_ids")
+        if module.training:
+            self._pending.append(mask.sum() if mask is not None else ids.numel())
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        meter = self
+
+        class Timing(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                _reset_peak(meter.device)
+
+            def on_step_begin(self, args, state, control, **kwargs):
+                if len(meter.timer.times) == meter.warmup and meter.device.type == "cuda":
+                    from torch.profiler import ProfilerActivity, profile
+
+                    meter._profile = profile(activities=[ProfilerActivity.CUDA])
+                    meter._profile.__enter__()
+                meter.timer.begin()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                stop = meter.timer.end()
+                meter.tokens.append(sum(int(t) for t in meter._pending))
+                meter._pending = []
+                control.should_training_stop = stop or control.should_training_stop
+
+            def on_train_end(self, args, state, control, **kwargs):
+                if meter._profile is not None:
+                    meter._profile.__exit__(None, None, None)
+                    events = meter._profile.key_averages()
+                    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+                    meter.gpu_ms = kernel_us / 1e3 / max(len(meter.timer.times) - meter.warmup, 1)
+
+        return Timing()
+
+    def result(self, note: str) -> dict:
+        import torch
+
+        times, tokens = self.timer.times[self.warmup :], self.tokens[self.warmup :]
+        if not times:
+            raise RuntimeError(f"only {len(self.timer.times)} steps ran, {self.warmup} of them warm-up")
+        wall_ms = 1e3 * sum(times) / len(times)
+        return dict(
+            tokens_per_s=sum(tokens) / sum(times),
+            wall_ms=wall_ms,
+            gpu_ms=self.gpu_ms,
+            measured_steps=len(times),
+            losses=self.timer.losses[:3],
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
+            note=note,
+        )
+
+
+def _dataset(spec, tokenizer, paths):
+    count = spec["batch"] * (spec["warmup"] + spec["steps"])
+    return documents(tokenizer, paths, count, spec["min_len"], spec["max_len"], spec["seed"])
+
+
+def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
+    if device.type == "cpu":
+        model = model.float()
+    rows = [{"input_ids": doc} for doc in _dataset(spec, tokenizer, paths)]
+    meter = _Meter(device, spec["warmup"], worker_deadline(spec))
+    model.register_forward_pre_hook(meter.count, with_kwargs=True)
+    callbacks = [meter.callback()]
+    if "fastkernels" in run:
+        from ..integrations.hf_trainer import FastKernels
+
+        callbacks.append(FastKernels(cuda_graphs=run.endswith("_graphs")))
+    args = _training_args(spec, device, run)
+    args["per_device_train_batch_size"] = spec["batch"]
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(**args, use_liger_kernel=run == "trainer_liger"),
+        train_dataset=rows,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        callbacks=callbacks,
+    )
+    _train(trainer, meter.timer)
+    note = _counts_note([callbacks[-1].handle]) if "fastkernels" in run else ""
+    if run.endswith("_graphs") and callbacks[-1].handle is not None and callbacks[-1].handle.graphs is not None:
+        note += f"; {callbacks[-1].handle.graphs}"
+    return meter.result(note)
+
+
+def run_sft_packed(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    model = build_model(spec["model"], spec["tiny"], device, spec["seed"]).unload()
+    if device.type == "cpu":
+        model = model.float()
+    model.config.use_cache = False
+    dataset = Dataset.from_dict({"input_ids": _dataset(spec, tokenizer, paths)})
+    meter = _Meter(device, spec["warmup"], worker_deadline(spec))
+    model.register_forward_pre_hook(meter.count, with_kwargs=True)
+    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[spec["model"]]["lora"])
+    config = SFTConfig(**_training_args(spec, device, "sft"), packing=True, max_length=spec["max_len"])
+    kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
+    if fast:
+        from ..integrations.trl import FastSFTTrainer
+
+        trainer = FastSFTTrainer(**kwargs, callbacks=[meter.callback()])
+        note = _counts_note(trainer.fast_kernel_handles)
+    else:
+        trainer = SFTTrainer(**kwargs, callbacks=[meter.callback()])
+        note = ""
+    _train(trainer, meter.timer)
+    return meter.result(note)
+
+
+def worker_main(spec_json: str, result_path: str) -> int:
+    import torch
+
+    spec = json.loads(spec_json)
+    print(f"\n== varlen / {spec['model']} / {spec['run']} ==", flush=True)
+    device = torch.device(spec["device"])
+    try:
+        tokenizer, paths = build_tokenizer(spec["vocab"])
+        run = spec["run"]
+        if run.startswith("trainer"):
+            result = run_trainer(spec, device, tokenizer, paths, run)
+        else:
+            result = run_sft_packed(spec, device, tokenizer, paths, fast=run.startswith("fast"))
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": short_error(exc)}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# --- the parent -----------------------------------------------------------------------------------------------
+
+
+def varlen_rows(args, models, runs, device, save) -> list[dict]:
+    rows = []
+    for model in models:
+        tiny = args.tiny
+        vocab = min(args.vocab, MODELS[model]["tiny" if tiny else "full"]["vocab_size"])
+        batch = args.batch or (2 if tiny else MODELS[model]["batch"])
+        results = {}
+        for run in runs:
+            spec = dict(
+                bench="varlen", run=run, model=model, tiny=tiny, device=device, seed=args.seed, batch=batch,
+                steps=args.steps, warmup=args.warmup, min_len=args.min_len, max_len=args.max_len, vocab=vocab,
+                seq=args.max_len,
+            )  # fmt: skip
+            started = time.time()
+            res = run_worker(spec, args.time_limit)
+            row = {"model": model, "run": run, "batch": batch}
+            rows.append(row)
+            if "error" in res:
+                row["note"] = res["error"]
+                save(rows)
+                continue
+            results[run] = res
+            gpu = res["gpu_ms"]
+            row.update(
+                {"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "wall ms": res["wall_ms"],
+                 "GPU ms": gpu, "wall/GPU": res["wall_ms"] / gpu if gpu else None}
+            )  # fmt: skip
+            base = results.get(BASELINE.get(run))
+            if base:
+                row["vs baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
+            row["note"] = f"{res['note']}; {res['measured_steps']} steps, {time.time() - started:.0f} s".lstrip("; ")
+            save(rows)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fastplug.bench varlen", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="llama", help=f"comma-separated, from {','.join(MODELS)}")
+    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {','.join(RUNS)}")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=10, help="steps before measuring (graph captures happen here)")
+    parser.add_argument("--batch", type=int, default=None, help="rows per batch (default: the preset's)")
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=32000, help="BPE vocabulary trained on the text")
+    parser.add_argument("--time-limit", type=float, default=600.0, help="seconds per run (hard)")
+    parser.add_argument("--tiny", action="store_true", help="e2e's tiny models (CPU smoke runs)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench_out", help="folder for the CSV")
+    args = parser.parse_args(argv)
+
+    models = parse_list(args.models, MODELS, "--models")
+    runs = parse_list(args.runs, RUNS, "--runs")
+    device = default_device()
+    if device == "cpu" and not args.tiny:
+        parser.error("without a GPU only --tiny runs")
+    csv_path = os.path.join(args.out, "varlen.csv")
+    rows = varlen_rows(args, models, runs, device, lambda rows: write_csv(csv_path, rows, COLUMNS))
+    print(f"\ncsv: {csv_path}\n")
+    print_table(rows, COLUMNS)
+    return 0

@@ -1,0 +1,92 @@
+"""Padded training batches (models/padding.py): right padding runs without a mask and lengths round up to
+buckets, with the loss and gradients of the batch as given; anything else runs as given."""
+
+import copy
+
+import pytest
+import torch
+
+from fastplug.models.padding import bucket_length
+from fastplug.patch.engine import patch_model
+from tests.helpers import assert_close
+from tests.models.tiny import VOCAB, tiny_model
+
+
+def test_buckets_cover_every_length_with_little_waste():
+    lengths = range(1, 8193)
+    buckets = [bucket_length(n) for n in lengths]
+    assert all(b >= n for n, b in zip(lengths, buckets))
+    assert all(a <= b for a, b in zip(buckets, buckets[1:])), "monotonic"
+    assert all(b - n < b / 5 for n, b in zip(lengths, buckets) if n > 64), "less than a fifth is padding"
+    assert bucket_length(1) == 64 and bucket_length(65) == 80 and bucket_length(2049) == 2560
+    assert len(set(bucket_length(n) for n in range(64, 4097))) == 25  # 64, then four per doubling
+
+
+def _padded_batch(lengths, right=True, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    tokens = max(lengths)
+    ids = torch.randint(1, VOCAB, (len(lengths), tokens), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        if right:
+            mask[row, :n] = 1
+        else:
+            mask[row, tokens - n :] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)  # DataCollatorForLanguageModeling's labels
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _step(model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _decoder_inputs(model):
+    """What the decoder stack is called with: (its input length, whether it got a mask), per forward."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen.append((ids.shape[1], kwargs.get("attention_mask") is not None))
+
+    return seen, model.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize(
+    "family, buckets, right, expected",
+    [
+        ("llama", True, True, (64, False)),  # right padding: no mask, rounded up to its bucket (the smallest)
+        ("llama", False, False, (13, True)),  # left padding: the mask, as given
+        ("gemma2", False, True, (13, False)),  # softcap and a window shorter than the pads: no mask either
+        ("qwen3_moe", True, True, (64, False)),  # the router's balance loss still sees only real tokens
+    ],
+)
+def test_padded_batches_train_like_transformers(family, buckets, right, expected):
+    reference = tiny_model(family).train()
+    model = copy.deepcopy(reference)
+    # the self-check runs on the first case (its batch is padded to a bucket too); the others save its time
+    patch_model(model, gradient_checkpointing=False, bucket_lengths=buckets, self_check=family == "llama")
+    inputs = _padded_batch([13, 6, 9], right=right)
+    seen, hook = _decoder_inputs(model)
+    out, grads = _step(model, inputs)
+    hook.remove()
+    assert seen == [expected]
+    ref, ref_grads = _step(reference, inputs)
+    assert_close(out.loss, ref.loss, torch.float32, "loss")
+    if getattr(ref, "aux_loss", None) is not None:
+        assert_close(out.aux_loss, ref.aux_loss, torch.float32, "aux_loss")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+
+
+def test_hidden_states_asked_for_keep_the_batch_as_given():
+    model = tiny_model("llama").train()
+    patch_model(model, gradient_checkpointing=False, bucket_lengths=True)
+    seen, hook = _decoder_inputs(model)
+    model(**_padded_batch([13, 6]), output_hidden_states=True)
+    hook.remove()
+    assert seen == [(13, True)]

@@ -23,6 +23,10 @@ sliding window and softcap, and the document bounds of packed rows itself:
   host sync per mask, before the layer stack; under torch.compile (no syncs while traced) any
   attention_mask takes this path.
 - dropout > 0 while training, or output_attentions: the family's eager attention with a 4-D mask built here.
+- heads wider than the flash kernel's (Gemma 4's 512 on its full-attention layers): the implementation the model
+  had (sdpa or eager), with no mask where it masks plain causality itself (sdpa), else a 4-D mask built here.
+- a mask the caller composed beyond causality (Gemma 4's image tokens that see each other both ways, under
+  `use_bidirectional_attention`): the mask function builds the fallback's mask and that implementation runs.
 """
 
 from __future__ import annotations
@@ -94,9 +98,11 @@ def fastplug_mask(*args, **kwargs):
     from ..kernels.attention import right_padding_bounds
 
     attention_mask = kwargs.get("attention_mask")
+    fallback = fallback_name(kwargs.get("config"))
+    if _composed_beyond_causal(kwargs):
+        return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
     if attention_mask is None:
         return None
-    fallback = fallback_name(kwargs.get("config"))
     if torch.compiler.is_compiling():  # traced: no host sync to learn whether it pads; this mask is exact
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
     if attention_mask.dim() == 2 and attention_mask.shape[-1] == kwargs.get("kv_length"):
@@ -115,6 +121,14 @@ def fastplug_mask(*args, **kwargs):
         elif bool(attention_mask.all()):
             return None
     return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
+
+
+def _composed_beyond_causal(kwargs) -> bool:
+    """Whether the caller's mask function may let a token see keys after it: a config that makes some tokens attend
+    both ways (Gemma 4's `use_bidirectional_attention`, "vision" or "all") with a mask the caller may not skip."""
+    config = kwargs.get("config")
+    both_ways = isinstance(getattr(config, "use_bidirectional_attention", None), str)
+    return both_ways and False in (kwargs.get("allow_is_causal_skip"), kwargs.get("allow_is_bidirectional_skip"))
 
 
 def _queries_are_the_keys(kwargs) -> bool:
@@ -226,17 +240,23 @@ def fastplug_attention_forward(
             source = None
     start = end = None
     packable = causal and not unpacked and source is not None and T == S and T > 1 and padding is None
-    from ..kernels.attention import _normalise_window, _sdpa_suits, flash_attention
+    from ..kernels.attention import MAX_HEAD_DIM, _normalise_window, _sdpa_suits, flash_attention
 
     if padding is not None:  # transformers detects no packing in a padded batch either
         start, end = padding
-    if dropout > 0.0 or kwargs.get("output_attentions", False):
+    eager_needed = dropout > 0.0 or kwargs.get("output_attentions", False)
+    if eager_needed or query.shape[-1] > MAX_HEAD_DIM:
         if packable:
             start, end, _ = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=False)
         window = _normalise_window(sliding_window, causal, T, S)
-        mask = _dense_mask(query, key, causal, window, start, end)
-        eager = _family_eager(module)
-        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
+        name = "eager" if eager_needed else fallback_name(module.config)
+        if name == "sdpa" and window is None and start is None and T in (1, S):  # SDPA's own is_causal
+            mask = None
+        else:
+            mask = _dense_mask(query, key, causal, window, start, end)
+        fn = _fallback_function(module, name)
+        kwargs["is_causal"] = causal
+        return fn(module, query, key, value, mask, dropout=dropout, scaling=scaling, **extra, **kwargs)
 
     if packable and torch.compiler.is_compiling():
         # Traced: no cache (Python-side state) and no host sync to learn whether the rows are packed, so
@@ -266,8 +286,13 @@ def fastplug_attention_forward(
 
 def describe(module: nn.Module, family, fallback: str) -> str:
     """Which path this attention module takes (for handle.summary()), and when it leaves it."""
+    from ..kernels.attention import MAX_HEAD_DIM
+
     extra = family.attention_extra_kwargs(module)
     window, softcap = extra.get("sliding_window"), extra.get("softcap")
+    head_dim = getattr(module, "head_dim", 0)
+    if isinstance(head_dim, int) and head_dim > MAX_HEAD_DIM:
+        return f"transformers' {fallback} attention: head_dim {head_dim} > the flash kernel's {MAX_HEAD_DIM}"
     if softcap is not None or window is not None:
         quirks = ([f"softcap {softcap:g}"] if softcap is not None else []) + (
             [f"sliding window {window}"] if window is not None else []

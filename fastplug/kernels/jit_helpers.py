@@ -6,6 +6,8 @@
     sigmoid_and_slope(z)             sigmoid(z) and its derivative, without overflow or cancellation
     erfc(z)                          erfc to fp32 relative accuracy in the tail
     gate_factor(x, ACT)              p(x) and p'(x) of a gated activation act(x) = x p(x) (GLU, decode, MoE)
+    rms_weight(h, w, offset, dt, GEMMA_NORM)   normalised values times an RMSNorm's weight, rounded like
+                                     transformers' module (decode: the GEMV's x, q/k norms, add_rms_norm)
 
 PRECISION is "ieee", "tf32" (ignored for 16-bit operands) or "upcast": the interpreter's 16-bit tl.dot
 returns garbage (Triton 3.9), so "upcast" multiplies fp32 copies of the operands; launchers pass "upcast"
@@ -94,3 +96,15 @@ def gate_factor(x, ACT: tl.constexpr):
         p = 0.5 * erfc(-0.7071067811865476 * x)
         dp = 0.3989422804014327 * tl.exp(-0.5 * x * x)
     return p, dp
+
+
+@triton.jit
+def rms_weight(h, w, offset, dt, GEMMA_NORM: tl.constexpr):
+    """h (fp32: x times its row's 1/rms) times the norm weight w (fp32), in dtype dt, rounded as transformers'
+    RMSNorm rounds: Llama's (GEMMA_NORM False) rounds h to dt before the weight; Gemma's scales by (offset + w) in
+    fp32 and rounds once."""
+    if GEMMA_NORM:
+        y = h * (offset + w)
+    else:
+        y = h.to(dt).to(tl.float32) * w
+    return y.to(dt)

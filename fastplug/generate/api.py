@@ -179,6 +179,23 @@ def fast_generate(
     return torch.cat([input_ids.to(generated.device), generated], dim=1)
 
 
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why fast_generate cannot run this model (None: it can), without generating."""
+    try:
+        Plan(model)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def release(model: nn.Module) -> None:
+    """Free the KV cache and CUDA graphs fast_generate keeps for this model; the next call allocates them again.
+    An RL trainer calls it after its rollouts, so that the backward pass can use that memory."""
+    decoder = _DECODERS.get(unwrap(model))
+    if decoder is not None:
+        decoder.sessions.clear()
+
+
 def graph_status(model: nn.Module) -> str:
     """Words for the bench and logs: whether this model's decode step runs as a CUDA graph."""
     decoder = _DECODERS.get(unwrap(model))

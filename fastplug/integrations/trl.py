@@ -1,4 +1,5 @@
-"""TRL adapter: SFT and DPO trainers that run the model through fastplug's kernels while they train.
+"""TRL adapter: SFT and DPO trainers that run the model through fastplug's kernels while they train, and
+(from grpo.py, imported on first use) FastGRPOTrainer / FastRLOOTrainer with fast rollouts and fused log-probs.
 
     from fastplug.integrations.trl import FastSFTTrainer
     trainer = FastSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)   # fast_kernels=KernelOptions(...)
@@ -29,7 +30,13 @@ from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from .hf_trainer import LIGER_CONFLICT
 
-__all__ = ["FastDPOTrainer", "FastKernelsMixin", "FastSFTTrainer"]
+__all__ = [
+    "FastDPOTrainer",
+    "FastGRPOTrainer",  # noqa: F822 (built from grpo.py on first use by __getattr__)
+    "FastKernelsMixin",
+    "FastRLOOTrainer",  # noqa: F822 (built from grpo.py on first use by __getattr__)
+    "FastSFTTrainer",
+]
 
 
 class FastKernelsMixin:
@@ -169,3 +176,13 @@ class FastDPOTrainer(FastKernelsMixin, DPOTrainer):
     """TRL's DPOTrainer with fastplug's kernels on the policy and the reference model.
 
     Takes `fast_kernels=KernelOptions(...)`."""
+
+
+def __getattr__(name):
+    # The RL trainers (fast rollouts, fused log-probs) come from grpo.py, imported and built on first use.
+    if name not in ("FastGRPOTrainer", "FastRLOOTrainer"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import grpo
+
+    cls = globals()[name] = grpo.rl_trainer(name, FastKernelsMixin)
+    return cls

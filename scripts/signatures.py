@@ -29,6 +29,10 @@ def _is_constexpr(arg: ast.arg) -> bool:
     return arg.annotation is not None and ast.unparse(arg.annotation).endswith("constexpr")
 
 
+def _shown(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
 def files(under: Path) -> list[Path]:
     return [under] if under.is_file() else sorted(under.rglob("*.py"))
 
@@ -49,18 +53,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--min", type=int, default=20, help="list functions with at least this many parameters")
     parser.add_argument("--files", type=int, default=15, help="list this many of the longest files")
-    parser.add_argument("--under", default="fastplug", help="the folder or file to read (relative to the repo root)")
+    parser.add_argument(
+        "--under", default="fastplug", help="the folder or file to read (relative to the repo root, or absolute)"
+    )
     args = parser.parse_args()
     under = (ROOT / args.under).resolve()
     found = [s for s in signatures(under) if s[3] >= args.min]
     print(f"functions with >= {args.min} parameters under {args.under}: {len(found)}")
     for path, line, name, n, const, jit in sorted(found, key=lambda s: (-s[3], str(s[0]), s[1])):
         kind = f"jit {const} constexpr / {n - const} runtime" if jit else "host"
-        print(f"  {n:3d}  {path.relative_to(ROOT)}:{line}  {name}  ({kind})")
+        print(f"  {n:3d}  {_shown(path)}:{line}  {name}  ({kind})")
     sizes = sorted(((len(p.read_text().splitlines()), p) for p in files(under)), reverse=True)
     print(f"\nthe {args.files} longest files (lines):")
     for lines, path in sizes[: args.files]:
-        print(f"  {lines:5d}  {path.relative_to(ROOT)}")
+        print(f"  {lines:5d}  {_shown(path)}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""python -m fastplug.bench micro|e2e|multi|frameworks|varlen|moe-tune|generate [options]   (each takes --help)"""
+"""python -m fastplug.bench micro|e2e|multi|frameworks|varlen|moe-tune|generate|grpo [options]   (each takes --help)"""
 
 import json
 import sys
 
 USAGE = (
-    "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,varlen,moe-tune,generate} [options]"
+    "usage: python -m fastplug.bench {micro,e2e,multi,frameworks,varlen,moe-tune,generate,grpo} [options]"
     "   (--help after the command for its options)"
 )
 
@@ -43,6 +43,10 @@ def main(argv=None) -> int:
         from .varlen import main as varlen_main
 
         return varlen_main(rest)
+    if command == "grpo":
+        from .grpo import main as grpo_main
+
+        return grpo_main(rest)
     if command == "_multi_worker":  # internal: every rank of one multi launch
         from .multi import worker_main
 
@@ -53,6 +57,8 @@ def main(argv=None) -> int:
             from .frameworks import worker_main
         elif bench == "varlen":
             from .varlen import worker_main
+        elif bench == "grpo":
+            from .grpo import worker_main
         else:
             from .e2e import worker_main
 

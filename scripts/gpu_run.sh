@@ -13,6 +13,7 @@
 #   probe [ARGS]           python scripts/precision_probe.py ARGS      (loss bias and LoRA grad error vs an fp32 truth)
 #   convergence [ARGS]     python scripts/convergence.py all ARGS      (120 real-text steps, e.g. lora:hf,lora:fastplug)
 #   generate [ARGS]        python -m fastplug.bench generate ARGS      (fast_generate vs transformers' generate)
+#   grpo [ARGS]            python -m fastplug.bench grpo ARGS          (a GRPO step: TRL, TRL + Liger, FastGRPOTrainer)
 #   qlora [ARGS]           python -m fastplug.bench.qlora ARGS         (4-bit bases: kernels and e2e vs bitsandbytes)
 #   moe [ARGS]             python scripts/moe_gpu.py ARGS              (grouped GEMM, MoE block, Mixtral rows)
 #   attention [ARGS]       python scripts/attention_gpu.py ARGS        (flash kernel vs SDPA, Gemma2 rows)
@@ -46,7 +47,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate qlora moe attention fp8 host compile"
+PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate grpo qlora moe attention fp8 host compile"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -62,6 +63,7 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         probe)  cmd=("$PY" scripts/precision_probe.py "$@") ;;
         convergence) cmd=("$PY" scripts/convergence.py all "$@") ;;
         generate) cmd=("$PY" -m fastplug.bench generate "$@") ;;
+        grpo)   cmd=("$PY" -m fastplug.bench grpo --out "$OUT_DIR" "$@") ;;
         qlora)  cmd=("$PY" -m fastplug.bench.qlora "$@") ;;
         moe)    cmd=("$PY" scripts/moe_gpu.py "$@") ;;
         attention) cmd=("$PY" scripts/attention_gpu.py "$@") ;;

@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _kernel_path(request, monkeypatch):
+    """`torch_reference` tests run the kernels' torch references on CPU (fastplug reads TRITON_INTERPRET at each
+    launch): a trainer's plumbing is what they test, and the interpreter would take 2.5x their CPU time."""
+    marked = request.node.get_closest_marker("torch_reference") is not None
+    if marked and request.node.get_closest_marker("interpreted_kernels") is None and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
 

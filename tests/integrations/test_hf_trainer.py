@@ -13,6 +13,9 @@ from fastplug.patch.engine import active_handle
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 
+# what the trainer does with the patch, not the kernels' numbers (tests/kernels): torch references on CPU
+pytestmark = pytest.mark.torch_reference  # but the torch.compile test: graphs of the kernels
+
 
 def _dataset(n=8, tokens=10):
     data = batch(batch_size=n, tokens=tokens, seed=3)
@@ -165,6 +168,7 @@ def test_unknown_option_is_a_type_error():
         FastKernels(flash_attention=True)
 
 
+@pytest.mark.interpreted_kernels
 def test_trainer_torch_compile_with_fastkernels_matches_compiled_unpatched(tmp_path):
     """TrainingArguments(torch_compile=True): FastKernels patches at on_init_end, before the Trainer compiles
     and wraps the model, so the compiled module runs fastplug's registered ops. No graph break, no more graphs

@@ -24,6 +24,9 @@ from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.helpers import checkpointing_on, rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
+# what the trainer does with the patch, not the kernels' numbers (tests/kernels): torch references on CPU
+pytestmark = pytest.mark.torch_reference
+
 STEPS = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,6 +195,7 @@ class CompiledTinyLM(TinyLM):
         return loss
 
 
+@pytest.mark.interpreted_kernels  # torch.compile of the kernels
 def test_fit_of_a_compiled_module_patches_the_model_it_compiles():
     """torch.compile(module) handed to Trainer.fit with the fastkernels strategy: the strategy patches the
     module's transformers model before the compiled forward first runs, no graph break and no recompile from

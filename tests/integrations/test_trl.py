@@ -20,6 +20,9 @@ from fastplug.patch.engine import active_handle  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
+# what the trainer does with the patch, not the kernels' numbers (tests/kernels): torch references on CPU
+pytestmark = pytest.mark.torch_reference
+
 STEPS = 2
 
 

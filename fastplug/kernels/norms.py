@@ -2,7 +2,8 @@
 
 One forward and one backward Triton kernel serve both norms; constexpr flags carry the differences
 (CENTER: LayerNorm subtracts the mean; CAST_BEFORE_SCALE: Llama rounds the normalised row to x's dtype
-before scaling; HAS_WEIGHT / HAS_BIAS; LOOPED: rows too wide for registers are walked in column blocks).
+before scaling; HAS_WEIGHT / HAS_BIAS; GATED: the result times silu(z) of a second input, the gated RMSNorm of
+Gated DeltaNet layers (Qwen3.5, Qwen3-Next); LOOPED: rows too wide for registers are walked in column blocks).
 
 Forward reads x once (wide rows: once per pass, the later passes mostly from L2) and saves the per-row
 rstd (and mean) in fp32. Backward runs a persistent grid: each program walks many row tiles, keeps its
@@ -55,6 +56,15 @@ def _affine(h, W, B, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr, HAS_BIAS:
 
 
 @triton.jit
+def _gate(y, Z, z_rows, offs, mask, GATED: tl.constexpr):
+    """y * silu(z) on an fp32 tile (GATED), else y."""
+    if GATED:
+        z = tl.load(Z + z_rows[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * (z * tl.sigmoid(z))
+    return y
+
+
+@triton.jit
 def _norm_fwd(
     X,
     x_row_stride,
@@ -68,6 +78,8 @@ def _norm_fwd(
     n_cols,
     eps,
     offset,
+    Z,
+    z_row_stride,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOOPED: tl.constexpr,
@@ -75,12 +87,14 @@ def _norm_fwd(
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CAST_BEFORE_SCALE: tl.constexpr,
+    GATED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     rows = rows.to(tl.int64)  # rows * stride can pass 2**31
     x_rows = X + rows * x_row_stride
     y_rows = Y + rows * y_row_stride
+    z_rows = rows * z_row_stride
     cols = tl.arange(0, BLOCK_N)
     mean = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
     if LOOPED:
@@ -107,6 +121,7 @@ def _norm_fwd(
             if CAST_BEFORE_SCALE:
                 h = h.to(X.dtype.element_ty).to(tl.float32)
             y = _affine(h, W, B, start + cols, col_mask, offset, HAS_WEIGHT, HAS_BIAS)
+            y = _gate(y, Z, z_rows, (start + cols)[None, :], mask, GATED)
             tl.store(y_rows[:, None] + (start + cols)[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
         col_mask = cols < n_cols
@@ -120,6 +135,7 @@ def _norm_fwd(
         if CAST_BEFORE_SCALE:
             h = h.to(X.dtype.element_ty).to(tl.float32)
         y = _affine(h, W, B, cols, col_mask, offset, HAS_WEIGHT, HAS_BIAS)
+        y = _gate(y, Z, z_rows, cols[None, :], mask, GATED)
         tl.store(y_rows[:, None] + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if CENTER:
         tl.store(MEAN + rows, mean, mask=row_mask)
@@ -141,6 +157,28 @@ def _grad_terms(x, dy, W, cols, col_mask, mask, mean, rstd, offset, CENTER: tl.c
 
 
 @triton.jit
+def _ungate(
+    dy, x, X, W, Z, DZ, rows, z_row_stride, dz_row_stride, cols, col_mask, mask, rstd, offset,
+    STORE_DZ: tl.constexpr, HAS_WEIGHT: tl.constexpr, CAST_BEFORE_SCALE: tl.constexpr,
+):  # fmt: skip
+    """The gated norm's y = a * silu(z) (a: the RMSNorm output) on an fp32 tile: returns dL/da = dy * silu(z);
+    STORE_DZ: also writes dL/dz = dy * a * silu'(z), with a recomputed as the forward rounded it."""
+    offs = cols[None, :]
+    z = tl.load(Z + rows[:, None] * z_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(z)
+    if STORE_DZ:
+        a = x * rstd[:, None]
+        if CAST_BEFORE_SCALE:
+            a = a.to(X.dtype.element_ty).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+            a = a * (w + offset)[None, :]
+        dz = dy * a * sig * (1.0 + z * (1.0 - sig))
+        tl.store(DZ + rows[:, None] * dz_row_stride + offs, dz.to(DZ.dtype.element_ty), mask=mask)
+    return dy * z * sig
+
+
+@triton.jit
 def _norm_bwd(
     DY,
     dy_row_stride,
@@ -156,6 +194,10 @@ def _norm_bwd(
     n_rows,
     n_cols,
     offset,
+    Z,
+    z_row_stride,
+    DZ,
+    dz_row_stride,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LOOPED: tl.constexpr,
@@ -164,9 +206,12 @@ def _norm_bwd(
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
     LOOP_STAGES: tl.constexpr,
+    GATED: tl.constexpr,
+    CAST_BEFORE_SCALE: tl.constexpr,
 ):
     # dx = rstd * (g - x_hat * mean(g * x_hat) - [CENTER] mean(g)),  g = dy * (w + offset)
     # dW = sum_rows dy * x_hat,  db = sum_rows dy
+    # GATED (y = a * silu(z)): dy above is dL/da = dy * silu(z), and dz = dy * a * silu'(z)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     num_tiles = tl.cdiv(n_rows, BLOCK_ROWS)
@@ -190,6 +235,9 @@ def _norm_bwd(
                 offs = (start + cols)[None, :]
                 x = tl.load(X + rows[:, None] * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + rows[:, None] * dy_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if GATED:
+                    dy = _ungate(dy, x, X, W, Z, DZ, rows, z_row_stride, dz_row_stride, start + cols, col_mask,
+                                 mask, rstd, offset, False, HAS_WEIGHT, CAST_BEFORE_SCALE)  # fmt: skip
                 x_hat, g = _grad_terms(x, dy, W, start + cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
                 sum_g_xhat += g * x_hat
                 if CENTER:
@@ -204,6 +252,9 @@ def _norm_bwd(
                 offs = (start + cols)[None, :]
                 x = tl.load(X + rows[:, None] * x_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
                 dy = tl.load(DY + rows[:, None] * dy_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                if GATED:
+                    dy = _ungate(dy, x, X, W, Z, DZ, rows, z_row_stride, dz_row_stride, start + cols, col_mask,
+                                 mask, rstd, offset, True, HAS_WEIGHT, CAST_BEFORE_SCALE)  # fmt: skip
                 x_hat, g = _grad_terms(x, dy, W, start + cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
                 dx = (g - x_hat * c_xhat[:, None] - c_g[:, None]) * rstd[:, None]
                 tl.store(DX + rows[:, None] * dx_row_stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
@@ -232,6 +283,9 @@ def _norm_bwd(
                 mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
             x = tl.load(X + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if GATED:
+                dy = _ungate(dy, x, X, W, Z, DZ, rows, z_row_stride, dz_row_stride, cols, col_mask, mask, rstd,
+                             offset, True, HAS_WEIGHT, CAST_BEFORE_SCALE)  # fmt: skip
             x_hat, g = _grad_terms(x, dy, W, cols, col_mask, mask, mean, rstd, offset, CENTER, HAS_WEIGHT)
             dx = g - x_hat * (tl.sum(g * x_hat, axis=1) / n_cols)[:, None]
             if CENTER:
@@ -319,8 +373,9 @@ def _config(n_cols: int, dtype: torch.dtype, backward: bool, center: bool) -> No
 
 
 def _norm_forward(
-    x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype, config: NormConfig | None = None
+    x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype, gate=None, config: NormConfig | None = None
 ):
+    """gate: None, or z [rows, cols] (unit last stride) to multiply the result by silu(z)."""
     n_rows, n_cols = x2.shape
     cfg = config or _config(n_cols, x2.dtype, backward=False, center=center)
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
@@ -340,6 +395,8 @@ def _norm_forward(
         n_cols,
         eps,
         offset,
+        gate if gate is not None else rstd,
+        gate.stride(0) if gate is not None else 0,
         BLOCK_ROWS=cfg.block_rows,
         BLOCK_N=cfg.block_n,
         LOOPED=cfg.looped,
@@ -347,13 +404,17 @@ def _norm_forward(
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None,
         CAST_BEFORE_SCALE=cast_before_scale,
+        GATED=gate is not None,
         num_warps=cfg.num_warps,
     )
     return y, (mean if center else None), rstd
 
 
-def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_db, config: NormConfig | None = None):
-    """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for)."""
+def _norm_backward(
+    dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_db, gate=None, config: NormConfig | None = None
+):
+    """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for); with a gate (the
+    gated RMSNorm, Llama's rounding) also dz in the gate's dtype, else None."""
     n_rows, n_cols = x2.shape
     cfg = config or _config(n_cols, x2.dtype, backward=True, center=mean is not None)
     n_programs = min(cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
@@ -362,6 +423,7 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
     alloc = torch.zeros if cfg.looped else torch.empty
     dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else None
     db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_db else None
+    dz = torch.empty_like(gate) if gate is not None else None
     _norm_bwd[(n_programs,)](
         dy2,
         dy2.stride(0),
@@ -377,6 +439,10 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
         n_rows,
         n_cols,
         offset,
+        gate if gate is not None else rstd,
+        gate.stride(0) if gate is not None else 0,
+        dz if dz is not None else rstd,
+        dz.stride(0) if dz is not None else 0,
         BLOCK_ROWS=cfg.block_rows,
         BLOCK_N=cfg.block_n,
         LOOPED=cfg.looped,
@@ -385,9 +451,12 @@ def _norm_backward(dy2, x2, weight, mean, rstd, offset, *, compute_dw, compute_d
         COMPUTE_DW=dw_partial is not None,
         COMPUTE_DB=db_partial is not None,
         LOOP_STAGES=cfg.loop_stages,
+        GATED=gate is not None,
+        CAST_BEFORE_SCALE=gate is not None,
         num_warps=cfg.num_warps,
     )
-    return dx, _reduce_partials(dw_partial), _reduce_partials(db_partial)
+    dw, db = _reduce_partials(dw_partial), _reduce_partials(db_partial)
+    return (dx, dw, db, dz) if gate is not None else (dx, dw, db)
 
 
 # (rows, device) -> fp32 ones: the partial rows are summed as a matrix-vector product.
@@ -517,6 +586,41 @@ class LayerNorm(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, db, None
 
 
+def _rms_norm_gated_forward(x, gate, weight, eps):
+    """(y shaped like x, rstd per row, x2, z2: the rows views backward reads): shared by the autograd Function
+    and the operator."""
+    x2, z2 = rows_view(x), rows_view(gate)
+    y, _, rstd = _norm_forward(
+        x2, weight, None, eps, 0.0, center=False, cast_before_scale=True, out_dtype=x.dtype, gate=z2
+    )
+    return y.view(x.shape), rstd, x2, z2
+
+
+def _rms_norm_gated_backward(dy, x2, z2, weight, rstd, need_dw):
+    """(dx, dw or None, dz) as 2-D [rows, cols] tensors (dw: 1-D, in the weight's dtype)."""
+    dx, dw, _, dz = _norm_backward(
+        rows_view(dy), x2, weight, None, rstd, 0.0, compute_dw=need_dw, compute_db=False, gate=z2
+    )
+    return dx, (dw.to(weight.dtype) if dw is not None else None), dz
+
+
+class RMSNormGated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        y, rstd, x2, z2 = _rms_norm_gated_forward(x, gate, weight, eps)
+        keep_for_backward(ctx, (weight,))
+        ctx.save_for_backward(x2, z2, rstd)
+        ctx.shapes = x.shape, gate.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, z2, rstd = ctx.saved_tensors
+        (weight,) = kept_for_backward(ctx)
+        dx, dw, dz = _rms_norm_gated_backward(dy, x2, z2, weight, rstd, ctx.needs_input_grad[2])
+        return dx.view(ctx.shapes[0]), dz.view(ctx.shapes[1]), dw, None
+
+
 # ----------------------------------------------------------------------------------------------------
 # 4. Public functions
 # ----------------------------------------------------------------------------------------------------
@@ -556,6 +660,23 @@ def layer_norm(
     return LayerNorm.apply(x, weight, bias, float(eps))
 
 
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6) -> torch.Tensor:
+    """The gated RMSNorm of Gated DeltaNet layers (transformers' Qwen3_5RMSNormGated, Qwen3NextRMSNormGated):
+    Llama's RMSNorm of x (normalised in fp32, rounded to x's dtype, times weight) times silu(gate) in fp32,
+    the result in x's dtype. gate has x's shape (any float dtype)."""
+    _check_inputs(x, weight, None, eps)
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"gate must be a torch.Tensor; got {type(gate).__name__}")
+    check_dtype("gate", gate)
+    check_shape("gate", gate, tuple(x.shape), "x's shape")
+    check_same_device(x=x, gate=gate, weight=weight)
+    if x.numel() == 0 or not use_triton(x, gate, weight):
+        return rms_norm_gated_reference(x, gate, weight, eps)
+    if torch.compiler.is_compiling():
+        return _rms_norm_gated_op(x, gate, weight, float(eps))[0]
+    return RMSNormGated.apply(x, gate, weight, float(eps))
+
+
 # ----------------------------------------------------------------------------------------------------
 # 5. References (plain torch; float64 inputs are computed in float64)
 # ----------------------------------------------------------------------------------------------------
@@ -572,6 +693,18 @@ def rms_norm_reference(
     if _llama_form(weight, offset, scale_in_fp32):
         return weight * h.to(x.dtype)  # LlamaRMSNorm
     return (h * (offset + weight.to(compute))).to(x.dtype)  # GemmaRMSNorm, Gemma4RMSNorm (offset 0)
+
+
+def rms_norm_gated_reference(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None, eps: float = 1e-6
+) -> torch.Tensor:
+    compute = torch.promote_types(x.dtype, torch.float32)
+    h = x.to(compute)
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if weight is not None:
+        h = weight * h
+    z = gate.to(torch.promote_types(gate.dtype, compute))
+    return (h.to(z.dtype) * F.silu(z)).to(x.dtype)
 
 
 def layer_norm_reference(
@@ -671,5 +804,52 @@ def _layer_backward(ctx, dy, _dmean, _drstd):
     return dx, dw if need_dw else None, db.to(ctx.bias_dtype) if need_db else None, None
 
 
+@torch.library.custom_op(
+    "fastplug::rms_norm_gated",
+    mutates_args=(),
+    schema="(Tensor x, Tensor gate, Tensor? weight, float eps) -> (Tensor, Tensor)",
+)
+def _rms_norm_gated_op(x, gate, weight, eps):
+    return _rms_norm_gated_forward(x, gate, weight, eps)[:2]
+
+
+@_rms_norm_gated_op.register_fake
+def _(x, gate, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "fastplug::rms_norm_gated_backward",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor gate, Tensor? weight, Tensor rstd, bool need_dw) -> (Tensor, Tensor, Tensor)",
+)
+def _rms_norm_gated_backward_op(dy, x, gate, weight, rstd, need_dw):
+    """(dx, dz, dw); dw is an empty tensor when not asked for (operators cannot return None)."""
+    dx, dw, dz = _rms_norm_gated_backward(dy, rows_view(x), rows_view(gate), weight, rstd, need_dw)
+    return dx.view(x.shape), dz.view(gate.shape), x.new_empty(0) if dw is None else dw
+
+
+@_rms_norm_gated_backward_op.register_fake
+def _(dy, x, gate, weight, rstd, need_dw):
+    return (
+        x.new_empty(x.shape),
+        gate.new_empty(gate.shape),
+        weight.new_empty(weight.shape) if need_dw else x.new_empty(0),
+    )
+
+
+def _setup_gated(ctx, inputs, output):
+    x, gate, weight, _ = inputs
+    ctx.save_for_backward(x, gate, weight, output[1])
+
+
+def _gated_backward(ctx, dy, _drstd):
+    x, gate, weight, rstd = ctx.saved_tensors
+    need_dw = weight is not None and ctx.needs_input_grad[2]
+    dx, dz, dw = _rms_norm_gated_backward_op(dy, x, gate, weight, rstd, need_dw)
+    return dx, dz, dw if need_dw else None, None
+
+
+_rms_norm_gated_op.register_autograd(_gated_backward, setup_context=_setup_gated)
 _rms_norm_op.register_autograd(_rms_backward, setup_context=_setup_rms)
 _layer_norm_op.register_autograd(_layer_backward, setup_context=_setup_layer)

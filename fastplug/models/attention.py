@@ -77,7 +77,7 @@ def _project_out(self, attn_output, use_lora: bool):
     return lora_linear(attn_output, projs[0]) if projs is not None else self.o_proj(attn_output)
 
 
-def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
+def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate: bool = False):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         cache = pop_cache(kwargs)
         if cache is not None and not torch.is_grad_enabled():
@@ -95,8 +95,12 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
 
         cos, sin = position_embeddings
         has_qk_norm = hasattr(self, "q_norm")  # Qwen3, Gemma3: per-head RMSNorm between projection and RoPE
-        rotary = (cos, sin, self.head_dim) if use_rope and not has_qk_norm else None
+        rotary = (cos, sin, self.head_dim) if use_rope and not has_qk_norm and not output_gate else None
         query, key, value, rotated = _project_qkv(self, hidden_states, use_lora, rotary)
+        gate = None
+        if output_gate:  # Qwen3.5, Qwen3-Next: q_proj gives each head's query and its output gate side by side
+            query, gate = query.view(*input_shape, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
         query, key = query.view(hidden_shape), key.view(hidden_shape)
         value = value.view(hidden_shape).transpose(1, 2)
         if has_qk_norm:
@@ -127,6 +131,8 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool):
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if gate is not None:
+            attn_output = attn_output * torch.sigmoid(gate)
         return _project_out(self, attn_output, use_lora), attn_weights
 
     return forward
@@ -149,12 +155,15 @@ def match_attention(module: nn.Module, ctx: MatchContext):
         return Skip("attention", f"not the expected attention structure (no {', '.join(missing)})")
     if hasattr(module, "q_norm") != hasattr(module, "k_norm"):
         return Skip("attention", "q_norm without k_norm (or the reverse)")
+    output_gate = ctx.family.attention_output_gate
+    if output_gate and getattr(module.q_proj, "out_features", None) != 2 * getattr(module.o_proj, "in_features", -1):
+        return Skip("attention", "output-gated family whose q_proj is not twice o_proj's input (query and gate)")
     lora_now = options.lora and (
         fused_projections(module.q_proj, module.k_proj, module.v_proj) is not None
         or fused_projections(module.o_proj) is not None
     )
     notes = unfused_notes(module, PROJECTIONS) if options.lora else ()
-    forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora)
+    forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora, output_gate)
     switch, path = _attention_route(module, ctx)
     if options.lora and options.stack_projections:
         switch = combine_switches(switch, stacking.switch(module, ctx.root, PROJECTIONS[:3]))

@@ -43,6 +43,8 @@ class Family:
     attention_extra_kwargs: Callable[[nn.Module], dict] = field(default=_no_extra)
     # MoE families add the router's load-balancing loss to the LM loss when output_router_logits is set.
     moe: bool = False
+    # Qwen3.5, Qwen3-Next: q_proj gives each head's query and an output gate; attention output * sigmoid(gate).
+    attention_output_gate: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -58,13 +60,23 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", attention_extra_kwargs=_sliding_from_config, moe=True),
         Family("qwen2_moe", moe=True),  # sets sliding_window on some layers but does not pass it
         Family("qwen3_moe", attention_extra_kwargs=_sliding_from_module, moe=True),
+        # Qwen3.5 dense and MoE (text, and the language model of their ConditionalGeneration) and Qwen3-Next:
+        # Gated DeltaNet layers (linear_attention.py) beside output-gated attention; RMSNorm as Gemma's 1 + w
+        *(Family(name, rms_norm_offset=1.0, attention_output_gate=True) for name in ("qwen3_5_text", "qwen3_5")),
+        *(
+            Family(name, rms_norm_offset=1.0, attention_output_gate=True, moe=True)
+            for name in ("qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
+        ),
         # Gemma 4 (text, and the language model of Gemma4ForConditionalGeneration): its router adds no loss
         Family("gemma4_text", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
         Family("gemma4", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
     )
 }
 
-SUPPORTED_FAMILIES = "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe, gemma4"
+SUPPORTED_FAMILIES = (
+    "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe, gemma4, qwen3_5, "
+    "qwen3_5_moe, qwen3_next"
+)
 
 
 def family_of(model: nn.Module) -> Family | None:

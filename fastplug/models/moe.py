@@ -25,7 +25,14 @@ from .rules import MatchContext, Patch, Skip
 
 IMPLEMENTATION = "fastplug"
 # family -> (renormalise the top k: True, or the router attribute that says so; weights in fp32)
-_ROUTERS = {"mixtral": (True, True), "qwen2_moe": ("norm_topk_prob", False), "qwen3_moe": ("norm_topk_prob", False)}
+_ROUTERS = {
+    "mixtral": (True, True),
+    "qwen2_moe": ("norm_topk_prob", False),
+    "qwen3_moe": ("norm_topk_prob", False),
+    "qwen3_5_moe_text": (True, False),
+    "qwen3_5_moe": (True, False),
+    "qwen3_next": ("norm_topk_prob", False),
+}
 
 
 def _experts_interface():

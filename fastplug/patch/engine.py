@@ -19,8 +19,9 @@ from torch import nn
 from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
+from ..models.padding import batch_paths
 from ..models.peft_lora import watch_adapter_writes
-from ..models.structure import decoder_layers, decoder_stack, unwrap
+from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
 from ..options import KernelOptions
 from ..versions import warn_untested_versions
 from . import checkpointing, host_gc, layer_graphs, self_check
@@ -122,7 +123,11 @@ class PatchHandle:
 
     def _patch_modules(self, outer: nn.Module) -> None:
         ctx = MatchContext(root=self.model, family=self.family, options=self.options)
+        outside = other_towers(self.model)  # a multimodal model's vision tower and projector stay as they are
+        self.skipped += [(path, "not the language model: left as it is") for path in outside]
         for path, module in self.model.named_modules():
+            if any(path == o or path.startswith(o + ".") for o in outside):
+                continue
             for rule in RULES:
                 result = rule(module, ctx)
                 if result is None:
@@ -206,6 +211,9 @@ class PatchHandle:
             lines.append(f"  fp8: {self.fp8}")
         if self.graphs is not None:
             lines.append(f"  {self.graphs}")
+        paths = batch_paths(self.model)
+        if paths:
+            lines.append(f"  padded training batches (models/padding.py): {paths}")
         if self.check is not None:
             lines += self.check.lines()
         if self.paths:

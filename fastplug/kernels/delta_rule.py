@@ -1,0 +1,473 @@
+"""The chunked gated delta rule of Gated DeltaNet layers (Qwen3.5, Qwen3-Next), forward and backward.
+
+Per head, with q and k L2-normalised (q also scaled by Dk^-0.5), g the log decay and beta the write strength:
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t        (S: Dk x Dv)
+
+Chunks of C = 64 tokens turn the recurrence into matmuls (the WY form of the DeltaNet paper, as transformers'
+`torch_chunk_gated_delta_rule` computes it). With Gc the decay's cumulative sum inside a chunk and
+D_ij = exp(Gc_i - Gc_j) for i >= j (0 above):
+
+    T = (I + strictly_lower((beta k) k^T * D))^-1      U = T (beta v)      W = T (beta k exp(Gc))
+    Qd = q exp(Gc)    Kd = k exp(Gc_last - Gc)    P = (q k^T) * D    gamma = exp(Gc_last)
+    per chunk, in order:  V = U - W S;  O = Qd S + P V;  S <- gamma S + Kd^T V
+
+Stage one (everything up to gamma) has no sequential dependence: plain torch ops over all chunks at once, the
+triangular solve included. Stage two, the scan over chunks, is one Triton kernel: a program per (sequence and
+head, block of Dv) holds its block of S in registers across the chunks. Its backward is a second kernel walking
+the chunks in reverse with dS in registers; the chunk states it reads are recomputed by the forward kernel
+first (a transient buffer, not kept between forward and backward).
+
+Checkpoint-friendly: the forward keeps only its inputs (q, k, v, g, beta); backward recomputes stage one under
+autograd, runs the two kernels and backpropagates through stage one. So a layer holds no chunk-sized
+intermediates between its forward and backward, checkpointed or not.
+
+With flash-linear-attention installed (`pip install fastplug[fla]`, the `fla` package; imported only when a
+call needs it), CUDA tensors take fla's fused `chunk_gated_delta_rule` instead (the kernels transformers uses
+when fla is installed). Tensors Triton cannot run take stage one and a torch loop over the chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
+
+CHUNK = 64
+MAX_HEAD_DIM = 256
+IMPLEMENTATIONS = ("fla", "triton", "torch")
+_L2_EPS = 1e-6  # transformers' and fla's l2norm: x * rsqrt(sum(x^2) + 1e-6)
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Triton kernels: the scan over chunks
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scan_fwd(
+    W, U, QD, KD, P, GAMMA, O, S_FINAL, STATES, n_chunks, dk, dv,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_OUT: tl.constexpr, STORE_FINAL: tl.constexpr,
+    STORE_STATES: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # operands per (sequence, head) `bh`: W, QD, KD [Tp, dk]; U, O [Tp, dv]; P [n_chunks, C, C]; GAMMA [n_chunks]
+    bh = tl.program_id(0).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
+    k_mask, v_mask = rk < dk, rv < dv
+    kv_mask = k_mask[:, None] & v_mask[None, :]
+    tokens = n_chunks * C
+    s = tl.zeros([BK, BV], dtype=tl.float32)
+    for n in range(n_chunks):
+        rows = n * C + rc
+        if STORE_STATES:  # the state this chunk starts from, for the backward
+            tl.store(STATES + (bh * n_chunks + n) * dk * dv + rk[:, None] * dv + rv[None, :], s, mask=kv_mask)
+        ck = bh * tokens * dk + rows[:, None] * dk + rk[None, :]
+        cv = bh * tokens * dv + rows[:, None] * dv + rv[None, :]
+        w = tl.load(W + ck, mask=k_mask[None, :], other=0.0)
+        u = tl.load(U + cv, mask=v_mask[None, :], other=0.0)
+        v_new = u - tl.dot(w, s, input_precision=PRECISION)
+        if STORE_OUT:
+            qd = tl.load(QD + ck, mask=k_mask[None, :], other=0.0)
+            p = tl.load(P + (bh * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :])
+            o = tl.dot(qd, s, input_precision=PRECISION) + tl.dot(p, v_new, input_precision=PRECISION)
+            tl.store(O + cv, o, mask=v_mask[None, :])
+        kd = tl.load(KD + ck, mask=k_mask[None, :], other=0.0)
+        gamma = tl.load(GAMMA + bh * n_chunks + n)
+        s = gamma * s + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
+    if STORE_FINAL:
+        tl.store(S_FINAL + bh * dk * dv + rk[:, None] * dv + rv[None, :], s, mask=kv_mask)
+
+
+@triton.jit
+def _scan_bwd(
+    W, U, QD, KD, P, GAMMA, STATES, DO, DS_FINAL, DU, DW, DQD, DKD, DP, DGAMMA, n_chunks, dk, dv, n_bh,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # Reverse over chunks with dS (the grad of the state entering the next chunk) in registers:
+    #   dV = P^T dO + Kd dS;  dU = dV;  dW = -dV S^T;  dQd = dO S^T;  dKd = V dS^T;  dP = dO V^T;
+    #   dgamma = sum(S * dS);  dS <- gamma dS + Qd^T dO - W^T dV
+    # DW, DQD, DKD, DP, DGAMMA are partials per block of Dv (leading dim), summed by the launcher.
+    bh = tl.program_id(0).to(tl.int64)
+    vb = tl.program_id(1).to(tl.int64)
+    rc = tl.arange(0, C)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    k_mask, v_mask = rk < dk, rv < dv
+    kv_mask = k_mask[:, None] & v_mask[None, :]
+    tokens = n_chunks * C
+    part = vb * n_bh + bh  # this program's slice of the partials
+    if HAS_DS_FINAL:
+        ds = tl.load(DS_FINAL + bh * dk * dv + rk[:, None] * dv + rv[None, :], mask=kv_mask, other=0.0)
+    else:
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(n_chunks):
+        n = n_chunks - 1 - i
+        rows = n * C + rc
+        s = tl.load(STATES + (bh * n_chunks + n) * dk * dv + rk[:, None] * dv + rv[None, :], mask=kv_mask, other=0.0)
+        ck = bh * tokens * dk + rows[:, None] * dk + rk[None, :]
+        cv = bh * tokens * dv + rows[:, None] * dv + rv[None, :]
+        w = tl.load(W + ck, mask=k_mask[None, :], other=0.0)
+        u = tl.load(U + cv, mask=v_mask[None, :], other=0.0)
+        do = tl.load(DO + cv, mask=v_mask[None, :], other=0.0)
+        kd = tl.load(KD + ck, mask=k_mask[None, :], other=0.0)
+        p = tl.load(P + (bh * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :])
+        v_new = u - tl.dot(w, s, input_precision=PRECISION)
+        dv_new = tl.dot(tl.trans(p), do, input_precision=PRECISION) + tl.dot(kd, ds, input_precision=PRECISION)
+        tl.store(DU + cv, dv_new, mask=v_mask[None, :])
+        pk = part * tokens * dk + rows[:, None] * dk + rk[None, :]
+        tl.store(DW + pk, -tl.dot(dv_new, tl.trans(s), input_precision=PRECISION), mask=k_mask[None, :])
+        tl.store(DQD + pk, tl.dot(do, tl.trans(s), input_precision=PRECISION), mask=k_mask[None, :])
+        tl.store(DKD + pk, tl.dot(v_new, tl.trans(ds), input_precision=PRECISION), mask=k_mask[None, :])
+        dp = tl.dot(do, tl.trans(v_new), input_precision=PRECISION)
+        tl.store(DP + (part * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :], dp)
+        tl.store(DGAMMA + part * n_chunks + n, tl.sum(tl.sum(s * ds, axis=1), axis=0))
+        gamma = tl.load(GAMMA + bh * n_chunks + n)
+        qd = tl.load(QD + ck, mask=k_mask[None, :], other=0.0)
+        ds = (
+            gamma * ds
+            + tl.dot(tl.trans(qd), do, input_precision=PRECISION)
+            - tl.dot(tl.trans(w), dv_new, input_precision=PRECISION)
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Stage one (torch) and the launchers
+# ----------------------------------------------------------------------------------------------------
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + _L2_EPS)
+
+
+def _heads_first(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B, T, H, ...] -> [B * H, Tp, ...] in fp32 (Tp: T padded with zeros to whole chunks)."""
+    x = x.transpose(1, 2).float()
+    pad = tokens - x.shape[2]
+    if pad:
+        widths = (0, 0) * (x.dim() - 3) + (0, pad)
+        x = torch.nn.functional.pad(x, widths)
+    return x.reshape(-1, tokens, *x.shape[3:])
+
+
+def _prepare(q, k, v, g, beta):
+    """Stage one: the scan's operands (W, U, Qd, Kd, P, gamma) from the layer's q, k [B, T, Hk, Dk], v [B, T, H, Dv],
+    g, beta [B, T, H]; fp32, [B * H, ...], contiguous. Differentiable (backward runs it under autograd)."""
+    heads, k_heads = v.shape[2], k.shape[2]
+    if heads != k_heads:  # grouped values: each q/k head serves heads // k_heads consecutive value heads
+        q, k = (t.repeat_interleave(heads // k_heads, dim=2) for t in (q, k))
+    tokens = cdiv(q.shape[1], CHUNK) * CHUNK
+    n = tokens // CHUNK
+    q = _l2norm(_heads_first(q, tokens)) * q.shape[-1] ** -0.5
+    k = _l2norm(_heads_first(k, tokens))
+    v, g, beta = (_heads_first(t, tokens) for t in (v, g, beta))
+    bh = q.shape[0]
+    qc, kc, vc = (t.view(bh, n, CHUNK, t.shape[-1]) for t in (q, k, v))
+    gc = g.view(bh, n, CHUNK).cumsum(-1)
+    beta = beta.view(bh, n, CHUNK, 1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    k_beta = kc * beta
+    # unitriangular: the solve reads the strictly lower part alone (the identity stands for the diagonal)
+    system = (k_beta @ kc.transpose(-1, -2)) * decay
+    rhs = torch.cat((vc * beta, k_beta * gc.exp().unsqueeze(-1)), dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [vc.shape[-1], kc.shape[-1]], dim=-1
+    )
+    qd = qc * gc.exp().unsqueeze(-1)
+    kd = kc * (gc[..., -1:] - gc).exp().unsqueeze(-1)
+    p = (qc @ kc.transpose(-1, -2)) * decay
+    gamma = gc[..., -1].exp()
+    flat = (t.reshape(bh, tokens, t.shape[-1]).contiguous() for t in (w, u, qd, kd))
+    return (*flat, p.contiguous(), gamma.contiguous())
+
+
+def _blocks(dk: int, dv: int) -> tuple[int, int]:
+    """(BK, BV): all of Dk (tl.dot takes 16 at least), Dv in blocks of up to 64."""
+    return max(16, next_power_of_2(dk)), max(16, min(64, next_power_of_2(dv)))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 layers get fp32 products; bf16/fp16 ones TF32's, finer than their inputs
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, states=None):
+    """O [BH, Tp, Dv] and the final state [BH, Dk, Dv] (None unless wanted); `states` [BH, N, Dk, Dv] is filled
+    with the state each chunk starts from when given."""
+    w, u, qd, kd, p, gamma = parts
+    bh, tokens, dk = w.shape
+    dv = u.shape[-1]
+    bk, bv = _blocks(dk, dv)
+    o = torch.empty_like(u) if store_out else None
+    final = w.new_empty((bh, dk, dv)) if want_final else None
+    _scan_fwd[(bh, cdiv(dv, bv))](
+        w, u, qd, kd, p, gamma, o if o is not None else u, final if final is not None else u,
+        states if states is not None else u, tokens // CHUNK, dk, dv,
+        C=CHUNK, BK=bk, BV=bv, STORE_OUT=store_out, STORE_FINAL=want_final, STORE_STATES=states is not None,
+        PRECISION=precision, num_warps=8 if bk * bv > 4096 else 4,
+    )  # fmt: skip
+    return o, final
+
+
+def _scan_backward(parts, do, ds_final, precision: str):
+    """Grads of (W, U, Qd, Kd, P, gamma) from dO [BH, Tp, Dv] and dS_final [BH, Dk, Dv] (or None)."""
+    w, u, qd, kd, p, gamma = parts
+    bh, tokens, dk = w.shape
+    dv = u.shape[-1]
+    n = tokens // CHUNK
+    bk, bv = _blocks(dk, dv)
+    nv = cdiv(dv, bv)
+    states = w.new_empty((bh, n, dk, dv))
+    _scan(parts, False, precision, store_out=False, states=states)
+    du = torch.empty_like(u)
+    dw, dqd, dkd = (w.new_empty((nv, bh, tokens, dk)) for _ in range(3))
+    dp = w.new_empty((nv, bh, n, CHUNK, CHUNK))
+    dgamma = w.new_empty((nv, bh, n))
+    _scan_bwd[(bh, nv)](
+        w, u, qd, kd, p, gamma, states, do, ds_final if ds_final is not None else u, du, dw, dqd, dkd, dp, dgamma,
+        n, dk, dv, bh,
+        C=CHUNK, BK=bk, BV=bv, HAS_DS_FINAL=ds_final is not None, PRECISION=precision,
+        num_warps=8 if bk * bv > 4096 else 4,
+    )  # fmt: skip
+    partials = (dw, dqd, dkd, dp, dgamma)
+    dw, dqd, dkd, dp, dgamma = (t[0] if nv == 1 else t.sum(0) for t in partials)
+    return dw, du, dqd, dkd, dp, dgamma
+
+
+def _scan_reference(parts, want_final: bool):
+    """Stage two in torch (a loop over chunks): the path of tensors Triton cannot run, and the kernels' oracle."""
+    w, u, qd, kd, p, gamma = parts
+    bh, tokens, dk = w.shape
+    n = tokens // CHUNK
+    w, u, qd, kd = (t.view(bh, n, CHUNK, t.shape[-1]) for t in (w, u, qd, kd))
+    s = w.new_zeros((bh, dk, u.shape[-1]))
+    outs = []
+    for c in range(n):
+        v_new = u[:, c] - w[:, c] @ s
+        outs.append(qd[:, c] @ s + p[:, c] @ v_new)
+        s = gamma[:, c, None, None] * s + kd[:, c].transpose(-1, -2) @ v_new
+    return torch.cat(outs, dim=1), (s if want_final else None)
+
+
+def _finish(o: torch.Tensor, batch: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+    """[BH, Tp, Dv] -> [B, T, H, Dv] in the caller's dtype."""
+    o = o.view(batch, -1, o.shape[1], o.shape[2])[:, :, :tokens]
+    return o.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _state_out(s: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    return None if s is None else s.view(batch, -1, *s.shape[1:])
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Autograd function: keeps the inputs, recomputes stage one in backward
+# ----------------------------------------------------------------------------------------------------
+
+
+def _forward(q, k, v, g, beta, want_final: bool, precision: str):
+    with torch.no_grad():
+        parts = _prepare(q, k, v, g, beta)
+        o, final = _scan(parts, want_final, precision)
+    return _finish(o, q.shape[0], q.shape[1], q.dtype), _state_out(final, q.shape[0])
+
+
+def _backward(inputs, needs, do, ds_final, precision: str):
+    """Grads of (q, k, v, g, beta) (None where not needed) from dO [B, T, H, Dv] and dS_final [B, H, Dk, Dv]."""
+    leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
+    with torch.enable_grad():
+        parts = _prepare(*leaves)
+    tokens = parts[0].shape[1]
+    with torch.no_grad():
+        do = _heads_first(do, tokens).contiguous()
+        ds = None if ds_final is None else ds_final.float().reshape(-1, *ds_final.shape[2:]).contiguous()
+        grads = _scan_backward([t.detach() for t in parts], do, ds, precision)
+    wanted = [t for t, need in zip(leaves, needs) if need]
+    pairs = [(part, grad) for part, grad in zip(parts, grads) if part.requires_grad]  # gamma needs only g
+    outputs, cotangents = zip(*pairs) if pairs else ((), ())
+    found = iter(torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True) if wanted else ())
+    return [next(found) if need else None for need in needs]
+
+
+class GatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, want_final, precision):
+        o, final = _forward(q, k, v, g, beta, want_final, precision)
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.precision = precision
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, ds_final):
+        grads = _backward(ctx.saved_tensors, ctx.needs_input_grad[:5], do, ds_final, ctx.precision)
+        return (*grads, None, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Public function, fla's path and the reference
+# ----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether flash-linear-attention (the `fla` package) is installed; nothing is imported to find out."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def _check(q, k, v, g, beta, implementation):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        check_dtype(name, t)
+    if q.dim() != 4 or q.shape != k.shape:
+        raise ValueError(
+            f"q and k must have one shape [batch, tokens, k_heads, k_dim]; got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
+    batch, tokens, k_heads, dk = q.shape
+    if v.dim() != 4 or v.shape[:2] != (batch, tokens):
+        raise ValueError(f"v must have shape [{batch}, {tokens}, heads, v_dim]; got {tuple(v.shape)}")
+    heads, dv = v.shape[2:]
+    if heads % k_heads:
+        raise ValueError(f"v's heads ({heads}) must be a multiple of q/k's ({k_heads})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (batch, tokens, heads):
+            raise ValueError(f"{name} must have shape ({batch}, {tokens}, {heads}); got {tuple(t.shape)}")
+    if not (1 <= dk <= MAX_HEAD_DIM and 1 <= dv <= MAX_HEAD_DIM):
+        raise ValueError(f"head dims must be in [1, {MAX_HEAD_DIM}]; got k_dim {dk}, v_dim {dv}")
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta)
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}; got {implementation!r}")
+
+
+def implementation_for(x: torch.Tensor, requested: str | None = None) -> str:
+    """The path `gated_delta_rule` takes for tensors like x: fla's kernels on CUDA when fla is installed, else
+    fastplug's Triton scan, else (no Triton for x) torch."""
+    if requested is not None:
+        if requested == "fla" and not (x.is_cuda and fla_available()):
+            raise ValueError(
+                "implementation 'fla' needs CUDA tensors and flash-linear-attention (pip install fastplug[fla])"
+            )
+        if requested == "triton" and not use_triton(x):
+            raise ValueError(f"implementation 'triton' cannot run on {x.device.type} tensors here")
+        return requested
+    if not use_triton(x):
+        return "torch"
+    return "fla" if x.is_cuda and fla_available() else "triton"
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    output_final_state: bool = False,
+    implementation: str | None = None,
+):
+    """(o [B, T, H, Dv] in q's dtype, the final state [B, H, Dk, Dv] in fp32 or None) of the gated delta rule
+    from an empty state, as transformers' `torch_chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`:
+    q, k [B, T, Hk, Dk] (L2-normalised here, q scaled by Dk^-0.5), v [B, T, H, Dv] with H a multiple of Hk,
+    g (log decay, <= 0) and beta [B, T, H]. implementation: None (fla on CUDA when installed, else Triton, else
+    torch) or one of IMPLEMENTATIONS."""
+    _check(q, k, v, g, beta, implementation)
+    chosen = implementation_for(q, implementation)
+    if q.shape[1] == 0:
+        chosen = "torch"
+    if chosen == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True
+        )
+    if chosen == "torch":
+        parts = _prepare(q, k, v, g, beta)
+        o, final = _scan_reference(parts, output_final_state)
+        return _finish(o, q.shape[0], q.shape[1], q.dtype), _state_out(final, q.shape[0])
+    precision = _precision(q.dtype)
+    if torch.compiler.is_compiling():
+        o, final = _gated_delta_rule_op(q, k, v, g, beta, output_final_state, precision)
+        return o, (final if output_final_state else None)
+    return GatedDeltaRule.apply(q, k, v, g, beta, output_final_state, precision)
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, *, output_final_state: bool = False):
+    """The recurrence token by token in plain torch (float64 inputs stay float64): the tests' oracle."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    heads, k_heads = v.shape[2], k.shape[2]
+    if heads != k_heads:
+        q, k = (t.repeat_interleave(heads // k_heads, dim=2) for t in (q, k))
+    q, k, v, g, beta = (t.transpose(1, 2).to(compute) for t in (q, k, v, g, beta))
+    q = _l2norm(q) * q.shape[-1] ** -0.5
+    k = _l2norm(k)
+    s = q.new_zeros((*q.shape[:2], q.shape[-1], v.shape[-1]))
+    outs = []
+    for t in range(q.shape[2]):
+        s = s * g[:, :, t].exp()[..., None, None]
+        delta = (v[:, :, t] - (s * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
+        s = s + k[:, :, t, :, None] * delta[..., None, :]
+        outs.append((s * q[:, :, t, :, None]).sum(-2))
+    o = torch.stack(outs, dim=2).transpose(1, 2).to(q.dtype if q.dtype == torch.float64 else v.dtype)
+    return o, (s if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Registered operator (what torch.compile traces): the same forward and backward, opaque to it
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "fastplug::gated_delta_rule",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, bool want_final, str precision) -> (Tensor, Tensor)",
+)
+def _gated_delta_rule_op(q, k, v, g, beta, want_final, precision):
+    o, final = _forward(q, k, v, g, beta, want_final, precision)
+    return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
+
+
+@_gated_delta_rule_op.register_fake
+def _(q, k, v, g, beta, want_final, precision):
+    batch, tokens, _, dk = q.shape
+    heads, dv = v.shape[2:]
+    final = (
+        q.new_empty((batch, heads, dk, dv), dtype=torch.float32) if want_final else q.new_empty(0, dtype=torch.float32)
+    )
+    return q.new_empty((batch, tokens, heads, dv)), final
+
+
+@torch.library.custom_op(
+    "fastplug::gated_delta_rule_backward",
+    mutates_args=(),
+    schema="(Tensor do, Tensor ds, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, str precision) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _gated_delta_rule_backward_op(do, ds, q, k, v, g, beta, precision):
+    grads = _backward((q, k, v, g, beta), (True,) * 5, do, ds if ds.numel() else None, precision)
+    return tuple(grads)
+
+
+@_gated_delta_rule_backward_op.register_fake
+def _(do, ds, q, k, v, g, beta, precision):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, g, beta))
+
+
+def _setup_rule(ctx, inputs, output):
+    q, k, v, g, beta, _, precision = inputs
+    ctx.save_for_backward(q, k, v, g, beta)
+    ctx.precision = precision
+
+
+def _rule_op_backward(ctx, do, ds):
+    q = ctx.saved_tensors[0]
+    ds = ds if ds is not None and ds.numel() else q.new_empty(0, dtype=torch.float32)
+    grads = _gated_delta_rule_backward_op(do, ds, *ctx.saved_tensors, ctx.precision)
+    return (*grads, None, None)
+
+
+_gated_delta_rule_op.register_autograd(_rule_op_backward, setup_context=_setup_rule)

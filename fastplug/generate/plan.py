@@ -146,6 +146,25 @@ class _MLP:
         return self.down(hidden)
 
 
+def _check_decodable(base: nn.Module, decoder: nn.Module, family) -> None:
+    """ValueError naming what the static-KV decoder cannot run: linear-attention layers (their convolution and
+    recurrent states are no KV cache) and output-gated attention (Qwen3.5, Qwen3-Next)."""
+    name = type(base).__name__
+    layers = list(decoder.layers)
+    linear = sum(hasattr(layer, "linear_attn") for layer in layers)
+    if linear:
+        raise ValueError(
+            f"fast_generate: {name} has {linear} linear-attention (Gated DeltaNet) layers of {len(layers)}; its "
+            "decoder keeps a static KV cache, not their convolution and recurrent states. Use model.generate "
+            "(transformers' cache), which the patched model runs"
+        )
+    if family.attention_output_gate:
+        raise ValueError(
+            f"fast_generate: {name}'s attention gates its output (q_proj gives a gate per head), which its decoder "
+            "does not run. Use model.generate (transformers' cache), which the patched model runs"
+        )
+
+
 @dataclass
 class LayerPlan:
     input_norm: tuple
@@ -195,6 +214,7 @@ class Plan:
             )
         config = base.config
         decoder = base.get_decoder()
+        _check_decodable(base, decoder, family)
         offset = family.rms_norm_offset
         self.embed = decoder.embed_tokens
         # Gemma scales embeddings by sqrt(hidden): in the embedding module (recent transformers) or in the

@@ -8,7 +8,8 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
   trainer_liger           the same with use_liger_kernel=True
   trainer_fastkernels     the same with callbacks=[FastKernels()] (the defaults)
   trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (rows padded on to a few lengths)
-  sft_packed, fast_sft_packed  trl.SFTTrainer / FastSFTTrainer, packing=True (padding-free rows)
+  sft, fast_sft            trl.SFTTrainer / FastSFTTrainer, its collator padding each batch to its longest row
+  sft_packed, fast_sft_packed  the same with packing=True (padding-free rows)
 tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
 torch.profiler's kernel time per step over the same steps, so wall / GPU says how far the host sets the pace.
 """
@@ -29,6 +30,8 @@ RUNS = (
     "trainer_liger",
     "trainer_fastkernels",
     "trainer_fastkernels_graphs",
+    "sft",
+    "fast_sft",
     "sft_packed",
     "fast_sft_packed",
 )
@@ -36,6 +39,7 @@ BASELINE = {
     "trainer_liger": "trainer",
     "trainer_fastkernels": "trainer",
     "trainer_fastkernels_graphs": "trainer",
+    "fast_sft": "sft",
     "fast_sft_packed": "sft_packed",
 }
 COLUMNS = ("model", "run", "batch", "tok/s", "vs baseline", "peak GiB", "wall ms", "GPU ms", "wall/GPU", "note")
@@ -198,7 +202,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
     return meter.result(note)
 
 
-def run_sft_packed(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
+def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import SFTConfig, SFTTrainer
@@ -211,7 +215,7 @@ def run_sft_packed(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
     meter = _Meter(device, spec["warmup"], worker_deadline(spec))
     model.register_forward_pre_hook(meter.count, with_kwargs=True)
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[spec["model"]]["lora"])
-    config = SFTConfig(**_training_args(spec, device, "sft"), packing=True, max_length=spec["max_len"])
+    config = SFTConfig(**_training_args(spec, device, "sft"), packing=packed, max_length=spec["max_len"])
     kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     if fast:
         from ..integrations.trl import FastSFTTrainer
@@ -237,7 +241,7 @@ def worker_main(spec_json: str, result_path: str) -> int:
         if run.startswith("trainer"):
             result = run_trainer(spec, device, tokenizer, paths, run)
         else:
-            result = run_sft_packed(spec, device, tokenizer, paths, fast=run.startswith("fast"))
+            result = run_sft(spec, device, tokenizer, paths, fast=run.startswith("fast"), packed=run.endswith("packed"))
     except Exception as exc:
         import traceback
 

@@ -15,10 +15,32 @@ with ignored labels, so the loss and its gradients are those of the batch as giv
 
 from __future__ import annotations
 
+import weakref
+from collections import Counter
+
 import torch
 from torch import nn
 
 _SMALLEST_BUCKET = 64
+# model -> how many training forwards took which path (PatchHandle.summary() prints it)
+_PATHS: "weakref.WeakKeyDictionary[nn.Module, Counter]" = weakref.WeakKeyDictionary()
+
+
+def _record(model: nn.Module, path: str) -> None:
+    paths = _PATHS.get(model)
+    if paths is None:
+        paths = _PATHS[model] = Counter()
+    paths[path] += 1
+
+
+def forget_batch_paths(model: nn.Module) -> None:
+    _PATHS.pop(model, None)
+
+
+def batch_paths(model: nn.Module) -> str:
+    """The loss-only training forwards of `model` by path, most frequent first ("" before the first)."""
+    paths = _PATHS.get(model)
+    return "; ".join(f"{path}: {n}" for path, n in paths.most_common()) if paths else ""
 
 
 def bucket_length(tokens: int) -> int:
@@ -42,27 +64,36 @@ def loss_only_inputs(model: nn.Module, input_ids, attention_mask, labels, positi
     """(input_ids, labels, the mask the decoder gets, the mask of the padded batch) for a loss-only training
     forward: the mask dropped for right padding and the rows right-padded to a bucket when asked; None when this
     batch must run as given (left padding, packed rows, inputs_embeds, anything returned beyond the loss)."""
-    config = model.config
-    if (
-        input_ids is None
-        or input_ids.dim() != 2
-        or position_ids is not None
-        or any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "shift_labels", "inputs_embeds"))
-        or kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
-        or kwargs.get("output_attentions", getattr(config, "output_attentions", False))
-        or torch.compiler.is_compiling()  # no host sync while traced
-        or (attention_mask is not None and not right_padded(attention_mask))
-    ):
+    if torch.compiler.is_compiling():  # no host sync while traced, and no tally
+        return None
+    reason = _reason_to_keep(model.config, input_ids, attention_mask, position_ids, kwargs)
+    if reason is not None:
+        _record(model, f"as given: {reason}")
         return None
     tokens = input_ids.shape[1]
     length = bucket_length(tokens) if buckets else tokens
+    _record(model, f"no mask, rows padded on to a bucket length ({length})" if length > tokens else "no mask")
     if length > tokens:
         extra = length - tokens
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        pad_id = getattr(config, "pad_token_id", None)
-        pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < config.vocab_size else 0
+        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < model.config.vocab_size else 0
         input_ids = nn.functional.pad(input_ids, (0, extra), value=pad_id)
         labels = nn.functional.pad(labels, (0, extra), value=kwargs.get("ignore_index", -100))
         attention_mask = nn.functional.pad(attention_mask, (0, extra), value=0)
     return input_ids, labels, None, attention_mask
+
+
+def _reason_to_keep(config, input_ids, attention_mask, position_ids, kwargs: dict) -> str | None:
+    """Why this batch must run as given (None: it may drop its mask and be padded on)."""
+    if input_ids is None or input_ids.dim() != 2 or kwargs.get("inputs_embeds") is not None:
+        return "embeddings, not token ids"
+    if position_ids is not None or any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "shift_labels")):
+        return "packed rows or shifted labels"
+    for asked in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(asked, getattr(config, asked, False)):
+            return "hidden states or attentions asked for"
+    if attention_mask is not None and not right_padded(attention_mask):
+        return "padding not on the right"
+    return None

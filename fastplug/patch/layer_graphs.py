@@ -33,6 +33,7 @@ import contextlib
 import sys
 import warnings
 import weakref
+from collections import Counter
 from functools import partial
 
 import torch
@@ -78,6 +79,7 @@ class LayerGraphs:
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         self.seen: set[tuple] = set()
         self.replays = 0
+        self.eager: Counter = Counter()  # per forward of the stack: "replayed", or why its layers ran eagerly
         # One memory pool for all signatures: what one leaves free (its layers' temporaries) another uses. Safe
         # while no two signatures' replays interleave, i.e. one awaits its backward when another would run.
         self._pool = None
@@ -98,29 +100,38 @@ class LayerGraphs:
     def __str__(self) -> str:
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
+        paths = "; ".join(f"{why}: {n}" for why, n in self.eager.most_common())
         return (
             f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
             + (f", {failed} failed (eager)" if failed else "")
             + f", {self.replays} layer calls replayed"
+            + (f"; forwards by path: {paths}" if paths else "")
         )
 
     # -- routing
     def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
-        """The layer's output from its graphs, or _EAGER."""
-        if (
-            not (layer.training and torch.is_grad_enabled() and kwargs.get(UNPACKED))
-            or _busy()
-            or not args
-            or not isinstance(args[0], torch.Tensor)
-            or _foreign_hooks(layer)
-        ):
-            return _EAGER
+        """The layer's output from its graphs, or _EAGER (the first layer's reason tallied in `eager`)."""
+        graphs = self._route(layer, index, args, kwargs)
+        if index == 0:
+            self.eager[graphs if isinstance(graphs, str) else "replayed"] += 1
+        return _EAGER if isinstance(graphs, str) else graphs
+
+    def _route(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
+        """The layer's output from its graphs, or why it runs eagerly."""
+        if not (layer.training and torch.is_grad_enabled()):
+            return "inference or no grad"
+        if not kwargs.get(UNPACKED):
+            return "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
+        if _busy():
+            return "inside another capture or torch.compile's trace"
+        if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer):
+            return "hooks on a layer, or hidden states not passed first"
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors, key = [], [spec]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 if not leaf.is_cuda:
-                    return _EAGER
+                    return "a tensor off the GPU"
                 # whether the hidden states need a gradient is the layer's business (layer 0's input often
                 # does not, the others' do): checked against the graph below, not part of the signature
                 key.append((leaf.shape, leaf.stride(), leaf.dtype, bool(tensors) and leaf.requires_grad))
@@ -128,7 +139,7 @@ class LayerGraphs:
             elif isinstance(leaf, _SCALARS):
                 key.append((type(leaf), leaf))
             else:
-                return _EAGER
+                return f"an argument of type {type(leaf).__name__}"
         key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
         key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
         key = tuple(key)
@@ -140,22 +151,24 @@ class LayerGraphs:
             if index != 0 or key not in self.seen:  # first sighting (or mid-stack): eager, captured next time
                 if index == 0:
                     self.seen.add(key)
-                return _EAGER
-            if len(self.sets) >= self.max_signatures or not self._capturable():
-                return _EAGER
+                return "a batch shape seen for the first time (captured when it repeats)"
+            if len(self.sets) >= self.max_signatures:
+                return f"a batch shape beyond the first {self.max_signatures} captured"
+            if not self._capturable():
+                return "checkpointing other than plain, or hooks inside the layers"
             if not self.sets:
                 self._fixed.close()
                 self._fixed = _Fixed(self.layers)
             graphs = self.sets[key] = self._capture(leaves, spec, tensors)
         if graphs is _FAILED:
-            return _EAGER
+            return "its capture failed (warned)"
         graph = graphs[index]
         if tensors[0].requires_grad and not graph.inputs[0].requires_grad:
-            return _EAGER  # captured for an input that needed no gradient
+            return "captured for an input that needed no gradient"
         if graphs is not self._last and self._last is not None and any(g.awaiting_backward() for g in self._last):
-            return _EAGER  # another signature's replay awaits its backward; they share the memory pool
+            return "another shape's replay awaits its backward (they share the memory pool)"
         if graph.awaiting_backward():
-            return _EAGER
+            return "two forwards before one backward"
         self._last = graphs
         self.replays += 1
         return graph.run(tensors)

@@ -90,3 +90,14 @@ def test_hidden_states_asked_for_keep_the_batch_as_given():
     model(**_padded_batch([13, 6]), output_hidden_states=True)
     hook.remove()
     assert seen == [(13, True)]
+
+
+def test_summary_tallies_the_path_of_each_training_batch():
+    model = tiny_model("llama").train()
+    handle = patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    for right in (True, True, False):
+        model(**_padded_batch([13, 6], right=right))
+    assert (
+        "padded training batches (models/padding.py): no mask, rows padded on to a bucket length (64): 2; "
+        "as given: padding not on the right: 1" in handle.summary()
+    )

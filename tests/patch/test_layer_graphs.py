@@ -52,6 +52,9 @@ def test_routing_is_per_instance_exact_and_undone():
     for got, want in zip(got_grads, want_grads):
         assert torch.equal(got, want)
     assert graphs.replays == 0 and not graphs.sets, "CPU tensors always run eagerly"
+    why = "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
+    assert list(graphs.eager.items()) == [(why, 1)], "and the stack's forward says why"
+    assert "forwards by path: rows that may be packed" in str(graphs)
     torch._dynamo.reset()
     compiled_loss = torch.compile(routed, backend="eager")(**ids).loss  # the layers are graph breaks
     assert_close(compiled_loss.detach(), want_loss, torch.float32, "compiled loss")

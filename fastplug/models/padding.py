@@ -94,6 +94,8 @@ def _reason_to_keep(config, input_ids, attention_mask, position_ids, kwargs: dic
     for asked in ("output_hidden_states", "output_attentions"):
         if kwargs.get(asked, getattr(config, asked, False)):
             return "hidden states or attentions asked for"
+    if getattr(config, "use_bidirectional_attention", False):  # real tokens would see the pads after them
+        return "bidirectional attention"
     if attention_mask is not None and not right_padded(attention_mask):
         return "padding not on the right"
     return None

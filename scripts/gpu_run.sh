@@ -10,6 +10,7 @@
 #   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
 #   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
 #   frameworks [ARGS]      python -m fastplug.bench frameworks ARGS   (TRL SFT, HF Trainer, Lightning, with and without fastplug)
+#   varlen [ARGS]          python -m fastplug.bench varlen ARGS       (LoRA SFT on variable-length real text, as users train)
 #   probe [ARGS]           python scripts/precision_probe.py ARGS      (loss bias and LoRA grad error vs an fp32 truth)
 #   convergence [ARGS]     python scripts/convergence.py all ARGS      (120 real-text steps, e.g. lora:hf,lora:fastplug)
 #   generate [ARGS]        python -m fastplug.bench generate ARGS      (fast_generate vs transformers' generate)
@@ -47,7 +48,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks probe convergence generate grpo qlora moe attention fp8 host compile"
+PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generate grpo qlora moe attention fp8 host compile"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -60,6 +61,7 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         e2e)    cmd=("$PY" -m fastplug.bench e2e --out "$OUT_DIR" "$@") ;;
         maxseq) cmd=("$PY" -m fastplug.bench e2e --offload-max-seq --out "$OUT_DIR" "$@") ;;
         frameworks) cmd=("$PY" -m fastplug.bench frameworks --out "$OUT_DIR" "$@") ;;
+        varlen) cmd=("$PY" -m fastplug.bench varlen --out "$OUT_DIR" "$@") ;;
         probe)  cmd=("$PY" scripts/precision_probe.py "$@") ;;
         convergence) cmd=("$PY" scripts/convergence.py all "$@") ;;
         generate) cmd=("$PY" -m fastplug.bench generate "$@") ;;

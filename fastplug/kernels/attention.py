@@ -1,5 +1,6 @@
 """Flash attention, forward and backward: causal or not, sliding window, logit softcap (Gemma2), GQA/MQA,
-head_dim up to 256 (any size: the head dim is padded to a power of two by masking), packed rows (varlen).
+head_dim up to 256 (any size: the head dim is padded to a power of two by masking), packed rows (varlen),
+attention sinks (gpt-oss: a learned logit per head that joins each row's softmax denominator and adds no value).
 
 Layout as transformers' attention functions receive it: q (B, Hq, T, D), k/v (B, Hkv, S, D), any strides;
 the output is (B, T, Hq, D) like `sdpa_attention_forward` returns it. GQA reads k/v head `h // (Hq // Hkv)`
@@ -21,6 +22,11 @@ Varlen: packed documents lie in one row, q (1, Hq, total, D), k/v (1, Hkv, total
 (n+1) gives their boundaries. Internally every token carries its document's [start, end), so the grid runs
 over the packed row as if it were one sequence and needs no max_seqlen and no host sync; the model
 integration builds those bounds straight from position_ids (`packed_bounds`).
+
+Sinks: the forward starts each row's online softmax at the sink (running max = the sink's logit, sum = 1) instead
+of an empty one, so the log-sum-exp it keeps includes the sink and the backward's recomputed probabilities are the
+sink-normalised ones with no change to the backward kernels (the sink carries no value, so delta = rowsum(dO * O)
+stays its own term); the sink's gradient, -sum over rows of p_sink * delta, is one reduction over [B, H, T].
 
 Forward keeps the output and the log-sum-exp (base 2, fp32); backward recomputes the probabilities in two
 kernels and no T x S matrix is ever in memory. The dQ kernel runs first, one program per query block: it forms
@@ -217,6 +223,7 @@ def _attn_fwd(
     LSE,
     START,
     END,
+    SINKS,
     stride_qb,
     stride_qh,
     stride_qt,
@@ -248,6 +255,7 @@ def _attn_fwd(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
     TMA: tl.constexpr,
 ):
@@ -282,8 +290,13 @@ def _attn_fwd(
     a, b_, c, e = _block_split(first, last, row_valid, S, BLOCK_N)
 
     # A finite start for the running max: a row whose first key blocks are all masked keeps alpha = 1, p = 0.
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # With a sink the row starts from it: max = its logit (base 2), sum = exp2(0) = 1, no value.
+    if HAS_SINKS:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _fwd_loop(
         acc,
@@ -1045,7 +1058,7 @@ def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
     )
 
 
-def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | None = None):
+def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | None = None, sinks=None):
     out = torch.empty((p.B, p.T, p.Hq, p.D), dtype=q.dtype, device=q.device)
     lse = torch.empty((p.B, p.Hq, p.T), dtype=torch.float32, device=q.device)
     cfg = config or _config("fwd", p.block_d, q.device)
@@ -1058,6 +1071,7 @@ def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | N
         lse,
         start if varlen else lse,
         end if varlen else lse,
+        sinks if sinks is not None else lse,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -1071,6 +1085,7 @@ def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | N
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         VARLEN=varlen,
+        HAS_SINKS=sinks is not None,
         TMA=_use_tma(cfg, q, k, v),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -1149,14 +1164,22 @@ def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: 
     )
 
 
-def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
-    """dQ per query block (it forms delta too), then dK/dV per key block. Deterministic: no atomics."""
+def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end, sinks=None):
+    """(dq, dk, dv, dsinks or None): dQ per query block (it forms delta too), then dK/dV per key block.
+    Deterministic: no atomics."""
     delta = torch.empty_like(lse)
     # empty_like keeps q/k/v's memory layout: the grads flow back through the same transposes as the inputs.
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _launch_dq(do, q, k, v, out, lse, delta, dq, p, start, end, _config("dq", p.block_d, q.device))
     _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p, start, end, _config("dkdv", p.block_d, q.device))
-    return dq, dk, dv
+    return dq, dk, dv, (None if sinks is None else _sinks_grad(sinks, lse, delta))
+
+
+def _sinks_grad(sinks, lse, delta):
+    """d loss / d sink[h] = -sum over (b, t) of p_sink * delta: the sink's probability exp2(sink log2 e - lse) (lse in
+    base 2, the sink included) times rowsum(dO * O), which the dQ kernel stored."""
+    p_sink = torch.exp2(sinks.float()[None, :, None] * LOG2E - lse)
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1166,17 +1189,17 @@ def _flash_backward(do, q, k, v, out, lse, p: _Problem, start, end):
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, problem, start, end):
-        out, lse = _flash_forward(q, k, v, problem, start, end)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, problem, start, end, sinks):
+        out, lse = _flash_forward(q, k, v, problem, start, end, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.problem, ctx.bounds = problem, (start, end)  # int32 bounds: no grads, never written in place
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _flash_backward(do, q, k, v, out, lse, ctx.problem, *ctx.bounds)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = _flash_backward(do, q, k, v, out, lse, ctx.problem, *ctx.bounds, sinks=sinks)
+        return dq, dk, dv, None, None, None, dsinks if ctx.needs_input_grad[6] else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1184,7 +1207,7 @@ class FlashAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen) -> None:
+def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen, sinks=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
@@ -1216,6 +1239,11 @@ def _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, m
     for name, x in (("softcap", softcap), ("scale", scale)):
         if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0):
             raise ValueError(f"{name} must be None or a finite number > 0; got {x!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.shape != (Hq,):
+            raise ValueError(f"sinks must be a tensor of shape ({Hq},) (one logit per query head); got {sinks!r:.80}")
+        check_dtype("sinks", sinks)
+        check_same_device(q=q, sinks=sinks)
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen is only meaningful with cu_seqlens; got cu_seqlens None")
@@ -1314,10 +1342,12 @@ def _normalise_window(window: int | None, causal: bool, T: int, S: int) -> int |
     return window
 
 
-def _sdpa_suits(q, k, causal, window, softcap, varlen) -> bool:
-    """SDPA covers plain causal (T == S) or full attention; measured faster there (`python -m fastplug.bench micro`)."""
+def _sdpa_suits(q, k, causal, window, softcap, varlen, sinks=None) -> bool:
+    """SDPA covers plain causal (T == S) or full attention without sinks; measured faster there (`python -m
+    fastplug.bench micro`)."""
     return (
-        q.device.type == "cuda"
+        sinks is None
+        and q.device.type == "cuda"
         and q.dtype in (torch.float16, torch.bfloat16)
         and softcap is None
         and window is None
@@ -1335,10 +1365,10 @@ def _sdpa(q, k, v, causal, scale):
 
 
 def flash_attention(
-    q, k, v, *, causal=True, sliding_window=None, softcap=None, scale=None, doc_start=None, doc_end=None
+    q, k, v, *, causal=True, sliding_window=None, softcap=None, scale=None, doc_start=None, doc_end=None, sinks=None
 ) -> torch.Tensor:
     """The dispatcher without the input checks, for callers that built their arguments (the model
-    integration): per-token document bounds (B, T) int32 from `packed_bounds`, or None."""
+    integration): per-token document bounds (B, T) int32 from `packed_bounds`, or None; sinks (Hq,) or None."""
     if torch.is_autocast_enabled(q.device.type):  # like SDPA under autocast: compute in the autocast dtype
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -1348,14 +1378,14 @@ def flash_attention(
     softcap = None if softcap is None else float(softcap)
     varlen = doc_start is not None
     if not use_triton(q, k, v):
-        return _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end)
-    if _sdpa_suits(q, k, causal, window, softcap, varlen):
+        return _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks)
+    if _sdpa_suits(q, k, causal, window, softcap, varlen, sinks):
         return _sdpa(q, k, v, causal, scale)
     if T == 0 or S == 0:
         return q.new_zeros(q.shape[0], T, q.shape[1], q.shape[3])
     if torch.compiler.is_compiling():
-        return _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end)[0]
-    return FlashAttention.apply(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
+        return _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks)[0]
+    return FlashAttention.apply(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end, sinks)
 
 
 def attention(
@@ -1369,6 +1399,7 @@ def attention(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale [softcapped] [masked]) v for q (B, Hq, T, D), k/v (B, Hkv, S, D); returns
     (B, T, Hq, D). Hq % Hkv == 0 (GQA/MQA), head_dim up to 256, fp32/fp16/bf16 with fp32 accumulation.
@@ -1379,8 +1410,9 @@ def attention(
     cu_seqlens (int32, n + 1): q/k/v are packed rows (1, H, total, D) of n documents that never attend to each
     other; max_seqlen is accepted for flash-attn compatibility and not needed (the grid covers the packed row).
     Checking cu_seqlens syncs with the host once; `flash_attention` with `packed_bounds` does not.
+    sinks (Hq,), any float dtype: per-head logits that join each row's softmax denominator (gpt-oss), differentiable.
     """
-    _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen)
+    _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen, sinks)
     start = end = None
     if cu_seqlens is not None:
         start, end = bounds_from_cu_seqlens(cu_seqlens, q.shape[2])
@@ -1394,6 +1426,7 @@ def attention(
         scale=scale,
         doc_start=start,
         doc_end=end,
+        sinks=sinks,
     )
 
 
@@ -1421,7 +1454,7 @@ def visible_keys(
     return seen
 
 
-def _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
+def _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks=None):
     compute = torch.promote_types(q.dtype, torch.float32)
     group = q.shape[1] // k.shape[1]
     qf = q.to(compute)
@@ -1432,7 +1465,12 @@ def _reference(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
         scores = softcap * torch.tanh(scores / softcap)
     seen = visible_keys(q.shape[2], k.shape[2], causal, window, doc_start, doc_end, q.device)
     scores = scores.masked_fill(~seen, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vf
+    if sinks is not None:  # one more column per row: the sink's logit, dropped after the softmax
+        column = sinks.to(compute)[None, :, None, None].expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs @ vf
     return out.transpose(1, 2).to(q.dtype)
 
 
@@ -1447,14 +1485,15 @@ def attention_reference(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention` in plain torch (fp32 math, the full T x S matrix); same arguments and result."""
-    _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen)
+    _check_inputs(q, k, v, causal, sliding_window, softcap, scale, cu_seqlens, max_seqlen, sinks)
     start = end = None
     if cu_seqlens is not None:
         start, end = bounds_from_cu_seqlens(cu_seqlens, q.shape[2])
     scale = float(q.shape[3] ** -0.5 if scale is None else scale)
-    return _reference(q, k, v, causal, sliding_window, softcap, scale, start, end)
+    return _reference(q, k, v, causal, sliding_window, softcap, scale, start, end, sinks)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1466,15 +1505,16 @@ def attention_reference(
     "fastplug::flash_attention",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, bool causal, int? window, float? softcap, float scale, Tensor? doc_start, "
-    "Tensor? doc_end) -> (Tensor, Tensor)",
+    "Tensor? doc_end, Tensor? sinks) -> (Tensor, Tensor)",
 )
-def _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
-    out, lse = _flash_forward(q, k, v, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
+def _flash_attention_op(q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks):
+    problem = _problem(q, k, causal, window, softcap, scale)
+    out, lse = _flash_forward(q, k, v, problem, doc_start, doc_end, sinks=sinks)
     return out, lse
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
+def _(q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks):
     B, Hq, T, D = q.shape
     return q.new_empty((B, T, Hq, D)), q.new_empty((B, Hq, T), dtype=torch.float32)
 
@@ -1483,27 +1523,33 @@ def _(q, k, v, causal, window, softcap, scale, doc_start, doc_end):
     "fastplug::flash_attention_backward",
     mutates_args=(),
     schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, int? window, "
-    "float? softcap, float scale, Tensor? doc_start, Tensor? doc_end) -> (Tensor, Tensor, Tensor)",
+    "float? softcap, float scale, Tensor? doc_start, Tensor? doc_end, Tensor? sinks) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _flash_attention_backward_op(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end):
-    return _flash_backward(do, q, k, v, out, lse, _problem(q, k, causal, window, softcap, scale), doc_start, doc_end)
+def _flash_attention_backward_op(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end, sinks):
+    problem = _problem(q, k, causal, window, softcap, scale)
+    dq, dk, dv, dsinks = _flash_backward(do, q, k, v, out, lse, problem, doc_start, doc_end, sinks=sinks)
+    return dq, dk, dv, q.new_empty(0) if dsinks is None else dsinks  # operators return tensors, not None
 
 
 @_flash_attention_backward_op.register_fake
-def _(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, out, lse, causal, window, softcap, scale, doc_start, doc_end, sinks):
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_flash_attention(ctx, inputs, output):
-    q, k, v, causal, window, softcap, scale, doc_start, doc_end = inputs
-    ctx.save_for_backward(q, k, v, *output, doc_start, doc_end)
+    q, k, v, causal, window, softcap, scale, doc_start, doc_end, sinks = inputs
+    ctx.save_for_backward(q, k, v, *output, doc_start, doc_end, sinks)
     ctx.problem = (causal, window, softcap, scale)
 
 
 def _flash_attention_op_backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, doc_start, doc_end = ctx.saved_tensors
-    dq, dk, dv = _flash_attention_backward_op(grad_out, q, k, v, out, lse, *ctx.problem, doc_start, doc_end)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, doc_start, doc_end, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _flash_attention_backward_op(
+        grad_out, q, k, v, out, lse, *ctx.problem, doc_start, doc_end, sinks
+    )
+    return dq, dk, dv, None, None, None, None, None, None, dsinks if sinks is not None else None
 
 
 _flash_attention_op.register_autograd(_flash_attention_op_backward, setup_context=_setup_flash_attention)

@@ -1,5 +1,6 @@
 """Flash attention (Triton, interpreter on CPU) against attention_reference: forward and dq/dk/dv, causal and
-not, sliding window, softcap, GQA/MQA, head dims that are not powers of two, packed documents; bad input."""
+not, sliding window, softcap, GQA/MQA, head dims that are not powers of two, packed documents, attention sinks
+(against float64, their gradient too); bad input."""
 
 import dataclasses
 import functools
@@ -10,7 +11,7 @@ import torch
 
 from fastplug.kernels import attention, attention_reference, cu_seqlens_from_position_ids, tuning
 from fastplug.kernels.attention import flash_attention, packed_bounds, right_padding_bounds
-from tests.helpers import assert_close
+from tests.helpers import TOL, assert_close, rel_err
 
 A = importlib.import_module("fastplug.kernels.attention")  # the module: the package exports the function
 
@@ -103,6 +104,70 @@ def test_varlen_matches_per_document_reference(options, path):
         return torch.cat(outs, dim=1)
 
     _compare(lambda *x: attention(*x, cu_seqlens=cu, max_seqlen=17, **options), per_document, inputs, torch.float32)
+
+
+# (B, Hq, Hkv, T, S, D, options), with sinks: gpt-oss's sliding and full layers (GQA), keys beyond the queries
+# (a cached step), packed documents, and a row of pads that sees no key (its output 0: all the weight on the sink)
+SINK_CASES = {
+    "causal window GQA D40": (1, 4, 2, 18, 18, 40, {"sliding_window": 6}),
+    "full MQA D24": (1, 2, 1, 19, 19, 24, {"causal": False}),
+    "keys longer D32": (1, 2, 1, 3, 23, 32, {}),
+    "packed D16": (1, 2, 1, 20, 20, 16, {"cu_seqlens": torch.tensor([0, 7, 20], dtype=torch.int32)}),
+}
+
+
+@pytest.mark.parametrize(
+    "case, dtype", [(case, torch.float32) for case in SINK_CASES] + [("causal window GQA D40", torch.bfloat16)]
+)
+def test_sinks_against_float64(case, dtype):
+    """Output and the gradients of q, k, v and the sinks against the float64 maths (the sink's logit one more column
+    of each row's softmax, dropped after it); bf16 no worse than torch's own bf16 computation of the same."""
+    B, Hq, Hkv, T, S, D, options = SINK_CASES[case]
+    q, k, v = _inputs(B, Hq, Hkv, T, S, D, dtype)
+    sinks = (2 * torch.randn(Hq)).to(dtype).requires_grad_()  # logits of the size of the scores, some larger
+    inputs = (q, k, v, sinks)
+    grad = torch.randn(B, T, Hq, D).to(dtype)
+    out = attention(q, k, v, sinks=sinks, **options)
+    got = torch.autograd.grad(out, inputs, grad)
+
+    def maths(*xs, cast):
+        xs = [x.detach().to(cast).requires_grad_() for x in xs]
+        cu = options.get("cu_seqlens")
+        start, end = A.bounds_from_cu_seqlens(cu, T) if cu is not None else (None, None)
+        causal, window = options.get("causal", True), options.get("sliding_window")
+        ref = A._reference(*xs[:3], causal, window, None, D**-0.5, start, end, xs[3])
+        return ref, torch.autograd.grad(ref, xs, grad.to(cast))
+
+    ref, ref_grads = maths(*inputs, cast=torch.float64)
+    floor = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0, "dsinks": 0.0}
+    if dtype != torch.float32:  # torch's own error at this precision (its maths in bf16, the same inputs)
+        low, low_grads = maths(*inputs, cast=dtype)
+        floor = dict(zip(floor, (rel_err(x, r) for x, r in zip((low, *low_grads), (ref, *ref_grads)))))
+    for name, x, r in zip(floor, (out, *got), (ref, *ref_grads)):
+        assert x.dtype == dtype and x.shape == r.shape, name
+        bound = TOL[dtype] if dtype == torch.float32 else max(2 * floor[name], TOL[dtype]) + 1e-3
+        assert rel_err(x, r) < bound, f"{name}: {rel_err(x, r):.2e} >= {bound:.1e}"
+
+
+def test_sinks_on_rows_that_see_no_key_and_bad_sinks():
+    """A pad row of a right-padded batch sees no key beyond its bounds: every row still gets the sink's share; the
+    sinks must be one per query head, of a float dtype, on q's device."""
+    q, k, v = _inputs(1, 2, 1, 9, 9, 16)
+    sinks = torch.randn(2, requires_grad=True)
+    start = torch.zeros(1, 9, dtype=torch.int32)
+    end = torch.full((1, 9), 9, dtype=torch.int32)
+    end[0, 6:] = 0  # these rows see nothing: output 0, the whole row's weight on the sink
+    out = flash_attention(q, k, v, doc_start=start, doc_end=end, sinks=sinks)
+    assert torch.equal(out[0, 6:], torch.zeros_like(out[0, 6:]))
+    out.sum().backward()
+    assert torch.isfinite(sinks.grad).all() and torch.isfinite(q.grad).all()
+    for bad, match in (
+        (torch.randn(3), r"sinks must be a tensor of shape \(2,\)"),
+        (torch.randn(1, 2), r"sinks must be a tensor of shape"),
+        (torch.zeros(2, dtype=torch.int64), "sinks must have dtype"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            attention(q, k, v, sinks=bad)
 
 
 def test_tma_only_where_the_layout_allows():

@@ -114,6 +114,7 @@ def _decode_attention_kernel(
     rope, qk_norm, cache, parts, dims, scores: `Rope`, `QKNorm`, `KVCache`, `Partials`, `Dims`, `Scores`; F, T:
     `AttnFlags`, `AttnTile`."""
     H, HKV, G, D, L = dims
+    PRECISION: tl.constexpr = T.PRECISION  # a str field goes on as an argument only so (Triton 3.6)
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // HKV
@@ -162,9 +163,9 @@ def _decode_attention_kernel(
         tl.store(cache.v + dst + D // 2, v2.to(dt), mask=h_mask[None, :])
         tl.debug_barrier()
     m_i = tl.full([T.BLOCK_G], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([T.BLOCK_G], dtype=tl.float32)
-    acc1 = tl.zeros([T.BLOCK_G, T.BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([T.BLOCK_G, T.BLOCK_H], dtype=tl.float32)
+    l_i = tl.full([T.BLOCK_G], 0.0, dtype=tl.float32)
+    acc1 = tl.full([T.BLOCK_G, T.BLOCK_H], 0.0, dtype=tl.float32)
+    acc2 = tl.full([T.BLOCK_G, T.BLOCK_H], 0.0, dtype=tl.float32)
     for start in range(lo, hi, T.BLOCK_S):
         cols = start + tl.arange(0, T.BLOCK_S)
         c_mask = cols < hi
@@ -174,7 +175,7 @@ def _decode_attention_kernel(
         kt2 = tl.load(cache.k + offs + D // 2, mask=kv_mask, other=0.0)
         vt1 = tl.load(cache.v + offs, mask=kv_mask, other=0.0)
         vt2 = tl.load(cache.v + offs + D // 2, mask=kv_mask, other=0.0)
-        s = (dot(q1, tl.trans(kt1), T.PRECISION) + dot(q2, tl.trans(kt2), T.PRECISION)) * scores.scaling
+        s = (dot(q1, tl.trans(kt1), PRECISION) + dot(q2, tl.trans(kt2), PRECISION)) * scores.scaling
         if F.SOFTCAP:
             s = tanh(s / scores.softcap, CLAMP=True) * scores.softcap
         if F.RING:  # the absolute column each ring slot holds now (negative: not written yet)
@@ -192,8 +193,8 @@ def _decode_attention_kernel(
         alpha = tl.exp(m_i - base)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = p.to(dt)
-        acc1 = acc1 * alpha[:, None] + dot(p, vt1, T.PRECISION)
-        acc2 = acc2 * alpha[:, None] + dot(p, vt2, T.PRECISION)
+        acc1 = acc1 * alpha[:, None] + dot(p, vt1, PRECISION)
+        acc2 = acc2 * alpha[:, None] + dot(p, vt2, PRECISION)
         m_i = m_new
     heads = kvh * G + g
     if T.SPLITS == 1:

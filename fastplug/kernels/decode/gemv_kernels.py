@@ -256,7 +256,7 @@ def _gemv_acc_fma(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.constexpr)
 
 @triton.jit
 def _gemv_acc_one_row(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.constexpr):
-    acc2 = tl.zeros([TILE.BLOCK_N, TILE.BLOCK_K], dtype=tl.float32)
+    acc2 = tl.full([TILE.BLOCK_N, TILE.BLOCK_K], 0.0, dtype=tl.float32)
     for k0 in range(0, xr.K, TILE.BLOCK_K):
         w, x = _w_x_block(xr, wb, k0, F, Q4, TILE.BLOCK_K)
         acc2 += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
@@ -265,7 +265,7 @@ def _gemv_acc_one_row(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.conste
 
 @triton.jit
 def _gemv_acc_rows(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.constexpr):
-    acc3 = tl.zeros([TILE.BLOCK_M, TILE.BLOCK_N, TILE.BLOCK_K], dtype=tl.float32)
+    acc3 = tl.full([TILE.BLOCK_M, TILE.BLOCK_N, TILE.BLOCK_K], 0.0, dtype=tl.float32)
     for k0 in range(0, xr.K, TILE.BLOCK_K):
         w, x = _w_x_block(xr, wb, k0, F, Q4, TILE.BLOCK_K)
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -275,10 +275,11 @@ def _gemv_acc_rows(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.constexpr
 @triton.jit
 def _gemv_acc_dot(xr, wb, F: tl.constexpr, Q4: tl.constexpr, TILE: tl.constexpr):
     """x[rows] W[n]^T over all of K, fp32 [BLOCK_M, BLOCK_N], on the tensor cores (rows padded to BLOCK_M)."""
-    acc = tl.zeros([TILE.BLOCK_M, TILE.BLOCK_N], dtype=tl.float32)
+    PRECISION: tl.constexpr = TILE.PRECISION  # a str field goes on as an argument only so (Triton 3.6)
+    acc = tl.full([TILE.BLOCK_M, TILE.BLOCK_N], 0.0, dtype=tl.float32)
     for k0 in range(0, xr.K, TILE.BLOCK_K):
         w, x = _w_x_block(xr, wb, k0, F, Q4, TILE.BLOCK_K)
-        acc += dot(x.to(w.dtype), tl.trans(w), TILE.PRECISION)
+        acc += dot(x.to(w.dtype), tl.trans(w), PRECISION)
     return acc
 
 
@@ -379,7 +380,7 @@ def _gemv_kernel(
     pid = tl.program_id(0)
     rows = tl.arange(0, TILE.BLOCK_M)
     m_mask = rows < M
-    rstd = tl.zeros([TILE.BLOCK_M], dtype=tl.float32)
+    rstd = tl.full([TILE.BLOCK_M], 0.0, dtype=tl.float32)
     if F.HAS_NORM:
         rstd = _row_rstd(x, K, rows, m_mask, norm.eps, TILE.BLOCK_M, TILE.BLOCK_K)
     xr = XRows(x, K, rows, m_mask, rstd, norm)

@@ -1,5 +1,6 @@
 """MoE kernels against float64 references: grouped GEMM (forward, dX, dW, routing-weight grads) with uneven,
-empty and single-row experts; the router and routing metadata; the expert MLP with and without LoRA;
+empty and single-row experts; the router and routing metadata; the expert MLP with and without LoRA; gpt-oss's
+experts (transposed weights, interleaved gate/up, biases, the clamped SwiGLU) against transformers' own module;
 the autotune cache."""
 
 import json
@@ -20,9 +21,10 @@ from fastplug.kernels.moe import (
     routing_metadata_reference,
     tuning,
 )
+from fastplug.kernels.moe.glu import glu_spec
 from fastplug.kernels.moe.grouped_gemm import grouped_mm_dw, grouped_mm_glu, grouped_mm_rows
 from fastplug.kernels.moe.grouped_gemm import sweep as sweep_configs
-from tests.helpers import assert_close
+from tests.helpers import TOL, assert_close, rel_err
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16]
@@ -196,21 +198,20 @@ def test_launch_paths_match_loop(impl, K, N):
     if impl != "torch":  # the gate_up GEMM with the activation in its epilogue (Triton only)
         I = N // 2
         for activation in ("silu", "gelu_tanh"):
-            gu, h = grouped_mm_glu(x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, config=cfg)
+            spec = glu_spec(activation)
+            gu, h = grouped_mm_glu(x, w[:, : 2 * I].contiguous(), offsets, spec, a_index=gather, config=cfg)
             ref_gu = grouped_gemm_reference(d(x), d(w[:, : 2 * I]), offsets, gather_index=gather)
             assert_close(gu, ref_gu, dtype, "glu: gu")
             gate, up = gu.double()[:, :I], gu.double()[:, I:]  # h from the rounded gu, as a separate pass reads it
             ref_h = gate * gate_factor_torch(gate, activation)[0] * up
             assert_close(h, ref_h, dtype, f"glu: h ({activation})")
             none, h2 = grouped_mm_glu(
-                x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, store_gu=False, config=cfg
+                x, w[:, : 2 * I].contiguous(), offsets, spec, a_index=gather, store_gu=False, config=cfg
             )
             assert none is None and torch.equal(h2, h)
             if impl == "ptr":  # the unfused pair the tuner may pick instead: the GEMM, then the activation pass
                 split = tuning.as_config((0, 0, 0, 0, 0, "split"))
-                gu_s, h_s = grouped_mm_glu(
-                    x, w[:, : 2 * I].contiguous(), offsets, activation, a_index=gather, config=split
-                )
+                gu_s, h_s = grouped_mm_glu(x, w[:, : 2 * I].contiguous(), offsets, spec, a_index=gather, config=split)
                 assert_close(gu_s, ref_gu, dtype, "split glu: gu")
                 assert_close(h_s, ref_h, dtype, f"split glu: h ({activation})")
 
@@ -366,3 +367,131 @@ def test_moe_tune_needs_cuda_and_names_pandas(monkeypatch):
         moe_tune.moe_tune_dataframe(64, 64, 4, 256)
     with pytest.raises(ValueError, match="kind"):
         sweep_configs("bwd", 64, 64, 4, 256, device="cpu")
+
+
+# ------------------------------------------------------------------- gpt-oss: clamped SwiGLU, interleaved, biases
+@pytest.mark.parametrize(
+    "activation, interleaved", [("clamped_swiglu", True), ("clamped_swiglu", False), ("silu", True)]
+)
+def test_glu_rows_layouts_and_clamps(activation, interleaved):
+    """The rows kernel forward and backward against float64 autograd: gate/up columns as halves or interleaved,
+    gpt-oss's clamps hit on both sides (their gradients zero outside them), routing-weight gradients."""
+    from fastplug.kernels.moe.glu import glu_rows_backward, glu_rows_forward, glu_rows_reference
+
+    clamped = activation == "clamped_swiglu"
+    spec = glu_spec(
+        activation, interleaved=interleaved, alpha=1.702 if clamped else None, limit=1.5 if clamped else None
+    )
+    M, I = 37, 24
+    gu = 2 * torch.randn(M, 2 * I, device=DEVICE)  # beyond the limit 1.5 both ways
+    rw, dh = torch.rand(M, device=DEVICE), torch.randn(M, I, device=DEVICE)
+    gu64, rw64 = _f64(gu)[0].requires_grad_(), _f64(rw)[0].requires_grad_()
+    h64 = glu_rows_reference(gu64, spec)
+    dgu64, drw64 = torch.autograd.grad(h64 * rw64[:, None], (gu64, rw64), dh.double())
+    assert_close(glu_rows_forward(gu, spec), h64, torch.float32, "h")
+    dgu, h, drw = glu_rows_backward(dh.clone(), gu, rw, spec)
+    assert_close(h, h64, torch.float32, "h (backward)")
+    assert_close(dgu, dgu64, torch.float32, "dgu")
+    assert_close(drw, (dh.double() * h64).sum(1), torch.float32, "drw")
+    if clamped:
+        assert (dgu64 == 0).sum() > M  # the clamps did cut gradients
+
+
+def _gpt_oss_experts(E, H, I):
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, swiglu_limit=1.5)
+    config._experts_implementation = "eager"
+    experts = GptOssExperts(config).double()
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    return experts
+
+
+@pytest.mark.parametrize("dtype, down_frozen", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_moe_experts_gpt_oss_against_transformers(dtype, down_frozen):
+    """gpt-oss's experts on the grouped GEMMs: [E, in, out] weights passed as transposed views, interleaved gate/up,
+    biases, the clamped SwiGLU, LoRA on gate_up (and on down unless it is frozen: the split path). The float64
+    loop is transformers' GptOssExperts itself; values and every gradient (x, weights, biases, routing weights,
+    adapters) against it, bf16 no worse than the same maths in bf16."""
+    T, H, I, E, k, r = 7, 24, 12, 4, 2, 2
+    module = _gpt_oss_experts(E, H, I)
+    x = torch.randn(T, H, device=DEVICE, dtype=torch.float64)
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).to(DEVICE)
+    index[:, 0] = index[:, 0].clamp(max=E - 2)
+    index[index == E - 1] = 0  # an expert without tokens
+    weights = torch.rand(T, k, device=DEVICE, dtype=torch.float64)
+    adapters = [0.3 * torch.randn(*s, device=DEVICE, dtype=torch.float64) for s in ((E, r, H), (E, 2 * I, r))]
+    adapters += (
+        []
+        if down_frozen
+        else [0.3 * torch.randn(*s, device=DEVICE, dtype=torch.float64) for s in ((E, r, I), (E, H, r))]
+    )
+    params = [module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias]
+
+    def run(fn, x, weights, gate_up, gate_up_bias, down, down_bias, *adapters):
+        lora = dict(gate_up_lora=ExpertLoRA(*adapters[:2], 0.5))
+        if len(adapters) > 2:
+            lora["down_lora"] = ExpertLoRA(*adapters[2:], 2.0)
+        return fn(
+            x, gate_up.transpose(1, 2), down.transpose(1, 2), index, weights, activation="clamped_swiglu",
+            swiglu_alpha=module.alpha, swiglu_limit=module.limit, interleaved=True, gate_up_bias=gate_up_bias,
+            down_bias=down_bias, **lora,
+        )  # fmt: skip
+
+    leaves64 = [t.detach().clone().requires_grad_() for t in (x, weights, *params, *adapters)]
+    ref = run(moe_experts_reference, *leaves64)
+    with torch.no_grad():  # the reference's layout mapping is transformers' own (no LoRA there: W + s B A folded)
+        folded = [p.detach().clone() for p in params]
+        folded[0] += 0.5 * torch.einsum("eor,eri->eio", adapters[1], adapters[0])
+        if not down_frozen:
+            folded[2] += 2.0 * torch.einsum("eor,eri->eio", adapters[3], adapters[2])
+        plain = _gpt_oss_experts(E, H, I)
+        for p, value in zip(
+            (plain.gate_up_proj, plain.gate_up_proj_bias, plain.down_proj, plain.down_proj_bias), folded
+        ):
+            p.copy_(value)
+        assert_close(ref, plain(x, index, weights), torch.float32, "reference vs GptOssExperts", tol=1e-10)
+
+    leaves = [
+        t.detach().clone().to(dtype).requires_grad_(i not in (4, 5) or not down_frozen) for i, t in enumerate(leaves64)
+    ]
+    out = run(moe_experts, *leaves)
+    if down_frozen:
+        assert "ExpertsDown" in type(out.grad_fn).__name__
+    grad = torch.randn(T, H, device=DEVICE, dtype=torch.float64)
+    wanted = [i for i, t in enumerate(leaves) if t.requires_grad]
+    got = torch.autograd.grad(out, [leaves[i] for i in wanted], grad.to(dtype))
+    want = torch.autograd.grad(ref, [leaves64[i] for i in wanted], grad)
+    floor = [0.0] * (len(wanted) + 1)
+    if dtype != torch.float32:  # torch's own bf16 error: the reference maths on the bf16 inputs
+        low_leaves = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in leaves]
+        low = run(moe_experts_reference, *low_leaves)
+        low_grads = torch.autograd.grad(low, [low_leaves[i] for i in wanted], grad.to(dtype))
+        floor = [rel_err(a, b) for a, b in zip((low, *low_grads), (ref, *want))]
+    names = ["out"] + [
+        ("x", "weights", "gate_up", "gate_up_bias", "down", "down_bias", "A1", "B1", "A2", "B2")[i] for i in wanted
+    ]
+    # bf16: as test_moe_experts_matches_loop (two GEMMs with bf16 intermediates; the interpreter truncates to bf16
+    # where a GPU rounds), or twice torch's own error where that is larger
+    low_bound = 2e-2 if DEVICE.type == "cuda" else 3e-2
+    for name, a, b, f in zip(names, (out, *got), (ref, *want), floor):
+        bound = TOL[dtype] if dtype == torch.float32 else max(2 * f + 1e-3, low_bound)
+        assert a.dtype == dtype and rel_err(a, b) < bound, f"{name}: {rel_err(a, b):.2e} >= {bound:.1e}"
+
+
+def test_moe_experts_gpt_oss_bad_input():
+    x, gate_up, down = torch.randn(3, 8), torch.randn(2, 12, 8), torch.randn(2, 8, 6)
+    index, weights = torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1)
+    for kwargs, match in (
+        ({"gate_up_bias": torch.randn(2, 6)}, r"gate_up_bias must have shape \(2, 12\)"),
+        ({"down_bias": torch.randn(3, 8)}, r"down_bias must have shape \(2, 8\)"),
+        ({"activation": "clamped_swiglu", "swiglu_alpha": 1.7}, "swiglu_limit must be a finite number > 0"),
+        ({"swiglu_limit": 7.0}, "swiglu_limit applies to activation 'clamped_swiglu' only"),
+        ({"activation": "relu"}, "activation must be one of"),
+        ({"interleaved": 1}, "interleaved must be a bool"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            moe_experts(x, gate_up, down, index, weights, **kwargs)

@@ -12,9 +12,11 @@ Kernels:
 - `_grouped_mm`: forward and dX (dX is the same product against w[e] read transposed, through strides).
   Programs map to (expert, row tile, column tile) on the device: each program reads the offsets and finds
   its tile in the per-expert tile counts, so there is no host sync and an expert with no rows costs nothing.
-  Optional epilogue: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM, b = s B).
+  Optional epilogue: a rank-r LoRA term (t[m] @ b[e]^T, t = x A^T computed by another grouped GEMM, b = s B) and a
+  per-expert bias (gpt-oss), both before the row weight.
 - `_grouped_mm_glu`: the gate_up GEMM with the gated activation in its epilogue (gate and up columns of one
-  program in two accumulators; h = act(gate) * up, and [gate | up] only when the backward needs it).
+  program in two accumulators; h = act(gate) * up, and [gate, up] only when the backward needs it); the activation
+  and the columns' layout (halves or interleaved) are a `glu.GluSpec`, the bias an option.
 - `_grouped_mm_dw`: dW[e] = sum over the expert's rows of (row_weights * dy)^T x, one program per
   (expert, N tile, K tile) looping over that expert's whole BLOCK_M blocks of rows unmasked, then the
   partial last block masked (an empty expert writes zeros).
@@ -36,9 +38,9 @@ import triton
 import triton.language as tl
 
 from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
-from ..activations import ACTIVATIONS, glu_forward
-from ..jit_helpers import dot_acc, gate_factor
+from ..jit_helpers import dot_acc
 from . import tuning
+from .glu import GluSpec, glu_columns, glu_rows_forward, glu_terms
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -102,6 +104,7 @@ def _grouped_mm(
     offsets_ptr,
     t_ptr,
     b_ptr,
+    bias_ptr,
     M,
     N,
     K,
@@ -119,10 +122,13 @@ def _grouped_mm(
     stride_be,
     stride_bn,
     stride_br,
+    stride_bias_e,
+    stride_bias_n,
     HAS_A_INDEX: tl.constexpr,
     HAS_OUT_INDEX: tl.constexpr,
     HAS_RW: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     A_TMA: tl.constexpr,
     W_TMA: tl.constexpr,
     W_KMAJOR: tl.constexpr,
@@ -184,6 +190,9 @@ def _grouped_mm(
             other=0.0,
         )
         acc = dot_acc(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + rn * stride_bias_n, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if HAS_RW:
         acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     if HAS_OUT_INDEX:
@@ -205,6 +214,7 @@ def _grouped_mm_glu(
     gu_ptr,
     h_ptr,
     offsets_ptr,
+    bias_ptr,
     M,
     I,
     K,
@@ -216,11 +226,17 @@ def _grouped_mm_glu(
     stride_wk,
     stride_gm,
     stride_hm,
+    stride_bias_e,
+    stride_bias_n,
+    alpha,
+    limit,
     HAS_A_INDEX: tl.constexpr,
     A_TMA: tl.constexpr,
     W_TMA: tl.constexpr,
     STORE_GU: tl.constexpr,
     ACT: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -228,11 +244,12 @@ def _grouped_mm_glu(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """The gate_up GEMM with the gated activation in its epilogue: w [E, 2I, K] ([gate; up] halves); a
-    program owns BLOCK_N columns of gate and the same columns of up (two accumulators), rounds both to the
-    output dtype (as a separate activation pass would read them), and stores h = act(gate) * up [M, I]
-    and, with STORE_GU, [gate | up] [M, 2I] for the backward. W_TMA: w_ptr is a descriptor over w as
-    [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA as in _grouped_mm."""
+    """The gate_up GEMM with the gated activation in its epilogue: w [E, 2I, K] ([gate; up] halves, or gate and
+    up rows interleaved: INTERLEAVED); a program owns BLOCK_N columns of gate and the same columns of up (two
+    accumulators), adds the bias (HAS_BIAS, [E, 2I] in w's row order), rounds both to the output dtype (as a
+    separate activation pass would read them), and stores h = act(gate) * up [M, I] (glu.glu_terms: ACT, alpha,
+    limit) and, with STORE_GU, the [gate, up] rows [M, 2I] in w's row order for the backward. W_TMA (halves only):
+    w_ptr is a descriptor over w as [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA as in _grouped_mm."""
     expert, row_start, row_end, col_tile = _expert_tile(
         offsets_ptr, tl.program_id(0), tl.cdiv(I, BLOCK_N), E, BLOCK_E, BLOCK_M, GROUP_M
     )
@@ -243,11 +260,13 @@ def _grouped_mm_glu(
     rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < I
     rk = tl.arange(0, BLOCK_K)
+    gate_row, up_row = glu_columns(rn, I, INTERLEAVED)  # rows of w (and columns of the bias and of gu)
     if not A_TMA:
         a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
     if not W_TMA:
-        g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
-        u_ptrs = g_ptrs + I * stride_wn
+        w_e = w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
+        g_ptrs = w_e + gate_row[None, :] * stride_wn
+        u_ptrs = w_e + up_row[None, :] * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -268,18 +287,19 @@ def _grouped_mm_glu(
             u_ptrs += BLOCK_K * stride_wk
         acc_g = dot_acc(a, wg, acc_g, PRECISION)
         acc_u = dot_acc(a, wu, acc_u, PRECISION)
+    if HAS_BIAS:
+        bias_e = bias_ptr + expert.to(tl.int64) * stride_bias_e
+        acc_g += tl.load(bias_e + gate_row * stride_bias_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_e + up_row * stride_bias_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     rows = rm.to(tl.int64)[:, None]
     gate = acc_g.to(h_ptr.dtype.element_ty)
     up = acc_u.to(h_ptr.dtype.element_ty)
     if STORE_GU:
-        tl.store(gu_ptr + rows * stride_gm + rn[None, :], gate, mask=mask)
-        tl.store(gu_ptr + rows * stride_gm + I + rn[None, :], up, mask=mask)
-    g32 = gate.to(tl.float32)
-    p, _ = gate_factor(g32, ACT)
-    tl.store(
-        h_ptr + rows * stride_hm + rn[None, :], (g32 * p * up.to(tl.float32)).to(h_ptr.dtype.element_ty), mask=mask
-    )
+        tl.store(gu_ptr + rows * stride_gm + gate_row[None, :], gate, mask=mask)
+        tl.store(gu_ptr + rows * stride_gm + up_row[None, :], up, mask=mask)
+    h, _, _ = glu_terms(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
+    tl.store(h_ptr + rows * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -585,12 +605,13 @@ def grouped_mm_rows(
     out_index: torch.Tensor | None = None,
     row_weights: torch.Tensor | None = None,
     lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + t[m] @ b[e]^T); no autograd.
+    """out[out_index[m]] = row_weights[m] * (a[a_index[m]] @ w[e]^T + t[m] @ b[e]^T + bias[e]); no autograd.
 
     w may be any strided [E, N, K] view (w.transpose(1, 2) for dX). lora = (t [M, r], b [E, N, r]), the
-    LoRA scale already folded into b.
+    LoRA scale already folded into b; bias [E, N], any strides.
     M (the grouped rows) is offsets' last value; `out` defaults to a new [M, N] tensor in a's dtype.
     `config` (block sizes, warps, stages, impl) overrides the tuned one (tuning sweeps, tests).
     """
@@ -607,13 +628,13 @@ def grouped_mm_rows(
     R = t.shape[1] if lora is not None else 0
     dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
     tma_device = _tma_capable(a.device)
-    torch_ok = lora is None and _torch_grouped_ok(a, w)
+    torch_ok = lora is None and bias is None and _torch_grouped_ok(a, w)
 
     def launch(cfg: dict):
         impl = cfg.get("impl", "ptr")
         if impl == "torch":
             if not torch_ok:
-                raise RuntimeError("torch._grouped_mm path: bf16 tensors without LoRA only")
+                raise RuntimeError("torch._grouped_mm path: bf16 tensors without LoRA or bias only")
             return _rows_torch(a, w, offsets, a_index, out, out_index, row_weights, out_given)
         a_arg, w_arg, a_tma, w_tma, w_kmajor = a, w, False, False, True
         if impl == "tma" and tma_device:
@@ -635,6 +656,7 @@ def grouped_mm_rows(
             offsets,
             t if t is not None else dummy,
             b if b is not None else dummy,
+            bias if bias is not None else dummy,
             M,
             N,
             K,
@@ -649,10 +671,12 @@ def grouped_mm_rows(
             out.stride(1),
             *(t.stride() if t is not None else (0, 0)),
             *(b.stride() if b is not None else (0, 0, 0)),
+            *(bias.stride() if bias is not None else (0, 0)),
             HAS_A_INDEX=a_index is not None,
             HAS_OUT_INDEX=out_index is not None,
             HAS_RW=row_weights is not None,
             HAS_LORA=lora is not None,
+            HAS_BIAS=bias is not None,
             A_TMA=a_tma,
             W_TMA=w_tma,
             W_KMAJOR=w_kmajor,
@@ -678,7 +702,7 @@ def grouped_mm_rows(
         M,
         a.device,
         run=launch,
-        variant=_variant(a_index, out_index, row_weights, lora, torch_ok),
+        variant=_variant(a_index, out_index, row_weights, lora, torch_ok, bias),
     )
     return launch(cfg)
 
@@ -687,14 +711,16 @@ def grouped_mm_glu(
     a: torch.Tensor,
     w: torch.Tensor,
     offsets: torch.Tensor,
-    activation: str,
+    glu: GluSpec,
     *,
     a_index: torch.Tensor | None = None,
     store_gu: bool = True,
+    bias: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(gu [M, 2I] or None, h [M, I]): gu = a[a_index] @ w[e]^T for w [E, 2I, K] ([gate; up]) and
-    h = act(gate) * up from gu rounded to a's dtype, in one kernel (no activation pass over gu); no autograd."""
+    """(gu [M, 2I] or None, h [M, I]): gu = a[a_index] @ w[e]^T + bias[e] for w [E, 2I, K] (rows [gate; up], or
+    interleaved per `glu`) and h = act(gate) * up from gu rounded to a's dtype (`glu`: the activation and the
+    layout), in one kernel (no activation pass over gu); no autograd."""
     M = a_index.shape[0] if a_index is not None else a.shape[0]
     E, two_i, K = w.shape
     I = two_i // 2
@@ -706,15 +732,15 @@ def grouped_mm_glu(
         return (gu.zero_() if gu is not None else None), h.zero_()
     dummy = offsets
     tma_device = _tma_capable(a.device)
-    act = ACTIVATIONS.index(activation)
 
     def launch(cfg: dict):
         if cfg.get("impl") == "split":  # the tuned GEMM into gu, then the activation pass
-            full = grouped_mm_rows(a, w, offsets, a_index=a_index, out=gu)
-            return gu, glu_forward(full[:, :I], full[:, I:], activation)
+            full = grouped_mm_rows(a, w, offsets, a_index=a_index, out=gu, bias=bias)
+            return gu, glu_rows_forward(full, glu)
         a_arg, w_arg, a_tma, w_tma = a, w, False, False
         if cfg.get("impl") == "tma" and tma_device:
-            if w.stride(2) == 1 and w.stride(0) == two_i * w.stride(1) and _descriptor_ok(w, w.stride(1)):
+            halves = not glu.interleaved  # a descriptor's block of rows is all gate or all up only in halves
+            if halves and w.stride(2) == 1 and w.stride(0) == two_i * w.stride(1) and _descriptor_ok(w, w.stride(1)):
                 w_arg = TensorDescriptor(w, [E * two_i, K], [w.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
                 w_tma = True
             if a_index is None and a.stride(1) == 1 and _descriptor_ok(a, a.stride(0)):
@@ -728,6 +754,7 @@ def grouped_mm_glu(
             gu if gu is not None else h,
             h,
             offsets,
+            bias if bias is not None else dummy,
             M,
             I,
             K,
@@ -739,11 +766,16 @@ def grouped_mm_glu(
             w.stride(2),
             gu.stride(0) if gu is not None else 0,
             h.stride(0),
+            *(bias.stride() if bias is not None else (0, 0)),
+            glu.alpha,
+            glu.limit,
             HAS_A_INDEX=a_index is not None,
             A_TMA=a_tma,
             W_TMA=w_tma,
             STORE_GU=gu is not None,
-            ACT=act,
+            ACT=glu.act,
+            INTERLEAVED=glu.interleaved,
+            HAS_BIAS=bias is not None,
             PRECISION=_precision(a.dtype, a.device),
             BLOCK_E=max(next_power_of_2(E), 2),
             BLOCK_M=cfg["BLOCK_M"],
@@ -764,22 +796,16 @@ def grouped_mm_glu(
         M,
         a.device,
         run=launch,
-        variant=_variant(a_index, None, None, None, False) + ("u" if store_gu else ""),
+        variant=_variant(a_index, None, None, None, False, bias) + ("u" if store_gu else ""),
     )
     return launch(cfg)
 
 
-def _variant(*flags) -> str:
-    """The part of the tuning key beyond the shape: gathered rows, scattered rows, weights, LoRA, and
-    whether torch._grouped_mm may run (each changes what is fastest)."""
-    gather, scatter, rw, lora, torch_ok = flags
-    return "".join(
-        c
-        for c, on in zip(
-            "gswlt", (gather is not None, scatter is not None, rw is not None, lora is not None, bool(torch_ok))
-        )
-        if on
-    )
+def _variant(gather, scatter, rw, lora, torch_ok, bias=None) -> str:
+    """The part of the tuning key beyond the shape: gathered rows, scattered rows, weights, LoRA, whether
+    torch._grouped_mm may run, a bias (each changes what is fastest)."""
+    flags = (gather, scatter, rw, lora, torch_ok or None, bias)
+    return "".join(c for c, flag in zip("gswltb", flags) if flag is not None)
 
 
 def grouped_mm_dw(
@@ -1050,7 +1076,7 @@ def sweep(
         w = torch.randn(E, N, K, device=device, generator=g).to(dtype)
 
         def run(cfg):
-            grouped_mm_glu(x, w, offsets, "silu", config=cfg)
+            grouped_mm_glu(x, w, offsets, GluSpec(0), config=cfg)
     else:
         dy = torch.randn(M, N, device=device, generator=g).to(dtype)
 

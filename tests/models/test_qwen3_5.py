@@ -43,7 +43,7 @@ CONFIGS = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", MOE),
     # Qwen3-Next's own part is its linear layers' fused projections; its MoE blocks are Qwen2-MoE's (dense MLPs here)
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**MOE, "mlp_only_layers": [0, 1]}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {"mlp_only_layers": [0, 1]}),
 }
 PROJECTIONS = {  # the linear-attention layer's projections, by layout
     "qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
@@ -90,8 +90,8 @@ def _loss_and_grads(model, inputs):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _assert_same_steps(model, reference, steps=2):
-    """Losses (aux loss too) and gradients equal transformers' over `steps` SGD steps. Gradients are judged against
+def _assert_same_steps(model, reference, batches):
+    """Losses (aux loss too) and gradients equal transformers' over an SGD step per batch. Gradients are judged against
     a float64 copy: within fp32's bound, or within twice transformers' own fp32 error where a batch's gradients
     are ill-conditioned and transformers is further off than that. Every copy steps with the float64 gradients,
     so each step compares them at the same parameters (the fused paths' adapter copies must follow them)."""
@@ -100,8 +100,7 @@ def _assert_same_steps(model, reference, steps=2):
         truth.get_base_model().set_experts_implementation("eager")  # grouped_mm takes no float64
     models = (model, reference, truth)
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in models]
-    for step in range(steps):
-        inputs = tokens(seed=step + 1)
+    for step, inputs in enumerate(batches):
         (out, grads), (ref, ref_grads), (_, exact) = (_loss_and_grads(m, inputs) for m in models)
         assert_close(out.loss, ref.loss, torch.float32, f"step {step} loss")
         if getattr(ref, "aux_loss", None) is not None:
@@ -119,7 +118,9 @@ def _assert_same_steps(model, reference, steps=2):
 
 def _generate(model, ids):
     model.eval()
-    return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    # transformers 5.7's MoE forward fails computing the router loss of a decode step: none while generating
+    moe = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+    return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **moe)
 
 
 @pytest.mark.compat
@@ -134,12 +135,16 @@ def test_patched_hybrid_matches_transformers(family):
     counts = handle.counts
     assert handle.check is not None and handle.check.ran and not handle.check.declined, handle.summary()
     assert counts["linear_attention"] == 1 and counts["rms_norm_gated"] == 1 and counts["attention"] == 1
-    assert counts["lm_head_loss"] == 1 and counts["lora_fused"] == 4, handle.summary()
+    # peft maps gate/up/down_proj of a qwen3_next model onto experts' 3-D weights: none here, so no LoRA on its MLPs
+    assert counts["lm_head_loss"] == 1 and counts["lora_fused"] == (2 if family == "qwen3_next" else 4), (
+        handle.summary()
+    )
     if family == "qwen3_5_moe":
         assert counts["experts"] == 2 and counts["router"] == 2 and counts["mlp"] == 2  # mlp: the shared experts
     summary = handle.summary()
     assert "linear_attention: 1" in summary and "Gated DeltaNet" in summary
-    _assert_same_steps(model, reference, steps=2 if family == "qwen3_5" else 1)  # the MoE blocks: one step
+    steps = 2 if family == "qwen3_5" else 1  # the others: one step
+    _assert_same_steps(model, reference, [tokens(seed=step + 1) for step in range(steps)])
 
     prompt = tokens(batch=1, length=6, seed=5)["input_ids"]
     assert torch.equal(_generate(model, prompt), _generate(reference, prompt))
@@ -178,15 +183,7 @@ def test_conditional_generation_patches_the_language_model_only():
         assert ("model.visual", "not the language model: left as it is") in handle.skipped
         assert not handle.check.declined, handle.summary()
         assert {n: vars(m).get("forward") for n, m in base.model.visual.named_modules()} == vision_modules
-        _assert_same_step_on(model, reference, inputs)
-
-
-def _assert_same_step_on(model, reference, inputs):
-    (out, grads), (ref, ref_grads) = (_loss_and_grads(m, inputs) for m in (model, reference))
-    assert_close(out.loss, ref.loss, torch.float32, "loss")
-    assert grads.keys() == ref_grads.keys() and grads
-    for name, grad in grads.items():
-        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+        _assert_same_steps(model, reference, [inputs])
 
 
 def test_trainer_and_sft_trainer(tmp_path):

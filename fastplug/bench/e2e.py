@@ -190,7 +190,90 @@ MODELS["llama8b_4l"] = dict(
     ),
     tiny=dict(MODELS["llama"]["tiny"], tie_word_embeddings=False),
 )
-# the longer MoE rows (LoRA on experts, Mixtral widths) run when asked for by name
+# Gemma 4 at E2B widths (hidden 1536, head_dim 256 on sliding layers and 512 on full ones, one kv head, per-layer
+# inputs, KV sharing in the last 3 of 8 layers, 262144-token tied head), random init; and its MoE block at 26B-A4B
+# expert widths (128 experts top-8 of 704, beside a dense MLP; k = v full layers) in 6 layers of hidden 2048
+_GEMMA4_TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=32,
+    intermediate_size=96,
+    vocab_size=128,
+    vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=16,
+    sliding_window=16,
+    layer_types=["sliding_attention", "full_attention", "full_attention"],
+    num_kv_shared_layers=1,
+    final_logit_softcapping=30.0,
+)
+MODELS["gemma4"] = dict(
+    config="Gemma4TextConfig",
+    batch=2,
+    seq=2048,
+    lora=ALL_LINEAR_LORA,
+    attn="sdpa",
+    full=dict(
+        hidden_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        global_head_dim=512,
+        intermediate_size=6144,
+        use_double_wide_mlp=True,
+        vocab_size=262144,
+        vocab_size_per_layer_input=262144,
+        hidden_size_per_layer_input=256,
+        sliding_window=512,
+        layer_types=["sliding_attention"] * 4 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+        num_kv_shared_layers=3,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=131072,
+    ),
+    tiny=_GEMMA4_TINY,
+)
+MODELS["gemma4_moe"] = dict(
+    config="Gemma4TextConfig",
+    batch=2,
+    seq=2048,
+    lora=ALL_LINEAR_LORA,
+    lora_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    attn="sdpa",
+    full=dict(
+        hidden_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        global_head_dim=512,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        intermediate_size=2112,
+        enable_moe_block=True,
+        num_experts=128,
+        top_k_experts=8,
+        moe_intermediate_size=704,
+        vocab_size=262144,
+        hidden_size_per_layer_input=0,
+        sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        final_logit_softcapping=30.0,
+        max_position_embeddings=131072,
+    ),
+    tiny=dict(
+        _GEMMA4_TINY,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        enable_moe_block=True,
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+    ),
+)
+# the longer MoE rows (LoRA on experts, Mixtral widths) and Gemma 4 run when asked for by name
 DEFAULT_MODELS = ("llama", "qwen3_moe", "gemma2")
 TINY_BATCH, TINY_SEQ = 2, 32
 COLUMNS = (

@@ -165,6 +165,21 @@ def _check_decodable(base: nn.Module, decoder: nn.Module, family) -> None:
         )
 
 
+def _unreproduced_parts(decoder: nn.Module) -> list[str]:
+    """What this decoder's layers compute that the plan's layer does not (Gemma 4's), by structure."""
+    layers = list(decoder.layers)
+    attns = [getattr(layer, "self_attn", None) for layer in layers]
+    found = {
+        "per-layer inputs": bool(getattr(decoder, "hidden_size_per_layer_input", 0)),
+        "keys and values shared between layers": any(getattr(a, "is_kv_shared_layer", False) for a in attns),
+        "values that are the keys (no v_proj)": any(a is not None and getattr(a, "v_proj", 0) is None for a in attns),
+        "a norm on the values": any(hasattr(a, "v_norm") for a in attns),
+        "a scalar on each layer's output": any(hasattr(layer, "layer_scalar") for layer in layers),
+        "an MoE block beside the MLP": any(hasattr(layer, "experts") and hasattr(layer, "mlp") for layer in layers),
+    }
+    return [part for part, present in found.items() if present]
+
+
 @dataclass
 class LayerPlan:
     input_norm: tuple
@@ -214,6 +229,12 @@ class Plan:
             )
         config = base.config
         decoder = base.get_decoder()
+        parts = _unreproduced_parts(decoder)
+        if parts:
+            raise ValueError(
+                f"fast_generate: {type(base).__name__}'s layers have what its decoder does not run: "
+                f"{', '.join(parts)}. Use model.generate (transformers' cache), which the patched model runs"
+            )
         _check_decodable(base, decoder, family)
         offset = family.rms_norm_offset
         self.embed = decoder.embed_tokens

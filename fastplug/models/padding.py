@@ -52,21 +52,28 @@ def bucket_length(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def right_padded(attention_mask: torch.Tensor) -> bool:
-    """Every row's real tokens first, then only pads (or no pads): one host sync."""
-    if attention_mask.dim() != 2:
-        return False
+def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> str | None:
+    """Why this padded batch needs its mask (None: it does not), with one host sync: every row's real tokens
+    come first, and no pad predicts a label (a pad's prediction depends on the mask; a real token's does not)."""
+    if attention_mask.dim() != 2 or labels.shape != attention_mask.shape:
+        return "a mask or labels of another shape"
     mask = attention_mask.bool()
-    return bool((mask[:, 1:] <= mask[:, :-1]).all()) if mask.shape[1] > 1 else True
+    right = (mask[:, 1:] <= mask[:, :-1]).all()
+    predicted = nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index) != ignore_index  # label of t + 1
+    no_pad_predicts = ~(predicted & ~mask).any()
+    right, no_pad_predicts = torch.stack((right, no_pad_predicts)).tolist()
+    if not right:
+        return "padding not on the right"
+    return None if no_pad_predicts else "a pad predicts a label (labels not ignored at the padding)"
 
 
 def loss_only_inputs(model: nn.Module, input_ids, attention_mask, labels, position_ids, kwargs: dict, buckets: bool):
     """(input_ids, labels, the mask the decoder gets, the mask of the padded batch) for a loss-only training
-    forward: the mask dropped for right padding and the rows right-padded to a bucket when asked; None when this
-    batch must run as given (left padding, packed rows, inputs_embeds, anything returned beyond the loss)."""
+    forward: no mask for right padding whose pads predict nothing, and the rows right-padded to a bucket when
+    asked; None when the batch must run as given (left padding, packed rows, anything returned beyond the loss)."""
     if torch.compiler.is_compiling():  # no host sync while traced, and no tally
         return None
-    reason = _reason_to_keep(model.config, input_ids, attention_mask, position_ids, kwargs)
+    reason = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
     if reason is not None:
         _record(model, f"as given: {reason}")
         return None
@@ -85,7 +92,7 @@ def loss_only_inputs(model: nn.Module, input_ids, attention_mask, labels, positi
     return input_ids, labels, None, attention_mask
 
 
-def _reason_to_keep(config, input_ids, attention_mask, position_ids, kwargs: dict) -> str | None:
+def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwargs: dict) -> str | None:
     """Why this batch must run as given (None: it may drop its mask and be padded on)."""
     if input_ids is None or input_ids.dim() != 2 or kwargs.get("inputs_embeds") is not None:
         return "embeddings, not token ids"
@@ -96,6 +103,6 @@ def _reason_to_keep(config, input_ids, attention_mask, position_ids, kwargs: dic
             return "hidden states or attentions asked for"
     if getattr(config, "use_bidirectional_attention", False):  # real tokens would see the pads after them
         return "bidirectional attention"
-    if attention_mask is not None and not right_padded(attention_mask):
-        return "padding not on the right"
+    if attention_mask is not None:
+        return unmaskable(attention_mask, labels, kwargs.get("ignore_index", -100))
     return None

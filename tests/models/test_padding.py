@@ -83,6 +83,21 @@ def test_padded_batches_train_like_transformers(family, buckets, right, expected
         assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
 
 
+def test_pads_that_predict_a_label_keep_the_mask():
+    """Labels left at the padding (a collator that copies input_ids): the pads' predictions count, and they
+    depend on the mask, so the batch runs masked and the loss is transformers'."""
+    reference = tiny_model("llama").train()
+    model = copy.deepcopy(reference)
+    patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    inputs = _padded_batch([13, 6])
+    inputs["labels"] = inputs["input_ids"].clone()  # pad id 0 as a label
+    seen, hook = _decoder_inputs(model)
+    out, _ = _step(model, inputs)
+    hook.remove()
+    assert seen == [(13, True)]
+    assert_close(out.loss, _step(reference, inputs)[0].loss, torch.float32, "loss")
+
+
 def test_hidden_states_asked_for_keep_the_batch_as_given():
     model = tiny_model("llama").train()
     patch_model(model, gradient_checkpointing=False, bucket_lengths=True)

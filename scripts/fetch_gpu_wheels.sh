@@ -23,5 +23,9 @@ rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
-ls -l .whl
+# flash-linear-attention's kernels (pure Python + Triton) for the Qwen3.5 rows, kept apart in .whl/fla/: gpu_run.sh
+# puts them only on the path of the runs that ask for them
+mkdir -p .whl/fla
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl/fla "fla-core==0.6.0" "einops==0.8.2"
+ls -l .whl .whl/fla
 du -sh .whl

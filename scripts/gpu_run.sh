@@ -21,6 +21,7 @@
 #   fp8 [ARGS]             python scripts/fp8_gpu.py ARGS              (FP8 block-scaled GEMM and projections)
 #   host [ARGS]            python scripts/host_overhead.py ARGS        (host µs per op call)
 #   compile [ARGS]         python scripts/compile_gpu.py ARGS          (compiled vs eager losses, kernel by kernel)
+#   gdn [ARGS]             python scripts/gated_delta_gpu.py ARGS      (Qwen3.5's Gated DeltaNet with and without fla)
 # Arguments after a PART belong to it until the next PART name.
 #
 # Wheels the image lacks (trl, datasets, liger-kernel; scripts/fetch_gpu_wheels.sh downloads them here)
@@ -38,6 +39,14 @@ if compgen -G ".whl/*.whl" > /dev/null; then
         || { echo "gpu_run: installing .whl/ failed"; exit 1; }
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# flash-linear-attention (.whl/fla/, from scripts/fetch_gpu_wheels.sh) is unpacked apart, into /tmp/site-fla: only
+# the rows that ask for it see it (the e2e impls ending in _fla, scripts/gated_delta_gpu.py, tests/gpu), so the
+# plain transformers rows of Qwen3.5 run its torch delta rule
+if compgen -G ".whl/fla/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-fla \
+        .whl/fla/*.whl || { echo "gpu_run: installing .whl/fla/ failed"; exit 1; }
+    export FASTPLUG_BENCH_FLA=/tmp/site-fla
+fi
 # fastplug itself: installed from this checkout with --no-deps into the Python that already has torch,
 # triton and transformers (editable, so edits need no reinstall). Offline pip needs setuptools in that
 # Python to build; without it the checkout goes first on PYTHONPATH instead, which imports the same code.
@@ -48,7 +57,7 @@ else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generate grpo qlora moe attention fp8 host compile"
+PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generate grpo qlora moe attention fp8 host compile gdn"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
@@ -72,6 +81,7 @@ run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.
         fp8)    cmd=("$PY" scripts/fp8_gpu.py "$@") ;;
         host)   cmd=("$PY" scripts/host_overhead.py "$@") ;;
         compile) cmd=("$PY" scripts/compile_gpu.py "$@") ;;
+        gdn)    cmd=("$PY" scripts/gated_delta_gpu.py "$@") ;;
     esac
     echo "=== gpu_run: $name: ${cmd[*]}"
     local start=$SECONDS

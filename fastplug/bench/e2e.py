@@ -29,6 +29,7 @@ from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_c
 # TrainingArguments(torch_compile=True) does); _graphs: cuda_graphs=True (the decoder layers replayed as CUDA graphs)
 IMPLS = (
     "transformers",
+    "transformers_fla",
     "compile",
     "liger",
     "fastplug",
@@ -39,8 +40,9 @@ IMPLS = (
     "fastplug_auto_graphs",
     "fastplug_graphs_compile",
     "fastplug_auto_graphs_compile",
+    "fastplug_fla",
 )
-DEFAULT_IMPLS = IMPLS[:4]
+DEFAULT_IMPLS = ("transformers", "compile", "liger", "fastplug")
 ATTENTION_LORA = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_LINEAR_LORA = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]
 
@@ -172,6 +174,73 @@ MODELS = {
 }
 # Qwen3-MoE with LoRA on the expert weights too (peft target_parameters: one ParamWrapper per 3-D weight)
 MODELS["qwen3_moe_experts"] = dict(MODELS["qwen3_moe"], lora_parameters=["experts.gate_up_proj", "experts.down_proj"])
+# Qwen3.5: 3 Gated DeltaNet layers per full-attention layer, 8 layers, random init; the dense one at 2B-class widths,
+# the MoE one at 35B-A3B's (256 experts top-8 of 512 and a shared expert). LoRA on both layer kinds' projections.
+# Impls ending in _fla see flash-linear-attention (transformers then runs fla's kernels, fastplug too); the others
+# do not (bench/_fla.py), so `transformers` is its plain-torch delta rule.
+_QWEN3_5_LORA = ATTENTION_LORA + ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+_QWEN3_5_LINEAR = dict(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16)
+_QWEN3_5_TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=128,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=1,
+    linear_num_value_heads=2,
+)
+MODELS["qwen3_5"] = dict(
+    config="Qwen3_5TextConfig",
+    batch=4,
+    seq=2048,
+    lora=_QWEN3_5_LORA + ["gate_proj", "up_proj", "down_proj"],
+    attn="sdpa",
+    full=dict(
+        hidden_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        intermediate_size=6144,
+        **_QWEN3_5_LINEAR,
+        linear_num_value_heads=16,
+        vocab_size=248320,
+        tie_word_embeddings=True,
+    ),
+    tiny=_QWEN3_5_TINY,
+)
+MODELS["qwen3_5_moe"] = dict(
+    config="Qwen3_5MoeTextConfig",
+    batch=4,
+    seq=2048,
+    lora=_QWEN3_5_LORA,
+    attn="sdpa",
+    full=dict(
+        hidden_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        **_QWEN3_5_LINEAR,
+        linear_num_value_heads=32,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts=256,
+        num_experts_per_tok=8,
+        vocab_size=248320,
+    ),
+    tiny=dict(
+        _QWEN3_5_TINY,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+    ),
+)
 # Llama-3.1-8B layer widths, 4 layers, untied 128256-token head (the multi-GPU bench's larger model)
 MODELS["llama8b_4l"] = dict(
     MODELS["llama"],
@@ -342,7 +411,7 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
     """Returns (callable model, note); options: KernelOptions overrides for the fastplug impls."""
     import torch
 
-    if impl == "transformers":
+    if impl in ("transformers", "transformers_fla"):
         return model, ""
     if impl == "compile":
         return torch.compile(model), ""
@@ -452,11 +521,16 @@ def run_throughput(spec: dict) -> dict:
 
     import torch
 
+    from ._fla import select
+
     device = torch.device(spec["device"])
     batch, seq = spec["batch"], spec["seq"]
     result = {}
+    fla = select(spec["impl"].endswith("_fla"))  # before transformers imports the model's modeling module
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"], spec["adapter_dtype"])
     runner, result["note"] = apply_impl(model, spec["impl"], True, spec.get("options"))
+    if spec["impl"].endswith("_fla"):
+        result["note"] = "; ".join(n for n in (fla, result["note"]) if n)
     if getattr(model.config, "_experts_implementation", None):  # MoE models: after patching, which one runs
         result["experts"] = model.config._experts_implementation
     params = [p for p in model.parameters() if p.requires_grad]

@@ -6,6 +6,7 @@ plain-torch `*_reference` everywhere else.
 
 from .activations import geglu, geglu_reference, swiglu, swiglu_reference
 from .attention import attention, attention_reference, cu_seqlens_from_position_ids
+from .causal_conv import causal_conv1d, causal_conv1d_reference
 from .cross_entropy import (
     cross_entropy,
     cross_entropy_reference,
@@ -14,6 +15,7 @@ from .cross_entropy import (
     fused_linear_log_probs,
     fused_linear_log_probs_reference,
 )
+from .delta_rule import gated_delta_rule, gated_delta_rule_reference
 from .fp8 import (
     dequantize_blockwise,
     dequantize_blockwise_reference,
@@ -35,7 +37,14 @@ from .moe import (
     moe_router,
     moe_router_reference,
 )
-from .norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from .norms import (
+    layer_norm,
+    layer_norm_reference,
+    rms_norm,
+    rms_norm_gated,
+    rms_norm_gated_reference,
+    rms_norm_reference,
+)
 from .quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_4bit_reference
 from .rope import rope, rope_reference
 
@@ -44,6 +53,12 @@ __all__ = [
     "rms_norm_reference",
     "layer_norm",
     "layer_norm_reference",
+    "rms_norm_gated",
+    "rms_norm_gated_reference",
+    "causal_conv1d",
+    "causal_conv1d_reference",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
     "swiglu",
     "swiglu_reference",
     "geglu",

@@ -148,15 +148,15 @@ class ConvConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def conv_config(n_cols: int, kernel_size: int, *, backward: bool) -> ConvConfig:
+def conv_config(n_cols: int, *, backward: bool) -> ConvConfig:
     """Tiles of 32 tokens x up to 128 channels (16-byte bf16 rows per thread); backward walks its token tiles
     in few persistent programs per channel block."""
     block_c = min(128, next_power_of_2(n_cols))
     return ConvConfig(block_t=32, block_c=block_c, num_warps=4, programs_per_sm=2 if backward else 0)
 
 
-def _config(n_cols: int, kernel_size: int, backward: bool) -> ConvConfig:
-    return tuning.pick("causal_conv", conv_config, n_cols, kernel_size, backward=backward)
+def _config(n_cols: int, backward: bool) -> ConvConfig:
+    return tuning.pick("causal_conv", conv_config, n_cols, backward=backward)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int]:
@@ -166,7 +166,7 @@ def _strides(x: torch.Tensor) -> tuple[int, int]:
 def _conv_forward(x, weight, bias):
     B, T, C = x.shape
     K = weight.shape[1]
-    cfg = _config(C, K, backward=False)
+    cfg = _config(C, backward=False)
     y = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
     grid = (cdiv(B * T, cfg.block_t), cdiv(C, cfg.block_c))
     _conv_fwd[grid](
@@ -180,7 +180,7 @@ def _conv_backward(dy, x, weight, bias, need_dw: bool):
     """(dx in x's dtype, dw and db in fp32 or None)."""
     B, T, C = x.shape
     K = weight.shape[1]
-    cfg = _config(C, K, backward=True)
+    cfg = _config(C, backward=True)
     dy = dy if dy.stride(-1) == 1 and dy.stride(0) == T * dy.stride(1) else dy.contiguous()
     tiles = cdiv(B * T, cfg.block_t)
     col_blocks = cdiv(C, cfg.block_c)

@@ -132,7 +132,7 @@ def rule_worker(args):
     # the truth: the same chunked maths in float64 (fastplug's torch stages, checked against the token-by-token
     # recurrence in tests/kernels/test_linear_attention.py)
     exact = [t.detach().double().requires_grad_(True) for t in leaves]
-    parts = delta_rule._prepare(*exact)
+    parts = delta_rule._prepare(*exact).parts
     o, _ = delta_rule._scan_reference(parts, False)
     ref = delta_rule._finish(o, exact[0].shape[0], exact[0].shape[1], torch.float64)
     ref_grads = torch.autograd.grad(ref, exact, do.double())

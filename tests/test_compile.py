@@ -113,6 +113,13 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
         ("lora", "_projections_op", lambda: _lora_args("qkv", stacked=True)),
         ("lora", "_mlp_op", lambda: _lora_args("mlp")),
         ("lora", "_mlp_op", lambda: _lora_args("mlp", stacked=True)),
+        ("norms", "_rms_norm_gated_op", lambda: (torch.randn(6, 20, requires_grad=True), torch.randn(6, 20, requires_grad=True),
+                                                 torch.randn(20, requires_grad=True), 1e-6)),
+        ("causal_conv", "_causal_conv1d_op", lambda: (torch.randn(2, 9, 12, requires_grad=True), torch.randn(12, 4, requires_grad=True),
+                                                      torch.randn(12, requires_grad=True))),
+        ("delta_rule", "_gated_delta_rule_op", lambda: (torch.randn(1, 9, 1, 16, requires_grad=True), torch.randn(1, 9, 1, 16, requires_grad=True),
+                                                        torch.randn(1, 9, 2, 16, requires_grad=True), (-torch.rand(1, 9, 2)).requires_grad_(),
+                                                        torch.rand(1, 9, 2, requires_grad=True), True, "ieee")),
     ],
 )  # fmt: skip
 def test_registered_operator_passes_opcheck(module, op, make_args):

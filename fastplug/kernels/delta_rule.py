@@ -18,9 +18,10 @@ head, block of Dv) holds its block of S in registers across the chunks. Its back
 the chunks in reverse with dS in registers; the chunk states it reads are recomputed by the forward kernel
 first (a transient buffer, not kept between forward and backward).
 
-Checkpoint-friendly: the forward keeps only its inputs (q, k, v, g, beta); backward recomputes stage one under
-autograd, runs the two kernels and backpropagates through stage one. So a layer holds no chunk-sized
-intermediates between its forward and backward, checkpointed or not.
+Checkpoint-friendly: the forward keeps only its inputs (q, k, v, g, beta); backward recomputes stage one, runs the
+two kernels and then stage one's backward (derived by hand, `_prepare_backward`: no autograd inside, so the
+operator torch.compile traces runs the same code). So a layer holds no chunk-sized intermediates between its
+forward and backward, checkpointed or not.
 
 With flash-linear-attention installed (`pip install fastplug[fla]`, the `fla` package; imported only when a
 call needs it), CUDA tensors take fla's fused `chunk_gated_delta_rule` instead (the kernels transformers uses
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -156,36 +158,114 @@ def _heads_first(x: torch.Tensor, tokens: int) -> torch.Tensor:
     return x.reshape(-1, tokens, *x.shape[3:])
 
 
-def _prepare(q, k, v, g, beta):
-    """Stage one: the scan's operands (W, U, Qd, Kd, P, gamma) from the layer's q, k [B, T, Hk, Dk], v [B, T, H, Dv],
-    g, beta [B, T, H]; fp32, [B * H, ...], contiguous. Differentiable (backward runs it under autograd)."""
+class _StageOne(NamedTuple):
+    """What stage one computes, per (sequence and head, chunk) in fp32: the scan's operands and the intermediates
+    its backward reads (recomputed there, never kept between forward and backward)."""
+
+    parts: tuple  # (W, U, Qd, Kd [BH, Tp, D], P [BH, N, C, C], gamma [BH, N]): the scan's operands
+    q_raw: torch.Tensor  # [BH, N, C, Dk] before L2 normalisation (q, k repeated for grouped values)
+    k_raw: torch.Tensor
+    q_rstd: torch.Tensor  # [BH, N, C, 1] rsqrt(sum x^2 + eps)
+    k_rstd: torch.Tensor
+    q: torch.Tensor  # normalised (q also scaled by Dk^-0.5)
+    k: torch.Tensor
+    v: torch.Tensor  # [BH, N, C, Dv]
+    beta: torch.Tensor  # [BH, N, C, 1]
+    decays: tuple  # (E = exp(Gc) [BH, N, C], F = exp(Gc_last - Gc), D [BH, N, C, C], gamma)
+    k_beta: torch.Tensor
+    kk: torch.Tensor  # (beta k) k^T [BH, N, C, C]
+    qk: torch.Tensor  # q k^T
+    system: torch.Tensor  # (beta k) k^T * D: its strictly lower part and the identity make the solved matrix
+    solution: torch.Tensor  # [U | W] [BH, N, C, Dv + Dk]
+
+
+def _prepare(q, k, v, g, beta) -> _StageOne:
+    """Stage one: the scan's operands from the layer's q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H]; fp32,
+    [B * H, ...], contiguous."""
     heads, k_heads = v.shape[2], k.shape[2]
     if heads != k_heads:  # grouped values: each q/k head serves heads // k_heads consecutive value heads
         q, k = (t.repeat_interleave(heads // k_heads, dim=2) for t in (q, k))
     tokens = cdiv(q.shape[1], CHUNK) * CHUNK
     n = tokens // CHUNK
-    q = _l2norm(_heads_first(q, tokens)) * q.shape[-1] ** -0.5
-    k = _l2norm(_heads_first(k, tokens))
-    v, g, beta = (_heads_first(t, tokens) for t in (v, g, beta))
-    bh = q.shape[0]
-    qc, kc, vc = (t.view(bh, n, CHUNK, t.shape[-1]) for t in (q, k, v))
+    q_raw, k_raw, v, g, beta = (_heads_first(t, tokens) for t in (q, k, v, g, beta))
+    bh = q_raw.shape[0]
+    q_raw, k_raw, v = (t.view(bh, n, CHUNK, t.shape[-1]) for t in (q_raw, k_raw, v))
+    q_rstd, k_rstd = (torch.rsqrt((t * t).sum(-1, keepdim=True) + _L2_EPS) for t in (q_raw, k_raw))
+    qc = q_raw * q_rstd * q_raw.shape[-1] ** -0.5
+    kc = k_raw * k_rstd
     gc = g.view(bh, n, CHUNK).cumsum(-1)
     beta = beta.view(bh, n, CHUNK, 1)
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q_raw.device).triu(1)
     decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    e = gc.exp()
+    f = (gc[..., -1:] - gc).exp()
     k_beta = kc * beta
+    kk = k_beta @ kc.transpose(-1, -2)
+    system = kk * decay
+    rhs = torch.cat((v * beta, k_beta * e.unsqueeze(-1)), dim=-1)
     # unitriangular: the solve reads the strictly lower part alone (the identity stands for the diagonal)
-    system = (k_beta @ kc.transpose(-1, -2)) * decay
-    rhs = torch.cat((vc * beta, k_beta * gc.exp().unsqueeze(-1)), dim=-1)
-    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
-        [vc.shape[-1], kc.shape[-1]], dim=-1
+    solution = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = solution.split([v.shape[-1], kc.shape[-1]], dim=-1)
+    qk = qc @ kc.transpose(-1, -2)
+    gamma = e[..., -1].contiguous()
+    flat = (t.reshape(bh, tokens, t.shape[-1]).contiguous() for t in (w, u, qc * e.unsqueeze(-1), kc * f.unsqueeze(-1)))
+    parts = (*flat, (qk * decay).contiguous(), gamma)
+    return _StageOne(parts, q_raw, k_raw, q_rstd, k_rstd, qc, kc, v, beta, (e, f, decay, gamma), k_beta, kk, qk,
+                     system, solution)  # fmt: skip
+
+
+def _l2norm_backward(raw, rstd, grad, scale: float):
+    """d raw of y = raw * rstd * scale, rstd = (sum raw^2 + eps)^-1/2."""
+    return scale * rstd * (grad - raw * (rstd * rstd) * (raw * grad).sum(-1, keepdim=True))
+
+
+def _prepare_backward(st: _StageOne, grads, shapes):
+    """Grads of (q, k, v, g, beta) in the caller's shapes (fp32) from the grads of the scan's operands: stage one's
+    backward, derived by hand (no autograd inside, so the registered operator's backward runs it too)."""
+    dw, du, dqd, dkd, dp, dgamma = grads
+    bh, n = st.q.shape[:2]
+    dw, du, dqd, dkd = (t.view(bh, n, CHUNK, t.shape[-1]) for t in (dw, du, dqd, dkd))
+    e, f, decay, gamma = st.decays
+    # solution = A^-1 rhs with A = I + strictly_lower(system): d rhs = A^-T d solution, dA = -d rhs solution^T
+    d_rhs = torch.linalg.solve_triangular(
+        st.system.transpose(-1, -2), torch.cat((du, dw), dim=-1), upper=True, unitriangular=True
     )
-    qd = qc * gc.exp().unsqueeze(-1)
-    kd = kc * (gc[..., -1:] - gc).exp().unsqueeze(-1)
-    p = (qc @ kc.transpose(-1, -2)) * decay
-    gamma = gc[..., -1].exp()
-    flat = (t.reshape(bh, tokens, t.shape[-1]).contiguous() for t in (w, u, qd, kd))
-    return (*flat, p.contiguous(), gamma.contiguous())
+    d_system = -(d_rhs @ st.solution.transpose(-1, -2)).tril(-1)
+    d_decay = d_system * st.kk + dp * st.qk
+    d_kk, d_qk = d_system * decay, dp * decay
+    d_k_beta = d_kk @ st.k
+    dk = d_kk.transpose(-1, -2) @ st.k_beta + d_qk.transpose(-1, -2) @ st.q + dkd * f.unsqueeze(-1)
+    dq = d_qk @ st.k + dqd * e.unsqueeze(-1)
+    d_vb, d_kbe = d_rhs.split([st.v.shape[-1], st.k.shape[-1]], dim=-1)
+    dv = d_vb * st.beta
+    d_k_beta = d_k_beta + d_kbe * e.unsqueeze(-1)
+    dk = dk + d_k_beta * st.beta
+    d_beta = (d_vb * st.v).sum(-1) + (d_k_beta * st.k).sum(-1)
+    de = (d_kbe * st.k_beta).sum(-1) + (dqd * st.q).sum(-1)
+    df = (dkd * st.k).sum(-1)
+    # Gc: E = exp(Gc), F = exp(Gc_last - Gc), D_ij = exp(Gc_i - Gc_j), gamma = exp(Gc_last); g = diff of Gc
+    d_gc = de * e - df * f
+    d_gc[..., -1] += (df * f).sum(-1) + dgamma * gamma
+    through_decay = d_decay * decay
+    d_gc = d_gc + through_decay.sum(-1) - through_decay.sum(-2)
+    dg = d_gc.flip(-1).cumsum(-1).flip(-1)
+    dq = _l2norm_backward(st.q_raw, st.q_rstd, dq, st.q_raw.shape[-1] ** -0.5)
+    dk = _l2norm_backward(st.k_raw, st.k_rstd, dk, 1.0)
+    return _heads_last(dq, dk, dv, dg, d_beta, shapes)
+
+
+def _heads_last(dq, dk, dv, dg, d_beta, shapes):
+    """[BH, N, C, ...] grads back to the callers' [B, T, H, ...] (q and k summed over the value heads they serve)."""
+    (batch, tokens, k_heads, dk_dim), heads = shapes[0], shapes[2][2]
+
+    def back(t):
+        t = t.reshape(batch, heads, -1, *t.shape[3:])[:, :, :tokens]
+        return t.transpose(1, 2)
+
+    dq, dk = (back(t) for t in (dq, dk))
+    if heads != k_heads:
+        dq, dk = (t.reshape(batch, tokens, k_heads, heads // k_heads, dk_dim).sum(3) for t in (dq, dk))
+    return dq, dk, back(dv), back(dg.unsqueeze(-1)).squeeze(-1), back(d_beta.unsqueeze(-1)).squeeze(-1)
 
 
 def _blocks(dk: int, dv: int) -> tuple[int, int]:
@@ -259,7 +339,7 @@ def _scan_reference(parts, want_final: bool):
 def _finish(o: torch.Tensor, batch: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """[BH, Tp, Dv] -> [B, T, H, Dv] in the caller's dtype."""
     o = o.view(batch, -1, o.shape[1], o.shape[2])[:, :, :tokens]
-    return o.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return o.transpose(1, 2).to(dtype).contiguous()
 
 
 def _state_out(s: torch.Tensor | None, batch: int) -> torch.Tensor | None:
@@ -273,26 +353,21 @@ def _state_out(s: torch.Tensor | None, batch: int) -> torch.Tensor | None:
 
 def _forward(q, k, v, g, beta, want_final: bool, precision: str):
     with torch.no_grad():
-        parts = _prepare(q, k, v, g, beta)
-        o, final = _scan(parts, want_final, precision)
+        o, final = _scan(_prepare(q, k, v, g, beta).parts, want_final, precision)
     return _finish(o, q.shape[0], q.shape[1], q.dtype), _state_out(final, q.shape[0])
 
 
-def _backward(inputs, needs, do, ds_final, precision: str):
-    """Grads of (q, k, v, g, beta) (None where not needed) from dO [B, T, H, Dv] and dS_final [B, H, Dk, Dv]."""
-    leaves = [t.detach().requires_grad_(need) for t, need in zip(inputs, needs)]
-    with torch.enable_grad():
-        parts = _prepare(*leaves)
-    tokens = parts[0].shape[1]
+def _backward(inputs, do, ds_final, precision: str):
+    """Grads of (q, k, v, g, beta), in their dtypes, from dO [B, T, H, Dv] and dS_final [B, H, Dk, Dv] (or None):
+    stage one recomputed, the reverse scan, stage one's backward."""
     with torch.no_grad():
+        stage = _prepare(*inputs)
+        tokens = stage.parts[0].shape[1]
         do = _heads_first(do, tokens).contiguous()
         ds = None if ds_final is None else ds_final.float().reshape(-1, *ds_final.shape[2:]).contiguous()
-        grads = _scan_backward([t.detach() for t in parts], do, ds, precision)
-    wanted = [t for t, need in zip(leaves, needs) if need]
-    pairs = [(part, grad) for part, grad in zip(parts, grads) if part.requires_grad]  # gamma needs only g
-    outputs, cotangents = zip(*pairs) if pairs else ((), ())
-    found = iter(torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True) if wanted else ())
-    return [next(found) if need else None for need in needs]
+        grads = _scan_backward(stage.parts, do, ds, precision)
+        out = _prepare_backward(stage, grads, [t.shape for t in inputs])
+    return [grad.to(t.dtype).contiguous() for grad, t in zip(out, inputs)]  # as the operator's fake says
 
 
 class GatedDeltaRule(torch.autograd.Function):
@@ -305,8 +380,8 @@ class GatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, ds_final):
-        grads = _backward(ctx.saved_tensors, ctx.needs_input_grad[:5], do, ds_final, ctx.precision)
-        return (*grads, None, None)
+        grads = _backward(ctx.saved_tensors, do, ds_final, ctx.precision)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -404,8 +479,7 @@ def gated_delta_rule(
     if chosen == "fla":
         return _fla_chunk_rule()(q, k, v, g, beta, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True)
     if chosen == "torch":
-        parts = _prepare(q, k, v, g, beta)
-        o, final = _scan_reference(parts, output_final_state)
+        o, final = _scan_reference(_prepare(q, k, v, g, beta).parts, output_final_state)
         return _finish(o, q.shape[0], q.shape[1], q.dtype), _state_out(final, q.shape[0])
     precision = _precision(q.dtype)
     if torch.compiler.is_compiling():
@@ -466,8 +540,7 @@ def _(q, k, v, g, beta, want_final, precision):
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
 def _gated_delta_rule_backward_op(do, ds, q, k, v, g, beta, precision):
-    grads = _backward((q, k, v, g, beta), (True,) * 5, do, ds if ds.numel() else None, precision)
-    return tuple(grads)
+    return tuple(_backward((q, k, v, g, beta), do, ds if ds.numel() else None, precision))
 
 
 @_gated_delta_rule_backward_op.register_fake

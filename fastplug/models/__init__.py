@@ -6,7 +6,7 @@
 from .attention import match_attention
 from .families import FAMILIES, SUPPORTED_FAMILIES, Family, family_of
 from .gemma4 import match_gemma4
-from .linear_attention import match_gated_norm, match_linear_attention
+from .linear_attention import match_gated_norm, match_linear_attention, match_multimodal_head
 from .lm_head import match_lm_head
 from .mlp import match_mlp
 from .moe import match_moe
@@ -19,6 +19,7 @@ RULES = (
     match_attention,
     match_linear_attention,
     match_gated_norm,
+    match_multimodal_head,
     match_moe,
     match_mlp,
     match_rms_norm,

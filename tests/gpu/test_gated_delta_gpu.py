@@ -47,7 +47,7 @@ def test_gated_delta_rule_gpu(dtype, implementation):
     inputs = _inputs(dtype)
     do = torch.randn(inputs[2].shape, device="cuda", dtype=dtype)
     exact = [t.detach().double().requires_grad_(True) for t in inputs]
-    o, _ = delta_rule._scan_reference(delta_rule._prepare(*exact), False)
+    o, _ = delta_rule._scan_reference(delta_rule._prepare(*exact).parts, False)
     o = delta_rule._finish(o, exact[0].shape[0], exact[0].shape[1], torch.float64)
     truth = [o, *torch.autograd.grad(o, exact, do.double())]
     torch_maths = _run(inputs, do, implementation="torch")  # transformers' chunked maths in this dtype

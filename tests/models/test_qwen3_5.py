@@ -181,6 +181,7 @@ def test_conditional_generation_patches_the_language_model_only():
     with patch_model(model, gradient_checkpointing=False) as handle:
         assert handle.counts["linear_attention"] == 1 and handle.counts["attention"] == 1
         assert ("model.visual", "not the language model: left as it is") in handle.skipped
+        assert "lm_head_loss: Qwen3_5ForConditionalGeneration's forward" in handle.summary()
         assert not handle.check.declined, handle.summary()
         assert {n: vars(m).get("forward") for n, m in base.model.visual.named_modules()} == vision_modules
         _assert_same_steps(model, reference, [inputs])
@@ -246,3 +247,26 @@ def test_fast_generate_and_fast_model_say_why_not(tmp_path):
     ):
         with pytest.raises(ValueError, match="1 linear-attention \\(Gated DeltaNet\\) layers of 2"):
             call()
+
+
+def test_linear_attention_layer_compiles_fullgraph():
+    """torch.compile traces a patched Gated DeltaNet decoder layer (LoRA fused) without a graph break: the conv, the
+    delta rule and the gated norm are registered operators; output and gradients equal eager's."""
+    from fastplug.patch.engine import patch_model
+
+    model = lora(tiny("qwen3_5"), "qwen3_5")
+    patch_model(model, self_check=False, gradient_checkpointing=False)
+    decoder = model.base_model.model.model
+    layer = decoder.layers[0]
+    hidden = torch.randn(2, 9, TEXT["hidden_size"], requires_grad=True)
+    rotary = decoder.rotary_emb(hidden, torch.arange(9)[None])
+    params = [hidden] + [p for p in layer.parameters() if p.requires_grad]
+    model.train()
+
+    def run(fn):
+        out = fn(hidden)
+        return [out, *torch.autograd.grad(out.pow(2).sum(), params)]
+
+    eager = run(lambda h: layer(h, position_embeddings=rotary))
+    compiled = run(torch.compile(lambda h: layer(h, position_embeddings=rotary), backend="aot_eager", fullgraph=True))
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))

@@ -55,8 +55,9 @@ def _lora_args(kind: str, stacked: bool = False):
     return (x, tensors, present, scalings, cos, sin, 8)
 
 
-def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
-    """Inputs of the experts operator: x, routing weights and indices, gate_up, down, LoRA factors, scalings."""
+def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4, gpt_oss=False):
+    """Inputs of the experts operator: x, routing weights and indices, gate_up, down, LoRA factors, biases,
+    scalings, the gated activation (gpt_oss: biases, interleaved gate/up, the clamped SwiGLU)."""
     g = torch.Generator().manual_seed(3)
 
     def rand(*shape):
@@ -76,9 +77,10 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
         rand(experts, 2 * inter, hidden),
         rand(experts, hidden, inter),
         *adapters,
+        *((rand(experts, 2 * inter), rand(experts, hidden)) if gpt_oss else (None, None)),
         0.5,
         2.0,
-        "silu",
+        *((3, True, 1.702, 0.5) if gpt_oss else (0, False, 1.0, 0.0)),
     )
 
 
@@ -98,17 +100,22 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4):
         ("norms", "_norm_backward_op", lambda: (torch.randn(4, 24), torch.randn(4, 24), torch.randn(24), None, torch.rand(4) + 0.5,
                                                 0.0, True, False)),
         ("attention", "_flash_attention_op", lambda: (torch.randn(1, 4, 19, 16, requires_grad=True), torch.randn(1, 2, 19, 16, requires_grad=True),
-                                                      torch.randn(1, 2, 19, 16, requires_grad=True), True, 5, 20.0, 0.25, None, None)),
+                                                      torch.randn(1, 2, 19, 16, requires_grad=True), True, 5, 20.0, 0.25, None, None,
+                                                      None)),
+        ("attention", "_flash_attention_op", lambda: (torch.randn(1, 4, 19, 16, requires_grad=True), torch.randn(1, 2, 19, 16, requires_grad=True),
+                                                      torch.randn(1, 2, 19, 16, requires_grad=True), True, 5, None, 0.25, None, None,
+                                                      torch.randn(4, requires_grad=True))),
         ("attention", "_flash_attention_op", lambda: (torch.randn(1, 2, 12, 32, requires_grad=True), torch.randn(1, 1, 12, 32, requires_grad=True),
                                                       torch.randn(1, 1, 12, 32, requires_grad=True), True, None, None, 0.2,
                                                       torch.tensor([[0] * 5 + [5] * 7], dtype=torch.int32),
-                                                      torch.tensor([[5] * 5 + [12] * 7], dtype=torch.int32))),
+                                                      torch.tensor([[5] * 5 + [12] * 7], dtype=torch.int32), None)),
         ("cross_entropy", "_linear_ce_op", lambda: (torch.randn(10, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True),
                                                     torch.randn(40, requires_grad=True), torch.tensor([1, 5, -100, 39, 0, 7, 8, 2, 3, 4]),
                                                     torch.full((1,), 1 / 9), -100, 0.1, 20.0, 1.0, 1e-4, True, True, True)),
         ("moe.routing", "_router_op", lambda: (torch.randn(9, 6, requires_grad=True), 2, True)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=False)),
+        ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True, gpt_oss=True)),
         ("lora", "_projections_op", lambda: _lora_args("qkv")),
         ("lora", "_projections_op", lambda: _lora_args("qkv", stacked=True)),
         ("lora", "_mlp_op", lambda: _lora_args("mlp")),

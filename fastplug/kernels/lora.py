@@ -693,7 +693,9 @@ class _LoRAMLP(torch.autograd.Function):
         # with dgate and dup.
         gu = (fwd.gate_up, None) if stacked is not None else (fwd.gate, fwd.up)
         ctx.save_for_backward(x2, *gu, fwd.xa_gu, fwd.xa_down)
-        return fwd.y.view(*x.shape[:-1], fwd.y.shape[-1])
+        # rows [N, out], the function's own buffer: a view of it made here could not be written in place by the
+        # caller (Llama 4 adds the routed experts into its shared expert's output); the caller reshapes it
+        return fwd.y
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -1117,4 +1119,5 @@ def lora_mlp(
     if _compiling_dense(projs):
         y = _mlp_op(x, *_pack(_flatten(projs)), [float(p.scaling) for p in projs], activation)[0]
         return y.view(*x.shape[:-1], y.shape[-1])
-    return _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), stacked, *_flatten(projs))
+    y = _LoRAMLP.apply(x, activation, tuple(float(p.scaling) for p in projs), stacked, *_flatten(projs))
+    return y.view(*x.shape[:-1], y.shape[-1])

@@ -24,6 +24,7 @@ from .rules import MatchContext, Patch, Skip, combine_switches
 from .structure import decoder_stack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+FUSED_PROJECTIONS = ("qkv_proj", "o_proj")
 _ATTRIBUTES = ("head_dim", "layer_idx", "scaling", "attention_dropout", "config")
 
 
@@ -65,6 +66,12 @@ def pop_cache(kwargs: dict):
 
 def _project_qkv(self, hidden_states, use_lora: bool, rotary):
     """(q, k, v, rotated): the fused QKV node applies RoPE itself (rotary = (cos, sin, head_dim)) when given."""
+    if hasattr(self, "qkv_proj"):  # Phi-3: one projection gives q, k and v side by side (LoRA on it: one node)
+        projs = step_projections(self.qkv_proj) if use_lora else None
+        qkv = lora_linear(hidden_states, projs[0]) if projs is not None else self.qkv_proj(hidden_states)
+        q_size = self.config.num_attention_heads * self.head_dim
+        kv_size = (qkv.shape[-1] - q_size) // 2
+        return (*qkv.split((q_size, kv_size, kv_size), dim=-1), False)
     projs = step_projections(self.q_proj, self.k_proj, self.v_proj) if use_lora else None
     if projs is not None:
         stacked = stacking.stacked_base(self, projs)
@@ -72,12 +79,19 @@ def _project_qkv(self, hidden_states, use_lora: bool, rotary):
     return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states), False
 
 
+def _whole_projection_norm(attn: nn.Module) -> bool:
+    """OLMo 2/3 normalise q and k over the whole projection (every head at once) before the heads are split;
+    Qwen3 and Gemma 3 over each head."""
+    weight = getattr(getattr(attn, "q_norm", None), "weight", None)
+    return weight is not None and weight.shape[-1] != attn.head_dim
+
+
 def _project_out(self, attn_output, use_lora: bool):
     projs = step_projections(self.o_proj) if use_lora else None
     return lora_linear(attn_output, projs[0]) if projs is not None else self.o_proj(attn_output)
 
 
-def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate: bool = False):
+def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate: bool = False, style="rotate_half"):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         cache = pop_cache(kwargs)
         if cache is not None and not torch.is_grad_enabled():
@@ -94,27 +108,36 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate
         hidden_shape = (*input_shape, -1, self.head_dim)
 
         cos, sin = position_embeddings
+        layer_rope = bool(getattr(self, "use_rope", True))  # SmolLM3: layers without RoPE
+        kernel_rope = use_rope and layer_rope and style != "family"
+        if kernel_rope and style == "halves":  # gpt-oss: an angle per pair of halves, the rotate-half tables twice
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         has_qk_norm = hasattr(self, "q_norm")  # Qwen3, Gemma3: per-head RMSNorm between projection and RoPE
-        rotary = (cos, sin, self.head_dim) if use_rope and not has_qk_norm and not output_gate else None
+        whole_norm = _whole_projection_norm(self)
+        rotary = (cos, sin, self.head_dim) if kernel_rope and not has_qk_norm and not output_gate else None
         query, key, value, rotated = _project_qkv(self, hidden_states, use_lora, rotary)
+        if whole_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
         gate = None
         if output_gate:  # Qwen3.5, Qwen3-Next: q_proj gives each head's query and its output gate side by side
             query, gate = query.view(*input_shape, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(*input_shape, -1)
         query, key = query.view(hidden_shape), key.view(hidden_shape)
         value = value.view(hidden_shape).transpose(1, 2)
-        if has_qk_norm:
+        if has_qk_norm and not whole_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
-        if not rotated and use_rope:
+        if not rotated and kernel_rope:
             # In place: q and k are fresh projection (or q/k-norm) outputs, and q_rot/k_rot feed the attention
-            # alone, unless a cache keeps the keys (backward would write their gradients there).
-            producers = (self.q_proj, self.k_proj, *((self.q_norm, self.k_norm) if has_qk_norm else ()))
-            inplace = cache is None and outputs_private(*producers)
+            # alone, unless a cache keeps the keys (backward would write their gradients there); never views of one
+            # fused qkv output, whose v the attention saves too.
+            norms = (self.q_norm, self.k_norm) if has_qk_norm else ()
+            producers = () if hasattr(self, "qkv_proj") else (self.q_proj, self.k_proj, *norms)
+            inplace = cache is None and bool(producers) and outputs_private(*producers)
             query, key = rope(query, key, cos, sin, inplace=inplace)
-        elif not rotated:
-            query, key = _family_module(self).apply_rotary_pos_emb(query, key, cos, sin)
+        elif not rotated and layer_rope:
+            query, key = _family_module(self).apply_rotary_pos_emb(query, key, *position_embeddings)
 
         if cache is not None:  # training with use_cache: the cache still records the keys
             key, value = cache.update(key, value, self.layer_idx)
@@ -138,14 +161,25 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate
     return forward
 
 
+def _projections(module: nn.Module) -> tuple[str, ...] | None:
+    """The attention's projection names: q/k/v/o, or Phi-3's fused qkv_proj and o_proj; None: not attention."""
+    for names in (PROJECTIONS, FUSED_PROJECTIONS):
+        if all(hasattr(module, p) for p in names):
+            return names
+    return None
+
+
 def match_attention(module: nn.Module, ctx: MatchContext):
-    if not all(hasattr(module, p) for p in PROJECTIONS) or not type(module).__name__.endswith("Attention"):
+    names = _projections(module)
+    if names is None or not type(module).__name__.endswith("Attention"):
         return None
     options = ctx.options
     if not (options.rope or options.lora or options.attention):
         return None
     if ctx.family is None:
         return Skip("attention", "attention forward of an unknown family is not reproduced")
+    if ctx.family.attention_left:
+        return Skip("attention", f"{ctx.family.attention_left}: transformers' attention runs")
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     family_module = _family_module(module)
     missing += [f for f in ("eager_attention_forward", "apply_rotary_pos_emb") if not hasattr(family_module, f)]
@@ -158,14 +192,20 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     output_gate = ctx.family.attention_output_gate
     if output_gate and getattr(module.q_proj, "out_features", None) != 2 * getattr(module.o_proj, "in_features", -1):
         return Skip("attention", "output-gated family whose q_proj is not twice o_proj's input (query and gate)")
+    width = getattr(getattr(module, "q_norm", None), "weight", torch.empty(module.head_dim)).shape[-1]
+    if width not in (module.head_dim, module.o_proj.in_features):
+        return Skip("attention", f"q_norm over {width} features: neither one head nor the whole projection")
     lora_now = options.lora and (
-        fused_projections(module.q_proj, module.k_proj, module.v_proj) is not None
+        fused_projections(*(getattr(module, n) for n in names[:-1])) is not None
         or fused_projections(module.o_proj) is not None
     )
-    notes = unfused_notes(module, PROJECTIONS) if options.lora else ()
-    forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora, output_gate)
+    notes = unfused_notes(module, names) if options.lora else ()
+    style = ctx.family.rope
+    forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora, output_gate, style)
     switch, path = _attention_route(module, ctx)
-    if options.lora and options.stack_projections:
+    if not getattr(module, "use_rope", True):  # its own variant: the self-check then runs such a layer too
+        path += "; no RoPE on this layer"
+    if options.lora and options.stack_projections and names == PROJECTIONS:
         switch = combine_switches(switch, stacking.switch(module, ctx.root, PROJECTIONS[:3]))
     return Patch("attention", forward, lora_fused=lora_now, notes=notes, switch=switch, path_taken=path)
 

@@ -31,6 +31,11 @@ def _gemma2_extra(attn: nn.Module) -> dict:
     return {"sliding_window": attn.sliding_window, "softcap": attn.attn_logit_softcapping}
 
 
+def _gpt_oss_extra(attn: nn.Module) -> dict:
+    # the layer's window (None on full layers) and its attention sinks, one logit per head
+    return {"sliding_window": attn.sliding_window, "s_aux": attn.sinks}
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -45,6 +50,14 @@ class Family:
     moe: bool = False
     # Qwen3.5, Qwen3-Next: q_proj gives each head's query and an output gate; attention output * sigmoid(gate).
     attention_output_gate: bool = False
+    # How the family's apply_rotary_pos_emb rotates: "rotate_half" (Llama's: fastplug's RoPE kernel, partial rotary
+    # where cos is narrower than a head), "halves" (gpt-oss: one angle per pair (x[i], x[i + D/2]), tables of D/2:
+    # the kernel's rotate-half tables are them twice), "family" (GLM-4's interleaved pairs: the family's own function).
+    rope: str = "rotate_half"
+    # The config attribute the LM head's logits are divided by (Granite's logits_scaling); the fused loss scales by it.
+    logits_divided_by: str | None = None
+    # Why the family's attention forward is not reproduced (it stays transformers'; None: it is).
+    attention_left: str | None = None
 
 
 FAMILIES: dict[str, Family] = {
@@ -70,12 +83,27 @@ FAMILIES: dict[str, Family] = {
         # Gemma 4 (text, and the language model of Gemma4ForConditionalGeneration): its router adds no loss
         Family("gemma4_text", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
         Family("gemma4", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
+        # gpt-oss: attention sinks, sliding/full layers, RoPE on halves, experts with biases and a clamped SwiGLU
+        Family("gpt_oss", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_gpt_oss_extra, moe=True, rope="halves"),
+        # by structure, each shown equal in tests/models/test_more_families.py
+        Family("phi3", attention_extra_kwargs=_sliding_from_config),  # fused qkv_proj and gate_up_proj
+        Family("smollm3", attention_extra_kwargs=_sliding_from_module),  # layers without RoPE (use_rope)
+        Family("olmo2", rms_norm_scale_in_fp32=True),  # post-norms; q/k norms over the whole projection
+        Family("olmo3", rms_norm_scale_in_fp32=True, attention_extra_kwargs=_sliding_from_module),
+        Family("granite", logits_divided_by="logits_scaling"),  # its other multipliers are in code left as it is
+        Family("glm4", rope="family"),  # interleaved partial RoPE; post-norms; fused gate_up_proj
+        Family("ministral", attention_extra_kwargs=_sliding_from_module),
+        Family(
+            "llama4_text",
+            attention_left="Llama 4's attention (complex RoPE on interleaved pairs before the heads are transposed, "
+            "L2 q/k norm after it, temperature tuning on layers without RoPE, chunked attention) is not reproduced",
+        ),
     )
 }
 
 SUPPORTED_FAMILIES = (
     "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe, gemma4, qwen3_5, "
-    "qwen3_5_moe, qwen3_next"
+    "qwen3_5_moe, qwen3_next, gpt_oss, phi3, smollm3, olmo2, olmo3, granite, glm4, ministral, llama4_text"
 )
 
 

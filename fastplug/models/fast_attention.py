@@ -219,10 +219,13 @@ def fastplug_attention_forward(
     scaling: float | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ):
-    """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None)."""
-    extra = {k: v for k, v in (("sliding_window", sliding_window), ("softcap", softcap)) if v is not None}
+    """transformers' attention-function contract: q (B, Hq, T, D), k/v (B, Hkv, S, D) -> ((B, T, Hq, D), None).
+    s_aux: gpt-oss's attention sinks (Hq,), one logit per head in each row's softmax."""
+    named = (("sliding_window", sliding_window), ("softcap", softcap), ("s_aux", s_aux))
+    extra = {k: v for k, v in named if v is not None}
     unpacked = kwargs.pop(UNPACKED, False)
     padding = _padding_bounds_of(attention_mask)
     if attention_mask is not None and padding is None:  # the batch pads: transformers' path, its 4-D mask
@@ -264,7 +267,7 @@ def fastplug_attention_forward(
         start, end = _document_bounds(source, query.shape[0], T, query.device)
     elif packable:
         window = _normalise_window(sliding_window, causal, T, S)
-        sdpa_candidate = _sdpa_suits(query, key, causal, window, softcap, varlen=False)
+        sdpa_candidate = _sdpa_suits(query, key, causal, window, softcap, varlen=False, sinks=s_aux)
         start, end, packed = _BOUNDS.get(source, query.shape[0], T, query.device, need_packed=sdpa_candidate)
         if sdpa_candidate and not packed:
             start = end = None
@@ -280,6 +283,7 @@ def fastplug_attention_forward(
         scale=scaling,
         doc_start=start,
         doc_end=end,
+        sinks=s_aux,
     )
     return out, None
 
@@ -289,14 +293,15 @@ def describe(module: nn.Module, family, fallback: str) -> str:
     from ..kernels.attention import MAX_HEAD_DIM
 
     extra = family.attention_extra_kwargs(module)
-    window, softcap = extra.get("sliding_window"), extra.get("softcap")
+    window, softcap, sinks = extra.get("sliding_window"), extra.get("softcap"), extra.get("s_aux")
     head_dim = getattr(module, "head_dim", 0)
     if isinstance(head_dim, int) and head_dim > MAX_HEAD_DIM:
         return f"transformers' {fallback} attention: head_dim {head_dim} > the flash kernel's {MAX_HEAD_DIM}"
-    if softcap is not None or window is not None:
+    if softcap is not None or window is not None or sinks is not None:
         quirks = ([f"softcap {softcap:g}"] if softcap is not None else []) + (
             [f"sliding window {window}"] if window is not None else []
         )
+        quirks += ["attention sinks"] if sinks is not None else []
         what = f"Triton flash kernel ({', '.join(quirks)})"
     else:
         what = "torch SDPA on CUDA, Triton flash kernel for packed rows"

@@ -114,7 +114,7 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
             )
 
 
-def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool):
+def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divided_by: str | None = None):
     def forward(
         self,
         input_ids=None,
@@ -184,6 +184,8 @@ def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool):
                 labels=shift_labels.reshape(-1).to(hidden.device),
                 ignore_index=ignore_index,
                 softcap=getattr(self.config, "final_logit_softcapping", None),
+                # Granite divides its logits by config.logits_scaling
+                logit_scale=1.0 / getattr(self.config, logits_divided_by) if logits_divided_by else 1.0,
                 num_items_in_batch=kwargs.get("num_items_in_batch"),
             ),
         )
@@ -222,6 +224,8 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         return Skip("lm_head_loss", "MoE family without load_balancing_loss_func")
     return Patch(
         "lm_head_loss",
-        _causal_lm_forward(ctx.family.moe, _cache_field(ctx.family.moe), ctx.options.buckets_on()),
+        _causal_lm_forward(
+            ctx.family.moe, _cache_field(ctx.family.moe), ctx.options.buckets_on(), ctx.family.logits_divided_by
+        ),
         switch=_install_head_forward(module.lm_head),
     )

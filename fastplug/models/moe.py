@@ -2,8 +2,10 @@
 
 - Experts: fastplug registers "fastplug" in transformers' experts interface (`ALL_EXPERTS_FUNCTIONS`) and
   the patch switches this model instance to it (`set_experts_implementation`); restore switches back to
-  the previous implementation. Experts the kernels cannot run (biases, transposed or interleaved weights,
-  post-expert norms, expert parallelism, an unknown activation) are skipped with the reason.
+  the previous implementation. Biases, transposed ([E, in, out]) and interleaved gate/up weights and gpt-oss's
+  clamped SwiGLU run on the grouped kernels through their flags; experts they cannot run (post-expert norms, expert
+  parallelism, an unknown activation or gating, MXFP4-packed weights, experts off the interface) are skipped with
+  the reason.
 - LoRA on experts (peft `target_parameters`, one `ParamWrapper` per 3-D weight, nested): the outermost
   wrapper's forward runs the experts with each adapter as a rank-r grouped term; when that does not apply
   (several active adapters, merged weights) it calls peft's own forward, which still reaches the fastplug
@@ -32,6 +34,23 @@ _ROUTERS = {
     "qwen3_5_moe_text": (True, False),
     "qwen3_5_moe": (True, False),
     "qwen3_next": ("norm_topk_prob", False),
+    "gpt_oss": (True, False),  # softmax over the top-k logits (+ the router's bias): the renormalised top k
+}
+# family -> moe_experts' gating arguments for experts that gate with their own `_apply_gate`, read from the module
+_OWN_GATES = {
+    "gpt_oss": lambda experts: dict(
+        activation="clamped_swiglu", swiglu_alpha=float(experts.alpha), swiglu_limit=float(experts.limit)
+    ),
+}
+# family -> why its experts or router stay transformers' (they are off the experts interface)
+_LEFT = {
+    "llama4_text": {
+        "experts": "Llama 4 scales each token by its router score before the experts (routed_in = x * score) and "
+        "runs every expert over every token (one bmm); the grouped kernels weight the experts' outputs: left to "
+        "transformers",
+        "router": "Llama 4's router (a sigmoid of the top-k logits, no softmax) has no fused kernel: left to "
+        "transformers",
+    },
 }
 
 
@@ -44,39 +63,52 @@ def _experts_interface():
 
 
 # ------------------------------------------------------------------------------------------ the experts
+def _gating(experts: nn.Module) -> dict | str:
+    """moe_experts' activation arguments for these experts, or why no kernel computes their gating."""
+    moe = _experts_interface()
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if moe is not None and apply_gate is not getattr(moe, "_default_apply_gate", apply_gate):
+        own = _OWN_GATES.get(getattr(getattr(experts, "config", None), "model_type", None))
+        return own(experts) if own is not None else f"{type(experts).__name__} has its own gating (_apply_gate)"
+    activation = activation_name(getattr(experts, "act_fn", None))
+    if activation is None:
+        return f"activation {type(getattr(experts, 'act_fn', None)).__name__} has no fused kernel"
+    return {"activation": activation}
+
+
 def unsupported_reason(experts: nn.Module) -> str | None:
     """Why the grouped kernels cannot run these experts (None: they can)."""
-    moe = _experts_interface()
-    flags = {
-        "has_bias": False,
-        "has_gate": True,
-        "is_transposed": False,
-        "is_concatenated": True,
-        "has_post_expert_norm": False,
-        "_is_expert_parallel": False,
-    }
+    flags = {"has_gate": True, "has_post_expert_norm": False, "_is_expert_parallel": False}
     for flag, wanted in flags.items():
         if getattr(experts, flag, wanted) != wanted:
             return f"{flag}={not wanted} is not supported by the grouped kernels"
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    if moe is not None and apply_gate is not getattr(moe, "_default_apply_gate", apply_gate):
-        return f"{type(experts).__name__} has its own gating (_apply_gate)"
-    if activation_name(getattr(experts, "act_fn", None)) is None:
-        return f"activation {type(getattr(experts, 'act_fn', None)).__name__} has no fused kernel"
-    return None
+    gating = _gating(experts)
+    return gating if isinstance(gating, str) else None
+
+
+def _kernel_weights(experts: nn.Module):
+    """gate_up [E, 2I, H] and down [E, H, I] as the kernels read them (views of transposed storage: gpt-oss)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):
+        return gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
 
 
 def _run_experts(experts, hidden_states, top_k_index, top_k_weights, gate_up_lora=None, down_lora=None):
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up, down = _kernel_weights(experts)
+    biased = getattr(experts, "has_bias", False)
     out = moe_experts(
         hidden_states.to(gate_up.dtype),
         gate_up,
         down,
         top_k_index,
         top_k_weights,
-        activation=activation_name(experts.act_fn),
         gate_up_lora=gate_up_lora,
         down_lora=down_lora,
+        gate_up_bias=experts.gate_up_proj_bias if biased else None,
+        down_bias=experts.down_proj_bias if biased else None,
+        interleaved=not getattr(experts, "is_concatenated", True),
+        **_gating(experts),
     )
     return out.to(hidden_states.dtype)
 
@@ -108,11 +140,26 @@ def _switch(root: nn.Module):
     return switch
 
 
-def _is_experts(module: nn.Module) -> bool:
+def _experts_weights(module: nn.Module) -> bool:
     return all(
-        isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
+        isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() >= 3
         for n in ("gate_up_proj", "down_proj")
-    ) and hasattr(module, "has_gate")
+    )
+
+
+def _is_experts(module: nn.Module) -> bool:
+    return _experts_weights(module) and hasattr(module, "has_gate") and module.gate_up_proj.is_floating_point()
+
+
+def _packed(module) -> bool:
+    """MXFP4 experts (transformers' Mxfp4GptOssExperts): packed uint8 weights that its own kernels run."""
+    return module is not None and _experts_weights(module) and not module.gate_up_proj.is_floating_point()
+
+
+_PACKED = (
+    "MXFP4-packed expert weights ({name}, uint8): transformers' MXFP4 kernels run them; the grouped kernels take "
+    "bf16 experts (load with Mxfp4Config(dequantize=True) to train them)"
+)
 
 
 def _match_experts(module: nn.Module, ctx: MatchContext):
@@ -124,8 +171,11 @@ def _match_experts(module: nn.Module, ctx: MatchContext):
     if reason is not None:
         return Skip("experts", reason)
     _register()
-    E, two_i, hidden = module.gate_up_proj.shape
-    taken = f"fastplug grouped GEMM experts ({E} experts, {hidden} -> {two_i // 2}, {activation_name(module.act_fn)})"
+    E, two_i, hidden = _kernel_weights(module)[0].shape
+    quirks = [_gating(module)["activation"]]
+    quirks += ["biases"] if getattr(module, "has_bias", False) else []
+    quirks += ["interleaved gate/up"] if not getattr(module, "is_concatenated", True) else []
+    taken = f"fastplug grouped GEMM experts ({E} experts, {hidden} -> {two_i // 2}, {', '.join(quirks)})"
     return Patch("experts", None, switch=_switch(ctx.root), path_taken=taken)
 
 
@@ -150,8 +200,11 @@ def _expert_adapters(chain) -> dict | str:
             return f"LoRA on {name}"
         if wrapper.merged:
             return "adapter weights are merged"
-        if not getattr(wrapper, "_did_swap_in_out_features", False):
-            return "expert weights stored transposed"
+        # peft reads a 3-D weight as [E, in, out] unless it swapped in and out for [E, out, in] storage; either way
+        # its factors are the kernels' [E, out, in] view's when that reading matches the experts' layout
+        transposed = bool(getattr(wrapper.get_base_layer(), "is_transposed", False))
+        if getattr(wrapper, "_did_swap_in_out_features", False) == transposed:
+            return "peft reads the expert weights in another layout (in and out swapped)"
         if wrapper.disable_adapters:
             adapters[name] = None
             continue
@@ -211,7 +264,7 @@ def _match_lora_experts(module: nn.Module, ctx: MatchContext):
 def _router_forward(normalize, fp32_weights: bool):
     def forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        logits = nn.functional.linear(hidden_states, self.weight)
+        logits = nn.functional.linear(hidden_states, self.weight, getattr(self, "bias", None))  # gpt-oss: a bias
         renorm = normalize if isinstance(normalize, bool) else bool(getattr(self, normalize))
         weights, index = moe_router(
             logits, self.top_k, normalize=renorm, weights_dtype=torch.float32 if fp32_weights else logits.dtype
@@ -222,6 +275,10 @@ def _router_forward(normalize, fp32_weights: bool):
 
 
 def _match_router(module: nn.Module, ctx: MatchContext):
+    mlp = next((m for m in ctx.root.modules() if getattr(m, "router", None) is module), None)
+    experts = getattr(mlp, "experts", None)
+    if _packed(experts):
+        return Skip("router", f"unused: the MLP of {_PACKED.format(name=type(experts).__name__)} routes itself")
     normalize, fp32_weights = _ROUTERS[ctx.family.name]
     return Patch("router", _router_forward(normalize, fp32_weights))
 
@@ -247,6 +304,13 @@ def match_moe(module: nn.Module, ctx: MatchContext):
         return _match_lora_experts(module, ctx)
     if _is_experts(module):
         return _match_experts(module, ctx)
+    if _packed(module):
+        return Skip("experts", _PACKED.format(name=type(module).__name__))
     if _is_router(module, ctx):
         return _match_router(module, ctx)
+    left = _LEFT.get(ctx.family.name if ctx.family else None, {})
+    if _experts_weights(module) and "experts" in left:
+        return Skip("experts", left["experts"])
+    if type(module).__name__.endswith("Router") and "router" in left:
+        return Skip("router", left["router"])
     return None

@@ -1,0 +1,247 @@
+"""The families of issue 36 parts 3 and 4, tiny and random (hidden 64, 2 layers, 10 tokens), each proven against
+unpatched transformers with LoRA (peft, every linear layer; gpt-oss's experts too): the self-check installs every
+kind without a warning, summary() says what was patched and what was left and why, greedy generation with the KV
+cache equals transformers', two optimizer steps give transformers' losses and LoRA gradients as good as torch's
+against float64 (fp32 gradients of these stacks differ from float64 by up to ~4e-5 in plain torch already), and
+restore() gives back transformers' own computation bit for bit.
+
+- gpt_oss: attention sinks on sliding and full layers, RoPE on halves, biased projections, experts with biases and
+  the clamped SwiGLU on interleaved gate/up (grouped GEMM, LoRA on them as grouped terms), the biased router;
+  MXFP4-packed experts are left with the reason; one run of the HF Trainer with FastKernels().
+- phi3 (fused qkv_proj and gate_up_proj: LoRA on fused projections, partial rotary, sliding window), smollm3 (a
+  layer without RoPE), olmo2/olmo3 (post-norms, q/k norms over the whole projection, sliding layers), granite
+  (embedding, residual, attention and logits multipliers), glm4 (interleaved partial RoPE by its own function,
+  post-norms, fused gate_up_proj), ministral (sliding/full layers), llama4_text (its attention, experts and router
+  left with their reasons; dense and shared-expert MLPs patched)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from fastplug.patch.engine import active_handle, patch_model
+from tests.helpers import TOL, assert_close, rel_err
+
+VOCAB = 128
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_SLIDING = dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])
+_DENSE = {"lm_head_loss": 1, "attention": 2, "mlp": 2, "rms_norm": 5, "lora_fused": 4}
+_POST_NORMS = {**_DENSE, "rms_norm": 9}  # two more norms per layer (OLMo: q/k norms; GLM-4: post-norms)
+_LLAMA4_LEFT = ["Llama 4's attention", "Llama 4 scales each token", "Llama 4's router"]
+
+# family: (config, model class, config overrides, the counts patched, what summary() must say)
+FAMILIES = {
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _SLIDING,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            output_router_logits=True,
+            router_aux_loss_coef=0.02,
+            swiglu_limit=0.3,  # the clamps bite at these widths
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        {
+            "lm_head_loss": 1,
+            "attention": 2,
+            "rms_norm": 5,
+            "router": 2,
+            "experts": 2,
+            "experts_lora": 2,
+            "lora_fused": 4,
+        },
+        ["attention sinks", "clamped_swiglu, biases, interleaved gate/up", "LoRA on experts as grouped rank-r terms"],
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=6, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+        ),
+        _DENSE,
+        ["sliding window 6"],
+    ),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0]), _DENSE, ["no RoPE on this layer"]),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, _POST_NORMS, []),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _SLIDING, _POST_NORMS, ["sliding window 4"]),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
+        _DENSE,
+        [],
+    ),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}, _POST_NORMS, []),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", _SLIDING, _DENSE, ["sliding window 4"]),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            intermediate_size=32,
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            moe_layers=[1],
+            no_rope_layers=[1, 0],
+            attention_chunk_size=4,
+        ),
+        {"lm_head_loss": 1, "mlp": 2, "rms_norm": 5, "lora_fused": 2},
+        _LLAMA4_LEFT,
+    ),
+}
+# peft's "all-linear" would wrap Llama 4's router, an nn.Linear that returns a tuple (peft then fails on it)
+_LLAMA4_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny(family: str, seed: int = 0, **overrides):
+    """A random tiny causal LM; norm weights, biases and attention sinks randomised (they start at 1 or 0)."""
+    config_name, model_name, extra, _, _ = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name or "sinks" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _lora(model, family):
+    from peft import LoraConfig, get_peft_model
+
+    targets = _LLAMA4_TARGETS if family == "llama4_text" else "all-linear"
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if family == "gpt_oss" else None
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, target_parameters=experts, init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _ids(tokens=10, seed=1):
+    return torch.randint(3, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def _step(model, optimizer, ids):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return loss.detach().float(), grads
+
+
+def _eval_logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_lora_self_check_generate_steps_restore(family):
+    _, _, _, counts, says = FAMILIES[family]
+    model = _lora(tiny(family), family)
+    reference, float64 = copy.deepcopy(model), copy.deepcopy(model).double()
+    if hasattr(float64.get_base_model(), "set_experts_implementation"):
+        float64.get_base_model().set_experts_implementation("eager")  # grouped_mm has no float64
+    modules = [(name, id(m)) for name, m in model.named_modules()]
+    implementations = (model.config._attn_implementation, getattr(model.config, "_experts_implementation", None))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*disagrees with the original modules")
+        handle = patch_model(model, gradient_checkpointing=False)
+    summary = handle.summary()
+    assert handle.check.ran and not handle.check.declined, summary
+    assert handle.counts == counts, summary
+    assert set(handle.check.passed) == set(counts) - {"lora_fused"}, summary
+    assert all(text in summary for text in says), summary
+
+    prompt = _ids(5, seed=2)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.eval(), reference.eval()
+    assert torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
+
+    ids = _ids()
+    trios = [
+        (m, torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2))
+        for m in (model, reference, float64)
+    ]
+    for step in range(2):
+        (loss, grads), (ref_loss, ref_grads), (_, grads64) = (_step(m, opt, ids) for m, opt in trios)
+        assert_close(loss, ref_loss, torch.float32, f"loss of step {step}")
+        assert grads.keys() == ref_grads.keys() == grads64.keys() and grads
+        # each gradient within the fp32 bound of float64, twice torch's own error on it, or torch's worst on the
+        # model (the noise floor of this stack: OLMo's whole-projection q/k norms reach 2e-5 in plain torch)
+        floor = max(rel_err(ref_grads[name], grads64[name]) for name in grads)
+        for name, grad in grads.items():
+            ours, theirs = rel_err(grad, grads64[name]), rel_err(ref_grads[name], grads64[name])
+            bound = max(TOL[torch.float32], 2 * theirs, floor)
+            assert ours <= bound, f"step {step}, {name}: {ours:.1e} from float64, torch {theirs:.1e}, worst {floor:.1e}"
+
+    handle.restore()
+    assert [(name, id(m)) for name, m in model.named_modules()] == modules
+    assert not any("forward" in vars(m) for m in model.modules()) and active_handle(model) is None
+    assert (
+        model.config._attn_implementation,
+        getattr(model.config, "_experts_implementation", None),
+    ) == implementations
+    reference.load_state_dict(model.state_dict())  # the trained weights in an unpatched twin: the same numbers
+    assert torch.equal(_eval_logits(model, ids), _eval_logits(reference, ids))
+
+
+def test_gpt_oss_mxfp4_experts_are_left_with_the_reason():
+    """An MXFP4-quantized checkpoint's MLP (transformers' Mxfp4GptOssMLP: packed uint8 experts, its own routing)
+    is left to transformers' MXFP4 kernels, the reason in summary(); the rest is patched."""
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP
+
+    model = tiny("gpt_oss")
+    for layer in model.model.layers:
+        layer.mlp = Mxfp4GptOssMLP(layer.mlp.router, Mxfp4GptOssExperts(model.config))
+    with patch_model(model, self_check=False) as handle:  # the packed MLP needs triton_kernels' hub to run
+        summary = handle.summary()
+        assert handle.counts["attention"] == 2 and "experts" not in handle.counts and "router" not in handle.counts
+        assert summary.count("MXFP4-packed expert weights (Mxfp4GptOssExperts, uint8)") == 4, summary
+        assert "Mxfp4Config(dequantize=True)" in summary
+
+
+@pytest.mark.torch_reference  # the Trainer's plumbing: the kernels' numbers are the test above's
+def test_gpt_oss_hf_trainer_with_fast_kernels_matches(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from fastplug import FastKernels
+
+    data = [
+        {"input_ids": ids, "labels": ids}
+        for ids in torch.randint(3, VOCAB, (4, 10), generator=torch.Generator().manual_seed(3))
+    ]
+    args = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=5e-3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    fast, runs = FastKernels(), []
+    for callbacks in ([fast], []):
+        model = _lora(tiny("gpt_oss"), "gpt_oss")
+        trainer = Trainer(model=model, args=TrainingArguments(**args), train_dataset=data, callbacks=callbacks)
+        trainer.train()
+        runs.append(torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h]))
+        assert active_handle(model) is None and not any("forward" in vars(m) for m in model.modules())
+    assert len(runs[0]) == 2
+    assert_close(runs[0], runs[1], torch.float32, "training losses")
+    assert all(f"{kind}: 2" in fast.summary for kind in ("attention", "experts", "experts_lora", "router")), (
+        fast.summary
+    )

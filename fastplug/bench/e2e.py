@@ -342,7 +342,47 @@ MODELS["gemma4_moe"] = dict(
         moe_intermediate_size=32,
     ),
 )
-# the longer MoE rows (LoRA on experts, Mixtral widths) and Gemma 4 run when asked for by name
+# gpt-oss-20b's layer widths (hidden 2880, 64 heads of 64 and 8 kv heads, attention sinks, sliding 128 / full layers,
+# 32 experts top-4 of 2880 with biases and the clamped SwiGLU, 201088-token head), 4 layers, bf16, random init; LoRA on
+# attention and on the experts (peft target_parameters), as OpenAI's fine-tuning recipe does; transformers runs eager
+# attention (its own sinks), the only built-in one that has them
+MODELS["gpt_oss"] = dict(
+    config="GptOssConfig",
+    batch=2,
+    seq=2048,
+    lora=ATTENTION_LORA,
+    lora_parameters=["experts.gate_up_proj", "experts.down_proj"],
+    attn="eager",
+    full=dict(
+        hidden_size=2880,
+        num_hidden_layers=4,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=2880,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        vocab_size=201088,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=131072,
+    ),
+    tiny=dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+    ),
+)
+# the longer MoE rows (LoRA on experts, Mixtral widths), Gemma 4 and gpt-oss run when asked for by name
 DEFAULT_MODELS = ("llama", "qwen3_moe", "gemma2")
 TINY_BATCH, TINY_SEQ = 2, 32
 COLUMNS = (

@@ -116,11 +116,11 @@ def _assert_same_steps(model, reference, batches):
             optimizer.step()
 
 
-def _generate(model, ids):
+def _generate(model, ids, attention_mask=None):
     model.eval()
     # transformers 5.7's MoE forward fails computing the router loss of a decode step: none while generating
     moe = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
-    return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **moe)
+    return model.generate(ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0, **moe)
 
 
 @pytest.mark.compat
@@ -146,8 +146,9 @@ def test_patched_hybrid_matches_transformers(family):
     steps = 2 if family == "qwen3_5" else 1  # the others: one step
     _assert_same_steps(model, reference, [tokens(seed=step + 1) for step in range(steps)])
 
-    prompt = tokens(batch=1, length=6, seed=5)["input_ids"]
-    assert torch.equal(_generate(model, prompt), _generate(reference, prompt))
+    prompt = tokens(batch=2, length=6, seed=5)  # the first row left-padded: pads zeroed before the convolution
+    prompt = (prompt["input_ids"], prompt["attention_mask"])
+    assert torch.equal(_generate(model, *prompt), _generate(reference, *prompt))
 
     handle.restore()
     assert not any("forward" in vars(m) for m in model.modules())

@@ -259,6 +259,24 @@ MODELS["llama8b_4l"] = dict(
     ),
     tiny=dict(MODELS["llama"]["tiny"], tie_word_embeddings=False),
 )
+
+
+def _gemma4_init(model) -> None:
+    """Gemma 4 trusts trained weights where random init (transformers') leaves softmaxes at their extremes:
+    attention logits are scaled by 1.0, so q/k norms at one saturate every softmax (a head_dim-wide dot of unit-RMS
+    heads), and the router projects a unit-norm row, so weights of std 0.02 give all experts near-equal logits.
+    Either way the gradients or the routing are rounding noise, which the bf16 self-check finds apart between two
+    implementations. q/k norm weights of head_dim ** -0.25 and router weights of std 1 give logits of unit scale."""
+    import torch
+
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(("q_norm", "k_norm")) and getattr(module, "weight", None) is not None:
+                module.weight.fill_(module.weight.shape[0] ** -0.25)
+            if name.endswith("router.proj"):
+                module.weight.normal_(0.0, 1.0)
+
+
 # Gemma 4 at E2B widths (hidden 1536, head_dim 256 on sliding layers and 512 on full ones, one kv head, per-layer
 # inputs, KV sharing in the last 3 of 8 layers, 262144-token tied head), random init; and its MoE block at 26B-A4B
 # expert widths (128 experts top-8 of 704, beside a dense MLP; k = v full layers) in 6 layers of hidden 2048
@@ -280,6 +298,7 @@ _GEMMA4_TINY = dict(
 )
 MODELS["gemma4"] = dict(
     config="Gemma4TextConfig",
+    init=_gemma4_init,
     batch=2,
     seq=2048,
     lora=ALL_LINEAR_LORA,
@@ -306,6 +325,7 @@ MODELS["gemma4"] = dict(
 )
 MODELS["gemma4_moe"] = dict(
     config="Gemma4TextConfig",
+    init=_gemma4_init,
     batch=2,
     seq=2048,
     lora=ALL_LINEAR_LORA,
@@ -434,6 +454,8 @@ def build_model(name: str, tiny: bool, device, seed: int, adapter_dtype: str = "
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=preset["attn"])
+    if preset.get("init"):
+        preset["init"](model)
     checkpointing.enable_native(model)
     lora = LoraConfig(
         r=16,

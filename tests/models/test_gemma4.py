@@ -20,6 +20,8 @@ from fastplug.patch.engine import active_handle, patch_model
 from tests.helpers import TOL, assert_close, rel_err
 
 VOCAB = 128
+# On a GPU machine the first two tests run the compiled kernels (the others test plumbing on the torch references).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYER_TYPES = ("sliding_attention", "full_attention", "full_attention")  # the last one must be full
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 
@@ -52,11 +54,16 @@ def text_config(moe: bool = False, **overrides):
 
 
 def _randomise(model):
-    """Norm weights, router scales and layer scalars start at one: random values, so a wrong form shows."""
+    """Norm weights, router scales and layer scalars start at one: random values, so a wrong form shows. q/k norms
+    around head_dim ** -0.25 and router weights of std 1, as `bench.e2e._gemma4_init` says why."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "scale" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(p.shape[0] ** -0.25)
+            if name.endswith("router.proj.weight"):
+                p.normal_(0.0, 1.0)
         for name, b in model.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.8, 1.2)
@@ -68,8 +75,8 @@ def gemma4(moe: bool = False, seed: int = 0, **overrides):
     return _randomise(transformers.Gemma4ForCausalLM(text_config(moe, **overrides)))
 
 
-def _ids(batch=2, tokens=8, seed=1):
-    return torch.randint(1, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+def _ids(batch=2, tokens=8, seed=1, device="cpu"):
+    return torch.randint(1, VOCAB, (batch, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _step_grads(model, ids, **kwargs):
@@ -107,7 +114,7 @@ def test_moe_lora_self_check_generate_steps_and_restore(flash_heads_up_to_16):
     lora = LoraConfig(
         r=4, lora_alpha=8, target_modules="all-linear", target_parameters=EXPERTS, init_lora_weights=False
     )
-    model = get_peft_model(gemma4(moe=True), lora)
+    model = get_peft_model(gemma4(moe=True).to(DEVICE), lora)
     reference, float64 = copy.deepcopy(model), copy.deepcopy(model).double()
     float64.get_base_model().set_experts_implementation("eager")  # grouped_mm has no float64
     modules, experts_before = _module_identity(model), model.config._experts_implementation
@@ -132,20 +139,20 @@ def test_moe_lora_self_check_generate_steps_and_restore(flash_heads_up_to_16):
     assert model.config._experts_implementation == "fastplug"
 
     # greedy generation with the KV cache (before training: the same weights)
-    prompt = _ids(1, 4, seed=2)
+    prompt = _ids(1, 4, seed=2, device=DEVICE)
     model.eval(), reference.eval()
     kwargs = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
 
     # a LoRA step: loss as peft's, gradients as good as torch's against float64; after it, packed rows' loss
     # (position_ids restart; transformers looks for documents only without a cache) with the updated adapters
-    ids = _ids()
+    ids = _ids(device=DEVICE)
     losses, grads = zip(*(_step_grads(m, ids) for m in (model, reference, float64)))
     assert_close(losses[0], losses[1], torch.float32, "loss")
     _assert_grads_as_good_as_torch(*grads)
     for m in (model, reference):
         torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2).step()
-    packed = torch.cat([torch.arange(3), torch.arange(5)]).expand(2, -1)
+    packed = torch.cat([torch.arange(3), torch.arange(5)]).expand(2, -1).to(DEVICE)
     with torch.no_grad():
         out, ref = (m(input_ids=ids, labels=ids, position_ids=packed, use_cache=False) for m in (model, reference))
     assert_close(out.loss, ref.loss, torch.float32, "second loss, packed rows")
@@ -207,7 +214,7 @@ def test_conditional_generation_patches_the_language_model_only():
 
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    model = get_peft_model(_vlm(), lora)
+    model = get_peft_model(_vlm().to(DEVICE), lora)
     reference, float64 = copy.deepcopy(model), copy.deepcopy(model).double()
     tower = model.get_base_model().model.vision_tower
     handle = patch_model(model, stack_projections=True, gradient_checkpointing=False, self_check=False)
@@ -218,7 +225,7 @@ def test_conditional_generation_patches_the_language_model_only():
     assert not any("forward" in vars(m) for m in tower.modules()), "the vision tower is untouched"
 
     # one LoRA step on an image and text: the image tokens see each other both ways on the sliding layer
-    batch = _image_batch()
+    batch = {k: v.to(DEVICE) for k, v in _image_batch().items()}
     float64_batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     results = []
     for m, inputs in ((model, batch), (reference, batch), (float64, float64_batch)):
@@ -232,13 +239,8 @@ def test_conditional_generation_patches_the_language_model_only():
     assert not any("forward" in vars(m) for m in model.modules())
 
 
-# The trainer adapters, FastModel and the bench: the same patched forwards on the kernels' torch references
-# (TRITON_INTERPRET=0, as the bench's CPU smoke does); the tests above run the kernels themselves.
-@pytest.fixture
-def torch_references(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
+# The trainer adapters, FastModel and the bench: their plumbing, with the same patched forwards, on the kernels'
+# torch references on CPU (marker torch_reference); the tests above run the kernels themselves.
 def _pad_eos_bos():
     from tests.integrations.test_trl import TOKENIZER
 
@@ -246,7 +248,8 @@ def _pad_eos_bos():
 
 
 @pytest.mark.compat
-def test_hf_trainer_and_fast_sft_trainer_match(tmp_path, torch_references):
+@pytest.mark.torch_reference
+def test_hf_trainer_and_fast_sft_trainer_match(tmp_path):
     from peft import LoraConfig
     from transformers import Trainer, TrainingArguments
     from trl import SFTConfig, SFTTrainer
@@ -289,7 +292,8 @@ def test_hf_trainer_and_fast_sft_trainer_match(tmp_path, torch_references):
     assert active_handle(trainer.model) is None
 
 
-def test_fast_model_loads_it_and_fast_generate_says_why_not(tmp_path, torch_references):
+@pytest.mark.torch_reference
+def test_fast_model_loads_it_and_fast_generate_says_why_not(tmp_path):
     for name, model in (("text", gemma4()), ("multimodal", _vlm())):
         model.save_pretrained(tmp_path / name)
         with pytest.warns(UserWarning, match="tokenizer"):
@@ -303,7 +307,8 @@ def test_fast_model_loads_it_and_fast_generate_says_why_not(tmp_path, torch_refe
         fast_generate(gemma4(), _ids(1, 4), max_new_tokens=2)
 
 
-def test_bench_e2e_presets_train_as_transformers(torch_references):
+@pytest.mark.torch_reference
+def test_bench_e2e_presets_train_as_transformers():
     """`python -m fastplug.bench e2e --models gemma4,gemma4_moe`: the tiny presets build, patch and train with the
     losses of plain transformers (the workers' subprocess plumbing is the llama smoke's, tests/test_bench_smoke.py)."""
     from fastplug.bench import e2e

@@ -11,7 +11,8 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
   sft, fast_sft            trl.SFTTrainer / FastSFTTrainer, its collator padding each batch to its longest row
   sft_packed, fast_sft_packed  the same with packing=True (padding-free rows)
 tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
-torch.profiler's kernel time per step over the same steps, so wall / GPU says how far the host sets the pace.
+the kernel time of those steps (torch.profiler's time per real token over three more steps: its tracing
+slows the host, so it is not on while the wall is taken), so wall / GPU says how far the host sets the pace.
 """
 
 from __future__ import annotations
@@ -99,17 +100,20 @@ def documents(tokenizer, paths, count: int, min_len: int, max_len: int, seed: in
 # --- the worker -----------------------------------------------------------------------------------------------
 
 
-class _Meter:
-    """Real tokens (attention-mask ones) per step, counted lazily on the device; kernel time of the measured
-    steps from torch.profiler."""
+PROFILED_STEPS = 3  # after the measured ones: the profiler's tracing slows the host, so no wall is taken there
 
-    def __init__(self, device, warmup: int, deadline: float):
+
+class _Meter:
+    """Real tokens (attention-mask ones) per step, counted lazily on the device; wall time of the measured
+    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps."""
+
+    def __init__(self, device, warmup: int, steps: int, deadline: float):
         self.timer = StepTimer(device, deadline)
-        self.device, self.warmup = device, warmup
+        self.device, self.warmup, self.steps = device, warmup, steps
         self.tokens: list = []
         self._pending = []
         self._profile = None
-        self.gpu_ms = None
+        self.kernel_ms_per_token = None
 
     def count(self, module, args, kwargs):
         mask = kwargs.get("attention_mask")
@@ -127,7 +131,7 @@ class _Meter:
                 _reset_peak(meter.device)
 
             def on_step_begin(self, args, state, control, **kwargs):
-                if len(meter.timer.times) == meter.warmup and meter.device.type == "cuda":
+                if len(meter.timer.times) == meter.warmup + meter.steps and meter.device.type == "cuda":
                     from torch.profiler import ProfilerActivity, profile
 
                     meter._profile = profile(activities=[ProfilerActivity.CUDA])
@@ -145,21 +149,25 @@ class _Meter:
                     meter._profile.__exit__(None, None, None)
                     events = meter._profile.key_averages()
                     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-                    meter.gpu_ms = kernel_us / 1e3 / max(len(meter.timer.times) - meter.warmup, 1)
+                    profiled_tokens = sum(meter.tokens[meter.warmup + meter.steps :])
+                    meter.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
 
         return Timing()
 
     def result(self, note: str) -> dict:
         import torch
 
-        times, tokens = self.timer.times[self.warmup :], self.tokens[self.warmup :]
+        end = self.warmup + self.steps
+        times, tokens = self.timer.times[self.warmup : end], self.tokens[self.warmup : end]
         if not times:
             raise RuntimeError(f"only {len(self.timer.times)} steps ran, {self.warmup} of them warm-up")
         wall_ms = 1e3 * sum(times) / len(times)
+        per_token = self.kernel_ms_per_token
         return dict(
             tokens_per_s=sum(tokens) / sum(times),
             wall_ms=wall_ms,
-            gpu_ms=self.gpu_ms,
+            # the measured steps' kernel time, from the profiled steps' time per real token
+            gpu_ms=per_token * sum(tokens) / len(tokens) if per_token else None,
             measured_steps=len(times),
             losses=self.timer.losses[:3],
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
@@ -168,7 +176,7 @@ class _Meter:
 
 
 def _dataset(spec, tokenizer, paths):
-    count = spec["batch"] * (spec["warmup"] + spec["steps"])
+    count = spec["batch"] * (spec["warmup"] + spec["steps"] + PROFILED_STEPS)
     return documents(tokenizer, paths, count, spec["min_len"], spec["max_len"], spec["seed"])
 
 
@@ -179,7 +187,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
     if device.type == "cpu":
         model = model.float()
     rows = [{"input_ids": doc} for doc in _dataset(spec, tokenizer, paths)]
-    meter = _Meter(device, spec["warmup"], worker_deadline(spec))
+    meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
     model.register_forward_pre_hook(meter.count, with_kwargs=True)
     callbacks = [meter.callback()]
     if "fastkernels" in run:
@@ -187,7 +195,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
 
         callbacks.append(FastKernels(cuda_graphs=run.endswith("_graphs")))
     args = _training_args(spec, device, run)
-    args["per_device_train_batch_size"] = spec["batch"]
+    args["max_steps"] += PROFILED_STEPS
     trainer = Trainer(
         model=model,
         args=TrainingArguments(**args, use_liger_kernel=run == "trainer_liger"),
@@ -212,10 +220,12 @@ def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> d
         model = model.float()
     model.config.use_cache = False
     dataset = Dataset.from_dict({"input_ids": _dataset(spec, tokenizer, paths)})
-    meter = _Meter(device, spec["warmup"], worker_deadline(spec))
+    meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
     model.register_forward_pre_hook(meter.count, with_kwargs=True)
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[spec["model"]]["lora"])
-    config = SFTConfig(**_training_args(spec, device, "sft"), packing=packed, max_length=spec["max_len"])
+    args = _training_args(spec, device, "sft")
+    args["max_steps"] += PROFILED_STEPS
+    config = SFTConfig(**args, packing=packed, max_length=spec["max_len"])
     kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     if fast:
         from ..integrations.trl import FastSFTTrainer

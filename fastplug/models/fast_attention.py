@@ -308,7 +308,7 @@ def describe(module: nn.Module, family, fallback: str) -> str:
     if fallback == "eager":
         notes = ["right-padded batches: the same kernel; other padding: transformers' eager"]
     else:
-        notes = [f"padded batches: transformers' {fallback}"]
+        notes = [f"padded batches: transformers' {fallback}, but loss-only training on the right: no mask"]
     dropout = getattr(module, "attention_dropout", 0.0) or 0.0
     if dropout > 0:
         notes.append(f"training: transformers' eager (attention_dropout {dropout:g})")

@@ -44,6 +44,7 @@ def an_early_eos(model, ids, mask, new=NEW):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral"])
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_greedy_equals_transformers(tmp_path, family):
     """The tiny windowed families (Mistral, Gemma2/3, Mixtral: window 6) get prompts longer than the window."""
     path = save_tiny(tmp_path, family)
@@ -73,6 +74,7 @@ def lora_pair(path, seed=0):
 
 @pytest.mark.compat
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_greedy_with_unmerged_lora_equals_peft(tmp_path, family):
     fast, ref = lora_pair(save_tiny(tmp_path, family))
     ids, mask = prompts()
@@ -352,6 +354,7 @@ def llama(tmp_path_factory):
     return FastModel.from_pretrained(path, max_seq_length=40)[0]
 
 
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_sampling_is_seeded_and_top_k_1_is_greedy(llama):
     ids, mask = prompts()
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
@@ -372,6 +375,7 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(llama):
     assert sample(6, top_k=20, top_p=0.9).shape == greedy.shape
 
 
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_streamer_gets_the_prompt_then_the_tokens(llama):
     class Collect:
         def __init__(self):
@@ -398,6 +402,7 @@ def test_streamer_gets_the_prompt_then_the_tokens(llama):
     assert sum(streamer.parts[1:], []) == out[0, PROMPT:].tolist()
 
 
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_errors_before_generating(llama):
     ids, mask = prompts()
     with pytest.raises(ValueError, match="max_seq_length 40"):
@@ -421,6 +426,7 @@ def test_errors_before_generating(llama):
         fast_generate(gpt2, ids % 64, max_new_tokens=2)
 
 
+@pytest.mark.torch_reference  # the decoder's plumbing; its kernels: the decode_kernels tests
 def test_generation_config_and_batch_buckets(llama):
     ids, mask = prompts()
     config = transformers.GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=PAD)

@@ -126,7 +126,7 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4, gpt
                                                       torch.randn(12, requires_grad=True))),
         ("delta_rule", "_gated_delta_rule_op", lambda: (torch.randn(1, 9, 1, 16, requires_grad=True), torch.randn(1, 9, 1, 16, requires_grad=True),
                                                         torch.randn(1, 9, 2, 16, requires_grad=True), (-torch.rand(1, 9, 2)).requires_grad_(),
-                                                        torch.rand(1, 9, 2, requires_grad=True), True, "ieee")),
+                                                        torch.rand(1, 9, 2, requires_grad=True), True, "tf32x3")),
     ],
 )  # fmt: skip
 def test_registered_operator_passes_opcheck(module, op, make_args):

@@ -5,10 +5,10 @@ x is read as [B, T, C] (the projection's output as it lies, a column block of a 
 (B, C, T) transposes transformers makes around nn.Conv1d are not needed. Tokens before the sequence's start
 count as zeros (a prefill from an empty cache).
 
-Forward saves only x: backward recomputes the pre-activations it needs (K shifted tile loads per tap, from L2)
-instead of keeping a [B, T, C] buffer. Each backward program walks a range of token blocks of one channel
-block, holding its share of dw (and db) in registers, and writes one fp32 partial row; a torch sum over the
-programs finishes the reduction (no atomics).
+Forward saves only x. Backward recomputes the pre-activations, writes their gradient (a transient [B, T, C]
+buffer in x's dtype, as torch's SiLU backward leaves it) and reduces dw and db, each program walking a range of
+token tiles of one channel block with its share in registers and writing one fp32 partial row (a torch sum over
+the programs finishes the reduction, no atomics); a second kernel takes dx from the shifted gradient rows.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def _conv_fwd(
 
 
 @triton.jit
-def _conv_bwd(
-    DY, X, W, B, DX, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols, seq_len, sx_b, sx_t, sdy_t, tiles_per_program,
+def _conv_bwd_pre(
+    DY, X, W, B, DPRE, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols, seq_len, sx_b, sx_t, sdy_t, tiles_per_program,
     K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    # dpre[r] = dy[r] * silu'(pre[r]);  dx[s] = sum_j w[j] dpre[s + (K - 1) - j];
-    # dw[j] = sum_t dpre[t] x[t - (K - 1) + j];  db = sum_t dpre[t]
+    # dpre[t] = dy[t] * silu'(pre[t]), written for _conv_bwd_dx;  dw[j] = sum_t dpre[t] x[t - (K - 1) + j];
+    # db = sum_t dpre[t]. A program walks `tiles_per_program` token tiles of one channel block.
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < n_cols
     dw_acc = tl.zeros([BLOCK_K, BLOCK_C], dtype=tl.float32)  # rows: the K taps (BLOCK_K, a power of two)
@@ -96,40 +96,53 @@ def _conv_bwd(
         row_mask = rows < n_rows
         rows = rows.to(tl.int64)
         t = rows % seq_len
-        b = rows // seq_len
         mask = row_mask[:, None] & col_mask[None, :]
-        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for j in tl.static_range(K):
-            # the output row this input row feeds through tap j, in the same sequence
-            out_t = t + (K - 1) - j
-            out_rows = rows + (K - 1) - j
-            ok = row_mask & (out_t < seq_len)
-            pre = _pre_activation(
-                X, W, B, out_rows, out_t, ok, cols, col_mask, sx_b, sx_t, seq_len, K, HAS_BIAS, BLOCK_T, BLOCK_C
-            )
-            dy_ptrs = DY + (b * seq_len + out_t)[:, None] * sdy_t + cols[None, :]
-            dy = tl.load(dy_ptrs, mask=ok[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-            sig = tl.sigmoid(pre)
-            dpre = dy * sig * (1.0 + pre * (1.0 - sig))
-            w = tl.load(W + cols * K + j, mask=col_mask, other=0.0).to(tl.float32)
-            dx += dpre * w[None, :]
-            if j == K - 1:  # out_t == t: this row's own dpre gives the weight and bias grads
-                for i in tl.static_range(K):
-                    src = t - (K - 1) + i
-                    ok_src = row_mask & (src >= 0)
-                    x = tl.load(X + (b * sx_b + src * sx_t)[:, None] + cols[None, :],
-                                mask=ok_src[:, None] & col_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
-                    part = tl.sum(dpre * x, axis=0)
-                    dw_acc += tl.where(taps[:, None] == i, part[None, :], 0.0)
-                if HAS_BIAS:
-                    db_acc += tl.sum(dpre, axis=0)
-        tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        pre = _pre_activation(X, W, B, rows, t, row_mask, cols, col_mask, sx_b, sx_t, seq_len, K, HAS_BIAS, BLOCK_T,
+                              BLOCK_C)  # fmt: skip
+        dy = tl.load(DY + rows[:, None] * sdy_t + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(pre)
+        dpre = dy * sig * (1.0 + pre * (1.0 - sig))
+        tl.store(DPRE + rows[:, None] * n_cols + cols[None, :], dpre.to(DPRE.dtype.element_ty), mask=mask)
+        b = rows // seq_len
+        for i in tl.static_range(K):  # the taps' inputs again (L1/L2 hits): fewer registers than keeping them
+            src = t - (K - 1) + i
+            ok = row_mask & (src >= 0)
+            x = tl.load(X + (b * sx_b + src * sx_t)[:, None] + cols[None, :], mask=ok[:, None] & col_mask[None, :],
+                        other=0.0).to(tl.float32)  # fmt: skip
+            dw_acc += tl.where(taps[:, None] == i, tl.sum(dpre * x, axis=0)[None, :], 0.0)
+        if HAS_BIAS:
+            db_acc += tl.sum(dpre, axis=0)
     partial = tl.program_id(0).to(tl.int64) * K * n_cols
     tl.store(
         DW_PARTIAL + partial + cols[None, :] * K + taps[:, None], dw_acc, mask=col_mask[None, :] & (taps < K)[:, None]
     )
     if HAS_BIAS:
         tl.store(DB_PARTIAL + tl.program_id(0).to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
+
+
+@triton.jit
+def _conv_bwd_dx(
+    DPRE, W, DX, n_rows, n_cols, seq_len,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # dx[s] = sum_j w[j] dpre[s + (K - 1) - j], within s's sequence (dpre: [B * T, C], contiguous)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    rows = rows.to(tl.int64)
+    t = rows % seq_len
+    dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        ok = row_mask & (t + (K - 1) - j < seq_len)
+        d = tl.load(DPRE + (rows + (K - 1) - j)[:, None] * n_cols + cols[None, :], mask=ok[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        w = tl.load(W + cols * K + j, mask=col_mask, other=0.0).to(tl.float32)
+        dx += d * w[None, :]
+    tl.store(
+        DX + rows[:, None] * n_cols + cols[None, :],
+        dx.to(DX.dtype.element_ty),
+        mask=row_mask[:, None] & col_mask[None, :],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,7 +152,7 @@ def _conv_bwd(
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-    """One launch of `_conv_fwd` or `_conv_bwd`."""
+    """One launch of `_conv_fwd` (and `_conv_bwd_dx`) or of `_conv_bwd_pre`."""
 
     block_t: int  # tokens per tile
     block_c: int  # channels per tile (a power of two)
@@ -149,10 +162,12 @@ class ConvConfig:
 
 @functools.lru_cache(maxsize=64)
 def conv_config(n_cols: int, *, backward: bool) -> ConvConfig:
-    """Tiles of 32 tokens x up to 128 channels (16-byte bf16 rows per thread); backward walks its token tiles
-    in few persistent programs per channel block."""
+    """Tiles of 16 tokens x up to 128 channels (backward's first kernel: 64, and a few persistent programs per
+    channel block walking the token tiles): 94-140 registers a thread and no spills in sm_90's compile (ptxas -v)."""
     block_c = min(128, next_power_of_2(n_cols))
-    return ConvConfig(block_t=32, block_c=block_c, num_warps=4, programs_per_sm=2 if backward else 0)
+    if backward:
+        return ConvConfig(block_t=16, block_c=min(64, block_c), num_warps=4, programs_per_sm=4)
+    return ConvConfig(block_t=16, block_c=block_c, num_warps=4, programs_per_sm=0)
 
 
 def _config(n_cols: int, backward: bool) -> ConvConfig:
@@ -177,7 +192,8 @@ def _conv_forward(x, weight, bias):
 
 
 def _conv_backward(dy, x, weight, bias, need_dw: bool):
-    """(dx in x's dtype, dw and db in fp32 or None)."""
+    """(dx in x's dtype, dw and db in fp32 or None): the pre-activations' gradient (in x's dtype, as torch's SiLU
+    backward leaves it) with the weight and bias grads, then dx from it."""
     B, T, C = x.shape
     K = weight.shape[1]
     cfg = _config(C, backward=True)
@@ -187,15 +203,20 @@ def _conv_backward(dy, x, weight, bias, need_dw: bool):
     programs = max(1, min(tiles, cdiv(num_sms(x.device) * cfg.programs_per_sm, col_blocks)))
     per_program = cdiv(tiles, programs)
     programs = cdiv(tiles, per_program)
-    dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+    dpre = torch.empty((B * T, C), dtype=x.dtype, device=x.device)
     dw_partial = torch.empty((programs, C, K), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((programs, C), dtype=torch.float32, device=x.device) if bias is not None else None
-    _conv_bwd[(programs, col_blocks)](
-        dy, x, weight, bias if bias is not None else weight, dx, dw_partial,
+    _conv_bwd_pre[(programs, col_blocks)](
+        dy, x, weight, bias if bias is not None else weight, dpre, dw_partial,
         db_partial if db_partial is not None else dw_partial, B * T, C, T, *_strides(x), dy.stride(1), per_program,
         K=K, BLOCK_K=next_power_of_2(K), HAS_BIAS=bias is not None, BLOCK_T=cfg.block_t, BLOCK_C=cfg.block_c,
         num_warps=cfg.num_warps,
     )  # fmt: skip
+    dx = torch.empty((B, T, C), dtype=x.dtype, device=x.device)
+    fwd = _config(C, backward=False)
+    _conv_bwd_dx[(cdiv(B * T, fwd.block_t), cdiv(C, fwd.block_c))](
+        dpre, weight, dx, B * T, C, T, K=K, BLOCK_T=fwd.block_t, BLOCK_C=fwd.block_c, num_warps=fwd.num_warps
+    )
     dw = dw_partial.sum(0) if need_dw else None
     db = db_partial.sum(0) if db_partial is not None else None
     return dx, dw, db

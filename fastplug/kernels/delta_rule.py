@@ -30,6 +30,7 @@ when fla is installed). Tensors Triton cannot run take stage one and a torch loo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import warnings
@@ -39,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from ._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
 
 CHUNK = 64
@@ -268,14 +270,33 @@ def _heads_last(dq, dk, dv, dg, d_beta, shapes):
     return dq, dk, back(dv), back(dg.unsqueeze(-1)).squeeze(-1), back(d_beta.unsqueeze(-1)).squeeze(-1)
 
 
-def _blocks(dk: int, dv: int) -> tuple[int, int]:
-    """(BK, BV): all of Dk (tl.dot takes 16 at least), Dv in blocks of up to 64."""
-    return max(16, next_power_of_2(dk)), max(16, min(64, next_power_of_2(dv)))
+@dataclasses.dataclass(frozen=True)
+class ScanConfig:
+    """One launch of `_scan_fwd` or `_scan_bwd`: a program holds a [block_k, block_v] block of the state."""
+
+    block_k: int  # all of Dk (a power of two, 16 at least: tl.dot's least)
+    block_v: int  # Dv in blocks of this many columns (a power of two)
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=64)
+def scan_config(dk: int, dv: int) -> ScanConfig:
+    """Dk 128 (Qwen3.5's): 32 value columns a program, 8 warps; sm_90's compile then holds the bf16 layers' forward
+    in 159-215 registers without spills and spills under 1 KiB a thread in backward (ptxas -v; 64 columns
+    spilled more). Narrower heads take 64 columns."""
+    block_k = max(16, next_power_of_2(dk))
+    block_v = max(16, min(32 if block_k >= 128 else 64, next_power_of_2(dv)))
+    return ScanConfig(block_k, block_v, 8 if block_k * block_v >= 4096 else 4)
+
+
+def _blocks(dk: int, dv: int) -> ScanConfig:
+    return tuning.pick("gated_delta_scan", scan_config, dk, dv)
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # fp32 layers get fp32 products; bf16/fp16 ones TF32's, finer than their inputs
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # fp32 layers: three TF32 products per dot (fp32's accuracy on tensor cores; plain fp32 dots spill registers
+    # by the tens of KiB); bf16/fp16 layers: TF32's, finer than their inputs
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, states=None):
@@ -284,14 +305,14 @@ def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, st
     w, u, qd, kd, p, gamma = parts
     bh, tokens, dk = w.shape
     dv = u.shape[-1]
-    bk, bv = _blocks(dk, dv)
+    cfg = _blocks(dk, dv)
     o = torch.empty_like(u) if store_out else None
     final = w.new_empty((bh, dk, dv)) if want_final else None
-    _scan_fwd[(bh, cdiv(dv, bv))](
+    _scan_fwd[(bh, cdiv(dv, cfg.block_v))](
         w, u, qd, kd, p, gamma, o if o is not None else u, final if final is not None else u,
         states if states is not None else u, tokens // CHUNK, dk, dv,
-        C=CHUNK, BK=bk, BV=bv, STORE_OUT=store_out, STORE_FINAL=want_final, STORE_STATES=states is not None,
-        PRECISION=precision, num_warps=8 if bk * bv > 4096 else 4,
+        C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, STORE_OUT=store_out, STORE_FINAL=want_final,
+        STORE_STATES=states is not None, PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
     return o, final
 
@@ -302,8 +323,8 @@ def _scan_backward(parts, do, ds_final, precision: str):
     bh, tokens, dk = w.shape
     dv = u.shape[-1]
     n = tokens // CHUNK
-    bk, bv = _blocks(dk, dv)
-    nv = cdiv(dv, bv)
+    cfg = _blocks(dk, dv)
+    nv = cdiv(dv, cfg.block_v)
     states = w.new_empty((bh, n, dk, dv))
     _scan(parts, False, precision, store_out=False, states=states)
     du = torch.empty_like(u)
@@ -313,8 +334,8 @@ def _scan_backward(parts, do, ds_final, precision: str):
     _scan_bwd[(bh, nv)](
         w, u, qd, kd, p, gamma, states, do, ds_final if ds_final is not None else u, du, dw, dqd, dkd, dp, dgamma,
         n, dk, dv, bh,
-        C=CHUNK, BK=bk, BV=bv, HAS_DS_FINAL=ds_final is not None, PRECISION=precision,
-        num_warps=8 if bk * bv > 4096 else 4,
+        C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, HAS_DS_FINAL=ds_final is not None, PRECISION=precision,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     partials = (dw, dqd, dkd, dp, dgamma)
     dw, dqd, dkd, dp, dgamma = (t[0] if nv == 1 else t.sum(0) for t in partials)

@@ -6,6 +6,7 @@ as an argument, built by one heuristic function from the problem's shape and dty
     kernel name    config           heuristic
     "norm"         NormConfig       norms.norm_config(n_cols, dtype, *, backward, center)
     "causal_conv"  ConvConfig       causal_conv.conv_config(n_cols, *, backward)
+    "gated_delta_scan" ScanConfig   delta_rule.scan_config(dk, dv)
     "glu"          GluConfig        activations.glu_config(n_rows, n_cols, dtype, *, contiguous)
     "rope"         RopeConfig       rope.rope_config(n_heads_q, n_heads_k, tokens, rot_dim, dtype)
     "attention"    AttentionConfig  attention.attention_config(kernel, block_d, device)

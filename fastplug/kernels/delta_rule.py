@@ -14,9 +14,10 @@ D_ij = exp(Gc_i - Gc_j) for i >= j (0 above):
 
 Stage one (everything up to gamma) has no sequential dependence: plain torch ops over all chunks at once, the
 triangular solve included. Stage two, the scan over chunks, is one Triton kernel: a program per (sequence and
-head, block of Dv) holds its block of S in registers across the chunks. Its backward is a second kernel walking
-the chunks in reverse with dS in registers; the chunk states it reads are recomputed by the forward kernel
-first (a transient buffer, not kept between forward and backward).
+head, block of Dv) holds its block of S in registers across the chunks. Its backward: the forward kernel again,
+writing each chunk's starting state and new values V (transient buffers, not kept between forward and backward),
+then a kernel walking the chunks in reverse with dS in registers (dV needs no state), then the gradients of W, Qd,
+Kd, P and gamma as batched matmuls over all chunks.
 
 Checkpoint-friendly: the forward keeps only its inputs (q, k, v, g, beta); backward recomputes stage one, runs the
 two kernels and then stage one's backward (derived by hand, `_prepare_backward`: no autograd inside, so the
@@ -55,7 +56,7 @@ _L2_EPS = 1e-6  # transformers' and fla's l2norm: x * rsqrt(sum(x^2) + 1e-6)
 
 @triton.jit
 def _scan_fwd(
-    W, U, QD, KD, P, GAMMA, O, S_FINAL, STATES, n_chunks, dk, dv,
+    W, U, QD, KD, P, GAMMA, O, S_FINAL, STATES, V_NEW, n_chunks, dk, dv,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_OUT: tl.constexpr, STORE_FINAL: tl.constexpr,
     STORE_STATES: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -70,13 +71,15 @@ def _scan_fwd(
     s = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(n_chunks):
         rows = n * C + rc
-        if STORE_STATES:  # the state this chunk starts from, for the backward
+        if STORE_STATES:  # for the backward: the state this chunk starts from, and (below) its new values
             tl.store(STATES + (bh * n_chunks + n) * dk * dv + rk[:, None] * dv + rv[None, :], s, mask=kv_mask)
         ck = bh * tokens * dk + rows[:, None] * dk + rk[None, :]
         cv = bh * tokens * dv + rows[:, None] * dv + rv[None, :]
         w = tl.load(W + ck, mask=k_mask[None, :], other=0.0)
         u = tl.load(U + cv, mask=v_mask[None, :], other=0.0)
         v_new = u - tl.dot(w, s, input_precision=PRECISION)
+        if STORE_STATES:
+            tl.store(V_NEW + cv, v_new, mask=v_mask[None, :])
         if STORE_OUT:
             qd = tl.load(QD + ck, mask=k_mask[None, :], other=0.0)
             p = tl.load(P + (bh * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :])
@@ -91,22 +94,19 @@ def _scan_fwd(
 
 @triton.jit
 def _scan_bwd(
-    W, U, QD, KD, P, GAMMA, STATES, DO, DS_FINAL, DU, DW, DQD, DKD, DP, DGAMMA, n_chunks, dk, dv, n_bh,
+    W, QD, KD, P, GAMMA, DO, DS_FINAL, DU, DS_NEXT, n_chunks, dk, dv,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # Reverse over chunks with dS (the grad of the state entering the next chunk) in registers:
-    #   dV = P^T dO + Kd dS;  dU = dV;  dW = -dV S^T;  dQd = dO S^T;  dKd = V dS^T;  dP = dO V^T;
-    #   dgamma = sum(S * dS);  dS <- gamma dS + Qd^T dO - W^T dV
-    # DW, DQD, DKD, DP, DGAMMA are partials per block of Dv (leading dim), summed by the launcher.
+    # Reverse over chunks with dS (the grad of the state leaving the chunk) in registers; the state itself is not
+    # needed:  dV = P^T dO + Kd dS (= dU);  DS_NEXT[n] = dS;  dS <- gamma dS + Qd^T dO - W^T dV.
+    # The launcher takes dW, dQd, dKd, dP, dgamma from DS_NEXT, the chunk states and new values (batched matmuls).
     bh = tl.program_id(0).to(tl.int64)
-    vb = tl.program_id(1).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
+    rv = tl.program_id(1) * BV + tl.arange(0, BV)
     k_mask, v_mask = rk < dk, rv < dv
     kv_mask = k_mask[:, None] & v_mask[None, :]
     tokens = n_chunks * C
-    part = vb * n_bh + bh  # this program's slice of the partials
     if HAS_DS_FINAL:
         ds = tl.load(DS_FINAL + bh * dk * dv + rk[:, None] * dv + rv[None, :], mask=kv_mask, other=0.0)
     else:
@@ -114,26 +114,17 @@ def _scan_bwd(
     for i in range(n_chunks):
         n = n_chunks - 1 - i
         rows = n * C + rc
-        s = tl.load(STATES + (bh * n_chunks + n) * dk * dv + rk[:, None] * dv + rv[None, :], mask=kv_mask, other=0.0)
+        tl.store(DS_NEXT + (bh * n_chunks + n) * dk * dv + rk[:, None] * dv + rv[None, :], ds, mask=kv_mask)
         ck = bh * tokens * dk + rows[:, None] * dk + rk[None, :]
         cv = bh * tokens * dv + rows[:, None] * dv + rv[None, :]
-        w = tl.load(W + ck, mask=k_mask[None, :], other=0.0)
-        u = tl.load(U + cv, mask=v_mask[None, :], other=0.0)
         do = tl.load(DO + cv, mask=v_mask[None, :], other=0.0)
-        kd = tl.load(KD + ck, mask=k_mask[None, :], other=0.0)
         p = tl.load(P + (bh * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :])
-        v_new = u - tl.dot(w, s, input_precision=PRECISION)
+        kd = tl.load(KD + ck, mask=k_mask[None, :], other=0.0)
         dv_new = tl.dot(tl.trans(p), do, input_precision=PRECISION) + tl.dot(kd, ds, input_precision=PRECISION)
         tl.store(DU + cv, dv_new, mask=v_mask[None, :])
-        pk = part * tokens * dk + rows[:, None] * dk + rk[None, :]
-        tl.store(DW + pk, -tl.dot(dv_new, tl.trans(s), input_precision=PRECISION), mask=k_mask[None, :])
-        tl.store(DQD + pk, tl.dot(do, tl.trans(s), input_precision=PRECISION), mask=k_mask[None, :])
-        tl.store(DKD + pk, tl.dot(v_new, tl.trans(ds), input_precision=PRECISION), mask=k_mask[None, :])
-        dp = tl.dot(do, tl.trans(v_new), input_precision=PRECISION)
-        tl.store(DP + (part * n_chunks + n) * C * C + rc[:, None] * C + rc[None, :], dp)
-        tl.store(DGAMMA + part * n_chunks + n, tl.sum(tl.sum(s * ds, axis=1), axis=0))
         gamma = tl.load(GAMMA + bh * n_chunks + n)
         qd = tl.load(QD + ck, mask=k_mask[None, :], other=0.0)
+        w = tl.load(W + ck, mask=k_mask[None, :], other=0.0)
         ds = (
             gamma * ds
             + tl.dot(tl.trans(qd), do, input_precision=PRECISION)
@@ -281,9 +272,9 @@ class ScanConfig:
 
 @functools.lru_cache(maxsize=64)
 def scan_config(dk: int, dv: int) -> ScanConfig:
-    """Dk 128 (Qwen3.5's): 32 value columns a program, 8 warps; sm_90's compile then holds the bf16 layers' forward
-    in 159-215 registers without spills and spills under 1 KiB a thread in backward (ptxas -v; 64 columns
-    spilled more). Narrower heads take 64 columns."""
+    """Dk 128 (Qwen3.5's): 32 value columns a program, 8 warps; sm_90's compile then holds the bf16 layers' kernels
+    in 177-230 registers without spills (ptxas -v; 64 columns spilled; fp32 layers' tf32x3 dots spill up to 1 KiB
+    a thread). Narrower heads take 64 columns."""
     block_k = max(16, next_power_of_2(dk))
     block_v = max(16, min(32 if block_k >= 128 else 64, next_power_of_2(dv)))
     return ScanConfig(block_k, block_v, 8 if block_k * block_v >= 4096 else 4)
@@ -299,9 +290,9 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, states=None):
-    """O [BH, Tp, Dv] and the final state [BH, Dk, Dv] (None unless wanted); `states` [BH, N, Dk, Dv] is filled
-    with the state each chunk starts from when given."""
+def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, states=None, v_new=None):
+    """O [BH, Tp, Dv] and the final state [BH, Dk, Dv] (None unless wanted); with `states` [BH, N, Dk, Dv] and
+    `v_new` [BH, Tp, Dv] given, fills them with the state each chunk starts from and its new values."""
     w, u, qd, kd, p, gamma = parts
     bh, tokens, dk = w.shape
     dv = u.shape[-1]
@@ -310,7 +301,7 @@ def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, st
     final = w.new_empty((bh, dk, dv)) if want_final else None
     _scan_fwd[(bh, cdiv(dv, cfg.block_v))](
         w, u, qd, kd, p, gamma, o if o is not None else u, final if final is not None else u,
-        states if states is not None else u, tokens // CHUNK, dk, dv,
+        states if states is not None else u, v_new if v_new is not None else u, tokens // CHUNK, dk, dv,
         C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, STORE_OUT=store_out, STORE_FINAL=want_final,
         STORE_STATES=states is not None, PRECISION=precision, num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -318,27 +309,32 @@ def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, st
 
 
 def _scan_backward(parts, do, ds_final, precision: str):
-    """Grads of (W, U, Qd, Kd, P, gamma) from dO [BH, Tp, Dv] and dS_final [BH, Dk, Dv] (or None)."""
+    """Grads of (W, U, Qd, Kd, P, gamma) from dO [BH, Tp, Dv] and dS_final [BH, Dk, Dv] (or None): the chunk states
+    and new values recomputed, the reverse kernel (dU and the grad of each chunk's final state), then the rest as
+    batched matmuls over the chunks."""
     w, u, qd, kd, p, gamma = parts
     bh, tokens, dk = w.shape
     dv = u.shape[-1]
     n = tokens // CHUNK
     cfg = _blocks(dk, dv)
-    nv = cdiv(dv, cfg.block_v)
     states = w.new_empty((bh, n, dk, dv))
-    _scan(parts, False, precision, store_out=False, states=states)
+    v_new = torch.empty_like(u)
+    _scan(parts, False, precision, store_out=False, states=states, v_new=v_new)
     du = torch.empty_like(u)
-    dw, dqd, dkd = (w.new_empty((nv, bh, tokens, dk)) for _ in range(3))
-    dp = w.new_empty((nv, bh, n, CHUNK, CHUNK))
-    dgamma = w.new_empty((nv, bh, n))
-    _scan_bwd[(bh, nv)](
-        w, u, qd, kd, p, gamma, states, do, ds_final if ds_final is not None else u, du, dw, dqd, dkd, dp, dgamma,
-        n, dk, dv, bh,
+    ds_next = torch.empty_like(states)
+    _scan_bwd[(bh, cdiv(dv, cfg.block_v))](
+        w, qd, kd, p, gamma, do, ds_final if ds_final is not None else u, du, ds_next, n, dk, dv,
         C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, HAS_DS_FINAL=ds_final is not None, PRECISION=precision,
         num_warps=cfg.num_warps,
     )  # fmt: skip
-    partials = (dw, dqd, dkd, dp, dgamma)
-    dw, dqd, dkd, dp, dgamma = (t[0] if nv == 1 else t.sum(0) for t in partials)
+    chunks = bh * n
+    s_t = states.view(chunks, dk, dv).transpose(1, 2)  # [chunks, Dv, Dk]
+    du_c, do_c, v_c = (t.view(chunks, CHUNK, dv) for t in (du, do, v_new))
+    dw = torch.bmm(du_c, s_t).neg_().view(bh, tokens, dk)
+    dqd = torch.bmm(do_c, s_t).view(bh, tokens, dk)
+    dkd = torch.bmm(v_c, ds_next.view(chunks, dk, dv).transpose(1, 2)).view(bh, tokens, dk)
+    dp = torch.bmm(do_c, v_c.transpose(1, 2)).view(bh, n, CHUNK, CHUNK)
+    dgamma = (states * ds_next).sum((-1, -2))
     return dw, du, dqd, dkd, dp, dgamma
 
 

@@ -217,6 +217,7 @@ def test_trainer_and_sft_trainer(tmp_path):
     patched, model = hf_losses([fast])
     assert_close(patched, hf_losses([])[0], torch.float32, "Trainer losses")
     assert "linear_attention: 1" in fast.summary and "declined" not in fast.summary
+    assert "gradient checkpointing: on" in fast.summary  # the linear layers ran again inside backward
     assert active_handle(model) is None and not any("forward" in vars(m) for m in model.modules())
 
     def sft(cls):

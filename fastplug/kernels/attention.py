@@ -1189,7 +1189,7 @@ def _sinks_grad(sinks, lse, delta):
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, problem, start, end, sinks):
+    def forward(ctx, q, k, v, problem, start, end, sinks=None):  # backward's extra None is dropped without sinks
         out, lse = _flash_forward(q, k, v, problem, start, end, sinks=sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.problem, ctx.bounds = problem, (start, end)  # int32 bounds: no grads, never written in place
@@ -1199,7 +1199,7 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv, dsinks = _flash_backward(do, q, k, v, out, lse, ctx.problem, *ctx.bounds, sinks=sinks)
-        return dq, dk, dv, None, None, None, dsinks if ctx.needs_input_grad[6] else None
+        return dq, dk, dv, None, None, None, dsinks if ctx.needs_input_grad[6:7] == (True,) else None
 
 
 # ----------------------------------------------------------------------------------------------------

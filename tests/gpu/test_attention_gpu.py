@@ -65,6 +65,23 @@ def test_triton_kernel_matches_reference(shape, options, dtype):
     _check(_triton(options), lambda *x: attention_reference(*x, **options), inputs)
 
 
+@pytest.mark.parametrize("options", [{"sliding_window": 128}, {}], ids=["sliding", "full"])
+def test_sinks_at_gpt_oss_shapes(options):
+    """gpt-oss's layers (64-wide heads, GQA 8:1, sliding window 128 or full) at T 2048 in bf16 with attention sinks:
+    out and the gradients of q, k, v and the sinks against the fp32 reference (the dispatcher never takes SDPA)."""
+    q, k, v = _inputs(1, 8, 1, 2048, 64, torch.bfloat16)
+    sinks = (2 * torch.randn(8, device=DEV)).to(torch.bfloat16).requires_grad_()
+    inputs = [q, k, v, sinks]
+    out = attention(q, k, v, sinks=sinks, **options)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad)
+    ref_inputs = [t.detach().float().requires_grad_() for t in inputs]
+    ref = attention_reference(*ref_inputs[:3], sinks=ref_inputs[3], **options)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, grad.float())
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref, *ref_grads)):
+        assert rel_err(a, b) < 2e-2, f"{name}: relative error {rel_err(a, b):.2e}"
+
+
 @pytest.mark.parametrize("tma", [("fwd", "dkdv", "dq"), ()], ids=["tma", "pointers"])
 @pytest.mark.parametrize(
     "shape, options",

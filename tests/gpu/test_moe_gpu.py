@@ -83,6 +83,35 @@ def test_moe_experts_frozen_down_mixtral_like():
         assert_close(got, want, torch.bfloat16, name, tol=2e-2)
 
 
+def test_moe_experts_gpt_oss_shape():
+    """gpt-oss-20b's experts (32 of 2880 -> 2880, top-4) in bf16: [E, in, out] weights as transposed views, gate/up
+    interleaved, biases, the clamped SwiGLU, LoRA on both weights; every gradient against float64 (the loop's
+    layout is transformers' GptOssExperts', tests/kernels/test_moe.py)."""
+    T, H, I, E, k, r = 1024, 2880, 2880, 32, 4, 16
+    rand = lambda *s, scale=1.0: (scale * torch.randn(*s, device="cuda")).bfloat16().requires_grad_()  # noqa: E731
+    x = rand(T, H)
+    gate_up, down = rand(E, H, 2 * I, scale=H**-0.5), rand(E, I, H, scale=I**-0.5)  # gpt-oss's storage
+    biases = [rand(E, 2 * I, scale=0.1), rand(E, H, scale=0.1)]
+    adapters = [rand(*s, scale=1 / 8) for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    inputs = [x, gate_up, down, *biases, logits, *adapters]
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    outs = []
+    for fn, args in ((moe_experts, inputs), (moe_experts_reference, inputs64)):
+        weights, index = moe_router(args[5], k) if fn is moe_experts else moe_router_reference(args[5], k)
+        y = fn(
+            args[0], args[1].transpose(1, 2), args[2].transpose(1, 2), index, weights.to(args[0].dtype),
+            gate_up_lora=ExpertLoRA(*args[6:8], 2.0), down_lora=ExpertLoRA(*args[8:10], 2.0),
+            gate_up_bias=args[3], down_bias=args[4], interleaved=True, activation="clamped_swiglu",
+            swiglu_alpha=1.702, swiglu_limit=7.0,
+        )  # fmt: skip
+        grad = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).to(y.dtype)
+        outs.append([y, *torch.autograd.grad(y, args, grad)])
+    names = ("out", "dx", "dgate_up", "ddown", "dgate_up_bias", "ddown_bias", "dlogits", "dA1", "dB1", "dA2", "dB2")
+    for name, got, want in zip(names, *outs):
+        assert_close(got, want, torch.bfloat16, name, tol=2e-2)
+
+
 @pytest.mark.parametrize("family", test_moe_models.MOE_FAMILIES)
 def test_tiny_moe_families_on_gpu(family):
     test_moe_models.test_moe_full_finetuning_matches_and_restores(family)

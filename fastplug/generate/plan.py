@@ -146,6 +146,14 @@ class _MLP:
         return self.down(hidden)
 
 
+# The families whose layers generate/decoder.py reproduces, each tested against transformers' generate
+# (tests/generate/test_generation.py). A Family entry alone says training patches apply, not that the decoder
+# computes the family's layers: granite's multipliers and glm4's interleaved RoPE decoded wrong tokens silently.
+DECODER_FAMILIES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe"}
+)
+
+
 def _check_decodable(base: nn.Module, decoder: nn.Module, family) -> None:
     """ValueError naming what the static-KV decoder cannot run: linear-attention layers (their convolution and
     recurrent states are no KV cache) and output-gated attention (Qwen3.5, Qwen3-Next)."""
@@ -234,6 +242,12 @@ class Plan:
             raise ValueError(
                 f"fast_generate: {type(base).__name__}'s layers have what its decoder does not run: "
                 f"{', '.join(parts)}. Use model.generate (transformers' cache), which the patched model runs"
+            )
+        if family.name not in DECODER_FAMILIES:
+            raise ValueError(
+                f"fast_generate decodes the families {', '.join(sorted(DECODER_FAMILIES))}; model type "
+                f"{family.name!r} is patched for training, but its layers differ from what the decoder runs (RoPE "
+                "layout, sinks, multipliers, norms or fused projections). Use model.generate (the patched model)"
             )
         _check_decodable(base, decoder, family)
         offset = family.rms_norm_offset

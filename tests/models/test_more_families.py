@@ -253,3 +253,15 @@ def test_gpt_oss_hf_trainer_with_fast_kernels_matches(tmp_path):
     assert all(f"{kind}: 2" in fast.summary for kind in ("attention", "experts", "experts_lora", "router")), (
         fast.summary
     )
+
+
+@pytest.mark.torch_reference
+@pytest.mark.parametrize("family", ["granite", "glm4", "gpt_oss"])
+def test_fast_generate_refuses_what_its_decoder_does_not_compute(family):
+    """granite's multipliers and glm4's interleaved RoPE decoded wrong tokens silently once their Family lines
+    existed: the decoder names the families it reproduces and sends the others to model.generate."""
+    from fastplug import fast_generate
+
+    model = tiny(family).eval()
+    with pytest.raises(ValueError, match=f"model type '{family}' is patched for training.*model.generate"):
+        fast_generate(model, torch.randint(1, 64, (1, 4)), max_new_tokens=2)

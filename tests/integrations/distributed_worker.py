@@ -256,7 +256,9 @@ def assert_bf16_loop_matches(ranks: list[dict], reference: dict) -> None:
     for rank, got in enumerate(ranks):
         err = rel_err(torch.tensor(got["losses"]), torch.tensor(reference["losses"]))
         assert err < 1e-3, f"rank {rank}: losses {got['losses']} vs one process {reference['losses']}"
-        assert_close_dicts(got["grads"][0], reference["grads"][0], f"rank {rank}, step 1, LoRA gradients", 2e-2)
+        # bf16's bound for gradients (tests/helpers.TOL x 2.5, the self-check's policy): two row splits' sums
+        # round apart by 2.0e-2 on lora_A of a v_proj (2026-11-26, torch 2.13 CPU)
+        assert_close_dicts(got["grads"][0], reference["grads"][0], f"rank {rank}, step 1, LoRA gradients", 2.5e-2)
 
 
 def assert_training_matches(ranks: list[dict], reference: dict, tol: float) -> None:

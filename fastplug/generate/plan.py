@@ -243,13 +243,13 @@ class Plan:
                 f"fast_generate: {type(base).__name__}'s layers have what its decoder does not run: "
                 f"{', '.join(parts)}. Use model.generate (transformers' cache), which the patched model runs"
             )
+        _check_decodable(base, decoder, family)  # what it can name precisely (linear attention, ...) first
         if family.name not in DECODER_FAMILIES:
             raise ValueError(
                 f"fast_generate decodes the families {', '.join(sorted(DECODER_FAMILIES))}; model type "
                 f"{family.name!r} is patched for training, but its layers differ from what the decoder runs (RoPE "
                 "layout, sinks, multipliers, norms or fused projections). Use model.generate (the patched model)"
             )
-        _check_decodable(base, decoder, family)
         offset = family.rms_norm_offset
         self.embed = decoder.embed_tokens
         # Gemma scales embeddings by sqrt(hidden): in the embedding module (recent transformers) or in the

@@ -110,16 +110,16 @@ class _Meter:
     def __init__(self, device, warmup: int, steps: int, deadline: float):
         self.timer = StepTimer(device, deadline)
         self.device, self.warmup, self.steps = device, warmup, steps
-        self.tokens: list = []
-        self._pending = []
+        self.tokens: list = []  # real tokens per step
+        self._counter = None  # the FastKernels callback's counter: attention-mask ones, summed lazily
         self._profile = None
         self.kernel_ms_per_token = None
 
-    def count(self, module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        ids = kwargs.get("input_ids")
-        if module.training:
-            self._pending.append(mask.sum() if mask is not None else ids.numel())
+    def attach(self, model) -> None:
+        from ..integrations.hf_trainer import _TokenCounter
+
+        self._counter = _TokenCounter()
+        self._counter.attach(model)
 
     def callback(self):
         from transformers import TrainerCallback
@@ -140,8 +140,7 @@ class _Meter:
 
             def on_step_end(self, args, state, control, **kwargs):
                 stop = meter.timer.end()
-                meter.tokens.append(sum(int(t) for t in meter._pending))
-                meter._pending = []
+                meter.tokens.append(meter._counter.take())
                 control.should_training_stop = stop or control.should_training_stop
 
             def on_train_end(self, args, state, control, **kwargs):
@@ -188,7 +187,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
         model = model.float()
     rows = [{"input_ids": doc} for doc in _dataset(spec, tokenizer, paths)]
     meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
-    model.register_forward_pre_hook(meter.count, with_kwargs=True)
+    meter.attach(model)
     callbacks = [meter.callback()]
     if "fastkernels" in run:
         from ..integrations.hf_trainer import FastKernels
@@ -221,7 +220,7 @@ def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> d
     model.config.use_cache = False
     dataset = Dataset.from_dict({"input_ids": _dataset(spec, tokenizer, paths)})
     meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
-    model.register_forward_pre_hook(meter.count, with_kwargs=True)
+    meter.attach(model)
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[spec["model"]]["lora"])
     args = _training_args(spec, device, "sft")
     args["max_steps"] += PROFILED_STEPS

@@ -27,10 +27,7 @@ _PATHS: "weakref.WeakKeyDictionary[nn.Module, Counter]" = weakref.WeakKeyDiction
 
 
 def _record(model: nn.Module, path: str) -> None:
-    paths = _PATHS.get(model)
-    if paths is None:
-        paths = _PATHS[model] = Counter()
-    paths[path] += 1
+    _PATHS.setdefault(model, Counter())[path] += 1
 
 
 def forget_batch_paths(model: nn.Module) -> None:

@@ -23,20 +23,9 @@ import sys
 import time
 
 from ._report import fmt, markdown_table, short_error, write_csv
+from .e2e import MODELS
 
-LLAMA_1B = dict(
-    hidden_size=2048,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    intermediate_size=8192,
-    vocab_size=128256,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    max_position_embeddings=131072,
-)
+LLAMA_1B = MODELS["llama"]["full"]  # e2e's Llama-3.2-1B shape
 GEMMA2_2B = dict(
     hidden_size=2304,
     num_hidden_layers=26,

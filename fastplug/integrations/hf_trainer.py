@@ -35,6 +35,7 @@ from ..models.structure import unwrap
 from ..options import KernelOptions
 from ..patch import checkpointing
 from ..patch.engine import kernel_path_of, patch_for_run
+from .checkpointing_args import CheckpointingArgs, checkpointing_in
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 
 LIGER_CONFLICT = (
@@ -90,8 +91,7 @@ class FastKernels(TrainerCallback):
         self.summary: str | None = None
         self.layers = None  # checkpointing.TrainerCheckpointing while training, once the Trainer turned it on
         self._liger = False
-        self._args_before: dict | None = None  # checkpointing arguments we changed, to put back
-        self._checkpointing_snapshot = None
+        self._checkpointing_args = CheckpointingArgs()  # what we changed to turn checkpointing on, to put back
         self._tokens = _TokenCounter()
         self._window_start: float | None = None
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
@@ -107,23 +107,6 @@ class FastKernels(TrainerCallback):
         # Checkpointing goes through the Trainer's arguments (below), not through patch_model.
         self.handle = patch_for_run(model, self.options.scoped_to_run(), gradient_checkpointing=False)
 
-    def _ask_trainer_for_checkpointing(self, args, model) -> None:
-        if not self.options.gradient_checkpointing:
-            return
-        names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
-        if any(getattr(args, n) for n in names):
-            return  # the user turned it on already; theirs to keep
-        kwargs_names = [
-            n for n in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs") if hasattr(args, n)
-        ]
-        self._args_before = {n: getattr(args, n) for n in names + kwargs_names}
-        if model is not None:
-            self._checkpointing_snapshot = checkpointing.snapshot(unwrap(model))
-        for n in names:
-            setattr(args, n, True)
-        for n in kwargs_names:  # transformers 5.17 defaults to reentrant checkpointing
-            setattr(args, n, {"use_reentrant": False, **(getattr(args, n) or {})})
-
     def _restore_when_train_raises(self) -> None:
         trainer = self._calling_trainer()
         if trainer is None or getattr(trainer.train, "_fastplug_restores", False):
@@ -136,7 +119,8 @@ class FastKernels(TrainerCallback):
                 return train(*args, **kwargs)
             except BaseException:
                 self.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
-                self._ask_trainer_for_checkpointing(trainer.args, trainer.model)  # a retry starts as the first run
+                # a retry starts as the first run
+                self._checkpointing_args.ask(trainer.args, trainer.model, self.options.gradient_checkpointing)
                 raise
 
         train_then_restore_on_error._fastplug_restores = True
@@ -159,7 +143,7 @@ class FastKernels(TrainerCallback):
             self._liger = True
             warnings.warn(LIGER_CONFLICT, stacklevel=2)
         self._patch(model)
-        self._ask_trainer_for_checkpointing(args, model)
+        self._checkpointing_args.ask(args, model, self.options.gradient_checkpointing)
         if model is not None and self._undo_fsdp is None:  # the Trainer made its accelerator in __init__
             self._undo_fsdp = peft_units_for_accelerate(model, accelerate_fsdp2_plugin())
 
@@ -189,8 +173,7 @@ class FastKernels(TrainerCallback):
         lines = [LIGER_CONFLICT] if self._liger else [self.handle.summary()] if self.handle else []
         if model is not None:
             lines.append(f"  kernel path: {kernel_path_of(model)}")
-        enabled = any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing"))
-        if enabled:
+        if checkpointing_in(args):
             lines.append(f"  gradient checkpointing: on, {self.layers or 'non-reentrant'}")
         return "\n".join(lines)
 
@@ -225,10 +208,4 @@ class FastKernels(TrainerCallback):
         if self.layers is not None:
             self.layers.undo()
             self.layers = None
-        if self._args_before is not None:
-            for name, value in self._args_before.items():
-                setattr(args, name, value)
-            self._args_before = None
-            if self._checkpointing_snapshot is not None and self._checkpointing_snapshot.model is unwrap(model):
-                checkpointing.restore(self._checkpointing_snapshot)
-            self._checkpointing_snapshot = None
+        self._checkpointing_args.restore(args, model)

@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 from ..models.structure import unwrap
 from ..patch import checkpointing
 from ..patch.engine import kernel_path_of, patch_for_run
+from .checkpointing_args import CheckpointingArgs, checkpointing_in
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from .hf_trainer import LIGER_CONFLICT
 
@@ -71,7 +72,7 @@ class FastKernelsMixin:
         for handle in self.fast_kernel_handles:
             handle.restore()
         self.fast_kernel_handles = []
-        self._checkpointing.restore(self.args)
+        self._checkpointing.restore(self.args, self.model)
         if self._undo_fsdp is not None:
             self._undo_fsdp()
             self._undo_fsdp = None
@@ -95,7 +96,7 @@ class FastKernelsMixin:
             sections.append(
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"
             )
-        self._checkpointing.ask_trainer(self.args, unwrap(self.model))
+        self._checkpointing.asked.ask(self.args, self.model, self._checkpointing.mode)
         self._undo_fsdp = peft_units_for_accelerate(self.model, accelerate_fsdp2_plugin(self.accelerator))
         sections.append(f"  gradient checkpointing: {self._checkpointing.describe(self.args)}")
         self.fast_kernels_summary = "\n".join(sections)
@@ -112,24 +113,11 @@ class _Checkpointing(TrainerCallback):
 
     def __init__(self, mode, memory_budget: float = 0.9):
         self.mode, self.memory_budget = mode, memory_budget
-        self._args_before = None  # the arguments we changed, to put back
-        self._model_before = None  # the model's checkpointing state before training
+        self.asked = CheckpointingArgs()  # what we changed to turn checkpointing on, to put back
         self.layers = None  # checkpointing.TrainerCheckpointing once the trainer turned checkpointing on
 
-    def ask_trainer(self, args, model) -> None:
-        names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(args, n)]
-        if not self.mode or any(getattr(args, n) for n in names):
-            return  # off in the options, or already on in the arguments (TRL's default): the user's setting
-        kwargs_names = [n + "_kwargs" for n in names if hasattr(args, n + "_kwargs")]
-        self._args_before = {n: getattr(args, n) for n in names + kwargs_names}
-        self._model_before = checkpointing.snapshot(model)
-        for n in names:
-            setattr(args, n, True)
-        for n in kwargs_names:  # transformers 5.17 defaults to reentrant checkpointing
-            setattr(args, n, {"use_reentrant": False, **(getattr(args, n) or {})})
-
     def describe(self, args) -> str:
-        if not any(getattr(args, n, False) for n in ("activation_checkpointing", "gradient_checkpointing")):
+        if not checkpointing_in(args):
             return "off"
         last = ", the last layer unchecked"
         if self.mode == "offload":
@@ -137,7 +125,7 @@ class _Checkpointing(TrainerCallback):
             return f"on, offload ({where}){last}"
         if self.mode == "auto":
             return "on, auto (the layers memory needs, planned at the first training step)"
-        return "on" + (", turned on by fastplug" if self._args_before is not None else "") + last
+        return "on" + (", turned on by fastplug" if self.asked.turned_on else "") + last
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if not self.mode or model is None or not checkpointing.is_enabled(unwrap(model)):
@@ -147,15 +135,11 @@ class _Checkpointing(TrainerCallback):
         else:
             self.layers.reapply()
 
-    def restore(self, args) -> None:
+    def restore(self, args, model) -> None:
         if self.layers is not None:
             self.layers.undo()
-        if self._model_before is not None:
-            checkpointing.restore(self._model_before)
-        self.layers = self._model_before = None
-        for name, value in (self._args_before or {}).items():
-            setattr(args, name, value)
-        self._args_before = None
+        self.layers = None
+        self.asked.restore(args, model)
 
 
 def _loss_path(model) -> str:

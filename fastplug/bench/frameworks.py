@@ -32,7 +32,6 @@ import time
 from ._report import short_error, write_csv
 from .e2e import (
     LOSS_TOLERANCE,
-    MODELS,
     TINY_BATCH,
     TINY_SEQ,
     build_model,
@@ -44,6 +43,7 @@ from .e2e import (
     token_batches,
     worker_deadline,
 )
+from .presets import MODELS
 
 RUNS = (
     "sft",

@@ -23,39 +23,13 @@ import sys
 import time
 
 from ._report import fmt, markdown_table, short_error, write_csv
-from .e2e import MODELS
+from .presets import MODELS as PRESETS
 
-LLAMA_1B = MODELS["llama"]["full"]  # e2e's Llama-3.2-1B shape
-GEMMA2_2B = dict(
-    hidden_size=2304,
-    num_hidden_layers=26,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    intermediate_size=9216,
-    vocab_size=256000,
-    query_pre_attn_scalar=256,
-    sliding_window=4096,
-    final_logit_softcapping=30.0,
-    attn_logit_softcapping=50.0,
-    rms_norm_eps=1e-6,
-    hidden_activation="gelu_pytorch_tanh",
-    max_position_embeddings=8192,
-)
 MODELS = {
-    "llama": ("Llama-3.2-1B shape", "LlamaConfig", "LlamaForCausalLM", LLAMA_1B),
-    "gemma2": ("Gemma2-2B shape", "Gemma2Config", "Gemma2ForCausalLM", GEMMA2_2B),
+    "llama": ("Llama-3.2-1B shape", "LlamaConfig", "LlamaForCausalLM", PRESETS["llama"]["full"]),
+    "gemma2": ("Gemma2-2B shape", "Gemma2Config", "Gemma2ForCausalLM", PRESETS["gemma2"]["full"]),
 }
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=128,
-    tie_word_embeddings=True,
-)
+TINY = PRESETS["llama"]["tiny"]
 IMPLS = ("fastplug", "fastplug_lora", "fastplug_perop", "transformers", "transformers_compile")
 COLUMNS = [
     "model",

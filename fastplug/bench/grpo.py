@@ -34,37 +34,14 @@ import tempfile
 import time
 
 from ._report import short_error, write_csv
-from .e2e import MODELS, default_device, parse_list, print_table, run_worker, sync_device, worker_deadline
+from .e2e import default_device, parse_list, print_table, run_worker, sync_device, worker_deadline
+from .presets import ALL_LINEAR_LORA, GRPO_TINY, QWEN3_1_7B
+from .presets import MODELS as PRESETS
 
-LLAMA_1B = MODELS["llama"]["full"]  # e2e's Llama-3.2-1B shape
-QWEN3_1_7B = dict(
-    hidden_size=2048,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=6144,
-    vocab_size=151936,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-)
-TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    intermediate_size=128,
-    vocab_size=160,
-    tie_word_embeddings=True,
-)
 MODELS = {
-    "llama": ("Llama-3.2-1B shape", "LlamaConfig", LLAMA_1B),
+    "llama": ("Llama-3.2-1B shape", "LlamaConfig", PRESETS["llama"]["full"]),
     "qwen3": ("Qwen3-1.7B shape", "Qwen3Config", QWEN3_1_7B),
 }
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IMPLS = ("trl", "trl_liger", "fastplug", "fastplug_trl_generate")
 DEFAULT_IMPLS = IMPLS[:3]
 BASELINE = "trl"
@@ -181,7 +158,7 @@ def run_grpo(spec: dict) -> dict:
     device = torch.device(spec["device"])
     on_gpu = device.type == "cuda"
     _, config_name, shape = MODELS[spec["model"]]
-    config = getattr(transformers, config_name)(**(TINY if spec["tiny"] else shape))
+    config = getattr(transformers, config_name)(**(GRPO_TINY if spec["tiny"] else shape))
     torch.manual_seed(spec["seed"])
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(
@@ -207,7 +184,7 @@ def run_grpo(spec: dict) -> dict:
         args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts(spec["prompts"] * (args.max_steps + 1), spec["seed"])}),
         processing_class=tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS),
+        peft_config=LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=ALL_LINEAR_LORA),
         callbacks=[_timing_callback(device, worker_deadline(spec), generation, log_probs, steps)],
     )
     note = ""

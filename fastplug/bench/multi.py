@@ -26,7 +26,8 @@ import time
 
 from ..patch.engine import active_handle
 from ._report import fmt, markdown_table, short_error, write_csv
-from .e2e import MODELS, TINY_BATCH, TINY_SEQ, apply_impl, build_model, token_batches, train_steps
+from .e2e import TINY_BATCH, TINY_SEQ, apply_impl, build_model, token_batches, train_steps
+from .presets import MODELS
 
 DEFAULT_MODELS = ("llama", "llama8b_4l")
 IMPLS = ("transformers", "fastplug")

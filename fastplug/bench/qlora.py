@@ -24,22 +24,13 @@ import time
 import torch
 
 from ._report import fmt, markdown_table
+from .presets import ALL_LINEAR_LORA, MODELS, QLORA_TINY
 
-LORA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # --shape: (the e2e bench's preset, batch, seq, name in the table)
 SHAPES = {
     "llama8b_4l": ("llama8b_4l", 2, 4096, "Llama-8B width, 4 layers"),
     "llama1b": ("llama", 4, 2048, "Llama-1B shape"),
 }
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=128,
-    max_position_embeddings=64,
-)
 
 
 def _to_4bit(model, device) -> None:
@@ -48,7 +39,7 @@ def _to_4bit(model, device) -> None:
 
     for layer in model.model.layers:
         for owner in (layer.self_attn, layer.mlp):
-            for name in LORA:
+            for name in ALL_LINEAR_LORA:
                 lin = getattr(owner, name, None)
                 if not isinstance(lin, torch.nn.Linear):
                     continue
@@ -90,7 +81,7 @@ def _build(config, device, quantize: bool):
     if quantize:
         _to_4bit(model, device)
     checkpointing.enable_native(model)
-    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=LORA))
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=16, target_modules=ALL_LINEAR_LORA))
 
 
 def _step(model, optimizer, ids):
@@ -140,12 +131,11 @@ def e2e_rows(
 
     import fastplug
 
-    from .e2e import MODELS
     from .micro import _liger
 
     device = torch.device(device)
     preset, batch, seq, shape_name = SHAPES[shape]
-    config = transformers.LlamaConfig(**(TINY if quick else MODELS[preset]["full"]), use_cache=False)
+    config = transformers.LlamaConfig(**(QLORA_TINY if quick else MODELS[preset]["full"]), use_cache=False)
     if quick:
         batch, seq = 2, 16
     gen = torch.Generator().manual_seed(1)

@@ -1,0 +1,163 @@
+"""The host's share of a patched LoRA training step, measured on a machine without a GPU: every Triton launch is
+compiled for an H100 (sm_90) and skipped, so what is timed is the Python and dispatch work the step asks of the
+host (fastplug's wrappers, autograd, Triton's launcher up to the driver call; torch ops run on CPU tensors).
+
+The question it answers: did a change add host work to the step? The GPU's e2e wall time mixes the host's
+speed, which differs between machines and runs, with ours. Run two trees in alternating fresh processes:
+
+    python scripts/host_step_without_gpu.py --trees .before . --rounds 5
+
+Each tree is put first on PYTHONPATH in its own process (so `.before` can be `git archive <commit>`). The shape
+is Llama-1B's layer count and structure (16 layers, GQA, LoRA r=16 on every linear layer, fused AdamW as the
+Trainer's default) at small widths and in fp32 (a CPU's bf16 matmuls would swamp the host's work), since the
+host's work per step depends on the number of ops, not their size or dtype. The first step compiles the kernels
+(cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python function calls per
+step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the machine is busy
+(CPU matmuls run for real).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _stand_in_h100() -> dict:
+    """A driver that targets sm_90 and never launches; returns a counter of launches by kernel name."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(Sm90())
+    run, launches = JITFunction.run, {}
+
+    def compile_and_skip(self, *args, grid, warmup, **kwargs):
+        launches[self.fn.__name__] = launches.get(self.fn.__name__, 0) + 1
+        if kwargs.get("PRECISION") == "upcast":  # chosen for the interpreter by a CPU tensor; a GPU gets "tf32"
+            kwargs["PRECISION"] = "tf32"
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_and_skip
+    return launches
+
+
+def _kernels_take_cpu_tensors() -> None:
+    import fastplug.kernels  # noqa: F401  (imports the kernel modules whose use_triton is replaced)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fastplug.kernels") and hasattr(module, "use_triton"):
+            module.use_triton = lambda *tensors: True
+
+
+def measure(steps: int, layers: int) -> dict:
+    import cProfile
+    import inspect
+    import pstats
+
+    launches = _stand_in_h100()
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    import fastplug
+
+    _kernels_take_cpu_tensors()
+    torch.set_num_threads(1)  # CPU matmuls spinning on threads that other processes hold would swamp the host's work
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=1024,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    options = dict(freeze_gc=True, stack_projections=True)  # as the trainer adapters patch
+    if "self_check" in inspect.signature(fastplug.KernelOptions).parameters:
+        options["self_check"] = False  # its comparisons would read the skipped kernels' empty outputs
+    fastplug.patch_model(model, **options)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    ids = torch.randint(0, config.vocab_size, (2, 64))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # compiles
+    step()
+    launches.clear()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    launched = sum(launches.values()) / steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    calls = pstats.Stats(profiler).total_calls
+    return {"host_ms": statistics.median(times) * 1e3, "calls": calls, "launches": launched}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trees", nargs="+", default=["."], help="source trees to compare, each put on PYTHONPATH")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per tree, alternating")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args.steps, args.layers)))
+        return 0
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
+    results = {tree: [] for tree in args.trees}
+    for round_ in range(args.rounds):
+        for tree in args.trees:
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+            command = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--layers", str(args.layers)]
+            out = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
+            if out.returncode:
+                sys.exit(f"{tree}: worker failed\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            results[tree].append(result)
+            print(f"round {round_}  {tree:<12} host {result['host_ms']:.1f} ms", flush=True)
+    print("\n| tree | host ms per step (median of rounds; each round's) | Python calls per step | Triton launches |")
+    print("|---|---|---|---|")
+    for tree, rows in results.items():
+        each = " ".join(f"{r['host_ms']:.1f}" for r in rows)
+        median = statistics.median(r["host_ms"] for r in rows)
+        print(f"| {tree} | {median:.1f} ({each}) | {rows[-1]['calls']} | {rows[-1]['launches']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,6 +10,9 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
   trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (rows padded on to a few lengths)
   sft, fast_sft            trl.SFTTrainer / FastSFTTrainer, its collator padding each batch to its longest row
   sft_packed, fast_sft_packed  the same with packing=True (padding-free rows)
+  lightning               a Lightning fit of a LightningModule around the same model, on the same documents,
+                          collator and optimizer (fused AdamW, linear decay, gradient norm clipped at 1, bf16 autocast)
+  lightning_fastkernels   the same with L.Trainer(strategy="fastkernels")
 tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
 the kernel time of those steps (torch.profiler's time per real token over three more steps: its tracing
 slows the host, so it is not on while the wall is taken), so wall / GPU says how far the host sets the pace.
@@ -23,8 +26,9 @@ import os
 import time
 
 from ._report import short_error, write_csv
-from .e2e import MODELS, build_model, default_device, parse_list, print_table, run_worker, worker_deadline
+from .e2e import build_model, default_device, parse_list, print_table, run_worker, worker_deadline
 from .frameworks import StepTimer, _counts_note, _reset_peak, _train, _training_args
+from .presets import MODELS
 
 RUNS = (
     "trainer",
@@ -35,6 +39,8 @@ RUNS = (
     "fast_sft",
     "sft_packed",
     "fast_sft_packed",
+    "lightning",
+    "lightning_fastkernels",
 )
 BASELINE = {
     "trainer_liger": "trainer",
@@ -42,14 +48,15 @@ BASELINE = {
     "trainer_fastkernels_graphs": "trainer",
     "fast_sft": "sft",
     "fast_sft_packed": "sft_packed",
+    "lightning_fastkernels": "lightning",
 }
 COLUMNS = ("model", "run", "batch", "tok/s", "vs baseline", "peak GiB", "wall ms", "GPU ms", "wall/GPU", "note")
 _TEXT_BYTES = 6_000_000
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on the standard library's sources (a few seconds), as a transformers tokenizer
-    that pads on the right."""
+    """A byte-level BPE of at most `vocab_size` tokens trained on the standard library's sources (a few seconds),
+    as a transformers tokenizer that pads on the right."""
     import glob
     import sysconfig
 
@@ -60,8 +67,13 @@ def build_tokenizer(vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], show_progress=False)
-    tokenizer.train_from_iterator(_texts(paths, _TEXT_BYTES), trainer=trainer)
+    specials = ["<pad>", "<eos>"]
+    # The alphabet alone (every character of the text) would outgrow a tiny model's vocabulary: cut to the most
+    # frequent characters where it does not fit. A small vocabulary learns its merges from less text.
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, limit_alphabet=vocab_size - len(specials), show_progress=False
+    )
+    tokenizer.train_from_iterator(_texts(paths, min(_TEXT_BYTES, 2_000 * vocab_size)), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>"), paths
 
 
@@ -105,7 +117,8 @@ PROFILED_STEPS = 3  # after the measured ones: the profiler's tracing slows the 
 
 class _Meter:
     """Real tokens (attention-mask ones) per step, counted lazily on the device; wall time of the measured
-    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps."""
+    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps. The trainers' callbacks
+    (`callback()` for transformers', `lightning_callback()` for Lightning's) call begin_step, end_step and finish."""
 
     def __init__(self, device, warmup: int, steps: int, deadline: float):
         self.timer = StepTimer(device, deadline)
@@ -121,6 +134,28 @@ class _Meter:
         self._counter = _TokenCounter()
         self._counter.attach(model)
 
+    def begin_step(self) -> None:
+        if len(self.timer.times) == self.warmup + self.steps and self.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = profile(activities=[ProfilerActivity.CUDA])
+            self._profile.__enter__()
+        self.timer.begin()
+
+    def end_step(self, loss=None) -> bool:
+        """True when the deadline passed (the run should stop)."""
+        stop = self.timer.end(loss)
+        self.tokens.append(self._counter.take())
+        return stop
+
+    def finish(self) -> None:
+        if self._profile is not None:
+            self._profile.__exit__(None, None, None)
+            events = self._profile.key_averages()
+            kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+            profiled_tokens = sum(self.tokens[self.warmup + self.steps :])
+            self.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
+
     def callback(self):
         from transformers import TrainerCallback
 
@@ -131,25 +166,36 @@ class _Meter:
                 _reset_peak(meter.device)
 
             def on_step_begin(self, args, state, control, **kwargs):
-                if len(meter.timer.times) == meter.warmup + meter.steps and meter.device.type == "cuda":
-                    from torch.profiler import ProfilerActivity, profile
-
-                    meter._profile = profile(activities=[ProfilerActivity.CUDA])
-                    meter._profile.__enter__()
-                meter.timer.begin()
+                meter.begin_step()
 
             def on_step_end(self, args, state, control, **kwargs):
-                stop = meter.timer.end()
-                meter.tokens.append(meter._counter.take())
-                control.should_training_stop = stop or control.should_training_stop
+                control.should_training_stop = meter.end_step() or control.should_training_stop
 
             def on_train_end(self, args, state, control, **kwargs):
-                if meter._profile is not None:
-                    meter._profile.__exit__(None, None, None)
-                    events = meter._profile.key_averages()
-                    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-                    profiled_tokens = sum(meter.tokens[meter.warmup + meter.steps :])
-                    meter.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
+                meter.finish()
+
+        return Timing()
+
+    def lightning_callback(self, notes: dict):
+        """A Lightning callback; `notes["note"]` gets what the strategy patched (it restores at teardown)."""
+        import lightning.pytorch as L
+
+        meter = self
+
+        class Timing(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                _reset_peak(meter.device)
+                notes["note"] = _counts_note(getattr(trainer.strategy, "fast_kernel_handles", []))
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                meter.begin_step()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if meter.end_step(outputs["loss"]):
+                    trainer.should_stop = True
+
+            def on_train_end(self, trainer, pl_module):
+                meter.finish()
 
         return Timing()
 
@@ -169,6 +215,7 @@ class _Meter:
             gpu_ms=per_token * sum(tokens) / len(tokens) if per_token else None,
             measured_steps=len(times),
             losses=self.timer.losses[:3],
+            real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
             note=note,
         )
@@ -179,15 +226,22 @@ def _dataset(spec, tokenizer, paths):
     return documents(tokenizer, paths, count, spec["min_len"], spec["max_len"], spec["seed"])
 
 
-def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
-
+def _peft_model_and_rows(spec, device, tokenizer, paths):
+    """e2e's peft model (checkpointing on; fp32 on CPU, where bf16 autocast is off), the documents as rows for the
+    language-modelling collator, and a meter counting the model's real tokens."""
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
     if device.type == "cpu":
         model = model.float()
     rows = [{"input_ids": doc} for doc in _dataset(spec, tokenizer, paths)]
     meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
     meter.attach(model)
+    return model, rows, meter
+
+
+def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    model, rows, meter = _peft_model_and_rows(spec, device, tokenizer, paths)
     callbacks = [meter.callback()]
     if "fastkernels" in run:
         from ..integrations.hf_trainer import FastKernels
@@ -207,6 +261,46 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
     if run.endswith("_graphs") and callbacks[-1].handle is not None and callbacks[-1].handle.graphs is not None:
         note += f"; {callbacks[-1].handle.graphs}"
     return meter.result(note)
+
+
+def run_lightning(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
+    """Lightning's fit of the trainer rows' model, documents and collator, with the Trainer's optimizer: AdamW
+    (fused, lr 1e-4, no weight decay) under a linear decay to zero, gradients clipped to norm 1; bf16 autocast on
+    a GPU (the Trainer's bf16=True), fp32 on CPU. The documents come in an order of Lightning's own (seeded)."""
+    import lightning.pytorch as L
+    import torch
+    from transformers import DataCollatorForLanguageModeling, get_linear_schedule_with_warmup
+
+    model, rows, meter = _peft_model_and_rows(spec, device, tokenizer, paths)
+    max_steps = spec["warmup"] + spec["steps"] + PROFILED_STEPS
+
+    class CausalLM(L.LightningModule):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def training_step(self, batch, batch_idx):
+            return self.lm(**batch).loss
+
+        def configure_optimizers(self):
+            params = [p for p in self.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
+            schedule = get_linear_schedule_with_warmup(optimizer, 0, max_steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    notes = {}
+    trainer = L.Trainer(
+        accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=max_steps,
+        gradient_clip_val=1.0, strategy="fastkernels" if fast else "auto", callbacks=[meter.lightning_callback(notes)],
+        enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(
+        rows, batch_size=spec["batch"], shuffle=True, generator=torch.Generator().manual_seed(spec["seed"]),
+        collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False), pin_memory=device.type == "cuda",
+    )  # fmt: skip
+    trainer.fit(CausalLM(model), loader)
+    return meter.result(notes.get("note", "") if fast else "")
 
 
 def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> dict:
@@ -249,6 +343,8 @@ def worker_main(spec_json: str, result_path: str) -> int:
         run = spec["run"]
         if run.startswith("trainer"):
             result = run_trainer(spec, device, tokenizer, paths, run)
+        elif run.startswith("lightning"):
+            result = run_lightning(spec, device, tokenizer, paths, fast=run == "lightning_fastkernels")
         else:
             result = run_sft(spec, device, tokenizer, paths, fast=run.startswith("fast"), packed=run.endswith("packed"))
     except Exception as exc:
@@ -289,7 +385,8 @@ def varlen_rows(args, models, runs, device, save) -> list[dict]:
             gpu = res["gpu_ms"]
             row.update(
                 {"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "wall ms": res["wall_ms"],
-                 "GPU ms": gpu, "wall/GPU": res["wall_ms"] / gpu if gpu else None}
+                 "GPU ms": gpu, "wall/GPU": res["wall_ms"] / gpu if gpu else None,
+                 "real tokens": res["real_tokens"], "losses": res["losses"]}  # for callers; not in the table
             )  # fmt: skip
             base = results.get(BASELINE.get(run))
             if base:
@@ -299,7 +396,7 @@ def varlen_rows(args, models, runs, device, save) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fastplug.bench varlen", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="llama", help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, from {','.join(RUNS)}")
@@ -313,6 +410,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="e2e's tiny models (CPU smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench_out", help="folder for the CSV")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     models = parse_list(args.models, MODELS, "--models")

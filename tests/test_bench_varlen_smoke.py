@@ -1,0 +1,40 @@
+"""Smoke run of `python -m fastplug.bench varlen --tiny` on CPU, its Lightning rows: a Lightning fit around the
+trainer rows' model, documents and collator, alone and with strategy="fastkernels", in worker processes. Timings on
+CPU mean nothing and are not checked; what is checked is that both rows count exactly the real (non-pad) tokens of
+the documents they trained on, and that fastplug's losses match Lightning's alone.
+"""
+
+import math
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from fastplug.bench import varlen  # noqa: E402
+
+
+def test_varlen_tiny_lightning_rows_count_real_tokens_and_agree(monkeypatch):
+    # The workers take fastplug's torch-reference path (tests/integrations checks the strategy under the interpreter)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    argv = ["--tiny", "--steps", "2", "--warmup", "1", "--min-len", "8", "--max-len", "48", "--time-limit", "240"]
+    args = varlen.build_parser().parse_args(argv)
+    runs = ["lightning", "lightning_fastkernels"]
+    rows = {r["run"]: r for r in varlen.varlen_rows(args, ["llama"], runs, "cpu", lambda rows: None)}
+    assert set(rows) == set(runs)
+
+    # The documents the workers trained on, built again here: the tokenizer fits the tiny model's vocabulary
+    tokenizer, paths = varlen.build_tokenizer(128)
+    assert len(tokenizer) <= 128
+    count = rows["lightning"]["batch"] * (args.warmup + args.steps + varlen.PROFILED_STEPS)
+    docs = varlen.documents(tokenizer, paths, count, args.min_len, args.max_len, args.seed)
+    assert len({len(d) for d in docs}) > 1, "documents of one length would need no padding"
+    assert max(max(d) for d in docs) < 128
+    for run, row in rows.items():
+        assert "note" in row and "tok/s" in row, row
+        assert row["real tokens"] == sum(len(d) for d in docs), row
+        assert row["tok/s"] > 0 and len(row["losses"]) == 3 and all(map(math.isfinite, row["losses"])), row
+    fast, base = rows["lightning_fastkernels"], rows["lightning"]
+    assert fast["note"].startswith("patched "), fast["note"]
+    assert fast["vs baseline"] > 0
+    for a, b in zip(fast["losses"], base["losses"]):
+        assert abs(a - b) <= 1e-3 * abs(b), (fast["losses"], base["losses"])

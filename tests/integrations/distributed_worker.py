@@ -9,8 +9,9 @@ adapters: gathered parameters that FSDP2 frees again, and fused LoRA's cached ca
 sharding), ddp_offload (checkpointing "offload" under DDP with find_unused_parameters=True), trainer,
 trainer_fsdp2 (HF Trainer + FastKernels, through accelerate), trainer_fsdp2_presharded (the model sharded per
 layer before the Trainer), lightning_ddp, lightning_fsdp (fastplug's strategies), sft, sft_fsdp2 (FastSFTTrainer
-and TRL's own SFTTrainer). Each rank saves OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with
-one process on the same global batch (`reference_*` below, run in the test's process).
+and TRL's own SFTTrainer), grpo (FastGRPOTrainer and TRL's own GRPOTrainer under DDP). Each rank saves
+OUT_DIR/SCENARIO.rank<R>.pt; the tests compare it with one process on the same global batch (`reference_*` below,
+run in the test's process), or the fastplug trainer with TRL's own in the same processes (sft, grpo).
 
 The model is a small Llama with peft LoRA on every linear layer (fused LoRA path), fp32 so that distributed and
 single-process numbers agree to rounding; gradient accumulation over 2 micro-batches whose ranks hold different
@@ -69,6 +70,7 @@ SCENARIOS = (
     "lightning_fsdp",
     "sft",
     "sft_fsdp2",
+    "grpo",
 )
 
 
@@ -497,6 +499,33 @@ def run_sft(kind, world, fsdp, checkpointing) -> dict:
     return results
 
 
+def run_grpo() -> dict:
+    """FastGRPOTrainer, then TRL's GRPOTrainer, under DDP on the same prompts: each rank's rollouts (its own prompts'
+    completions, from fast_generate with the live adapters), the logged losses and rewards (gathered across ranks by
+    TRL) and the LoRA weights after the steps (DDP's averaged gradients)."""
+    from trl import GRPOTrainer
+
+    from fastplug.integrations.trl import FastGRPOTrainer
+    from tests.integrations.test_grpo import ROLLOUTS_ONLY, grpo_args, logged, train
+
+    results = {}
+    for name, cls in (("fastplug", FastGRPOTrainer), ("trl", GRPOTrainer)):
+        torch.manual_seed(0)
+        extra = {"fast_kernels": ROLLOUTS_ONLY} if cls is FastGRPOTrainer else {}
+        with tempfile.TemporaryDirectory() as out_dir:
+            trainer, recorded = train(cls, grpo_args(out_dir, per_device_train_batch_size=2), **extra)
+        results[name] = {
+            "rollouts": recorded.rollouts,
+            "loss": logged(trainer, "loss"),
+            "reward": logged(trainer, "reward"),
+            "weights": {n: full(p) for n, p in lora_params(trainer.model).items()},
+        }
+        if cls is FastGRPOTrainer:
+            results["summary"] = trainer.fast_kernels_summary
+            results["restored"] = active_handle(trainer.model) is None
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenarios", help=f"comma-separated, run in turn in these processes: {', '.join(SCENARIOS)}")
@@ -523,6 +552,8 @@ def main(argv=None) -> int:
             result = run_trainer(kind, world, s != "trainer", checkpointing, preshard_on)
         elif s in ("lightning_ddp", "lightning_fsdp"):
             result = run_lightning(kind, world, "fastkernels_" + s.split("_")[1], checkpointing)
+        elif s == "grpo":
+            result = run_grpo()
         else:
             result = run_sft(kind, world, s == "sft_fsdp2", checkpointing)
         torch.save(result, os.path.join(args.out_dir, f"{s}.rank{rank}.pt"))

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import rel_err
 from tests.integrations import distributed_worker as worker
 
 if not (dist.is_available() and dist.is_gloo_available()):
@@ -24,7 +25,7 @@ HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
 HAS_TRL = all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
 SCENARIOS = ["ddp", "fsdp2", "fsdp2_bf16", "fsdp2_after", "ddp_offload", "trainer"]
 SCENARIOS += ["lightning_ddp", "lightning_fsdp"] if HAS_LIGHTNING else []
-SCENARIOS += ["sft"] if HAS_TRL else []
+SCENARIOS += ["sft", "grpo"] if HAS_TRL else []
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +130,24 @@ def test_fast_sft_trainer_ddp_matches_trl(runs):
         assert got["fastplug"] == pytest.approx(got["trl"], rel=TOL), f"rank {rank}"
         assert got["restored"], f"rank {rank}: not restored after train()"
         assert "lora_fused: 4" in got["summary"]
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="needs trl and datasets")
+def test_fast_grpo_trainer_ddp_matches_trl(runs):
+    """Each rank rolls out its own prompts (fast_generate, greedy) as TRL's GRPOTrainer does on that rank; the logged
+    losses and rewards, and the LoRA weights after DDP's averaged steps, are TRL's."""
+    ranks = worker.ranks_of(runs, "grpo")
+    for rank, got in enumerate(ranks):
+        ours, theirs = got["fastplug"], got["trl"]
+        assert len(ours["rollouts"]) == 2 and ours["rollouts"] == theirs["rollouts"], f"rank {rank}"
+        assert ours["rollouts"][1] != ours["rollouts"][0], f"rank {rank}: the second rollout has the new adapters"
+        for key in ("loss", "reward"):
+            assert rel_err(ours[key], theirs[key]) < 1e-5, f"rank {rank}: {key}"
+        assert ours["weights"].keys() == theirs["weights"].keys()
+        for name, weight in ours["weights"].items():
+            assert rel_err(weight, theirs["weights"][name]) < 1e-4, f"rank {rank}: {name}"
+        assert got["restored"] and "rollouts: fastplug fast_generate" in got["summary"], f"rank {rank}"
+    for step, (first, second) in enumerate(zip(*(got["fastplug"]["rollouts"] for got in ranks))):
+        assert not first.keys() & second.keys(), f"rollout {step}: the ranks roll out different prompts"
+    for name, weight in ranks[0]["fastplug"]["weights"].items():
+        assert torch.equal(weight, ranks[1]["fastplug"]["weights"][name]), f"DDP keeps {name} equal on both ranks"

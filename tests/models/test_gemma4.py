@@ -55,7 +55,7 @@ def text_config(moe: bool = False, **overrides):
 
 def _randomise(model):
     """Norm weights, router scales and layer scalars start at one: random values, so a wrong form shows. q/k norms
-    around head_dim ** -0.25 and router weights of std 1, as `bench.e2e._gemma4_init` says why."""
+    around head_dim ** -0.25 and router weights of std 1, as `bench.presets._gemma4_init` says why."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "scale" in name:

@@ -6,8 +6,8 @@
 from .attention import match_attention
 from .families import FAMILIES, SUPPORTED_FAMILIES, Family, family_of
 from .gemma4 import match_gemma4
-from .linear_attention import match_gated_norm, match_linear_attention, match_multimodal_head
-from .lm_head import match_lm_head
+from .linear_attention import match_gated_norm, match_linear_attention
+from .lm_head import match_lm_head, match_multimodal_head
 from .mlp import match_mlp
 from .moe import match_moe
 from .norms import match_layer_norm, match_rms_norm

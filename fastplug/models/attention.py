@@ -91,6 +91,23 @@ def _project_out(self, attn_output, use_lora: bool):
     return lora_linear(attn_output, projs[0]) if projs is not None else self.o_proj(attn_output)
 
 
+def merge_multimodal_sections(table: torch.Tensor, sections) -> torch.Tensor:
+    """Qwen2-VL's (3, B, T, D) RoPE table (temporal, height, width positions) as the one (B, T, D) table its
+    attention rotates with in older transformers: each of the 2 x 3 `sections` of channels from its axis (the
+    indexing of transformers' apply_multimodal_rotary_pos_emb, so the values are the same bits)."""
+    return torch.cat([part[i % 3] for i, part in enumerate(table.split(list(sections) * 2, dim=-1))], dim=-1)
+
+
+def _rotate_as_family(attn: nn.Module, query, key, cos, sin):
+    """The family's own rotation (RoPE patch off, GLM-4's interleaved pairs); Qwen2-VL's (3, B, T, D) tables go to
+    the multimodal function older transformers call with them."""
+    module = _family_module(attn)
+    if cos.dim() == 4:
+        sections = attn.config.rope_parameters["mrope_section"]
+        return module.apply_multimodal_rotary_pos_emb(query, key, cos, sin, sections)
+    return module.apply_rotary_pos_emb(query, key, cos, sin)
+
+
 def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate: bool = False, style="rotate_half"):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         cache = pop_cache(kwargs)
@@ -110,6 +127,9 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate
         cos, sin = position_embeddings
         layer_rope = bool(getattr(self, "use_rope", True))  # SmolLM3: layers without RoPE
         kernel_rope = use_rope and layer_rope and style != "family"
+        if kernel_rope and style == "multimodal" and cos.dim() == 4:  # Qwen2-VL's per-axis tables (transformers 5.7)
+            sections = self.config.rope_parameters["mrope_section"]
+            cos, sin = merge_multimodal_sections(cos, sections), merge_multimodal_sections(sin, sections)
         if kernel_rope and style == "halves":  # gpt-oss: an angle per pair of halves, the rotate-half tables twice
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         has_qk_norm = hasattr(self, "q_norm")  # Qwen3, Gemma3: per-head RMSNorm between projection and RoPE
@@ -137,7 +157,7 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate
             inplace = cache is None and bool(producers) and outputs_private(*producers)
             query, key = rope(query, key, cos, sin, inplace=inplace)
         elif not rotated and layer_rope:
-            query, key = _family_module(self).apply_rotary_pos_emb(query, key, *position_embeddings)
+            query, key = _rotate_as_family(self, query, key, *position_embeddings)
 
         if cache is not None:  # training with use_cache: the cache still records the keys
             key, value = cache.update(key, value, self.layer_idx)
@@ -182,7 +202,15 @@ def match_attention(module: nn.Module, ctx: MatchContext):
         return Skip("attention", f"{ctx.family.attention_left}: transformers' attention runs")
     missing = [a for a in _ATTRIBUTES if not hasattr(module, a)]
     family_module = _family_module(module)
-    missing += [f for f in ("eager_attention_forward", "apply_rotary_pos_emb") if not hasattr(family_module, f)]
+    multimodal = ctx.family.rope == "multimodal"
+    # Qwen2-VL's module has apply_multimodal_rotary_pos_emb instead in transformers 5.7
+    rotations = ("apply_rotary_pos_emb", "apply_multimodal_rotary_pos_emb") if multimodal else ("apply_rotary_pos_emb",)
+    if not hasattr(family_module, "eager_attention_forward"):
+        missing.append("eager_attention_forward")
+    if not any(hasattr(family_module, f) for f in rotations):
+        missing.append(" or ".join(rotations))
+    if multimodal and "mrope_section" not in (getattr(module.config, "rope_parameters", None) or {}):
+        missing.append("mrope_section in config.rope_parameters")
     if cache_keyword(type(module)) is None:
         missing.append(f"KV cache argument ({' or '.join(CACHE_KEYWORDS)}) in its forward")
     if missing:
@@ -203,6 +231,9 @@ def match_attention(module: nn.Module, ctx: MatchContext):
     style = ctx.family.rope
     forward = _attention_forward(ctx.family.attention_extra_kwargs, options.rope, options.lora, output_gate, style)
     switch, path = _attention_route(module, ctx)
+    if options.attention and ctx.family.composes_masks:  # Gemma 3's image tokens: its masks are built, not skipped
+        switch = combine_switches(switch, fast_attention.composing(module.config))
+        path += "; a mask the model composes (image tokens attending both ways): transformers' attention with it"
     if not getattr(module, "use_rope", True):  # its own variant: the self-check then runs such a layer too
         path += "; no RoPE on this layer"
     if options.lora and options.stack_projections and names == PROJECTIONS:

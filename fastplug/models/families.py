@@ -52,12 +52,17 @@ class Family:
     attention_output_gate: bool = False
     # How the family's apply_rotary_pos_emb rotates: "rotate_half" (Llama's: fastplug's RoPE kernel, partial rotary
     # where cos is narrower than a head), "halves" (gpt-oss: one angle per pair (x[i], x[i + D/2]), tables of D/2:
-    # the kernel's rotate-half tables are them twice), "family" (GLM-4's interleaved pairs: the family's own function).
+    # the kernel's rotate-half tables are them twice), "family" (GLM-4's interleaved pairs: the family's own function),
+    # "multimodal" (Qwen2-VL, Qwen2.5-VL: rotate-half tables, which older transformers hand over as (3, B, T, D), one
+    # per position axis, for the attention to merge by config.rope_parameters["mrope_section"]; merged first here).
     rope: str = "rotate_half"
     # The config attribute the LM head's logits are divided by (Granite's logits_scaling); the fused loss scales by it.
     logits_divided_by: str | None = None
     # Why the family's attention forward is not reproduced (it stays transformers'; None: it is).
     attention_left: str | None = None
+    # The model's forward composes attention masks beyond causality that the mask functions cannot see from the
+    # config (Gemma 3's image tokens attend to each other both ways): a mask it does not let be skipped is built.
+    composes_masks: bool = False
 
 
 FAMILIES: dict[str, Family] = {
@@ -93,6 +98,12 @@ FAMILIES: dict[str, Family] = {
         Family("granite", logits_divided_by="logits_scaling"),  # its other multipliers are in code left as it is
         Family("glm4", rope="family"),  # interleaved partial RoPE; post-norms; fused gate_up_proj
         Family("ministral", attention_extra_kwargs=_sliding_from_module),
+        # the language model of vision-language models (the vision tower and projector stay as they are)
+        Family("gemma3", rms_norm_offset=1.0, attention_extra_kwargs=_sliding_from_module, composes_masks=True),
+        Family("qwen2_vl", attention_extra_kwargs=_sliding_from_module, rope="multimodal"),  # Qwen2's q/k/v biases
+        Family("qwen2_5_vl", attention_extra_kwargs=_sliding_from_module, rope="multimodal"),
+        Family("qwen3_vl"),  # Qwen3's q/k norms; the rotary module interleaves the MRoPE sections itself
+        Family("qwen3_vl_moe", moe=True),  # Qwen3-VL with Qwen3-MoE's experts
         Family(
             "llama4_text",
             attention_left="Llama 4's attention (complex RoPE on interleaved pairs before the heads are transposed, "
@@ -103,7 +114,8 @@ FAMILIES: dict[str, Family] = {
 
 SUPPORTED_FAMILIES = (
     "llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 (text), mixtral, qwen2_moe, qwen3_moe, gemma4, qwen3_5, "
-    "qwen3_5_moe, qwen3_next, gpt_oss, phi3, smollm3, olmo2, olmo3, granite, glm4, ministral, llama4_text"
+    "qwen3_5_moe, qwen3_next, gpt_oss, phi3, smollm3, olmo2, olmo3, granite, glm4, ministral, llama4_text; "
+    "the language model of gemma3, qwen2_vl, qwen2_5_vl, qwen3_vl and qwen3_vl_moe"
 )
 
 

@@ -26,7 +26,8 @@ sliding window and softcap, and the document bounds of packed rows itself:
 - heads wider than the flash kernel's (Gemma 4's 512 on its full-attention layers): the implementation the model
   had (sdpa or eager), with no mask where it masks plain causality itself (sdpa), else a 4-D mask built here.
 - a mask the caller composed beyond causality (Gemma 4's image tokens that see each other both ways, under
-  `use_bidirectional_attention`): the mask function builds the fallback's mask and that implementation runs.
+  `use_bidirectional_attention`; Gemma 3's, whose model composes them from token_type_ids: `composing`): the mask
+  function builds the fallback's mask and that implementation runs.
 """
 
 from __future__ import annotations
@@ -88,6 +89,29 @@ def _note_unpacked_rows(module, args, kwargs):
     return None
 
 
+# id(config) -> weakref to it: configs whose model composes masks beyond causality that the config does not show
+# (`Family.composes_masks`, Gemma 3's image tokens): a mask the caller does not let be skipped is built
+_COMPOSING: dict[int, weakref.ref] = {}
+
+
+def composing(config):
+    """A patch switch: masks of `config`'s model that may not be skipped are built (see `_COMPOSING`); None where
+    an earlier attention module of the model already switched it on."""
+    if _composes(config):
+        return None
+
+    def switch():
+        _COMPOSING[id(config)] = weakref.ref(config)
+        return lambda: _COMPOSING.pop(id(config), None)
+
+    return switch
+
+
+def _composes(config) -> bool:
+    hit = _COMPOSING.get(id(config))
+    return hit is not None and hit() is config
+
+
 # ----------------------------------------------------------------------------------------- the mask
 def fastplug_mask(*args, **kwargs):
     """None (the kernel masks by itself) unless the 2-D attention_mask pads; then padding bounds for the kernel
@@ -125,9 +149,10 @@ def fastplug_mask(*args, **kwargs):
 
 def _composed_beyond_causal(kwargs) -> bool:
     """Whether the caller's mask function may let a token see keys after it: a config that makes some tokens attend
-    both ways (Gemma 4's `use_bidirectional_attention`, "vision" or "all") with a mask the caller may not skip."""
+    both ways (Gemma 4's `use_bidirectional_attention`, "vision" or "all"; a model that composes such masks itself,
+    Gemma 3's) with a mask the caller may not skip."""
     config = kwargs.get("config")
-    both_ways = isinstance(getattr(config, "use_bidirectional_attention", None), str)
+    both_ways = isinstance(getattr(config, "use_bidirectional_attention", None), str) or _composes(config)
     return both_ways and False in (kwargs.get("allow_is_causal_skip"), kwargs.get("allow_is_bidirectional_skip"))
 
 

@@ -180,21 +180,6 @@ def match_linear_attention(module: nn.Module, ctx: MatchContext):
     )
 
 
-# ------------------------------------------------------------------------------- the multimodal head
-def match_multimodal_head(module: nn.Module, ctx: MatchContext):
-    """Qwen3_5(Moe)ForConditionalGeneration: its forward (vision features merged into the embeddings, 3-D RoPE
-    positions) is not reproduced, so its loss stays transformers' (said in the summary)."""
-    if module is not ctx.root or not ctx.options.cross_entropy or ctx.family is None:
-        return None
-    if ctx.family.name not in ("qwen3_5", "qwen3_5_moe") or not hasattr(module, "lm_head"):
-        return None
-    return Skip(
-        "lm_head_loss",
-        f"{type(module).__name__}'s forward (vision features merged into the embeddings) is not reproduced: "
-        "transformers' loss on full logits",
-    )
-
-
 # ---------------------------------------------------------------------------------------- gated norm
 def _gated_norm_forward(self, hidden_states, gate):
     return rms_norm_gated(hidden_states, gate, self.weight, eps=self.variance_epsilon)

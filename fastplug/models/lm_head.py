@@ -26,6 +26,7 @@ from ..kernels.cross_entropy import fused_linear_cross_entropy
 from .attention import CACHE_KEYWORDS
 from .padding import loss_only_inputs
 from .rules import MatchContext, Patch, Skip, is_fsdp, own_class
+from .structure import other_towers
 
 
 def _head_forward(self, hidden_states, fused_loss=None):
@@ -206,6 +207,21 @@ def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divide
         )
 
     return forward
+
+
+def match_multimodal_head(module: nn.Module, ctx: MatchContext):
+    """A vision-language model of a known family (Qwen3.5's, Qwen2.5-VL's, Gemma 3's ... ForConditionalGeneration):
+    its forward (vision features merged into the embeddings, 3-D RoPE positions, deepstack features) is not
+    reproduced, so its loss stays transformers' (said in the summary); its language model is patched."""
+    if module is not ctx.root or not ctx.options.cross_entropy or ctx.family is None:
+        return None
+    if type(module).__name__.endswith("ForCausalLM") or not hasattr(module, "lm_head") or not other_towers(module):
+        return None
+    return Skip(
+        "lm_head_loss",
+        f"{type(module).__name__}'s forward (vision features merged into the embeddings) is not reproduced: "
+        "transformers' loss on full logits",
+    )
 
 
 def match_lm_head(module: nn.Module, ctx: MatchContext):

@@ -21,7 +21,7 @@ from ..kernels.quant import gemv_4bit, is_4bit, shape_4bit, unpack
 from ..models.families import SUPPORTED_FAMILIES, family_of
 from ..models.mlp import activation_name
 from ..models.peft_lora import lora_projection
-from ..models.structure import unwrap
+from ..models.structure import other_towers, unwrap
 
 _GLU = {
     "silu": swiglu,
@@ -156,7 +156,8 @@ DECODER_FAMILIES = frozenset(
 
 def _check_decodable(base: nn.Module, decoder: nn.Module, family) -> None:
     """ValueError naming what the static-KV decoder cannot run: linear-attention layers (their convolution and
-    recurrent states are no KV cache) and output-gated attention (Qwen3.5, Qwen3-Next)."""
+    recurrent states are no KV cache), output-gated attention (Qwen3.5, Qwen3-Next) and a vision-language model's
+    generation (image features merged into the embeddings, multimodal RoPE positions)."""
     name = type(base).__name__
     layers = list(decoder.layers)
     linear = sum(hasattr(layer, "linear_attn") for layer in layers)
@@ -170,6 +171,13 @@ def _check_decodable(base: nn.Module, decoder: nn.Module, family) -> None:
         raise ValueError(
             f"fast_generate: {name}'s attention gates its output (q_proj gives a gate per head), which its decoder "
             "does not run. Use model.generate (transformers' cache), which the patched model runs"
+        )
+    towers = other_towers(base)
+    if towers:
+        raise ValueError(
+            f"fast_generate: {name} is a vision-language model ({', '.join(towers)} beside its language model); its "
+            "generation merges image features into the embeddings and positions, which the decoder does not run. "
+            "Use model.generate (transformers' cache), which the patched model runs"
         )
 
 

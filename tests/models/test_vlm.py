@@ -18,6 +18,7 @@ import pytest
 import torch
 import transformers
 
+from fastplug import fast_generate
 from fastplug.models.families import FAMILIES
 from fastplug.patch.engine import active_handle, patch_model
 from tests.helpers import assert_close
@@ -171,6 +172,8 @@ def test_language_model_patched_vision_tower_left(name):
     model.eval(), reference.eval()
     kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(input_ids=prompt, **kwargs), reference.generate(input_ids=prompt, **kwargs))
+    with pytest.raises(ValueError, match="is a vision-language model .* Use model.generate"):
+        fast_generate(model, prompt, max_new_tokens=3)
 
     # restore: the same modules, no instance forward, the weights bit for bit
     handle.restore()

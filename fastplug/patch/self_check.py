@@ -194,7 +194,7 @@ class Probe:
         saved = self.layer_list._modules
         self.layer_list._modules = OrderedDict(list(saved.items())[: self.n_layers])
         try:
-            with _output_capturing_untouched(self.model):
+            with _output_capturing_untouched(self.model), _own_forwards_above(self.model, self.layer_list):
                 yield
         finally:
             self.layer_list._modules = saved
@@ -240,6 +240,31 @@ def _output_capturing_untouched(model: nn.Module):
                         module._forward_hooks_always_called,
                     ):
                         hooks.pop(key, None)
+
+
+@contextlib.contextmanager
+def _own_forwards_above(model: nn.Module, layer_list: nn.Module):
+    """Another library's instance forward on a module above the decoder layers (TRL 1.7's chunked-NLL loss head on
+    the causal LM, which fails on some families' structure) is set aside while the check runs: the check compares
+    fastplug's patches under the model's own forwards, with and without them. fastplug's own patches stay, and so
+    do accelerate's hooks (they move inputs between devices)."""
+    path = next(name for name, m in model.named_modules() if m is layer_list)
+    above = {path.rsplit(".", i)[0] for i in range(1, path.count(".") + 1)} | {""}
+    foreign = {
+        module: forward
+        for name, module in model.named_modules()
+        if name in above
+        and not hasattr(module, "_hf_hook")
+        and (forward := vars(module).get("forward")) is not None
+        and not getattr(getattr(forward, "__func__", forward), "__module__", "").startswith("fastplug.")
+    }
+    for module in foreign:
+        del module.forward
+    try:
+        yield
+    finally:
+        for module, forward in foreign.items():
+            module.forward = forward
 
 
 def _least_precise_dtype(model: nn.Module) -> torch.dtype:

@@ -71,6 +71,29 @@ def test_the_check_leaves_the_model_as_it_was():
     handle.restore()
 
 
+def test_another_librarys_loss_head_does_not_stop_the_check():
+    """A trainer's own loss head on the causal LM (TRL's chunked NLL; here one that needs the trainer's masks, which
+    the check's random batch lacks) is set aside while the check runs and is back after it: the check ran, decode
+    step included, instead of leaving a known family's patches unchecked."""
+    from types import MethodType
+
+    model = _lora_model()
+    causal_lm = model.get_base_model()
+
+    def loss_head(self, input_ids=None, completion_mask=None, **kwargs):
+        if completion_mask is None:
+            raise ValueError("this loss head needs the trainer's completion_mask")
+        return type(self).forward(self, input_ids=input_ids, **kwargs)
+
+    causal_lm.forward = MethodType(loss_head, causal_lm)
+    handle = patch_model(model)
+    assert handle.check.ran and not handle.check.declined and not handle.check.no_decode, handle.summary()
+    assert {"attention", "mlp", "rms_norm"} <= set(handle.check.passed)
+    assert vars(causal_lm)["forward"].__func__ is loss_head, "the library's forward is back"
+    handle.restore()
+    assert vars(causal_lm)["forward"].__func__ is loss_head
+
+
 def _drop_the_cache(monkeypatch):
     """fastplug's attention as it was before transformers 5.24: the cache, passed under a name it does not read,
     never reaches it (the KV cache is never filled and generate() decodes wrong tokens)."""

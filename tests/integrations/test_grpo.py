@@ -145,7 +145,11 @@ def test_fast_rloo_matches_trl(tmp_path):
     assert rel_err(ours.grads[0], theirs.grads[0]) < 1e-4
 
 
-def test_what_fast_paths_cannot_run_takes_trls_path_and_says_so_once(tmp_path):
+def test_what_fast_paths_cannot_run_takes_trls_path_and_says_so_once(tmp_path, monkeypatch):
+    from fastplug.patch import engine
+
+    monkeypatch.setattr(engine, "_warned_model_types", set())  # said once per process: not yet, whatever ran before
+
     def build(model, **kwargs):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -53,7 +53,10 @@ def test_from_pretrained_scales_rope_beyond_the_trained_length(llama_path):
     assert same.config.rope_parameters.get("rope_type", "default") == "default"
 
 
-def test_from_pretrained_errors_and_unknown_families(tmp_path):
+def test_from_pretrained_errors_and_unknown_families(tmp_path, monkeypatch):
+    import fastplug.patch.engine
+
+    monkeypatch.setattr(fastplug.patch.engine, "_warned_model_types", set())  # warned once per process
     with pytest.raises(ValueError, match="dtype"):
         FastModel.from_pretrained(str(tmp_path), dtype="int8")
     with pytest.raises(ValueError, match="max_seq_length"):

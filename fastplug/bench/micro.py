@@ -12,7 +12,7 @@ step (grads set to None, forward, backward; a few steps unrolled) in a CUDA grap
 device time per step over replays: kernel time only, no host cost, no L2 flush between steps. An
 implementation that cannot be captured (something syncs) falls back to `launch` and says so in its note.
 `launch` is `triton.testing.do_bench` of eager calls (grads set to None, L2 flushed between calls): what a
-training step sees when the host is the bottleneck. On CPU (the --quick smoke run): a plain median of 3 calls.
+training step sees when the host is the bottleneck. On CPU (the --quick smoke run): one call.
 `--profile` adds, per op and implementation, the top CUDA kernels of a few steps (torch.profiler).
 
 `fastplug_inplace` (RoPE, SwiGLU, GeGLU): the ops that reuse their inputs' buffers, run as inside a model.
@@ -512,7 +512,7 @@ def set_grads_none(leaves):
 def time_step(step, leaves, device, timing, warmup_ms, rep_ms) -> tuple[float, str, str | None]:
     """(median ms per step, how it was timed, a note when graph timing fell back to launch timing)."""
     if device.type != "cuda":
-        return _cpu_median_ms(step, leaves), "cpu", None
+        return _cpu_ms(step, leaves), "cpu", None
     note = None
     if timing == "graph":
         try:
@@ -527,14 +527,12 @@ def time_step(step, leaves, device, timing, warmup_ms, rep_ms) -> tuple[float, s
     return ms, "launch", note
 
 
-def _cpu_median_ms(step, leaves) -> float:
-    times = []
-    for _ in range(3):
-        set_grads_none(leaves)
-        start = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _cpu_ms(step, leaves) -> float:
+    """One call: CPU timings of the interpreted kernels mean nothing; the smoke run checks the plumbing."""
+    set_grads_none(leaves)
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
 
 
 def _graph_ms(step, leaves, warmup_ms, rep_ms) -> float:
@@ -769,7 +767,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     from fastplug.kernels._utils import kernel_path
 
-    timing = args.timing if device.type == "cuda" else "cpu median"
+    timing = args.timing if device.type == "cuda" else "one CPU call"
     print(
         f"micro bench on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, bf16, fwd+bwd, "
         f"timing: {timing}; fastplug path: {kernel_path(device)}",
@@ -841,7 +839,7 @@ def qlora_rows(device="cuda", quick: bool = False) -> list[dict]:
 
     def timed(fn):
         if device.type != "cuda":
-            return _cpu_median_ms(fn, [])
+            return _cpu_ms(fn, [])
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=25, rep=100)

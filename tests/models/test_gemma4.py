@@ -310,7 +310,7 @@ def test_fast_model_loads_it_and_fast_generate_says_why_not(tmp_path):
 @pytest.mark.torch_reference
 def test_bench_e2e_presets_train_as_transformers():
     """`python -m fastplug.bench e2e --models gemma4,gemma4_moe`: the tiny presets build, patch and train with the
-    losses of plain transformers (the workers' subprocess plumbing is the llama smoke's, tests/bench/test_smoke.py)."""
+    losses of plain transformers (the workers' subprocess plumbing is the llama smoke's, tests/test_bench_smoke.py)."""
     from fastplug.bench import e2e
 
     for name in ("gemma4", "gemma4_moe"):

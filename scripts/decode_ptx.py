@@ -25,7 +25,9 @@ from collections import Counter
 from pathlib import Path
 
 
-def _stand_in_driver():
+def stand_in_sm90_driver():
+    """Triton's driver made to compile for an H100 (sm_90) on a machine without one (scripts/host_step_without_gpu.py
+    uses it too)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -44,6 +46,13 @@ def _stand_in_driver():
             return torch.device("cpu")
 
     driver.set_active(Sm90())
+
+
+def kernels_take_cpu_tensors() -> None:
+    """Every imported fastplug kernel module launches its Triton kernel on CPU tensors (no interpreter)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fastplug.kernels") and hasattr(module, "use_triton"):
+            module.use_triton = lambda *tensors: True
 
 
 def _record_launches(out: Path) -> list:
@@ -83,7 +92,7 @@ def dump(out: Path, quick: bool) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the dump compiles for the GPU")
     out.mkdir(parents=True, exist_ok=True)
-    _stand_in_driver()
+    stand_in_sm90_driver()
     written = _record_launches(out)
     import torch
     import triton
@@ -91,9 +100,7 @@ def dump(out: Path, quick: bool) -> None:
     import fastplug.kernels.quant.gemv as quant_gemv
     from fastplug.kernels import decode
 
-    for name, module in list(sys.modules.items()):  # CPU tensors take the kernels
-        if name.startswith("fastplug.kernels") and hasattr(module, "use_triton"):
-            module.use_triton = lambda *tensors: True
+    kernels_take_cpu_tensors()
     quant_gemv.num_sms = lambda device: 132
     cuda_config = quant_gemv.gemv_config  # the word-wise tile a GPU gets (shuffle lookups, inline PTX)
 

@@ -26,28 +26,14 @@ import subprocess
 import sys
 import time
 
+from decode_ptx import kernels_take_cpu_tensors, stand_in_sm90_driver  # this script's folder is on sys.path
+
 
 def _stand_in_h100() -> dict:
     """A driver that targets sm_90 and never launches; returns a counter of launches by kernel name."""
-    import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    class Sm90:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-    driver.set_active(Sm90())
+    stand_in_sm90_driver()
     run, launches = JITFunction.run, {}
 
     def compile_and_skip(self, *args, grid, warmup, **kwargs):
@@ -58,14 +44,6 @@ def _stand_in_h100() -> dict:
 
     JITFunction.run = compile_and_skip
     return launches
-
-
-def _kernels_take_cpu_tensors() -> None:
-    import fastplug.kernels  # noqa: F401  (imports the kernel modules whose use_triton is replaced)
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("fastplug.kernels") and hasattr(module, "use_triton"):
-            module.use_triton = lambda *tensors: True
 
 
 def measure(steps: int, layers: int) -> dict:
@@ -79,8 +57,9 @@ def measure(steps: int, layers: int) -> dict:
     from peft import LoraConfig, get_peft_model
 
     import fastplug
+    import fastplug.kernels  # noqa: F401  (imports the kernel modules whose use_triton is replaced)
 
-    _kernels_take_cpu_tensors()
+    kernels_take_cpu_tensors()
     torch.set_num_threads(1)  # CPU matmuls spinning on threads that other processes hold would swamp the host's work
     config = transformers.LlamaConfig(
         hidden_size=128,

@@ -1,7 +1,9 @@
 """Smoke run of `python -m fastplug.bench varlen --tiny` on CPU, its Lightning rows: a Lightning fit around the
 trainer rows' model, documents and collator, alone and with strategy="fastkernels", in worker processes. Timings on
 CPU mean nothing and are not checked; what is checked is that both rows count exactly the real (non-pad) tokens of
-the documents they trained on, and that fastplug's losses match Lightning's alone.
+the documents they trained on, and that fastplug's losses match Lightning's alone. The rows run with the GPU's
+settings (precision="bf16-mixed", gradient_clip_val=1, the same optimizer): Lightning's checks of the optimizer under
+AMP with clipping (a fused AdamW is refused) happen on CPU too.
 """
 
 import math

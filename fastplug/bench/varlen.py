@@ -10,8 +10,9 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
   trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (rows padded on to a few lengths)
   sft, fast_sft            trl.SFTTrainer / FastSFTTrainer, its collator padding each batch to its longest row
   sft_packed, fast_sft_packed  the same with packing=True (padding-free rows)
-  lightning               a Lightning fit of a LightningModule around the same model, on the same documents,
-                          collator and optimizer (fused AdamW, linear decay, gradient norm clipped at 1, bf16 autocast)
+  lightning               a Lightning fit of a LightningModule around the same model, on the same documents and
+                          collator, as Lightning users train: configure_optimizers' AdamW (unfused), linear decay,
+                          gradient_clip_val=1, precision="bf16-mixed"
   lightning_fastkernels   the same with L.Trainer(strategy="fastkernels")
 tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
 the kernel time of those steps (torch.profiler's time per real token over three more steps: its tracing
@@ -227,8 +228,8 @@ def _dataset(spec, tokenizer, paths):
 
 
 def _peft_model_and_rows(spec, device, tokenizer, paths):
-    """e2e's peft model (checkpointing on; fp32 on CPU, where bf16 autocast is off), the documents as rows for the
-    language-modelling collator, and a meter counting the model's real tokens."""
+    """e2e's peft model (checkpointing on; fp32 on CPU, where only the Lightning rows autocast), the documents as
+    rows for the language-modelling collator, and a meter counting the model's real tokens."""
     model = build_model(spec["model"], spec["tiny"], device, spec["seed"])
     if device.type == "cpu":
         model = model.float()
@@ -264,9 +265,10 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
 
 
 def run_lightning(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
-    """Lightning's fit of the trainer rows' model, documents and collator, with the Trainer's optimizer: AdamW
-    (fused, lr 1e-4, no weight decay) under a linear decay to zero, gradients clipped to norm 1; bf16 autocast on
-    a GPU (the Trainer's bf16=True), fp32 on CPU. The documents come in an order of Lightning's own (seeded)."""
+    """Lightning's fit of the trainer rows' model, documents and collator, set up as Lightning users do:
+    configure_optimizers returns AdamW (lr 1e-4, no weight decay, torch's default foreach implementation) under a
+    linear decay to zero; L.Trainer clips gradients to norm 1 under precision="bf16-mixed", on CPU too (the smoke
+    test runs what the GPU runs). The documents come in an order of Lightning's own (seeded)."""
     import lightning.pytorch as L
     import torch
     from transformers import DataCollatorForLanguageModeling, get_linear_schedule_with_warmup
@@ -284,14 +286,15 @@ def run_lightning(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
 
         def configure_optimizers(self):
             params = [p for p in self.parameters() if p.requires_grad]
-            optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
+            # Not fused: Lightning refuses gradient clipping under AMP for an optimizer that unscales internally
+            optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
             schedule = get_linear_schedule_with_warmup(optimizer, 0, max_steps)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     notes = {}
     trainer = L.Trainer(
         accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-        precision="bf16-mixed" if device.type == "cuda" else "32-true", max_steps=max_steps,
+        precision="bf16-mixed", max_steps=max_steps,
         gradient_clip_val=1.0, strategy="fastkernels" if fast else "auto", callbacks=[meter.lightning_callback(notes)],
         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip

@@ -5,7 +5,10 @@
 #
 # PARTs run in the order given (default: doctor tests micro e2e):
 #   doctor                 python -m fastplug doctor
-#   tests [PYTEST ARGS]    pytest -m gpu tests/gpu (extra args go to pytest)
+#   tests [PYTEST ARGS]    tests/gpu over every GPU of the machine (one pytest-xdist worker per GPU, loadfile), each
+#                          test limited to $FASTPLUG_TEST_TIMEOUT s (240), the whole part to $FASTPLUG_TESTS_BUDGET s
+#                          (450); then the 2-GPU tests (marker gpu2). $OUT/tests_report.tsv gets each outcome as it
+#                          comes, and the part ends with the failures and the files that never reported
 #   micro [ARGS]           python -m fastplug.bench micro ARGS
 #   e2e [ARGS]             python -m fastplug.bench e2e ARGS   (e.g. e2e --models llama --impls transformers,fastplug)
 #   maxseq [ARGS]          python -m fastplug.bench e2e --offload-max-seq ARGS
@@ -60,12 +63,33 @@ fi
 PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generate grpo qlora moe attention fp8 host compile gdn"
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
+gpu_tests() {  # the GPU suite, sharded by file over the GPUs; a summary even when the time limit cuts it
+    local gpus report rc=0
+    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+    [[ $gpus -ge 1 ]] || gpus=1
+    report="$OUT_DIR/tests_report.tsv"
+    : > "$report"
+    local expected="gpu or gpu2"
+    [[ $gpus -ge 2 ]] || expected="gpu and not gpu2"
+    "$PY" -m pytest -q --collect-only -m "$expected" -p no:cacheprovider tests/gpu "$@" | grep '::' \
+        > "$OUT_DIR/tests_collected.txt"
+    FASTPLUG_TEST_REPORT="$report" FASTPLUG_TEST_GPUS=$(seq -s, 0 $((gpus - 1))) \
+        timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-450}" "$PY" -m pytest -q -m "gpu and not gpu2" -n "$gpus" \
+        --dist loadfile --timeout "${FASTPLUG_TEST_TIMEOUT:-240}" -p no:cacheprovider tests/gpu "$@" || rc=$?
+    if [[ $gpus -ge 2 ]]; then
+        FASTPLUG_TEST_REPORT="$report" timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-450}" "$PY" -m pytest -q \
+            -m gpu2 --timeout 400 -p no:cacheprovider tests/gpu "$@" || { [[ $rc -eq 0 ]] && rc=$?; }
+    fi
+    "$PY" scripts/gpu_tests_summary.py "$OUT_DIR/tests_collected.txt" "$report" || { [[ $rc -eq 0 ]] && rc=1; }
+    return "$rc"
+}
+
 run_part() {  # run_part NAME ARGS...: runs it, tees its log into $OUT_DIR/NAME.log
     local name="$1"; shift
     local cmd
     case "$name" in
         doctor) cmd=("$PY" -m fastplug doctor "$@") ;;
-        tests)  cmd=("$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@") ;;
+        tests)  cmd=(gpu_tests "$@") ;;
         micro)  cmd=("$PY" -m fastplug.bench micro --out "$OUT_DIR" "$@") ;;
         e2e)    cmd=("$PY" -m fastplug.bench e2e --out "$OUT_DIR" "$@") ;;
         maxseq) cmd=("$PY" -m fastplug.bench e2e --offload-max-seq --out "$OUT_DIR" "$@") ;;

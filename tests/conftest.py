@@ -5,8 +5,14 @@ TRITON_INTERPRET must be set before triton decorates any kernel, so before fastp
 
 import os
 
-import pytest
-import torch
+# One GPU per pytest-xdist worker: with FASTPLUG_TEST_GPUS="0,1,2,3" (scripts/gpu_run.sh tests sets it) worker gwN
+# sees only GPU N % 4. Set before torch is imported, so before CUDA reads it.
+if os.environ.get("FASTPLUG_TEST_GPUS") and os.environ.get("PYTEST_XDIST_WORKER"):
+    _gpus = os.environ["FASTPLUG_TEST_GPUS"].split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = _gpus[int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw")) % len(_gpus)]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -38,6 +38,13 @@ def select(use_fla: bool) -> str:
             f"flash-linear-attention does not import ({type(exc).__name__}: {exc}); install fla-core or point "
             f"${ENV} at a folder holding it (scripts/gpu_run.sh unpacks .whl/fla/ there)"
         ) from exc
+    import torch
+
+    from ..kernels.delta_rule import fla_refusal
+
+    if torch.cuda.is_available() and fla_refusal(torch.device("cuda")) is not None:
+        # transformers would run fla's kernels all the same and fail in the first backward
+        raise RuntimeError(fla_refusal(torch.device("cuda")))
     from importlib.metadata import version
 
     try:

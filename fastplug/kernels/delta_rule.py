@@ -268,16 +268,27 @@ class ScanConfig:
     block_k: int  # all of Dk (a power of two, 16 at least: tl.dot's least)
     block_v: int  # Dv in blocks of this many columns (a power of two)
     num_warps: int
+    num_stages: int  # software pipelining of the chunk loop's loads (each stage holds a chunk's operands)
+
+
+# sm_90's limit of shared memory per program (227 KiB); tests/kernels/test_delta_rule_sm90.py compiles the scan
+# kernels for sm_90 without a GPU and checks every launch below against it
+HOPPER_SHARED_MEMORY = 232448
 
 
 @functools.lru_cache(maxsize=64)
 def scan_config(dk: int, dv: int) -> ScanConfig:
     """Dk 128 (Qwen3.5's): 32 value columns a program, 8 warps; sm_90's compile then holds the bf16 layers' kernels
     in 177-230 registers without spills (ptxas -v; 64 columns spilled; fp32 layers' tf32x3 dots spill up to 1 KiB
-    a thread). Narrower heads take 64 columns."""
+    a thread). Narrower heads take 64 columns.
+
+    One stage: every chunk's operands (W, Qd, Kd: C x Dk fp32, P: C x C) are loaded once and used at once, and
+    Triton's default three stages hold three chunks' worth. Shared memory per program as Triton 3.6-3.9 compile for
+    sm_90 (Dk = Dv, block_v as chosen; forward / backward, tf32): 1 stage 74 / 82 KiB at 128 and 123 / 147 KiB at
+    256; 2 stages 262 / 279 KiB at 128; 3 stages (the default) 385 / 401 KiB at 128, over the 227 KiB limit."""
     block_k = max(16, next_power_of_2(dk))
     block_v = max(16, min(32 if block_k >= 128 else 64, next_power_of_2(dv)))
-    return ScanConfig(block_k, block_v, 8 if block_k * block_v >= 4096 else 4)
+    return ScanConfig(block_k, block_v, 8 if block_k * block_v >= 4096 else 4, num_stages=1)
 
 
 def _blocks(dk: int, dv: int) -> ScanConfig:
@@ -303,7 +314,7 @@ def _scan(parts, want_final: bool, precision: str, *, store_out: bool = True, st
         w, u, qd, kd, p, gamma, o if o is not None else u, final if final is not None else u,
         states if states is not None else u, v_new if v_new is not None else u, tokens // CHUNK, dk, dv,
         C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, STORE_OUT=store_out, STORE_FINAL=want_final,
-        STORE_STATES=states is not None, PRECISION=precision, num_warps=cfg.num_warps,
+        STORE_STATES=states is not None, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return o, final
 
@@ -325,7 +336,7 @@ def _scan_backward(parts, do, ds_final, precision: str):
     _scan_bwd[(bh, cdiv(dv, cfg.block_v))](
         w, qd, kd, p, gamma, do, ds_final if ds_final is not None else u, du, ds_next, n, dk, dv,
         C=CHUNK, BK=cfg.block_k, BV=cfg.block_v, HAS_DS_FINAL=ds_final is not None, PRECISION=precision,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     chunks = bh * n
     s_t = states.view(chunks, dk, dv).transpose(1, 2)  # [chunks, Dv, Dk]
@@ -433,6 +444,40 @@ def _fla_chunk_rule():
     return chunk_gated_delta_rule
 
 
+@functools.cache
+def fla_refusal(device: torch.device) -> str | None:
+    """Why fla's kernels cannot serve CUDA `device` although fla imports, or None. fla 0.6 raises in its backward
+    (gated chunk_bwd_dqkwg, its #640) on Hopper with Triton >= 3.4.0 and < 3.7.1 unless tilelang is installed:
+    decided here, before a forward that would succeed and a backward that would not."""
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    if hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        return (
+            f"flash-linear-attention's gated delta rule backward is wrong on Hopper with Triton {triton.__version__} "
+            "(fla #640: it needs Triton >= 3.7.1 or tilelang); fastplug's Triton scan runs instead"
+        )
+    return None
+
+
+def _fla_rule_for(x: torch.Tensor):
+    """fla's chunk_gated_delta_rule when it can serve x (CUDA, installed, not refused on this GPU), else None;
+    a refusal is said once per device."""
+    if not x.is_cuda or _fla_chunk_rule() is None:
+        return None
+    reason = fla_refusal(x.device)
+    if reason is not None:
+        _warn_refusal_once(reason)
+        return None
+    return _fla_chunk_rule()
+
+
+@functools.cache
+def _warn_refusal_once(reason: str) -> None:
+    warnings.warn(f"fastplug: {reason}", stacklevel=5)
+
+
 def _check(q, k, v, g, beta, implementation):
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(t, torch.Tensor):
@@ -466,12 +511,14 @@ def implementation_for(x: torch.Tensor, requested: str | None = None) -> str:
             raise ValueError(
                 "implementation 'fla' needs CUDA tensors and flash-linear-attention (pip install fastplug[fla])"
             )
+        if requested == "fla" and fla_refusal(x.device) is not None:
+            raise ValueError(f"implementation 'fla' cannot run here: {fla_refusal(x.device)}")
         if requested == "triton" and not use_triton(x):
             raise ValueError(f"implementation 'triton' cannot run on {x.device.type} tensors here")
         return requested
     if not use_triton(x):
         return "torch"
-    return "fla" if x.is_cuda and _fla_chunk_rule() is not None else "triton"
+    return "fla" if _fla_rule_for(x) is not None else "triton"
 
 
 def gated_delta_rule(

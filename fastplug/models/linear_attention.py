@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.causal_conv import causal_conv1d
-from ..kernels.delta_rule import fla_available, gated_delta_rule
+from ..kernels.delta_rule import fla_available, fla_refusal, gated_delta_rule
 from ..kernels.lora import lora_linear, lora_projections
 from ..kernels.norms import rms_norm_gated
 from . import stacking
@@ -134,7 +134,11 @@ def _linear_attention_forward(layout: str, use_lora: bool):
 
 
 def _describe(module: nn.Module) -> str:
-    rule = "flash-linear-attention's chunk_gated_delta_rule" if fla_available() else "fastplug's chunked Triton scan"
+    rule = "fastplug's chunked Triton scan"
+    device = module.A_log.device
+    if fla_available() and device.type == "cuda":
+        refused = fla_refusal(device)
+        rule = "flash-linear-attention's chunk_gated_delta_rule" if refused is None else f"{rule} ({refused})"
     return (
         f"Gated DeltaNet: causal conv1d kernel, {rule} on CUDA; "
         "cached continuation (decode steps) and packed rows: transformers' forward"

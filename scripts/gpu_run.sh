@@ -37,7 +37,12 @@ OUT_DIR="${OUT:-bench_out}"
 mkdir -p "$OUT_DIR"
 PY="$(command -v python3)"
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+# FASTPLUG_GPU_INSTALLED=1: an earlier run on this machine installed everything below (several runs at once,
+# ../shared/tools/gpuq jobs, must not install into the same folders together)
+if [[ -n "${FASTPLUG_GPU_INSTALLED:-}" ]]; then
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    [[ -d /tmp/site-fla ]] && export FASTPLUG_BENCH_FLA=/tmp/site-fla
+elif compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "gpu_run: installing .whl/ failed"; exit 1; }
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,7 +50,7 @@ fi
 # flash-linear-attention (.whl/fla/, from scripts/fetch_gpu_wheels.sh) is unpacked apart, into /tmp/site-fla: only
 # the rows that ask for it see it (the e2e impls ending in _fla, scripts/gated_delta_gpu.py, tests/gpu), so the
 # plain transformers rows of Qwen3.5 run its torch delta rule
-if compgen -G ".whl/fla/*.whl" > /dev/null; then
+if [[ -z "${FASTPLUG_GPU_INSTALLED:-}" ]] && compgen -G ".whl/fla/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-fla \
         .whl/fla/*.whl || { echo "gpu_run: installing .whl/fla/ failed"; exit 1; }
     export FASTPLUG_BENCH_FLA=/tmp/site-fla
@@ -53,7 +58,9 @@ fi
 # fastplug itself: installed from this checkout with --no-deps into the Python that already has torch,
 # triton and transformers (editable, so edits need no reinstall). Offline pip needs setuptools in that
 # Python to build; without it the checkout goes first on PYTHONPATH instead, which imports the same code.
-if "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT_DIR/install.log" 2>&1; then
+if [[ -n "${FASTPLUG_GPU_INSTALLED:-}" ]]; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT_DIR/install.log" 2>&1; then
     echo "gpu_run: fastplug installed from $PWD (pip --no-deps, editable)"
 else
     echo "gpu_run: pip could not build fastplug offline (see $OUT_DIR/install.log); using PYTHONPATH=$PWD"
@@ -64,21 +71,23 @@ PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generat
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 gpu_tests() {  # the GPU suite, sharded by file over the GPUs; a summary even when the time limit cuts it
-    local gpus report rc=0
-    gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
-    [[ $gpus -ge 1 ]] || gpus=1
+    local ids gpus report rc=0
+    # the GPUs this process may use: $CUDA_VISIBLE_DEVICES when set, else every one nvidia-smi lists
+    ids=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd,)}
+    ids=${ids:-0}
+    gpus=$(tr ',' '\n' <<< "$ids" | wc -l)
     report="$OUT_DIR/tests_report.tsv"
     : > "$report"
     local expected="gpu or gpu2"
     [[ $gpus -ge 2 ]] || expected="gpu and not gpu2"
     "$PY" -m pytest -q --collect-only -m "$expected" -p no:cacheprovider tests/gpu "$@" | grep '::' \
         > "$OUT_DIR/tests_collected.txt"
-    FASTPLUG_TEST_REPORT="$report" FASTPLUG_TEST_GPUS=$(seq -s, 0 $((gpus - 1))) \
+    FASTPLUG_TEST_REPORT="$report" FASTPLUG_TEST_GPUS="$ids" \
         timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-450}" "$PY" -m pytest -q -m "gpu and not gpu2" -n "$gpus" \
         --dist loadfile --timeout "${FASTPLUG_TEST_TIMEOUT:-240}" -p no:cacheprovider tests/gpu "$@" || rc=$?
     if [[ $gpus -ge 2 ]]; then
         FASTPLUG_TEST_REPORT="$report" timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-450}" "$PY" -m pytest -q \
-            -m gpu2 --timeout 400 -p no:cacheprovider tests/gpu "$@" || { [[ $rc -eq 0 ]] && rc=$?; }
+            -m gpu2 --timeout 400 -p no:cacheprovider tests/gpu "$@" || { local r=$?; [[ $rc -eq 0 ]] && rc=$r; }
     fi
     "$PY" scripts/gpu_tests_summary.py "$OUT_DIR/tests_collected.txt" "$report" || { [[ $rc -eq 0 ]] && rc=1; }
     return "$rc"

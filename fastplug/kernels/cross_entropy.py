@@ -30,6 +30,7 @@ from ._utils import (
     check_same_device,
     check_shape,
     next_power_of_2,
+    no_autocast,
     num_sms,
     rows_view,
     use_triton,
@@ -890,6 +891,28 @@ def _reference_loss(z, labels, ignore_index, label_smoothing, softcap, z_loss, r
     return rows.sum() / torch.as_tensor(divisor, device=z.device).to(z.dtype)
 
 
+def _reference_logits(hidden, weight, bias, logit_scale):
+    """logit_scale * (hidden @ weight.T + bias) as [N, V] in (at least) fp32.
+
+    Under autocast the inputs are rounded to the autocast dtype first, as the fused ops (and nn.Linear) round them,
+    but the matmul runs outside autocast: inside, it would return bf16 logits and so bf16 log-probs and losses,
+    where the fused ops accumulate in fp32 and return fp32.
+    """
+    tensors = (hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        low = torch.get_autocast_dtype(device_type)
+        # autocast leaves float64 alone (the tests' references)
+        tensors = tuple(t if t is None or t.dtype == torch.float64 else t.to(low) for t in tensors)
+    hidden2, weight, bias = tensors
+    dtype = torch.promote_types(hidden2.dtype, torch.float32)
+    with no_autocast(hidden2):
+        z = hidden2.to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        z = z + bias.to(dtype)
+    return z * logit_scale
+
+
 def cross_entropy_reference(
     logits,
     labels,
@@ -927,11 +950,7 @@ def fused_linear_cross_entropy_reference(
     _check_options(ignore_index, label_smoothing, softcap, z_loss, reduction, logit_scale)
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch needs reduction='mean'; got reduction={reduction!r}")
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    z = hidden.reshape(-1, hidden.shape[-1]).to(dtype) @ weight.to(dtype).t()
-    if bias is not None:
-        z = z + bias.to(dtype)
-    z = z * logit_scale
+    z = _reference_logits(hidden, weight, bias, logit_scale)
     loss = _reference_loss(
         z, labels, ignore_index, label_smoothing, softcap, z_loss, reduction, divisor=num_items_in_batch
     )
@@ -953,11 +972,7 @@ def fused_linear_log_probs_reference(
     """`fused_linear_log_probs` in plain torch: the [N, V] logits in (at least) fp32."""
     _check_options(ignore_index, 0.0, softcap, 0.0, "none", logit_scale)
     _check_temperature(temperature)
-    dtype = torch.promote_types(hidden.dtype, torch.float32)
-    z = hidden.reshape(-1, hidden.shape[-1]).to(dtype) @ weight.to(dtype).t()
-    if bias is not None:
-        z = z + bias.to(dtype)
-    z = z * logit_scale
+    z = _reference_logits(hidden, weight, bias, logit_scale)
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
     log_p = torch.log_softmax(z / temperature, dim=-1)

@@ -305,6 +305,34 @@ def test_fused_autocast_computes_in_autocast_dtype():
     assert_close(hidden.grad, h.grad, torch.bfloat16, "grad hidden")
 
 
+@pytest.mark.torch_reference  # the path a bf16 Trainer takes on CPU; autocast made its logits (and loss) bf16
+@pytest.mark.parametrize(
+    "reduction, bias, dtype",
+    [("mean", False, torch.bfloat16), ("none", True, torch.bfloat16), ("none", False, torch.float32)],
+)
+def test_fused_torch_reference_under_autocast_returns_fp32(reduction, bias, dtype):
+    n, vocab = 37, 1000
+    tensors = [t for t in _fused_inputs(n, 32, vocab, dtype, bias) if t is not None]
+    labels = _labels(n, vocab, [1, 2])
+    kw = dict(softcap=3.0, logit_scale=0.7, label_smoothing=0.1, reduction=reduction)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = fused_linear_cross_entropy(*tensors[:2], labels, bias=tensors[2] if bias else None, **kw)
+    # fp32 inputs are rounded to bf16 first, as the kernel (and nn.Linear) rounds them under autocast
+    as64 = [_leaf(t.detach().bfloat16().double()) for t in tensors]
+    z = as64[0] @ as64[1].t() + (as64[2] if bias else 0)
+    z = 3.0 * torch.tanh(z * 0.7 / 3.0)
+    expected = torch.nn.functional.cross_entropy(z, labels, ignore_index=IGNORE, label_smoothing=0.1,
+                                                 reduction=reduction)  # fmt: skip
+    assert loss.dtype == torch.float32 and loss.shape == expected.shape
+    assert_close(loss, expected, torch.float32, "loss")  # fp32 logits, as the kernel's fp32 accumulation
+    grad_output = _grad_output(expected, reduction)
+    loss.backward(grad_output.float())
+    expected.backward(grad_output)
+    for name, t, ref in zip(("hidden", "weight", "bias"), tensors, as64):
+        assert t.grad.dtype == dtype
+        assert_close(t.grad, ref.grad, torch.bfloat16, f"grad {name}")
+
+
 # --------------------------------------------------------------------------------- all labels ignored
 
 

@@ -117,6 +117,31 @@ def test_log_probs_are_minus_the_cross_entropy_and_run_without_grad():
         assert not grad.any()
 
 
+@pytest.mark.torch_reference  # the path a bf16 GRPO trainer takes on CPU; autocast made its outputs bf16 (issue 40)
+@pytest.mark.parametrize("bias", [False, True])
+def test_torch_reference_under_autocast_returns_fp32(bias):
+    hidden, weight, b, labels = _inputs((3, 7), torch.bfloat16, bias)
+    tensors = [t for t in (hidden, weight, b) if t is not None]
+    kw = dict(temperature=0.7, softcap=3.0, logit_scale=0.8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        log_probs, entropy = fused_linear_log_probs(hidden, weight, labels, bias=b, entropy=True, **kw)
+    as64 = [t.detach().double().requires_grad_(True) for t in tensors]
+    z = as64[0] @ as64[1].t() + (as64[2] if bias else 0)
+    log_p = torch.log_softmax(3.0 * torch.tanh(z * 0.8 / 3.0) / 0.7, dim=-1)
+    valid = labels != IGNORE
+    expected = torch.where(valid, log_p.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1), 0.0)
+    expected_entropy = torch.where(valid, -(log_p.exp() * log_p).sum(-1), 0.0)
+    assert log_probs.dtype == entropy.dtype == torch.float32  # as the kernel returns
+    assert_close(log_probs, expected, torch.float32, "log_probs")  # fp32 logits, as the kernel's fp32 accumulation
+    assert_close(entropy, expected_entropy, torch.float32, "entropy")
+    g_lp, g_ent = torch.randn(labels.shape), torch.randn(labels.shape)
+    grads = torch.autograd.grad((log_probs * g_lp + entropy * g_ent).sum(), tensors)
+    ref_grads = torch.autograd.grad((expected * g_lp + expected_entropy * g_ent).sum(), as64)
+    for name, g, ref in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert g.dtype == torch.bfloat16
+        assert_close(g, ref, torch.bfloat16, f"grad {name}")
+
+
 @pytest.mark.parametrize(
     "change, error, match",
     [

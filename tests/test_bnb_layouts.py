@@ -4,32 +4,18 @@ output (issue 33).
 On CPUs with AVX-512, bitsandbytes 0.50's own CPU dequantization gives each row of a weight the absmax of blocks
 counted per row, which is wrong wherever a block straddles two rows (an input width that is a multiple of 16 and
 not of the blocksize: 1-3e-2 off on the tiny shapes of these tests); its fused LoRA, generation and model
-gradients are therefore judged against `dequantize_float64`, made here from the packed bytes and absmax.
+gradients are therefore judged against `dequantize_float64` (tests/helpers.py), made from the packed bytes and
+absmax, and so is fastplug's self-check's reference for 4-bit layers.
 On CPUs with AVX512-BF16 it also repacks a Linear4bit's weight at its first eval forward without grad (the
 `packing_format_for_cpu` flag): fastplug reads that layout, judged here by emulating the repack with
-bitsandbytes' own function (pure torch, so any CPU runs it).
+bitsandbytes' own function (pure torch, so any CPU runs it), and its self-check never makes bitsandbytes repack
+the user's weights (emulated by setting bitsandbytes' flag).
 """
 
 import pytest
 import torch
 
-
-def dequantize_float64(weight) -> torch.Tensor:
-    """The [out, in] float64 values of a bitsandbytes 4-bit weight in its standard layout, from its bytes as
-    bitsandbytes documents them: elements row-major, two a byte, the first in the high nibble; value =
-    code[index] * absmax[element // blocksize]; nested absmax = code2[q] * absmax2[block // blocksize2] + offset."""
-    qs = weight.quant_state
-    assert not getattr(qs, "packing_format_for_cpu", False), "the standard layout only"
-    out, k = qs.shape
-    numel = out * k
-    data = weight.data.reshape(-1).view(torch.uint8)
-    index = torch.stack([data >> 4, data & 15], -1).reshape(-1)[:numel].long()
-    absmax = qs.absmax.double()
-    if qs.nested:
-        s2 = qs.state2
-        blocks = torch.arange(qs.absmax.numel())
-        absmax = s2.code.double()[qs.absmax.long()] * s2.absmax.double()[blocks // s2.blocksize] + float(qs.offset)
-    return (qs.code.double()[index] * absmax[torch.arange(numel) // qs.blocksize]).reshape(out, k)
+from tests.helpers import dequantize_float64
 
 
 def avx512_dequantize_float64(weight) -> torch.Tensor:
@@ -185,18 +171,13 @@ def test_unreadable_cpu_layout_falls_back_with_its_reason():
     assert "CPU inference layout" in unfused_reason(model.proj, quantized=True)
 
 
-def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path):
-    """patch_model + a training step + restore() leaves every Linear4bit as it was: the same weight and quant
-    state objects with the same bytes and fields, bitsandbytes' forward giving what it gave before (the
-    'shape [64, 1] is invalid' of issue 33 is bitsandbytes' own repack of a weight whose input width is not a
-    multiple of the blocksize: it raises on an untouched model too)."""
-    bnb = pytest.importorskip("bitsandbytes")
+def _tiny_4bit_llama(tmp_path, bnb):
+    """A tiny Llama loaded in 4 bits (NF4, double quant, fp32 compute) with peft LoRA on every linear layer; its 14
+    Linear4bit layers by name."""
     peft = pytest.importorskip("peft")
     import transformers
 
-    import fastplug
     from tests.model_path_helpers import save_tiny
-    from tests.models.tiny import batch
 
     config = transformers.BitsAndBytesConfig(
         load_in_4bit=True,
@@ -212,6 +193,36 @@ def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path):
     )
     layers = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(layers) == 14
+    return model, layers
+
+
+@pytest.fixture
+def fresh_self_check():
+    """No verdict of an identical model checked earlier in this process: the check runs."""
+    from fastplug.patch import self_check
+
+    self_check.forget()
+    yield
+    self_check.forget()
+
+
+def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path, fresh_self_check):
+    """patch_model + a training step + restore() leaves every Linear4bit as it was: the same weight and quant
+    state objects with the same bytes and fields, bitsandbytes' forward giving what it gave before (the
+    'shape [64, 1] is invalid' of issue 33 is bitsandbytes' own repack of a weight whose input width is not a
+    multiple of the blocksize: it raises on an untouched model too).
+
+    As on a CPU with AVX512-BF16 (bitsandbytes' flag set on every layer, so any CPU runs this): the self-check's
+    eval forward without grad repacked 6 of the 14 layers (and half-converted down_proj's state before raising),
+    a layout the user never asked for. The repack that the test's own eval forward makes bitsandbytes do to q_proj
+    is bitsandbytes', not fastplug's: it happens before the snapshot."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import fastplug
+    from tests.models.tiny import batch
+
+    model, layers = _tiny_4bit_llama(tmp_path, bnb)
+    for m in layers.values():
+        m.support_avx512bf16_for_cpu = True
 
     def snapshot():
         out = {}
@@ -224,16 +235,16 @@ def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path):
     def same(a, b):
         return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
-    before = snapshot()
-    ids = batch()
     x = torch.randn(2, 3, 64)
     q = layers["base_model.model.model.layers.0.self_attn.q_proj.base_layer"]
     q.eval()
     with torch.no_grad():
         y_before = q(x)
+    assert q.weight.quant_state.packing_format_for_cpu, "bitsandbytes repacked it (the emulated CPU)"
+    before = snapshot()
     handle = fastplug.patch_model(model)
     model.train()
-    model(**ids).loss.backward()
+    model(**batch()).loss.backward()
     handle.restore()
     for n, (weight, data, qs, fields, flag) in snapshot().items():
         w0, d0, qs0, f0, flag0 = before[n]
@@ -243,3 +254,28 @@ def test_restore_leaves_4bit_layers_as_bitsandbytes_made_them(tmp_path):
     q.eval()
     with torch.no_grad():
         assert torch.equal(q(x), y_before)
+
+
+def test_self_check_judges_4bit_layers_against_float64(tmp_path, monkeypatch, fresh_self_check):
+    """The self-check's reference for a 4-bit layer is the float64 values of its bytes, not bitsandbytes' CPU
+    output: with bitsandbytes giving what its AVX-512F dequantizer gives (emulated, so any CPU runs this; the tiny
+    Llama's down_proj, in = 96, has blocks that straddle rows), fastplug's fused MLP, which is right, was declined
+    ('gradient of layers.0.mlp.up_proj.lora_B.default.weight differs by 3.40e-01'). Nothing is declined now."""
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch.nn.functional as F
+
+    import fastplug
+
+    def avx512f_matmul_4bit(A, B, quant_state, out=None, bias=None):
+        return F.linear(A, avx512_dequantize_float64(B).to(A.dtype), bias)
+
+    model, layers = _tiny_4bit_llama(tmp_path, bnb)
+    for m in layers.values():  # the dequantizer alone: no repack
+        m.support_avx512bf16_for_cpu = False
+    monkeypatch.setattr(bnb, "matmul_4bit", avx512f_matmul_4bit)
+    handle = fastplug.patch_model(model)
+    try:
+        assert handle.check.ran and not handle.check.declined, handle.summary()
+        assert "lora_fused: 4" in handle.summary(), handle.summary()
+    finally:
+        handle.restore()

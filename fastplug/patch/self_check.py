@@ -191,10 +191,18 @@ class Probe:
     # -- what the run changes and puts back
     @contextlib.contextmanager
     def _truncated(self):
+        from ..models.bnb_4bit import float64_4bit_forwards
+
         saved = self.layer_list._modules
         self.layer_list._modules = OrderedDict(list(saved.items())[: self.n_layers])
         try:
-            with _output_capturing_untouched(self.model), _own_forwards_above(self.model, self.layer_list):
+            with (
+                _output_capturing_untouched(self.model),
+                _own_forwards_above(self.model, self.layer_list),
+                # bitsandbytes' CPU output is wrong where blocks straddle rows, and its eval forward repacks the
+                # user's weights: 4-bit layers compute from their bytes in float64 during the check instead
+                float64_4bit_forwards(self.model),
+            ):
                 yield
         finally:
             self.layer_list._modules = saved

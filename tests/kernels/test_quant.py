@@ -1,5 +1,7 @@
-"""4-bit (bitsandbytes) weights: Triton dequantization against bitsandbytes' own, the GEMV against a float64
-product, and the fused LoRA linear / QKV / MLP on 4-bit bases against peft's Linear4bit LoRA layers.
+"""4-bit (bitsandbytes) weights: Triton dequantization and the GEMV against the float64 values of the bytes
+(`dequantize_float64`, never bitsandbytes' CPU dequantization, wrong on AVX-512 CPUs where a block straddles two
+rows: tests/test_bnb_layouts.py), and the fused LoRA linear / QKV / MLP on 4-bit bases against peft's Linear4bit
+LoRA layers.
 
 bitsandbytes' CPU backend quantizes here; the Triton kernels run under the interpreter: shapes stay tiny.
 """
@@ -29,8 +31,7 @@ from fastplug.kernels.quant import (  # noqa: E402
 )
 from fastplug.models.peft_lora import lora_projection, unfused_reason  # noqa: E402
 from fastplug.models.projections import fused_projections, unfused_notes  # noqa: E402
-from tests.helpers import assert_close, rel_err  # noqa: E402
-from tests.test_bnb_layouts import dequantize_float64  # noqa: E402
+from tests.helpers import assert_close, dequantize_float64, rel_err  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV_OUT, RANK = 48, 40, 16, 4
 
@@ -48,34 +49,51 @@ def quantized(out, inn, quant_type="nf4", double_quant=True, blocksize=64, dtype
     return p._quantize("cpu")
 
 
-def bnb_dequant(p, dtype):
-    return bnb.functional.dequantize_4bit(p.data, p.quant_state).to(dtype)
+# fp32 dequantization against float64: the product (with a nested absmax, a product and a sum too) rounded to fp32
+FP32_RTOL = 2**-21
+
+
+def values(weights, dtype=torch.float64):
+    """The float64 values of the weights' bytes one under another, in `dtype`."""
+    return torch.cat([dequantize_float64(p) for p in weights]).to(dtype)
+
+
+def same_fp32_values(out, weights):
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), values(weights), rtol=FP32_RTOL, atol=0)
+
+
+def same_rounded(out, weights):
+    """One rounding of the same value to out's dtype; the interpreter truncates where a GPU rounds to nearest."""
+    rtol = 2**-7 if out.dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(out, values(weights, out.dtype), rtol=rtol, atol=0)
 
 
 # ------------------------------------------------------------------------------------------ dequantize
 
-CASES = [((37, 51), 64), ((16, 64), 32), ((9, 300), 128), ((5, 7), 4096), ((3, 333), 256)]
+# (16, 48) with blocksize 64: blocks straddle rows, where bitsandbytes' AVX-512 CPU dequantization is wrong
+CASES = [((37, 51), 64), ((16, 64), 32), ((9, 300), 128), ((5, 7), 4096), ((3, 333), 256), ((16, 48), 64)]
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("shape,blocksize", CASES)
-def test_dequantize_equals_bitsandbytes(quant_type, double_quant, shape, blocksize):
+def test_dequantize_equals_float64(quant_type, double_quant, shape, blocksize):
     p = quantized(*shape, quant_type, double_quant, blocksize, dtype=torch.float32)
-    ref = bnb_dequant(p, torch.float32)
-    assert torch.equal(dequantize_4bit(p), ref), "fp32: the same products as bitsandbytes"
-    assert torch.equal(dequantize_4bit_reference(p), ref)
+    out = dequantize_4bit(p)
+    same_fp32_values(out, [p])
+    assert torch.equal(dequantize_4bit_reference(p), out), "the torch path: the same fp32 products"
+    # in float64 (the self-check's reference for 4-bit layers on the CPU): the products formed in float64 too
+    torch.testing.assert_close(dequantize_4bit_reference(p, torch.float64), values([p]), rtol=1e-15, atol=0)
     for dtype in (torch.bfloat16, torch.float16):
-        out = dequantize_4bit(p, dtype=dtype)
-        # one rounding of the same fp32 value; the interpreter truncates where a GPU rounds to nearest
-        torch.testing.assert_close(out, ref.to(dtype), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
+        same_rounded(dequantize_4bit(p, dtype=dtype), [p])
 
 
 def test_dequantize_into_buffer_and_other_storage():
     p = quantized(24, 40, storage=torch.bfloat16)  # quant_storage for FSDP: the same bytes in bf16 elements
     buf = torch.empty(24, 40, dtype=torch.bfloat16)
     assert dequantize_4bit(p, out=buf) is buf
-    torch.testing.assert_close(buf, bnb_dequant(p, torch.bfloat16), rtol=2**-7, atol=0)
+    same_rounded(buf, [p])
     shared = dequantize_4bit_scratch(p, torch.bfloat16)
     assert torch.equal(shared, buf)
     small = quantized(8, 40)
@@ -100,21 +118,15 @@ def test_cached_fields_follow_the_weight():
     p, other = quantized(24, 40), quantized(24, 40, quant_type="fp4")
     x = torch.randn(3, 40)
 
-    def same(out, ref):  # one rounding of the same fp32 value (the interpreter truncates)
-        torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
-
-    same(dequantize_4bit(p), bnb_dequant(p, torch.bfloat16))
+    same_rounded(dequantize_4bit(p), [p])
     gemv_4bit(x, p)
     p.data, p.quant_state = other.data, other.quant_state  # what module._apply and re-quantization do
-    same(dequantize_4bit(p), bnb_dequant(other, torch.bfloat16))
+    same_rounded(dequantize_4bit(p), [other])
     assert_close(
-        gemv_4bit(x, p),
-        x.double() @ dequantize_4bit_reference(other, torch.float64).t(),
-        torch.float32,
-        "gemv after the weight changed",
+        gemv_4bit(x, p), x.double() @ dequantize_float64(other).t(), torch.float32, "gemv after the weight changed"
     )
     p.data = quantized(24, 40).data  # new bytes, the same state
-    same(dequantize_4bit_scratch(p, torch.bfloat16), bnb_dequant(p, torch.bfloat16))
+    same_rounded(dequantize_4bit_scratch(p, torch.bfloat16), [p])
     with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
         dequantize_4bit_scratch(p, torch.int8)
 
@@ -123,18 +135,18 @@ def test_cached_fields_follow_the_weight():
 def test_dequantize_stacked(quant_type, double_quant):
     """A group's weights one under another, one launch; each row block equals its own dequantization."""
     group = [quantized(o, 40, quant_type, double_quant, 32, torch.float32) for o in (24, 8, 9)]
-    ref = torch.cat([bnb_dequant(p, torch.float32) for p in group])
     out = dequantize_4bit_stacked(group, torch.float32)
-    assert out.shape == (41, 40) and torch.equal(out, ref)
+    assert out.shape == (41, 40) and torch.equal(out, torch.cat([dequantize_4bit(p) for p in group]))
+    same_fp32_values(out, group)
     for dtype in (torch.bfloat16, torch.float16):
         out = dequantize_4bit_stacked(group, dtype)
-        torch.testing.assert_close(out, ref.to(dtype), rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=0)
+        same_rounded(out, group)
     assert out.data_ptr() == dequantize_4bit_scratch(group[0], torch.float16).data_ptr(), "the shared buffer"
     group[1].data, group[1].quant_state = (
         (q := quantized(8, 40, quant_type, double_quant, 32, torch.float32)).data,
         q.quant_state,
     )
-    torch.testing.assert_close(dequantize_4bit_stacked(group, torch.float32)[24:32], bnb_dequant(q, torch.float32))
+    same_fp32_values(dequantize_4bit_stacked(group, torch.float32)[24:32], [q])
 
 
 def test_dequantize_stacked_mixed_and_errors():
@@ -144,9 +156,7 @@ def test_dequantize_stacked_mixed_and_errors():
         [quantized(6, 40, dtype=f32), quantized(5, 40, "fp4", False, 128, f32)],
         [quantized(5, 7, dtype=f32), quantized(3, 7, dtype=f32)],
     ):
-        torch.testing.assert_close(
-            dequantize_4bit_stacked(group, torch.float32), torch.cat([bnb_dequant(p, torch.float32) for p in group])
-        )
+        same_fp32_values(dequantize_4bit_stacked(group, torch.float32), group)
     with pytest.raises(ValueError, match="share their input width"):
         dequantize_4bit_stacked([quantized(4, 40), quantized(4, 32)], torch.bfloat16)
     with pytest.raises(ValueError, match="at least one"):
@@ -185,7 +195,7 @@ def test_fastplug_never_imports_bitsandbytes():
 )
 def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize):
     p = quantized(*shape, quant_type, double_quant, blocksize)
-    w = dequantize_4bit_reference(p, torch.float64)  # the fp32 values, unrounded (the GEMV never rounds them)
+    w = dequantize_float64(p)  # the values unrounded (the GEMV never rounds them to the weight's dtype)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, shape[1], dtype=dtype)
         assert_close(gemv_4bit(x, p), x.double() @ w.t(), dtype, f"gemv rows={rows} {dtype}")
@@ -219,7 +229,7 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
     read by tl.gather or by loads; tensor cores; split-K with its second pass; narrow tiles) gives the same
     product; the packing: element 2i in the high nibble."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
-    w = dequantize_4bit_reference(p, torch.float64)
+    w = dequantize_float64(p)
     for rows in (1, 5):
         x = torch.randn(rows, shape[1])
         cfg = gemv_config(rows, shape[0], shape[1], blocksize, x.device, **override)
@@ -247,7 +257,7 @@ def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
     the weight (no masks: 16 x 512) or not; it refuses more than GEMV_MAX_ROWS rows or a K that is not a multiple
     of 8."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
-    w = dequantize_4bit_reference(p, torch.float64)
+    w = dequantize_float64(p)
     for m in (1, 3):
         x = torch.randn(m, shape[1])
         cfg = gemv_config(m, shape[0], shape[1], blocksize, x.device, dot=False, words=True, **override)
@@ -334,7 +344,7 @@ def test_gemv_words_on_bytes_off_a_word_boundary():
     assert shifted.data_ptr() % 4
     x = torch.randn(1, 256)
     cfg = gemv_config(1, 11, 256, 64, x.device, words=True)
-    w = dequantize_4bit_reference(p, torch.float64)
+    w = dequantize_float64(p)
     assert_close(gemv_4bit(x, shifted, cfg), x.double() @ w.t(), torch.float32, "gemv off a word boundary")
 
 

@@ -148,11 +148,13 @@ def dequantize_4bit(weight, out: torch.Tensor | None = None, dtype: torch.dtype 
 
 
 def dequantize_4bit_reference(weight, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Plain torch, the same maths: the path for tensors Triton cannot run, and the tests' second opinion."""
+    """Plain torch, the same maths: the path for tensors Triton cannot run, and the tests' second opinion. With
+    dtype=float64 every product is formed in float64 (the self-check's reference for 4-bit layers on the CPU)."""
     return _reference(_unpack(weight), dtype)
 
 
 def _reference(p: Packed4bit, dtype: torch.dtype | None) -> torch.Tensor:
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     numel = p.shape[0] * p.shape[1]
     bytes_ = p.data[: cdiv(numel, 2)].long()
     idx = torch.stack((bytes_ >> 4, bytes_ & 15), dim=1).reshape(-1)[:numel]
@@ -160,9 +162,9 @@ def _reference(p: Packed4bit, dtype: torch.dtype | None) -> torch.Tensor:
     absmax = p.absmax
     if p.nested is not None:
         absmax2, code2, blocksize2, offset = p.nested
-        absmax = code2[absmax.long()] * absmax2[torch.arange(absmax.numel(), device=idx.device) // blocksize2]
-        absmax = absmax + offset
-    values = p.code[idx] * absmax.float()[blk]
+        blocks = torch.arange(absmax.numel(), device=idx.device) // blocksize2
+        absmax = code2.to(wide)[absmax.long()] * absmax2.to(wide)[blocks] + offset.to(wide)
+    values = p.code.to(wide)[idx] * absmax.to(wide)[blk]
     return values.to(p.dtype if dtype is None else dtype).view(p.shape)
 
 

@@ -13,7 +13,9 @@ once with the patches and once with the original modules, and compares
 
 Dropout is off during the check and the user's RNG is untouched (the tokens come from a private generator).
 A kind of patch whose addition makes the two disagree by more than the model dtype's bound, on two different
-batches, is taken off again everywhere and reported; the original modules keep running.
+batches, is judged against a float64 run of the original modules: kept when it is about as close to float64 as the
+original is (the original may be the one off: a random-init MoE's routing ties in bf16), else taken off again
+everywhere and reported; the original modules keep running.
 
 The model is truncated to as many leading decoder layers as it takes to meet every variant of every patch
 (a kind and the path it takes) and every layer type of the config (sliding/full, linear/full attention), at
@@ -46,6 +48,13 @@ SEEDS = (1234, 4321)  # a kind is declined only when it disagrees on both batche
 BOUNDS = {torch.float32: 1e-4, torch.float16: 3e-2, torch.bfloat16: 6e-2}
 GRADIENT_FACTOR = 2.5
 TF32_BOUND = 5e-3  # fp32 models on CUDA with TF32 matmuls allowed (the Trainer's tf32=True)
+# A gradient whose norm is below NEGLIGIBLE x the largest gradient's of the same run is measured against that floor,
+# not its own norm: an exact zero (OPT's and BERT's key bias, which softmax ignores) comes out as rounding noise
+# (1e-10 in fp32 against gradients of ~1), which two correct implementations round differently (relative ~1).
+NEGLIGIBLE = 1e-4
+# Past the bound, a patch is kept when its error against float64 is at most FLOAT64_FACTOR x the original modules'
+# own error against float64 (or within the bound of float64).
+FLOAT64_FACTOR = 1.5
 
 
 def bound_for(dtype: torch.dtype, device: torch.device) -> float:
@@ -73,26 +82,51 @@ class Verdict:
     worst: float  # the relative difference nearest (or furthest past) its bound
     where: str  # which compared tensor it was
     allowed: float = 0.0  # that tensor's bound
+    original: float | None = None  # against float64: the original modules' own error on that tensor
+    float64: Verdict | None = None  # past the bound: the verdict against float64, which decides
 
 
-def compare(out: Outputs, ref: Outputs, bound: float) -> Verdict:
+def compare(out: Outputs, ref: Outputs, bound: float, original: Outputs | None = None) -> Verdict:
     """The verdict on each difference against its bound (gradients: GRADIENT_FACTOR x bound); the worst is the
-    one closest to (or furthest past) its bound."""
+    one closest to (or furthest past) its bound. With `original` (`ref` then being float64's run), each tensor may
+    also be as far from `ref` as the original modules' is, times FLOAT64_FACTOR."""
+    theirs = _errors(original, ref) if original is not None else {}
     worst = Verdict(True, 0.0, "", bound)
     worst_ratio = -1.0
+    for name, (err, problem) in _errors(out, ref).items():
+        if problem:
+            return Verdict(False, float("inf"), f"{name} ({problem})")
+        allowed = bound * (GRADIENT_FACTOR if _is_gradient(name) else 1.0)
+        if name in theirs:
+            allowed = max(allowed, FLOAT64_FACTOR * theirs[name][0])
+        if err / allowed > worst_ratio:
+            mark = theirs[name][0] if name in theirs else None
+            worst_ratio, worst = err / allowed, Verdict(err <= allowed, err, name, allowed, mark)
+    return worst
+
+
+def _is_gradient(name: str) -> bool:
+    return name.startswith("gradient")
+
+
+def _errors(out: Outputs, ref: Outputs) -> dict[str, tuple[float, str]]:
+    """Each tensor's relative difference ||out - ref|| / ||ref|| (gradients: ||ref|| floored at NEGLIGIBLE x the
+    largest gradient's), with what makes it incomparable ('' when nothing does; the difference is then inf)."""
+    norms = {name: r.double().norm().item() for name, r in ref.tensors.items()}
+    floor = NEGLIGIBLE * max((n for name, n in norms.items() if _is_gradient(name)), default=0.0)
+    errors = {}
     for name, r in ref.tensors.items():
         o = out.tensors.get(name)
         if o is None or o.shape != r.shape:
-            return Verdict(False, float("inf"), f"{name} (missing or shape {None if o is None else tuple(o.shape)})")
+            errors[name] = (float("inf"), f"missing or shape {None if o is None else tuple(o.shape)}")
+            continue
         o, r = o.double(), r.double()
         if not torch.isfinite(o).all() and torch.isfinite(r).all():
-            return Verdict(False, float("inf"), f"{name} (not finite)")
-        scale = r.norm().item()
-        err = (o - r).norm().item() / scale if scale > 0 else (o - r).norm().item()
-        allowed = bound * (GRADIENT_FACTOR if name.startswith("gradient") else 1.0)
-        if err / allowed > worst_ratio:
-            worst_ratio, worst = err / allowed, Verdict(err <= allowed, err, name, allowed)
-    return worst
+            errors[name] = (float("inf"), "not finite")
+            continue
+        scale = max(norms[name], floor if _is_gradient(name) else 0.0)
+        errors[name] = ((o - r).norm().item() / scale if scale > 0 else (o - r).norm().item(), "")
+    return errors
 
 
 def why_not_checkable(model: nn.Module, layers: list[nn.Module]) -> str | None:
@@ -140,11 +174,17 @@ class Probe:
         return bound_for(self.dtype, self.device)
 
     # -- the run
-    def run(self, seed: int) -> Outputs:
+    def run(self, seed: int, float64: bool = False) -> Outputs:
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, self.vocab, (1, TOKENS + 1), generator=generator).to(self.device)
         out = Outputs()
-        with self._truncated(), _quiet(self.model), self._random_lora_b(generator), _embedding_grad(self.model) as h0:
+        with (
+            self._truncated(),
+            _quiet(self.model),
+            self._random_lora_b(generator),  # before float64: the same B values, rounded to the adapters' dtype
+            _in_float64(self.model) if float64 else contextlib.nullcontext(),
+            _embedding_grad(self.model) as h0,
+        ):
             was_training = self.model.training
             try:
                 self.model.train()
@@ -275,6 +315,45 @@ def _own_forwards_above(model: nn.Module, layer_list: nn.Module):
             module.forward = forward
 
 
+@contextlib.contextmanager
+def _in_float64(model: nn.Module):
+    """The modules of the (cut) model in float64: each floating parameter's data and each floating buffer swapped
+    for a float64 copy and put back after (the same Parameter objects: the gradients asked for stay theirs), and
+    transformers' implementations that have float64 (grouped_mm experts and flash attention have not). Quantized
+    weights stay packed: their layers take float64 inputs or raise (then the bound alone decides)."""
+    parameters = [p for p in model.parameters() if p.is_floating_point()]
+    buffers = [
+        (module, name, buffer)
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None and buffer.is_floating_point()
+    ]
+    datas = [p.data for p in parameters]
+    switched = []
+    try:
+        for p in parameters:
+            p.data = p.data.double()
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.double()
+        for setter, attribute, wanted in (
+            ("set_experts_implementation", "_experts_implementation", "eager"),
+            ("set_attn_implementation", "_attn_implementation", "sdpa"),
+        ):
+            root = next((m for m in model.modules() if callable(getattr(type(m), setter, None))), None)
+            current = getattr(getattr(root, "config", None), attribute, None)
+            if current is not None and current not in ("eager", wanted):
+                getattr(root, setter)(wanted)
+                switched.append((root, setter, current))
+        yield
+    finally:
+        for root, setter, previous in reversed(switched):
+            getattr(root, setter)(previous)
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+        for p, data in zip(parameters, datas):
+            p.data = data
+
+
 def _least_precise_dtype(model: nn.Module) -> torch.dtype:
     """The dtype the model computes in at its least precise: of its floating parameters and of its quantized
     layers' compute dtype (a QLoRA model keeps fp32 norms and adapters beside bf16 4-bit matmuls)."""
@@ -312,7 +391,17 @@ def _embedding_grad(model: nn.Module):
         handle.remove()
 
 
-_NOISE_ATTRIBUTES = ("attention_dropout", "jitter_noise", "router_jitter_noise")
+# Float rates that modules apply through torch.nn.functional (OPT's dropout and layerdrop), not a Dropout module
+_NOISE_ATTRIBUTES = (
+    "dropout",
+    "attention_dropout",
+    "attn_dropout",
+    "activation_dropout",
+    "hidden_dropout",
+    "layerdrop",
+    "jitter_noise",
+    "router_jitter_noise",
+)
 
 
 @contextlib.contextmanager
@@ -355,11 +444,15 @@ class Report:
     dtype: str = ""
     reused: bool = False  # the verdict of a model identical in structure, checked earlier in this process
     no_decode: str = ""  # why no cached decode step was compared
+    float64: list[str] = field(default_factory=list)  # differences past the bound that float64 found in our favour
+    float64_seconds: float = 0.0  # of `seconds`, in float64 runs
 
     def lines(self) -> list[str]:
         if not self.ran:
             return [f"  self-check: not run ({self.reason})"]
         when = "verdict of an identical model checked earlier" if self.reused else f"{self.seconds:.2f} s"
+        if self.float64_seconds and not self.reused:
+            when += f", {self.float64_seconds:.2f} s of it in float64"
         head = (
             f"  self-check ({self.dtype}, {TOKENS} tokens{'' if self.no_decode else ' + 1 cached'}, "
             f"{self.layers} layer(s), {when}): "
@@ -367,6 +460,7 @@ class Report:
             f"bound {self.bound:.0e} (gradients x{GRADIENT_FACTOR})"
         )
         notes = [f"    no cached decode step: the original failed it ({self.no_decode})"] if self.no_decode else []
+        notes += [f"    {note}" for note in self.float64]
         return [head] + notes + [f"    declined {kind}: {why}" for kind, why in self.declined]
 
 
@@ -429,15 +523,46 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         return report
 
     bound = probe.bound()
+    truths: dict[int, Outputs | str] = {}  # float64 runs of the original modules, by seed (or why none ran)
+    float64_seconds = 0.0
+
+    def truth(seed: int) -> Outputs | str:
+        nonlocal float64_seconds
+        failed = next((t for t in truths.values() if isinstance(t, str)), None)  # it would fail again
+        if seed not in truths and failed is None:
+            timer = Timer(probe.device)
+            try:
+                with _originals(in_scope):
+                    truths[seed] = probe.run(seed, float64=True)
+            except Exception as exc:  # a layer with no float64 path (bitsandbytes on CUDA), out of memory, ...
+                truths[seed] = f"{type(exc).__name__}: {exc}"
+            float64_seconds += timer.seconds()
+        return truths.get(seed, failed)
 
     def agreement() -> Verdict:
-        verdict = _attempt(probe, SEEDS[0], references[0], bound)
-        if verdict.ok:
-            return verdict
-        if len(references) == 1:  # the second batch's reference, run with the original modules
-            with _originals(in_scope):
-                references.append(probe.run(SEEDS[1]))
-        return _attempt(probe, SEEDS[1], references[1], bound)
+        """Patched against original on one batch, then the other; past the bound on both, against float64."""
+        attempts = []
+        for i, seed in enumerate(SEEDS):
+            if len(references) == i:  # this batch's reference, run with the original modules
+                with _originals(in_scope):
+                    references.append(probe.run(seed))
+            verdict, out = _attempt(probe, seed, references[i], bound)
+            if verdict.ok:
+                return verdict
+            attempts.append((seed, verdict, out))
+        for (seed, verdict, out), reference in zip(attempts, references):
+            if out is None:  # the patched run raised: nothing to weigh
+                continue
+            exact = truth(seed)
+            judged = (
+                compare(out, exact, bound, original=reference)
+                if isinstance(exact, Outputs)
+                else Verdict(False, float("inf"), f"no float64 run ({exact})")
+            )
+            verdict = dataclasses.replace(verdict, ok=judged.ok, float64=judged)
+            if judged.ok:
+                return verdict
+        return verdict
 
     verdict = agreement()
     forget_batch_paths(model)  # the check's own forwards are not the user's batches
@@ -448,6 +573,8 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         dtype=str(probe.dtype).replace("torch.", ""),
         no_decode=probe.no_decode,
     )
+    if verdict.ok and verdict.float64 is not None:
+        report.float64.append(f"float64 sided with the patches: {_differences(verdict)}")
     if not verdict.ok:  # find the kinds responsible: add them back one at a time
         for r in reversed(in_scope):
             r.uninstall()
@@ -459,9 +586,11 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
             verdict = agreement()
             if verdict.ok:
                 last_good = verdict
+                if verdict.float64 is not None:
+                    report.float64.append(f"float64 sided with the patched {kind}: {_differences(verdict)}")
                 continue
             where = next(r.path for r in in_scope if r.patch.kind == kind) or type(model).__name__
-            why = f"{verdict.where} differs by {verdict.worst:.2e} (bound {verdict.allowed:.1e}) with {where} patched"
+            why = _differences(verdict, f" with {where} patched")
             _decline(records, kind)
             report.declined.append((kind, why))
             warnings.warn(
@@ -472,6 +601,7 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
         verdict = last_good
     report.passed = [kind for kind in _kinds(records) if any(r.active for r in records if r.patch.kind == kind)]
     report.worst, report.where, report.seconds = verdict.worst, verdict.where, timer.seconds()
+    report.float64_seconds = float64_seconds
     _VERDICTS[key] = report
     return report
 
@@ -576,8 +706,24 @@ def _decline(records, kind: str) -> None:
             r.uninstall()
 
 
-def _attempt(probe: Probe, seed: int, reference: Outputs, bound: float) -> Verdict:
+def _attempt(probe: Probe, seed: int, reference: Outputs, bound: float) -> tuple[Verdict, Outputs | None]:
+    """The verdict of the patched run against the reference, and that run's outputs (None: it raised)."""
     try:
-        return compare(probe.run(seed), reference, bound)
+        out = probe.run(seed)
     except Exception as exc:  # a patched forward that raises where the original ran is a disagreement too
-        return Verdict(False, float("inf"), f"{type(exc).__name__}: {exc}")
+        return Verdict(False, float("inf"), f"{type(exc).__name__}: {exc}"), None
+    return compare(out, reference, bound), out
+
+
+def _differences(verdict: Verdict, patched: str = "") -> str:
+    """A verdict past the bound in words, with float64's side of it when there was one."""
+    text = f"{verdict.where} differs by {verdict.worst:.2e} (bound {verdict.allowed:.1e}){patched}"
+    exact = verdict.float64
+    if exact is None:
+        return text
+    if exact.original is None:  # no float64 run, or a tensor that cannot be compared
+        return f"{text}; against float64: {exact.where}"
+    return (
+        f"{text}; against float64, {exact.where} is off by {exact.worst:.2e} with the patches and by "
+        f"{exact.original:.2e} with the original modules (allowed {exact.allowed:.1e})"
+    )

@@ -209,3 +209,67 @@ def test_unknown_families_keep_only_checked_patches(family, monkeypatch):
     assert patched and patched <= set(report.passed), (patched, report.passed)
     assert not report.declined
     handle.restore()
+
+
+def test_a_negligible_gradient_does_not_decide_by_its_relative_error():
+    """A gradient that is exactly zero (the key bias: softmax ignores it) comes out as rounding noise, which two
+    correct implementations round differently: measured against the largest gradient, not against itself. A small
+    gradient that is not negligible is still measured by its own norm."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 64, generator=g)
+    ref = self_check.Outputs(
+        {"gradient of w": weight, "gradient of k bias": 1e-10 * torch.randn(64, generator=g), "loss": torch.ones(1)}
+    )
+    out = self_check.Outputs(
+        {
+            "gradient of w": weight * (1 + 1e-6 * torch.randn(64, 64, generator=g)),
+            "gradient of k bias": 1e-10 * torch.randn(64, generator=g),  # other noise, relative difference ~1.4
+            "loss": torch.ones(1),
+        }
+    )
+    verdict = self_check.compare(out, ref, self_check.BOUNDS[torch.float32])
+    assert verdict.ok, verdict
+    small = 1e-2 * torch.randn(64, generator=g)
+    ref.tensors["gradient of q bias"], out.tensors["gradient of q bias"] = small, 1.1 * small
+    verdict = self_check.compare(out, ref, self_check.BOUNDS[torch.float32])
+    assert not verdict.ok and verdict.where == "gradient of q bias", verdict
+
+
+def _opt():
+    import transformers
+
+    config = transformers.OPTConfig(
+        hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64, vocab_size=128
+    )
+    return transformers.OPTForCausalLM(config)
+
+
+def _bert():
+    import transformers
+
+    config = transformers.BertConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128
+    )
+    return transformers.BertForMaskedLM(config)
+
+
+@pytest.mark.parametrize("make", [_opt, _bert], ids=["opt", "bert"])
+def test_full_fine_tuning_of_layer_norm_models_keeps_the_layer_norm(make, monkeypatch):
+    """OPT and BERT, every parameter trained in fp32 with their configs' dropout (OPT's through
+    torch.nn.functional): the key bias's gradient is exactly zero, its rounding noise is no disagreement, and the
+    LayerNorm kernel is kept without asking the user to report anything (and without needing float64)."""
+    import fastplug.patch.engine
+
+    torch.manual_seed(0)
+    model = make()
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    monkeypatch.setattr(fastplug.patch.engine, "_warned_model_types", set())  # warned once per process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = patch_model(model)
+    assert not [str(w.message) for w in caught if "report" in str(w.message)]
+    report = handle.check
+    assert report.ran and not report.declined and "declined" not in handle.summary(), handle.summary()
+    assert report.passed == ["layer_norm"] and handle.counts["layer_norm"] > 0
+    assert not report.float64, "the floor decides, not a float64 run"
+    handle.restore()

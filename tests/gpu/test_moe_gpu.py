@@ -52,6 +52,51 @@ def test_moe_experts_qwen3_shape(lora):
     inputs = [x, gate_up, down, logits] + (adapters if lora else [])
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
     outs = []
+    for fn, args in ((moe_experts, inputs), (moe_experts_reference, inputs64)):
+        weights, index = moe_router(args[3], k) if fn is moe_experts else moe_router_reference(args[3], k)
+        kw = dict(gate_up_lora=ExpertLoRA(*args[4:6], 2.0), down_lora=ExpertLoRA(*args[6:8], 2.0)) if lora else {}
+        y = fn(args[0], args[1], args[2], index, weights.to(args[0].dtype), **kw)
+        grad = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(y.dtype)
+        outs.append([y, *torch.autograd.grad(y, args, grad)])
+    for i, (got, want) in enumerate(zip(*outs)):
+        assert_close(got, want, torch.bfloat16, f"output {i}", tol=2e-2)
+
+
+def test_moe_experts_frozen_down_mixtral_like():
+    """The split path (frozen down projection: ExpertsUp with the activation in the gate_up GEMM's epilogue,
+    ExpertsDown) at Mixtral-like widths: 8 experts top-2, wide experts; x, gate_up and router grads."""
+    T, H, I, E, k = 2048, 1024, 3584, 8, 2
+    x = torch.randn(T, H, device="cuda").bfloat16().requires_grad_()
+    gate_up = (torch.randn(E, 2 * I, H, device="cuda") / H**0.5).bfloat16().requires_grad_()
+    down = (torch.randn(E, H, I, device="cuda") / I**0.5).bfloat16()
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    inputs = [x, gate_up, logits]
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    outs = []
+    for fn, (xx, gu, lg) in ((moe_experts, inputs), (moe_experts_reference, inputs64)):
+        weights, index = moe_router(lg, k) if fn is moe_experts else moe_router_reference(lg, k)
+        y = fn(xx, gu, down.to(xx.dtype), index, weights.to(xx.dtype))
+        grad = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(y.dtype)
+        outs.append([y, *torch.autograd.grad(y, [xx, gu, lg], grad)])
+    assert "ExpertsDown" in type(outs[0][0].grad_fn).__name__
+    for name, got, want in zip(("out", "dx", "dgate_up", "dlogits"), *outs):
+        assert_close(got, want, torch.bfloat16, name, tol=2e-2)
+
+
+def test_moe_experts_gpt_oss_shape():
+    """gpt-oss-20b's experts (32 of 2880 -> 2880, top-4) in bf16: [E, in, out] weights as transposed views, gate/up
+    interleaved, biases, the clamped SwiGLU, LoRA on both weights; every gradient against float64 (the loop's
+    layout is transformers' GptOssExperts', tests/kernels/test_moe.py)."""
+    T, H, I, E, k, r = 1024, 2880, 2880, 32, 4, 16
+    rand = lambda *s, scale=1.0: (scale * torch.randn(*s, device="cuda")).bfloat16().requires_grad_()  # noqa: E731
+    x = rand(T, H)
+    gate_up, down = rand(E, H, 2 * I, scale=H**-0.5), rand(E, I, H, scale=I**-0.5)  # gpt-oss's storage
+    biases = [rand(E, 2 * I, scale=0.1), rand(E, H, scale=0.1)]
+    adapters = [rand(*s, scale=1 / 8) for s in ((E, r, H), (E, 2 * I, r), (E, r, I), (E, H, r))]
+    logits = torch.randn(T, E, device="cuda", requires_grad=True)
+    inputs = [x, gate_up, down, *biases, logits, *adapters]
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    outs = []
     # fastplug's kernels, torch's maths in bf16 (the loop transformers runs) and the float64 truth: the clamped
     # SwiGLU's gradient is cut where a gate crosses the clamp, and bf16 rounding moves gates across it, so the bound
     # is torch's own bf16 error where that is larger than the kernel test's 2e-2

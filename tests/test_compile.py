@@ -12,7 +12,7 @@ import torch
 
 import fastplug
 from tests.helpers import assert_close, train_losses
-from tests.models.tiny import tiny_model
+from tests.models.tiny import batch, tiny_model
 
 
 def _module(name):
@@ -339,3 +339,39 @@ def test_compiled_model_with_a_graph_break_trains_like_eager_with_stacking_on():
         losses.append(train_losses(run, model, e2e.token_batches(128, 2, 16, 2, 0, torch.device("cpu"))))
         handle.restore()
     assert losses[1] == pytest.approx(losses[0], rel=1e-4), losses
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        "triton",  # the registered operators, what a GPU traces (the interpreter's on CPU)
+        pytest.param(
+            "torch_reference",  # what CPU users without TRITON_INTERPRET run
+            marks=[
+                pytest.mark.torch_reference,
+                pytest.mark.xfail(
+                    strict=True,
+                    reason="fastplug/kernels/cross_entropy.py _check_label_range indexes labels with a 0-d tensor "
+                    "(labels[argmax]), a host read: 6 graph breaks",
+                ),
+            ],
+        ),
+    ],
+)
+def test_patched_model_compiles_without_graph_breaks(kernels):
+    """A whole patched model (loss path, checkpointing on) traces as one graph, as the unpatched one does: the
+    patched forward reads no tensor on the host under compile, with or without a padding mask."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.config.use_cache = False  # transformers' warning about use_cache under checkpointing is a break of its own
+    handle = fastplug.patch_model(model)
+    assert handle.counts.get("lm_head_loss") and handle.counts.get("attention")
+    model.train()
+    inputs = batch()
+    for mask in (None, inputs["attention_mask"]):  # no mask; left padding on the first row
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(
+            input_ids=inputs["input_ids"], attention_mask=mask, labels=inputs["labels"]
+        )
+        reasons = [r.reason.splitlines()[0:3] for r in explained.break_reasons]
+        assert explained.graph_break_count == 0, (mask is not None, reasons)
+    handle.restore()

@@ -345,17 +345,8 @@ def test_compiled_model_with_a_graph_break_trains_like_eager_with_stacking_on():
     "kernels",
     [
         "triton",  # the registered operators, what a GPU traces (the interpreter's on CPU)
-        pytest.param(
-            "torch_reference",  # what CPU users without TRITON_INTERPRET run
-            marks=[
-                pytest.mark.torch_reference,
-                pytest.mark.xfail(
-                    strict=True,
-                    reason="fastplug/kernels/cross_entropy.py _check_label_range indexes labels with a 0-d tensor "
-                    "(labels[argmax]), a host read: 6 graph breaks",
-                ),
-            ],
-        ),
+        # what CPU users without TRITON_INTERPRET run (its label check indexed with a 0-d tensor: 6 breaks)
+        pytest.param("torch_reference", marks=pytest.mark.torch_reference),
     ],
 )
 def test_patched_model_compiles_without_graph_breaks(kernels):

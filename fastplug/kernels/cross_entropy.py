@@ -385,7 +385,8 @@ def _check_label_range(labels: torch.Tensor, n_cols: int, ignore_index: int) -> 
     if labels.numel() == 0:
         return
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_cols))
-    first_bad = labels[bad.to(torch.int8).argmax()].to(torch.int64)
+    # gather, not labels[index]: indexing with a 0-d tensor reads the index on the host (a graph break under compile)
+    first_bad = labels.gather(0, bad.to(torch.int8).argmax().reshape(1)).to(torch.int64)
     _check_bad_label(torch.where(bad.any(), first_bad, ignore_index).reshape(1), n_cols, ignore_index)
 
 

@@ -5,6 +5,7 @@ numbers agree with eager / plain transformers, and the CSV is written.
 """
 
 import csv
+import time
 
 import pytest
 
@@ -75,3 +76,17 @@ def test_e2e_tiny_llama_losses_agree(tmp_path, capsys, monkeypatch):
     for a, b in zip(fast, base):
         assert abs(a - b) <= 1e-2 * abs(b), (fast, base)
     assert float(rows["fastplug"]["tok/s"]) > 0
+
+
+def test_e2e_row_past_its_time_limit_times_steady_steps(monkeypatch):
+    """A time limit that falls inside the warm-up (a self-check, the first step's compiles) still gives the steady
+    pace: two steps past it are timed, never the first step alone."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spec = dict(
+        mode="throughput", model="llama", impl="transformers", tiny=True, device="cpu", seed=0, batch=2, seq=16,
+        steps=2, warmup=3, adapter_dtype="fp32", profile=False, options=None, deadline=time.time(),
+    )  # fmt: skip
+    result = e2e.run_throughput(spec)
+    assert len(result["all_step_ms"]) == 1  # the deadline stopped the loop after its first step
+    assert result["measured_steps"] == 2
+    assert result["tokens_per_s"] == pytest.approx(2 * 16 / (result["step_ms"] / 1e3))

@@ -48,7 +48,7 @@ class KernelOptions:
     fp8_keep_original: bool = True
 
     # gc.freeze() while patched: Python's full collections skip the half-million objects alive at patch time
-    # (0.3 s each on a lent GPU host); the last restore() unfreezes (fastplug/patch/host_gc.py). None: on when a
+    # (0.3 s each on an H100 host); the last restore() unfreezes (fastplug/patch/host_gc.py). None: on when a
     # trainer adapter (FastKernels, the TRL trainers, the Lightning strategies) patches for one run and
     # restores at its end; off for patch_model and FastModel, whose patch may outlive the user's interest in
     # the model (a model dropped without restore() would stay frozen, GPU memory and all).

@@ -163,7 +163,7 @@ def sync_device(device):
 class _GcClock:
     """Time spent in Python's garbage collector (gc.callbacks), which a sampling profiler charges to whatever
     line happened to allocate: a full collection over the objects of torch, transformers and a model takes
-    0.3 s on a lent GPU host."""
+    0.3 s on an H100 host."""
 
     def __init__(self):
         self.seconds, self.collections, self._start = 0.0, collections.Counter(), None

@@ -242,7 +242,7 @@ def rows_for(results: dict, models, impls, nproc: int, batch: int, seq: int, tin
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 17's targets, one line each: DDP per-GPU throughput >= 90% of one GPU (fastplug); fastplug's
+    """The multi-GPU targets, one line each: DDP per-GPU throughput >= 90% of one GPU (fastplug); fastplug's
     speedup over transformers within 10% of one GPU's under DDP and FSDP2; FSDP2's peak below DDP's."""
     get = {(r["model"], r["parallel"], r["impl"]): r for r in rows}
     lines = []

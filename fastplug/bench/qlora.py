@@ -1,4 +1,4 @@
-"""`python -m fastplug.bench.qlora`: the QLoRA rows of issue 15 in one run.
+"""`python -m fastplug.bench.qlora`: the QLoRA benchmark rows in one run.
 
 Micro rows from `micro.qlora_rows` (dequantization, batch-1 GEMV, 4-bit LoRA MLP against bitsandbytes and
 peft + bitsandbytes), then end to end: a random-init Llama of 8B width (4 layers, vocab 128256) whose decoder

@@ -1,14 +1,14 @@
 """Python's garbage collector while a model is patched: the objects alive at patch time are frozen.
 
 A full collection walks every object the collector tracks. After importing torch, transformers and peft
-that is about half a million of them: 0.3 s per full collection on a lent H100 host (0.9 s on a 2-core
+that is about half a million of them: 0.3 s per full collection on an H100 host (0.9 s on a 2-core
 box), paid in the middle of a step whenever the collector decides to. Gemma2-2B LoRA averaged 35 ms per
 step of collection, and GC off trained 12% faster (15,260 -> 17,090 tok/s), since its host sets the pace.
 
 `gc.freeze()` moves those objects to a permanent generation that collections skip, and does so again after
 the first optimizer step: what that step leaves alive (compiled Triton kernels and their caches, optimizer
 states) lives as long as the model. (A Gemma2 run whose first step compiled the kernels still paid one full
-collection in eight steps, 33 ms per step on average; the second freeze is meant for that, not yet measured.)
+collection in eight steps, 33 ms per step on average; the second freeze is meant for that; its effect is not measured.)
 Nothing is lost: collections of what training creates go on as before, and the last `release()` (the last restore) calls
 `gc.unfreeze()`, so frozen objects that became garbage meanwhile are collected from then on. A process
 that froze objects itself before patching keeps its own policy: fastplug then neither freezes nor unfreezes.

@@ -537,6 +537,8 @@ def verify(model: nn.Module, records: list, options, known_family: bool) -> Repo
             except Exception as exc:  # a layer with no float64 path (bitsandbytes on CUDA), out of memory, ...
                 truths[seed] = f"{type(exc).__name__}: {exc}"
             float64_seconds += timer.seconds()
+            if probe.device.type == "cuda":  # the float64 weights' blocks (4x a bf16 copy of the probed layers)
+                torch.cuda.empty_cache()
         return truths.get(seed, failed)
 
     def agreement() -> Verdict:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Iterable, Literal, Union
 
 CheckpointingMode = Union[bool, Literal["offload", "auto"]]
+# The options the HF and TRL adapters apply through the trainer's arguments rather than through the patch.
+CHECKPOINTING_OPTIONS = frozenset({"gradient_checkpointing", "memory_budget"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,14 @@ class KernelOptions:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def set_by_caller(cls, options: "KernelOptions | None" = None, overrides: Iterable[str] = ()) -> frozenset[str]:
+        """The names a caller set: the keywords it passed and the fields of its `options` that differ from the
+        defaults (a KernelOptions cannot tell a default passed on purpose from one left alone)."""
+        defaults = cls()
+        changed = {n for n in cls.field_names() if options is not None and getattr(options, n) != getattr(defaults, n)}
+        return frozenset(overrides) | changed
 
     @classmethod
     def build(cls, options: "KernelOptions | None" = None, **overrides: Any) -> "KernelOptions":

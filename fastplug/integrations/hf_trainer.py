@@ -7,7 +7,9 @@
 - on_train_begin: `model_init` may have re-created the model: patch the new one; install the "offload"
   checkpointing function; print the patch summary once.
 - on_log: tokens/s (non-padding tokens of the training forwards since the previous log) and peak GPU memory.
-- on_train_end: restore the model (and the checkpointing setting we changed).
+- on_train_end: restore the model (and the checkpointing setting we changed). A patch the model carried before
+  (from patch_model or FastModel) is kept, and stays after training; an option set here that differs from it
+  raises ValueError in on_init_end.
 
 The Trainer has no event for a `train()` that raises, so `FastKernels` wraps the `train` of the Trainer that
 constructed it (found on the call stack of `on_init_end`): an exception restores the model as `on_train_end`
@@ -32,7 +34,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..models.structure import unwrap
-from ..options import KernelOptions
+from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 from ..patch import checkpointing
 from ..patch.engine import kernel_path_of, patch_for_run
 from .checkpointing_args import CheckpointingArgs, checkpointing_in
@@ -87,7 +89,11 @@ class FastKernels(TrainerCallback):
 
     def __init__(self, options: KernelOptions | None = None, **overrides):
         self.options = KernelOptions.build(options, **overrides)
+        # What the user set, checked against a patch the model already carries; checkpointing goes through the
+        # Trainer's arguments whatever the patch did.
+        self._set_by_user = KernelOptions.set_by_caller(options, overrides) - CHECKPOINTING_OPTIONS
         self.handle = None
+        self._owns_handle = False  # False for a patch the model carried before: it outlives the run
         self.summary: str | None = None
         self.layers = None  # checkpointing.TrainerCheckpointing while training, once the Trainer turned it on
         self._liger = False
@@ -102,10 +108,12 @@ class FastKernels(TrainerCallback):
             return
         if self.handle is not None and self.handle.is_active and self.handle.model is unwrap(model):
             return
-        if self.handle is not None:  # model_init replaced the model: the old one goes back to how it was
+        if self.handle is not None and self._owns_handle:  # model_init replaced the model: the old one goes back
             self.handle.restore()
         # Checkpointing goes through the Trainer's arguments (below), not through patch_model.
-        self.handle = patch_for_run(model, self.options.scoped_to_run(), gradient_checkpointing=False)
+        self.handle, self._owns_handle = patch_for_run(
+            model, self.options.scoped_to_run(), self._set_by_user, gradient_checkpointing=False
+        )
 
     def _restore_when_train_raises(self) -> None:
         trainer = self._calling_trainer()
@@ -204,7 +212,8 @@ class FastKernels(TrainerCallback):
         if self.handle is not None:
             if self.handle.graphs is not None:  # how far the graphs served, before restore() drops them
                 logging.getLogger("fastplug").info("fastplug %s", self.handle.graphs)
-            self.handle.restore()
+            if self._owns_handle:
+                self.handle.restore()
         if self.layers is not None:
             self.layers.undo()
             self.layers = None

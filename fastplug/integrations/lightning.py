@@ -8,7 +8,9 @@
 
 Each strategy subclasses Lightning's own (so every isinstance check in Lightning holds), patches the
 PreTrainedModel / PeftModel submodules of the LightningModule in `setup()` before the model is wrapped and
-the optimizers are built, and restores them in `teardown()`, which Lightning also calls after an exception.
+the optimizers are built, and restores them in `teardown()`, which Lightning also calls after an exception. A
+patch a model carried before (from patch_model or FastModel) is kept and stays after the run; options set here
+that differ from it raise ValueError.
 
 `fastkernels_fsdp` is FSDP2: Lightning 2.6's FSDPStrategy wraps with FSDP1 (FullyShardedDataParallel), its
 ModelParallelStrategy is the one built on `fully_shard`, and it expects the LightningModule's `configure_model`
@@ -31,7 +33,7 @@ import logging
 import sys
 import types
 
-from ..options import KernelOptions
+from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 
 if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("pytorch_lightning") is None:
     raise ImportError('fastplug.integrations.lightning needs Lightning: pip install "fastplug[lightning]"')
@@ -67,7 +69,9 @@ class FastKernelsMixin:
 
     def __init__(self, *args, options: KernelOptions | None = None, **kwargs):
         self.fast_kernels = KernelOptions.build(options)
+        self._set_by_user = KernelOptions.set_by_caller(options)  # checked against a patch a model already carries
         self.fast_kernel_handles = []
+        self._own_handles = []  # those this strategy made: a patch a model carried before outlives the run
         self.fast_kernels_summary = ""
         self._patched_paths = []  # where each handle's model sits in the LightningModule
         super().__init__(*args, **kwargs)
@@ -95,10 +99,10 @@ class FastKernelsMixin:
             super().teardown()
 
     def restore_fast_kernels(self) -> None:
-        """Put every original module and checkpointing setting back (harmless when already restored)."""
-        for handle in self.fast_kernel_handles:
+        """Restore the patches this strategy made (a patch made before stays; harmless when already restored)."""
+        for handle in self._own_handles:
             handle.restore()
-        self.fast_kernel_handles = []
+        self.fast_kernel_handles, self._own_handles = [], []
 
     def _patch_fast_kernels(self, fitting: bool) -> None:
         if self.fast_kernel_handles:
@@ -115,7 +119,10 @@ class FastKernelsMixin:
             return
         # Checkpointing only pays off when training; patch_model turns it on and restore() turns it off.
         options = self.fast_kernels if fitting else KernelOptions.build(self.fast_kernels, gradient_checkpointing=False)
-        self.fast_kernel_handles = [patch_for_run(model, options.scoped_to_run()) for _, model in models]
+        set_by_user = self._set_by_user if fitting else self._set_by_user - CHECKPOINTING_OPTIONS
+        patched = [patch_for_run(model, options.scoped_to_run(), set_by_user) for _, model in models]
+        self.fast_kernel_handles = [handle for handle, _ in patched]
+        self._own_handles = [handle for handle, made in patched if made]
         self._patched_paths = [path for path, _ in models]
 
 

@@ -6,8 +6,10 @@
     trainer.train()
 
 The model (and DPO's reference model) is patched once TRL has finished its own set-up, and restored when
-`train()` returns or raises. TRL computes its training loss through a fused LM head that it installs as the
-model's instance `forward`; fastplug leaves that forward alone and patches the layers underneath it.
+`train()` returns or raises; a patch a model carried before (from patch_model or FastModel) is kept and stays
+after training, and options set here that differ from it raise ValueError. TRL computes its training loss through
+a fused LM head that it installs as the model's instance `forward`; fastplug leaves that forward alone and
+patches the layers underneath it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import warnings
 
 import torch
 
-from ..options import KernelOptions
+from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 
 try:
     from trl import DPOTrainer, SFTTrainer
@@ -49,7 +51,11 @@ class FastKernelsMixin:
 
     def __init__(self, *args, fast_kernels: KernelOptions | None = None, **kwargs):
         self.fast_kernels = KernelOptions.build(fast_kernels)
+        # What the user set, checked against a patch a model already carries (checkpointing goes through the
+        # trainer's arguments whatever the patch did).
+        self._set_by_user = KernelOptions.set_by_caller(fast_kernels) - CHECKPOINTING_OPTIONS
         self.fast_kernel_handles = []
+        self._own_handles = []  # those this trainer made: a patch the model carried before outlives the run
         self.fast_kernels_summary = ""
         self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing, self.fast_kernels.memory_budget)
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
@@ -68,10 +74,11 @@ class FastKernelsMixin:
             self.restore_fast_kernels()
 
     def restore_fast_kernels(self) -> None:
-        """Put every original module and the checkpointing settings back (harmless when already restored)."""
-        for handle in self.fast_kernel_handles:
+        """Restore the patches this trainer made (a patch made before stays) and the checkpointing settings
+        (harmless when already restored)."""
+        for handle in self._own_handles:
             handle.restore()
-        self.fast_kernel_handles = []
+        self.fast_kernel_handles, self._own_handles = [], []
         self._checkpointing.restore(self.args, self.model)
         if self._undo_fsdp is not None:
             self._undo_fsdp()
@@ -91,8 +98,12 @@ class FastKernelsMixin:
         for role, model in models.items():
             model = self.accelerator.unwrap_model(model)
             # Checkpointing goes through the trainer's arguments (TRL toggles it around DPO's reference pass).
-            handle = patch_for_run(model, self.fast_kernels.scoped_to_run(), gradient_checkpointing=False)
+            handle, made = patch_for_run(
+                model, self.fast_kernels.scoped_to_run(), self._set_by_user, gradient_checkpointing=False
+            )
             self.fast_kernel_handles.append(handle)
+            if made:
+                self._own_handles.append(handle)
             sections.append(
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"
             )

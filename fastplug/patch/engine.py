@@ -12,6 +12,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -231,28 +232,19 @@ class PatchHandle:
 def patch_model(model: nn.Module, options: KernelOptions | None = None, **overrides) -> PatchHandle:
     """Patch this model instance (a PreTrainedModel or a peft PeftModel, on any device); returns the handle.
 
-    Patching an already patched model returns its active handle when the options are the same, and raises
-    ValueError when they differ (restore() first). Each kind of patch is checked against the original modules on
-    this model before it is kept (`self_check`, see fastplug/patch/self_check.py).
+    Patching an already patched model returns its active handle when the options the caller set are those it
+    was patched with, and raises ValueError naming them when they differ (restore() first). Each kind of patch
+    is checked against the original modules on this model before it is kept (`self_check`, see
+    fastplug/patch/self_check.py).
     """
-    options = KernelOptions.build(options, **overrides)
+    wanted = KernelOptions.build(options, **overrides)
     existing = active_handle(model)
     if existing is not None:
-        if existing.options != options:
-            changed = [
-                f"{name}={getattr(options, name)!r} (patched with {getattr(existing.options, name)!r})"
-                for name in KernelOptions.field_names()
-                if getattr(options, name) != getattr(existing.options, name)
-            ]
-            raise ValueError(
-                "fastplug: this model is already patched with other options: "
-                + ", ".join(changed)
-                + ". Call restore() on its handle (fastplug.patch.engine.active_handle(model)) before patching again."
-            )
+        _check_same_options(existing.options, wanted, KernelOptions.set_by_caller(options, overrides))
         return existing
     warn_untested_versions()  # once per process: a dependency newer than the newest tested
     base = unwrap(model)
-    handle = PatchHandle(base, options)
+    handle = PatchHandle(base, wanted)
     if handle.family is None:
         _warn_unknown(base)
     handle._convert_fp8()
@@ -260,7 +252,7 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     handle._self_check()
     handle._enable_checkpointing()
     handle._install_graphs()
-    if options.freeze_gc:  # last: the patch's own objects are frozen too
+    if wanted.freeze_gc:  # last: the patch's own objects are frozen too
         handle._undo.append(host_gc.hold())
     state.acquire()  # only now: a patch that failed above holds nothing
     handle.is_active = True
@@ -268,10 +260,41 @@ def patch_model(model: nn.Module, options: KernelOptions | None = None, **overri
     return handle
 
 
-def patch_for_run(model: nn.Module, options: KernelOptions, **overrides) -> PatchHandle:
-    """What the trainer adapters patch with: the model's active patch when it has one (a patch the user or FastModel
-    made keeps its options), else a new one with these."""
-    return active_handle(model) or patch_model(model, options, **overrides)
+def patch_for_run(
+    model: nn.Module, options: KernelOptions, set_by_user: Iterable[str], **overrides
+) -> tuple[PatchHandle, bool]:
+    """What the trainer adapters patch with: (the handle, whether this call made it). A patch the user or FastModel
+    made is kept, with its options, and outlives the run (the adapter restores only a patch it made); an option
+    the user set (`set_by_user`) that differs from it raises ValueError rather than being dropped."""
+    existing = active_handle(model)
+    if existing is not None:
+        _check_same_options(existing.options, options, set_by_user)
+        return existing, False
+    return patch_model(model, options, **overrides), True
+
+
+def _check_same_options(patched: KernelOptions, wanted: KernelOptions, names: Iterable[str]) -> None:
+    """ValueError naming each option in `names` (those the caller set: run-scoped defaults are not the user's)
+    on which `wanted` differs from the options the model is patched with."""
+
+    def in_place(name: str):  # None as the patch applied it: off outside a run (scoped_to_run resolves it there)
+        value = getattr(patched, name)
+        if value is None:
+            return patched.buckets_on() if name == "bucket_lengths" else False
+        return value
+
+    changed = [
+        f"{name}={getattr(wanted, name)!r} (patched with {getattr(patched, name)!r})"
+        for name in KernelOptions.field_names()
+        if name in names and getattr(wanted, name) not in (None, in_place(name))
+    ]
+    if changed:
+        raise ValueError(
+            "fastplug: this model is already patched with other options: "
+            + ", ".join(changed)
+            + ". Call restore() on its handle (fastplug.patch.engine.active_handle(model)) before patching again, "
+            "or pass the options it was patched with (or none) to keep that patch."
+        )
 
 
 def _warn_unknown(model: nn.Module) -> None:

@@ -7,11 +7,12 @@ import pytest
 import torch
 import transformers
 
-from fastplug import FastModel, KernelOptions
+from fastplug import FastKernels, FastModel, KernelOptions
 from fastplug.models.peft_lora import lora_projection
 from fastplug.patch import checkpointing
 from fastplug.patch.engine import active_handle
 from tests.model_path_helpers import EOS, save_tiny
+from tests.models.tiny import batch
 
 peft = pytest.importorskip("peft")
 
@@ -140,6 +141,28 @@ def test_inference_and_training_modes_toggle(llama_path):
     assert not checkpointing.is_enabled(no_checkpointing)
     FastModel.for_training(no_checkpointing)
     assert not checkpointing.is_enabled(no_checkpointing)
+
+
+@pytest.mark.torch_reference  # the Trainer's plumbing around the patch, not the kernels' numbers
+def test_fast_model_patch_outlives_a_fastkernels_run(llama_path, tmp_path):
+    """FastKernels trains on the patch FastModel made and leaves it in place: for_training/for_inference and
+    fast_generate go on with it afterwards; its own restore() gives the originals back."""
+    model, _ = FastModel.from_pretrained(llama_path)
+    peft_model = FastModel.get_peft_model(model, r=4)
+    handle = active_handle(peft_model)
+    data = batch(batch_size=4, tokens=8)
+    dataset = [{k: v[i] for k, v in data.items()} for i in range(4)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    transformers.Trainer(model=peft_model, args=args, train_dataset=dataset, callbacks=[FastKernels()]).train()
+    assert active_handle(peft_model) is handle and handle.is_active
+    assert any("forward" in vars(m) for m in model.modules())
+    FastModel.for_training(peft_model)
+    assert active_handle(peft_model) is handle
+    handle.restore()
+    assert active_handle(peft_model) is None and not any("forward" in vars(m) for m in model.modules())
 
 
 def test_fast_model_is_not_instantiated():

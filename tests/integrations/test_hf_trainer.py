@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fastplug import FastKernels
+import fastplug
+from fastplug import FastKernels, KernelOptions
 from fastplug.patch import checkpointing
 from fastplug.patch.engine import active_handle
 from tests.helpers import assert_close, checkpointing_on
@@ -166,6 +167,66 @@ def test_liger_conflict_warns_and_fastplug_steps_back(tmp_path):
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="valid options"):
         FastKernels(flash_attention=True)
+
+
+def test_trainer_keeps_a_patch_the_user_made_and_leaves_it_after_training(tmp_path):
+    """patch_model, then FastKernels with no options (or the same ones): the user's patch runs the training and
+    is still in place after it; its own restore() gives the originals back."""
+    model = tiny_model("llama")
+    modules = [(name, id(m)) for name, m in model.named_modules()]
+    handle = fastplug.patch_model(model, gradient_checkpointing=False)
+    watch = _WatchPatch()
+    fast = FastKernels(rope=True)  # the same as the patch: kept quietly
+    _run(tmp_path, [fast, watch], model=model)
+    assert fast.handle is handle and watch.patched_steps == [True, True]
+    assert active_handle(model) is handle and handle.is_active and _has_instance_forward(model)
+    handle.restore()
+    assert active_handle(model) is None and not _has_instance_forward(model)
+    assert [(name, id(m)) for name, m in model.named_modules()] == modules
+
+
+@pytest.mark.parametrize(
+    "fast, named",
+    [
+        (lambda: FastKernels(cuda_graphs=True), ["cuda_graphs=True (patched with False)"]),
+        (
+            lambda: FastKernels(options=KernelOptions(mlp=False, rope=False, fp8=True)),
+            ["rope=False (patched with True)", "mlp=False (patched with True)", "fp8=True (patched with False)"],
+        ),
+    ],
+)
+def test_trainer_with_other_options_than_the_users_patch_raises(tmp_path, fast, named):
+    """FastKernels options that differ from a patch the model carries raise, naming only what the user set;
+    the user's patch stays as it was."""
+    model = tiny_model("llama")
+    handle = fastplug.patch_model(model, gradient_checkpointing=False, self_check=False)
+    with pytest.raises(ValueError, match="already patched with other options") as raised:
+        Trainer(model=model, args=_args(tmp_path, eval_strategy="no"), train_dataset=_dataset(), callbacks=[fast()])
+    message = str(raised.value)
+    assert message.split("options: ")[1].split(". ")[0] == ", ".join(named)
+    assert "restore()" in message and "the options it was patched with" in message
+    assert active_handle(model) is handle and handle.options.rope and not handle.options.cuda_graphs
+
+
+def test_patch_model_during_a_run_names_only_what_the_user_set(tmp_path):
+    """patch_model inside a FastKernels run: with no options it keeps the run's patch; with other options it
+    raises naming those alone (not the run's freeze_gc, stack_projections or gradient_checkpointing)."""
+    seen = {}
+
+    class PatchDuringRun(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen["same"] = fastplug.patch_model(model) is active_handle(model)
+            with pytest.raises(ValueError) as raised:
+                fastplug.patch_model(model, cuda_graphs=True)
+            seen["message"] = str(raised.value)
+
+    model = tiny_model("llama")
+    _run(tmp_path, [FastKernels(), PatchDuringRun()], model=model)
+    assert seen["same"]
+    assert (
+        "already patched with other options: cuda_graphs=True (patched with False). Call restore()" in (seen["message"])
+    )
+    assert active_handle(model) is None and not _has_instance_forward(model), "the run's own patch is restored"
 
 
 @pytest.mark.interpreted_kernels

@@ -14,9 +14,10 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noq
 from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
+from fastplug import KernelOptions  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
 from fastplug.patch import checkpointing  # noqa: E402
-from fastplug.patch.engine import active_handle  # noqa: E402
+from fastplug.patch.engine import active_handle, patch_model  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
@@ -142,6 +143,23 @@ def test_sft_peft_restores_after_exception(tmp_path):
     assert active_handle(model) is None
     assert module_state(model, trl_head=head) == before
     assert not checkpointing.is_enabled(model) and not args.gradient_checkpointing, "checkpointing set back"
+
+
+def test_sft_keeps_a_patch_the_user_made_and_refuses_other_options(tmp_path):
+    """A model patch_model patched: FastSFTTrainer with other options raises naming them; without options it
+    trains on that patch and leaves it in place, for the user's restore()."""
+    model = tiny_llama()
+    handle = patch_model(model, gradient_checkpointing=False)
+    kwargs = dict(model=model, train_dataset=sft_dataset(), processing_class=TOKENIZER)
+    with pytest.raises(ValueError, match=r"other options: cuda_graphs=True \(patched with False\)\. Call restore"):
+        FastSFTTrainer(**kwargs, args=SFTConfig(**common_args(tmp_path)), fast_kernels=KernelOptions(cuda_graphs=True))
+    probe = Probe([model])
+    trainer = FastSFTTrainer(**kwargs, args=SFTConfig(**common_args(tmp_path)), callbacks=[probe])
+    trainer.train()
+    assert probe.active == [True] * STEPS and trainer.fast_kernel_handles == []
+    assert active_handle(model) is handle and handle.is_active
+    handle.restore()
+    assert active_handle(model) is None
 
 
 @pytest.mark.compat

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 import fastplug
-from fastplug.patch.engine import active_handle, patch_model
+from fastplug.options import KernelOptions
+from fastplug.patch.engine import active_handle, patch_for_run, patch_model
 from tests.helpers import assert_close, checkpointing_on
 from tests.models.tiny import batch, tiny_model
 
@@ -93,6 +94,22 @@ def test_patching_again_with_other_options_raises():
     handle.restore()
     with patch_model(model, rope=False, gradient_checkpointing=False) as again:  # after restore() it may
         assert again.options.rope is False
+
+
+def test_patching_a_runs_patch_names_only_what_the_caller_set():
+    """A trainer's patch has run-scoped options (freeze_gc, stack_projections on, checkpointing left to the
+    trainer): patch_model with no options keeps it, and with others names only those; patch_for_run keeps a
+    patch it did not make and says so."""
+    model = tiny_model("llama")
+    handle, made = patch_for_run(model, KernelOptions().scoped_to_run(), (), gradient_checkpointing=False)
+    assert made and patch_model(model) is handle
+    with pytest.raises(ValueError) as raised:
+        patch_model(model, KernelOptions(rope=False))
+    assert "already patched with other options: rope=False (patched with True). Call restore()" in str(raised.value)
+    assert patch_for_run(model, KernelOptions(), {"rope"}) == (handle, False)
+    with pytest.raises(ValueError, match=r"options: cuda_graphs=True \(patched with False\)\. Call"):
+        patch_for_run(model, KernelOptions(cuda_graphs=True, rope=True), {"cuda_graphs", "rope"})
+    handle.restore()
 
 
 def test_unknown_option_is_a_type_error():

@@ -38,6 +38,8 @@ import weakref
 import torch
 from torch import nn
 
+from .rules import off_the_gpu
+
 NAME = "fastplug"
 # id(config) -> (weakref to it, the implementation a patched model had): padded batches run it (set by
 # `route`). The weakref tells this config from a dead one whose id was reused (configs are unhashable).
@@ -322,11 +324,13 @@ def describe(module: nn.Module, family, fallback: str) -> str:
     head_dim = getattr(module, "head_dim", 0)
     if isinstance(head_dim, int) and head_dim > MAX_HEAD_DIM:
         return f"transformers' {fallback} attention: head_dim {head_dim} > the flash kernel's {MAX_HEAD_DIM}"
-    if softcap is not None or window is not None or sinks is not None:
-        quirks = ([f"softcap {softcap:g}"] if softcap is not None else []) + (
-            [f"sliding window {window}"] if window is not None else []
-        )
-        quirks += ["attention sinks"] if sinks is not None else []
+    quirks = [f"softcap {softcap:g}"] if softcap is not None else []
+    quirks += [f"sliding window {window}"] if window is not None else []
+    quirks += ["attention sinks"] if sinks is not None else []
+    elsewhere = off_the_gpu(module)
+    if elsewhere is not None:  # SDPA is CUDA's: elsewhere the flash kernel runs interpreted, or its torch reference
+        what = "flash attention" + (f" ({', '.join(quirks)})" if quirks else "") + f" {elsewhere}"
+    elif quirks:
         what = f"Triton flash kernel ({', '.join(quirks)})"
     else:
         what = "torch SDPA on CUDA, Triton flash kernel for packed rows"

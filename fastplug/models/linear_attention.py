@@ -31,7 +31,7 @@ from ..kernels.lora import lora_linear, lora_projections
 from ..kernels.norms import rms_norm_gated
 from . import stacking
 from .projections import fused_projections, step_projections, unfused_notes
-from .rules import MatchContext, Patch, Skip
+from .rules import MatchContext, Patch, Skip, off_the_gpu
 
 # input projections by layout: Qwen3.5's four, Qwen3-Next's two fused (reordered by the module)
 LAYOUTS = {"split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "fused": ("in_proj_qkvz", "in_proj_ba")}
@@ -134,10 +134,15 @@ def _linear_attention_forward(layout: str, use_lora: bool):
 
 
 def _describe(module: nn.Module) -> str:
+    elsewhere = off_the_gpu(module)
+    if elsewhere is not None:  # fla's and the Triton kernels are CUDA's: the interpreter or the torch references
+        return (
+            f"Gated DeltaNet: causal conv1d and chunked scan {elsewhere}; "
+            "cached continuation (decode steps) and packed rows: transformers' forward"
+        )
     rule = "fastplug's chunked Triton scan"
-    device = module.A_log.device
-    if fla_available() and device.type == "cuda":
-        refused = fla_refusal(device)
+    if fla_available():
+        refused = fla_refusal(module.A_log.device)
         rule = "flash-linear-attention's chunk_gated_delta_rule" if refused is None else f"{rule} ({refused})"
     return (
         f"Gated DeltaNet: causal conv1d kernel, {rule} on CUDA; "

@@ -23,7 +23,7 @@ from torch import nn
 from ..kernels._utils import use_triton
 from ..kernels.moe import ExpertLoRA, moe_experts, moe_router
 from .mlp import activation_name
-from .rules import MatchContext, Patch, Skip
+from .rules import MatchContext, Patch, Skip, off_the_gpu
 
 IMPLEMENTATION = "fastplug"
 # family -> (renormalise the top k: True, or the router attribute that says so; weights in fp32)
@@ -176,7 +176,21 @@ def _match_experts(module: nn.Module, ctx: MatchContext):
     quirks += ["biases"] if getattr(module, "has_bias", False) else []
     quirks += ["interleaved gate/up"] if not getattr(module, "is_concatenated", True) else []
     taken = f"fastplug grouped GEMM experts ({E} experts, {hidden} -> {two_i // 2}, {', '.join(quirks)})"
-    return Patch("experts", None, switch=_switch(ctx.root), path_taken=taken)
+    return Patch(
+        "experts", None, switch=_switch(ctx.root), path_taken=_on_device(module, taken, "transformers' grouped_mm")
+    )
+
+
+def _on_device(experts: nn.Module, taken: str, fallback: str) -> str:
+    """`taken` as it runs on the experts' device: on the GPU as is, interpreted on a CPU with TRITON_INTERPRET, else
+    (no Triton there) `fallback`, which the forwards hand over to."""
+    elsewhere = off_the_gpu(experts)
+    weight = _kernel_weights(experts)[0]
+    if elsewhere is None:
+        return taken
+    if use_triton(weight):
+        return f"{taken} {elsewhere}"
+    return f"{fallback} (fastplug's grouped kernels need Triton, which does not run on {weight.device.type} here)"
 
 
 # -------------------------------------------------------------------------------------- LoRA on experts
@@ -256,7 +270,11 @@ def _match_lora_experts(module: nn.Module, ctx: MatchContext):
         "experts_lora",
         _lora_experts_forward,
         lora_fused=True,
-        path_taken=f"LoRA on experts as grouped rank-r terms ({ranks}), no dense delta weight",
+        path_taken=_on_device(
+            chain[-1].get_base_layer(),
+            f"LoRA on experts as grouped rank-r terms ({ranks}), no dense delta weight",
+            "peft's LoRA on experts",
+        ),
     )
 
 

@@ -6,8 +6,10 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
+from ..kernels._utils import kernel_path, triton_available
 from ..options import KernelOptions
 from .families import Family
 
@@ -22,6 +24,17 @@ class Patch:
     # the patch is applied, it returns the function that puts the previous state back.
     switch: Callable[[], Callable[[], None]] | None = None
     path_taken: str = ""  # which implementation this module runs and why, listed by summary()
+
+
+def off_the_gpu(module: nn.Module) -> str | None:
+    """For the summary's paths: None where the kernels run compiled for the GPU (the module's parameters on
+    CUDA, Triton installed); elsewhere words for what they run on the module's device instead (the Triton
+    interpreter or the torch references, as `use_triton` decides)."""
+    parameter = next(module.parameters(), None)
+    device = parameter.device if parameter is not None else torch.device("cpu")
+    if device.type == "cuda" and triton_available():
+        return None
+    return f"on {device.type}: {kernel_path(device)}"
 
 
 def combine_switches(*switches):

@@ -50,6 +50,23 @@ def test_context_manager_and_summary():
     assert not _has_instance_forward(model)
 
 
+@pytest.mark.parametrize("interpret, runs", [("1", "Triton interpreter"), ("0", "torch reference")])
+def test_summary_says_what_runs_on_the_models_device(monkeypatch, interpret, runs):
+    """On a CPU the paths name what the kernels run there (the Triton interpreter or the torch references, as
+    use_triton decides), not CUDA's SDPA; experts without Triton say that transformers' grouped_mm runs."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    for family in ("llama", "qwen3_moe"):
+        with patch_model(tiny_model(family), gradient_checkpointing=False, self_check=False) as handle:
+            text = handle.summary()
+            paths = dict(handle.paths)
+        assert "CUDA" not in text
+        attention = [taken for path, taken in paths.items() if path.endswith("self_attn")]
+        assert len(attention) == 2 and all(f"flash attention on cpu: {runs}" in taken for taken in attention)
+    experts = [taken for path, taken in paths.items() if path.endswith("experts")]
+    expected = "fastplug grouped GEMM experts" if interpret == "1" else "transformers' grouped_mm (fastplug's grouped"
+    assert experts and all(taken.startswith(expected) for taken in experts)
+
+
 def test_peft_model_is_unwrapped():
     from peft import LoraConfig, get_peft_model
 

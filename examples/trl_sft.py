@@ -59,7 +59,7 @@ def main():
         train_dataset=Dataset.from_dict({"text": texts}),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"),
-        fast_kernels=KernelOptions(),  # everything suitable on; e.g. KernelOptions(lora=False) to opt out
+        options=KernelOptions(),  # everything suitable on; e.g. KernelOptions(lora=False) to opt out
     )
     trainer.train()  # prints the patch summary, restores the model when it returns (or raises)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]

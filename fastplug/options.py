@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Union
+from typing import Any, Iterable, Literal, Mapping, Union
 
 CheckpointingMode = Union[bool, Literal["offload", "auto"]]
 # The options the HF and TRL adapters apply through the trainer's arguments rather than through the patch.
@@ -97,21 +97,29 @@ class KernelOptions:
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
-    def set_by_caller(cls, options: "KernelOptions | None" = None, overrides: Iterable[str] = ()) -> frozenset[str]:
-        """The names a caller set: the keywords it passed and the fields of its `options` that differ from the
-        defaults (a KernelOptions cannot tell a default passed on purpose from one left alone)."""
+    def set_by_caller(
+        cls, options: "KernelOptions | Mapping[str, Any] | None" = None, overrides: Iterable[str] = ()
+    ) -> frozenset[str]:
+        """The names a caller set: the keywords it passed, the keys of a dict `options`, and the fields of a
+        KernelOptions `options` that differ from the defaults (a KernelOptions cannot tell a default passed on
+        purpose from one left alone)."""
+        if isinstance(options, Mapping):
+            return frozenset(overrides) | frozenset(options)
         defaults = cls()
         changed = {n for n in cls.field_names() if options is not None and getattr(options, n) != getattr(defaults, n)}
         return frozenset(overrides) | changed
 
     @classmethod
-    def build(cls, options: "KernelOptions | None" = None, **overrides: Any) -> "KernelOptions":
-        """`options` (or the defaults) with `overrides` applied; unknown names raise TypeError listing valid ones."""
+    def build(cls, options: "KernelOptions | Mapping[str, Any] | None" = None, **overrides: Any) -> "KernelOptions":
+        """`options` (a KernelOptions, a dict of option names to values, or None for the defaults) with `overrides`
+        applied; unknown names raise TypeError listing valid ones."""
+        if isinstance(options, Mapping):
+            options, overrides = None, {**options, **overrides}
         unknown = sorted(set(overrides) - set(cls.field_names()))
         if unknown:
             raise TypeError(
                 f"unknown fastplug option(s) {', '.join(unknown)}; valid options are: {', '.join(cls.field_names())}"
             )
         if options is not None and not isinstance(options, cls):
-            raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
+            raise TypeError(f"options must be a KernelOptions or a dict, got {type(options).__name__}")
         return dataclasses.replace(options or cls(), **overrides)

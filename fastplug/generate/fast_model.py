@@ -13,6 +13,7 @@ from __future__ import annotations
 import numbers
 import types
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -116,22 +117,24 @@ class FastModel:
         max_seq_length: int | None = None,
         device_map=None,
         attn_implementation: str | None = None,
-        options: KernelOptions | None = None,
+        options: KernelOptions | dict | None = None,
         load_in_4bit: bool = False,
         **hf_kwargs,
     ):
         """(model, tokenizer): a causal LM loaded with transformers' Auto classes, patched with `options`
-        (every kernel on by default; gradient checkpointing per options), RoPE scaled linearly when
-        `max_seq_length` exceeds the config's `max_position_embeddings`, and its tokenizer with a pad token
-        (None, with a warning, when the path has no tokenizer). `model.fast_generate(...)` generates.
+        (a KernelOptions or a dict; every kernel on by default; gradient checkpointing per options), RoPE scaled
+        linearly when `max_seq_length` exceeds the config's `max_position_embeddings`, and its tokenizer with a pad
+        token (None, with a warning, when the path has no tokenizer). `model.fast_generate(...)` generates.
         Unknown families load and are patched by structure, with a warning. `load_in_4bit=True`: the QLoRA
         base (bitsandbytes NF4, double quantization, bf16 compute; needs `fastplug[qlora]`), whose LoRA
         layers then take the fused 4-bit path. A fine-grained FP8 checkpoint (transformers' FineGrainedFP8Config)
         is patched with fp8=True unless `options` is given: its FP8 layers run, LoRA fused, on fastplug's kernel."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if options is not None and not isinstance(options, KernelOptions):
-            raise ValueError(f"options must be a fastplug.KernelOptions; got {type(options).__name__}")
+        if isinstance(options, Mapping):
+            options = KernelOptions.build(options)  # an unknown name raises before anything loads
+        elif options is not None and not isinstance(options, KernelOptions):
+            raise ValueError(f"options must be a fastplug.KernelOptions or a dict; got {type(options).__name__}")
         if max_seq_length is not None and (
             not isinstance(max_seq_length, numbers.Integral) or isinstance(max_seq_length, bool) or max_seq_length < 1
         ):

@@ -2,7 +2,7 @@
 
     from fastplug.integrations.trl import FastGRPOTrainer
     trainer = FastGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds,
-                              peft_config=LoraConfig(...))   # fast_kernels=KernelOptions(...), as FastSFTTrainer
+                              peft_config=LoraConfig(...))   # options=KernelOptions(...), as FastSFTTrainer
     trainer.train()
 
 Two hooks of TRL's trainers are replaced, and nothing else: the loss, the advantages, the rewards, the logging and
@@ -38,7 +38,6 @@ except ImportError as err:
 from ..generate.api import fast_generate, release, unsupported_reason
 from ..models.log_probs import LogProbsRequest, install_log_probs_forward, log_probs_reason
 from ..models.structure import unwrap
-from ..options import KernelOptions
 
 __all__ = ["FastRolloutsMixin", "rl_trainer"]
 
@@ -78,7 +77,7 @@ class FastRolloutsMixin:
     """Fast rollouts and fused log-probs for TRL's GRPO-style trainers (module docstring); goes before
     fastplug.integrations.trl.FastKernelsMixin and the TRL trainer in the bases (`rl_trainer` builds the class).
 
-    Keywords besides the trainer's: `fast_kernels` (KernelOptions), `fast_generation` (False: TRL's own
+    Keywords besides the trainer's: `options` (KernelOptions or dict), `fast_generation` (False: TRL's own
     generation), `fast_log_probs` (False: TRL's own log-prob passes), `release_generation_memory` (False: keep
     the KV cache and CUDA graphs between rollouts, faster to start, memory held through training).
     """
@@ -88,7 +87,6 @@ class FastRolloutsMixin:
     def __init__(
         self,
         *args,
-        fast_kernels: KernelOptions | None = None,
         fast_generation: bool = True,
         fast_log_probs: bool = True,
         release_generation_memory: bool = True,
@@ -102,7 +100,7 @@ class FastRolloutsMixin:
         self._said = set()
         self._static_rollout_reason = None  # why rollouts take TRL's path whatever the prompts (None: they do not)
         self._said_paths = False
-        super().__init__(*args, fast_kernels=fast_kernels, **kwargs)
+        super().__init__(*args, **kwargs)  # options= (or the deprecated fast_kernels=) go to the kernels mixin
 
     # -- set-up and restore, with the mixin's patch
     def _patch_fast_kernels(self) -> None:
@@ -292,7 +290,7 @@ def rl_trainer(name: str, kernels_mixin: type) -> type:
     base = getattr(trl, base_name)
     doc = (
         f"TRL's {base.__name__} with fast rollouts, fused per-token log-probs and fastplug's kernels; takes the same "
-        "arguments and `fast_kernels`, `fast_generation`, `fast_log_probs`, `release_generation_memory` "
+        "arguments and `options`, `fast_generation`, `fast_log_probs`, `release_generation_memory` "
         "(fastplug.integrations.grpo.FastRolloutsMixin)."
     )
     namespace = {"__doc__": doc, "__module__": kernels_mixin.__module__, "_ROLLOUT_RETURNS_LOGPROBS": returns_logprobs}

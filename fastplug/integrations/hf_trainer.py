@@ -84,10 +84,11 @@ class _TokenCounter:
 class FastKernels(TrainerCallback):
     """Patch the Trainer's model with fastplug's kernels for the duration of training.
 
-    Options are those of `fastplug.KernelOptions` (unknown names raise TypeError).
+    `options` is a `fastplug.KernelOptions` or a dict of its fields; the fields may also be given as keywords,
+    which override `options` (unknown names raise TypeError).
     """
 
-    def __init__(self, options: KernelOptions | None = None, **overrides):
+    def __init__(self, options: KernelOptions | dict | None = None, **overrides):
         self.options = KernelOptions.build(options, **overrides)
         # What the user set, checked against a patch the model already carries; checkpointing goes through the
         # Trainer's arguments whatever the patch did.

@@ -63,8 +63,8 @@ _classes_by_package: dict[str, dict[str, type]] = {}
 class FastKernelsMixin:
     """Patches the LightningModule's transformers models for the length of a run.
 
-    Put it before a Lightning strategy in the bases; it takes one extra keyword, `options` (a KernelOptions,
-    default: everything suitable on).
+    Put it before a Lightning strategy in the bases; it takes one extra keyword, `options` (a KernelOptions or a
+    dict, default: everything suitable on).
     """
 
     def __init__(self, *args, options: KernelOptions | None = None, **kwargs):

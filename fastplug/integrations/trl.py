@@ -2,7 +2,7 @@
 (from grpo.py, imported on first use) FastGRPOTrainer / FastRLOOTrainer with fast rollouts and fused log-probs.
 
     from fastplug.integrations.trl import FastSFTTrainer
-    trainer = FastSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)   # fast_kernels=KernelOptions(...)
+    trainer = FastSFTTrainer(model=model, args=SFTConfig(...), train_dataset=ds)   # options=KernelOptions(...)
     trainer.train()
 
 The model (and DPO's reference model) is patched once TRL has finished its own set-up, and restored when
@@ -14,6 +14,7 @@ patches the layers underneath it.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -45,15 +46,17 @@ __all__ = [
 class FastKernelsMixin:
     """Patches a TRL trainer's models with fastplug for the length of `train()`.
 
-    Put it before the TRL trainer in the bases; it takes one extra keyword, `fast_kernels` (a KernelOptions,
-    default: everything suitable on).
+    Put it before the TRL trainer in the bases; it takes one extra keyword, `options` (a KernelOptions or a dict,
+    default: everything suitable on), as every fastplug entry point does; `fast_kernels`, its former name, still
+    works with a DeprecationWarning.
     """
 
-    def __init__(self, *args, fast_kernels: KernelOptions | None = None, **kwargs):
-        self.fast_kernels = KernelOptions.build(fast_kernels)
+    def __init__(self, *args, options: KernelOptions | dict | None = None, fast_kernels=None, **kwargs):
+        options = _options_or_deprecated(options, fast_kernels)
+        self.fast_kernels = KernelOptions.build(options)
         # What the user set, checked against a patch a model already carries (checkpointing goes through the
         # trainer's arguments whatever the patch did).
-        self._set_by_user = KernelOptions.set_by_caller(fast_kernels) - CHECKPOINTING_OPTIONS
+        self._set_by_user = KernelOptions.set_by_caller(options) - CHECKPOINTING_OPTIONS
         self.fast_kernel_handles = []
         self._own_handles = []  # those this trainer made: a patch the model carried before outlives the run
         self.fast_kernels_summary = ""
@@ -113,6 +116,26 @@ class FastKernelsMixin:
         self.fast_kernels_summary = "\n".join(sections)
 
 
+def _options_or_deprecated(options, fast_kernels):
+    """`options`, or `fast_kernels` (its former spelling) with a DeprecationWarning."""
+    if fast_kernels is None:
+        return options
+    if options is not None:
+        raise TypeError("fastplug: pass options=, not both options= and fast_kernels= (its deprecated name)")
+    # Point the warning at the user's call, above the mixins' __init__ chain (GRPO's adds a frame), so that
+    # Python's default filters show it.
+    frame, stacklevel = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("fastplug."):
+        frame, stacklevel = frame.f_back, stacklevel + 1
+    warnings.warn(
+        "fastplug: fast_kernels= is deprecated; pass options=KernelOptions(...) (or a dict), the keyword every "
+        "fastplug entry point takes",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return fast_kernels
+
+
 class _Checkpointing(TrainerCallback):
     """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
 
@@ -164,13 +187,13 @@ def _loss_path(model) -> str:
 
 
 class FastSFTTrainer(FastKernelsMixin, SFTTrainer):
-    """TRL's SFTTrainer with fastplug's kernels; takes `fast_kernels=KernelOptions(...)`."""
+    """TRL's SFTTrainer with fastplug's kernels; takes `options=KernelOptions(...)`."""
 
 
 class FastDPOTrainer(FastKernelsMixin, DPOTrainer):
     """TRL's DPOTrainer with fastplug's kernels on the policy and the reference model.
 
-    Takes `fast_kernels=KernelOptions(...)`."""
+    Takes `options=KernelOptions(...)`."""
 
 
 def __getattr__(name):

@@ -229,8 +229,9 @@ class PatchHandle:
         return f"<PatchHandle {type(self.model).__name__} {'active' if self.is_active else 'restored'} {self.counts}>"
 
 
-def patch_model(model: nn.Module, options: KernelOptions | None = None, **overrides) -> PatchHandle:
+def patch_model(model: nn.Module, options: KernelOptions | dict | None = None, **overrides) -> PatchHandle:
     """Patch this model instance (a PreTrainedModel or a peft PeftModel, on any device); returns the handle.
+    `options`: a KernelOptions or a dict of its fields; keywords (`patch_model(model, mlp=False)`) override it.
 
     Patching an already patched model returns its active handle when the options the caller set are those it
     was patched with, and raises ValueError naming them when they differ (restore() first). Each kind of patch

@@ -41,6 +41,8 @@ def test_from_pretrained_options_and_attention(llama_path):
     handle = active_handle(model)
     assert "rms_norm" not in handle.counts
     assert not checkpointing.is_enabled(model)
+    as_dict, _ = FastModel.from_pretrained(llama_path, options={"rms_norm": False, "gradient_checkpointing": False})
+    assert active_handle(as_dict).options == handle.options
 
 
 def test_from_pretrained_scales_rope_beyond_the_trained_length(llama_path):
@@ -63,7 +65,9 @@ def test_from_pretrained_errors_and_unknown_families(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="max_seq_length"):
         FastModel.from_pretrained(str(tmp_path), max_seq_length=0)
     with pytest.raises(ValueError, match="options"):
-        FastModel.from_pretrained(str(tmp_path), options={"rope": False})
+        FastModel.from_pretrained(str(tmp_path), options="rope")
+    with pytest.raises(TypeError, match="valid options"):  # before anything loads
+        FastModel.from_pretrained(str(tmp_path), options={"flash": True})
     vit = tmp_path / "vit"
     transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(vit)
     with pytest.raises(ValueError, match="causal-LM"):

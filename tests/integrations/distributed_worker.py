@@ -481,7 +481,7 @@ def run_sft(kind, world, fsdp, checkpointing) -> dict:
     results = {}
     for name, cls in (("fastplug", FastSFTTrainer), ("trl", SFTTrainer)):
         model = lora_llama(kind)
-        extra = {"fast_kernels": options(kind, checkpointing)} if cls is FastSFTTrainer else {}
+        extra = {"options": options(kind, checkpointing)} if cls is FastSFTTrainer else {}
         fsdp_args = dict(fsdp=True, fsdp_config=FSDP2_CONFIG) if fsdp else {}
         with tempfile.TemporaryDirectory() as out_dir:
             args = SFTConfig(
@@ -511,7 +511,7 @@ def run_grpo() -> dict:
     results = {}
     for name, cls in (("fastplug", FastGRPOTrainer), ("trl", GRPOTrainer)):
         torch.manual_seed(0)
-        extra = {"fast_kernels": ROLLOUTS_ONLY} if cls is FastGRPOTrainer else {}
+        extra = {"options": ROLLOUTS_ONLY} if cls is FastGRPOTrainer else {}
         with tempfile.TemporaryDirectory() as out_dir:
             trainer, recorded = train(cls, grpo_args(out_dir, per_device_train_batch_size=2), **extra)
         results[name] = {

@@ -237,7 +237,7 @@ def test_fast_sft_trainer_default_optimizer(tmp_path):
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
 
     def run(trainer_cls):
-        extra = {"fast_kernels": fastplug.KernelOptions(**LORA_ONLY)} if trainer_cls is FastSFTTrainer else {}
+        extra = {"options": fastplug.KernelOptions(**LORA_ONLY)} if trainer_cls is FastSFTTrainer else {}
         args = SFTConfig(
             output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=2, learning_rate=1e-2,
             lr_scheduler_type="constant", logging_steps=1, report_to="none", save_strategy="no", max_length=32,

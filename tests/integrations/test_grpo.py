@@ -103,7 +103,7 @@ def logged(trainer, key):
 def test_fast_grpo_matches_trl(tmp_path):
     # fp32: the second rollout equals TRL's only if the first step's update does (bf16: the test below)
     reference, theirs = train(GRPOTrainer, grpo_args(tmp_path, bf16=False))
-    trainer, ours = train(FastGRPOTrainer, grpo_args(tmp_path, bf16=False), fast_kernels=ROLLOUTS_ONLY)
+    trainer, ours = train(FastGRPOTrainer, grpo_args(tmp_path, bf16=False), options=ROLLOUTS_ONLY)
 
     assert "rollouts: fastplug fast_generate" in trainer.fast_kernels_summary
     assert "per-token log-probs: fastplug's fused LM head" in trainer.fast_kernels_summary
@@ -134,7 +134,7 @@ def test_fast_grpo_matches_trl(tmp_path):
 def test_fast_grpo_bf16_matches_trl(tmp_path):
     # one step: a second rollout would follow updates that differ at bf16 precision, and greedy tokens with them
     reference, theirs = train(GRPOTrainer, grpo_args(tmp_path, max_steps=1))
-    trainer, ours = train(FastGRPOTrainer, grpo_args(tmp_path, max_steps=1), fast_kernels=ROLLOUTS_ONLY)
+    trainer, ours = train(FastGRPOTrainer, grpo_args(tmp_path, max_steps=1), options=ROLLOUTS_ONLY)
     assert "per-token log-probs: fastplug's fused LM head" in trainer.fast_kernels_summary
     assert len(ours.rollouts) == 1 and ours.rollouts == theirs.rollouts
     assert len(ours.log_probs) == len(theirs.log_probs) == 3
@@ -157,7 +157,7 @@ def test_fast_rloo_matches_trl(tmp_path):
         )  # fmt: skip
 
     reference, theirs = train(RLOOTrainer, args())
-    trainer, ours = train(FastRLOOTrainer, args(), fast_kernels=ROLLOUTS_ONLY)
+    trainer, ours = train(FastRLOOTrainer, args(), options=ROLLOUTS_ONLY)
     assert "fast_generate" in trainer.fast_kernels_summary and ours.rollouts == theirs.rollouts
     # bf16 autocast (the kernels' path): fp32 log-probs, within bf16 precision of TRL's
     assert all(a[0].dtype == torch.float32 for a in ours.log_probs)
@@ -183,7 +183,7 @@ def test_what_fast_paths_cannot_run_takes_trls_path_and_says_so_once(tmp_path, m
         return trainer, [m for m in messages if "take TRL's own path" in m], messages
 
     no_ngram = {"generation_kwargs": {"do_sample": False, "no_repeat_ngram_size": 2}}
-    trainer, said, _ = build(tiny_llama(), args=no_ngram, fast_kernels=ROLLOUTS_ONLY, fast_log_probs=False)
+    trainer, said, _ = build(tiny_llama(), args=no_ngram, options=ROLLOUTS_ONLY, fast_log_probs=False)
     assert "rollouts: TRL's own generation (generation settings fast_generate lacks: no_repeat_ngram_size=2)" in (
         trainer.fast_kernels_summary
     )
@@ -196,7 +196,7 @@ def test_what_fast_paths_cannot_run_takes_trls_path_and_says_so_once(tmp_path, m
     assert not [w for w in caught if "take TRL's own path" in str(w.message)], "said once, at set-up"
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=128, n_positions=64))
-    trainer, said, messages = build(gpt2, fast_kernels=ROLLOUTS_ONLY)
+    trainer, said, messages = build(gpt2, options=ROLLOUTS_ONLY)
     assert any("not a supported family" in m for m in messages), "fastplug's own warning for unknown models"
     assert "rollouts: TRL's own generation (fast_generate supports the families" in trainer.fast_kernels_summary
     assert "per-token log-probs: TRL's own (model type 'gpt2' is not a family" in trainer.fast_kernels_summary

@@ -193,6 +193,7 @@ def test_trainer_keeps_a_patch_the_user_made_and_leaves_it_after_training(tmp_pa
             lambda: FastKernels(options=KernelOptions(mlp=False, rope=False, fp8=True)),
             ["rope=False (patched with True)", "mlp=False (patched with True)", "fp8=True (patched with False)"],
         ),
+        (lambda: FastKernels(options={"rope": False}), ["rope=False (patched with True)"]),
     ],
 )
 def test_trainer_with_other_options_than_the_users_patch_raises(tmp_path, fast, named):

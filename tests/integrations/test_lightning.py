@@ -130,6 +130,10 @@ def test_fit_restores_after_exception_with_constructed_strategy():
     assert module_state(module.lm) == before
 
 
+def test_options_may_be_a_dict():
+    assert FastKernelsStrategy(options={"mlp": False}).fast_kernels == KernelOptions(mlp=False)
+
+
 def test_registered_names_resolve_and_take_the_accelerator_device():
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 

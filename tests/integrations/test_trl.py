@@ -152,7 +152,7 @@ def test_sft_keeps_a_patch_the_user_made_and_refuses_other_options(tmp_path):
     handle = patch_model(model, gradient_checkpointing=False)
     kwargs = dict(model=model, train_dataset=sft_dataset(), processing_class=TOKENIZER)
     with pytest.raises(ValueError, match=r"other options: cuda_graphs=True \(patched with False\)\. Call restore"):
-        FastSFTTrainer(**kwargs, args=SFTConfig(**common_args(tmp_path)), fast_kernels=KernelOptions(cuda_graphs=True))
+        FastSFTTrainer(**kwargs, args=SFTConfig(**common_args(tmp_path)), options=KernelOptions(cuda_graphs=True))
     probe = Probe([model])
     trainer = FastSFTTrainer(**kwargs, args=SFTConfig(**common_args(tmp_path)), callbacks=[probe])
     trainer.train()
@@ -160,6 +160,24 @@ def test_sft_keeps_a_patch_the_user_made_and_refuses_other_options(tmp_path):
     assert active_handle(model) is handle and handle.is_active
     handle.restore()
     assert active_handle(model) is None
+
+
+def test_options_keyword_and_its_deprecated_spelling(tmp_path):
+    """options= (a KernelOptions or a dict), the keyword of every fastplug entry point; fast_kernels=, its former
+    name, still works with a DeprecationWarning pointing at the caller's line (so Python's filters show it)."""
+    kwargs = dict(args=SFTConfig(**common_args(tmp_path)), train_dataset=sft_dataset(), processing_class=TOKENIZER)
+    for options in (KernelOptions(mlp=False), {"mlp": False}):
+        trainer = FastSFTTrainer(model=tiny_llama(), options=options, **kwargs)
+        assert trainer.fast_kernels == KernelOptions(mlp=False)
+        assert trainer.fast_kernel_handles[0].options.mlp is False
+        trainer.restore_fast_kernels()
+    with pytest.warns(DeprecationWarning, match="fast_kernels= is deprecated; pass options=") as said:
+        trainer = FastSFTTrainer(model=tiny_llama(), fast_kernels=KernelOptions(mlp=False), **kwargs)
+    assert [w.filename for w in said if "fast_kernels=" in str(w.message)] == [__file__]
+    assert trainer.fast_kernels == KernelOptions(mlp=False)
+    trainer.restore_fast_kernels()
+    with pytest.raises(TypeError, match="not both"):
+        FastSFTTrainer(model=tiny_llama(), options={}, fast_kernels=KernelOptions(), **kwargs)
 
 
 @pytest.mark.compat
@@ -259,7 +277,7 @@ def test_sft_checkpointing_modes_apply_to_the_layers_and_are_undone(tmp_path, mo
         train_dataset=sft_dataset(),
         processing_class=TOKENIZER,
         callbacks=[flags],
-        fast_kernels=KernelOptions(gradient_checkpointing=mode),
+        options=KernelOptions(gradient_checkpointing=mode),
     )
     assert ("auto" in trainer.fast_kernels_summary) == (mode == "auto")
     trainer.train()

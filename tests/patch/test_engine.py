@@ -134,6 +134,19 @@ def test_unknown_option_is_a_type_error():
         patch_model(tiny_model("llama"), flash=True)
 
 
+def test_options_may_be_a_dict():
+    """options= as a dict works as the keywords do: the same checks, and each key counts as set by the caller."""
+    model = tiny_model("llama")
+    handle = patch_model(model, options={"rope": False, "gradient_checkpointing": False})
+    assert handle.options == KernelOptions(rope=False, gradient_checkpointing=False)
+    assert patch_model(model, options={"rope": False}) is handle
+    with pytest.raises(ValueError, match=r"other options: rope=True \(patched with False\)"):
+        patch_model(model, options={"rope": True})  # a default, but named: set by the caller
+    handle.restore()
+    with pytest.raises(TypeError, match="valid options"):
+        patch_model(model, options={"flash": True})
+
+
 def test_forward_replaced_by_someone_else_is_left_alone():
     model = tiny_model("llama")
     foreign = types.MethodType(lambda self, **kw: "theirs", model)

@@ -75,7 +75,7 @@ def unsupported_generation(config) -> list[str]:
 
 class FastRolloutsMixin:
     """Fast rollouts and fused log-probs for TRL's GRPO-style trainers (module docstring); goes before
-    fastplug.integrations.trl.FastKernelsMixin and the TRL trainer in the bases (`rl_trainer` builds the class).
+    fastplug.integrations.trl.TRLFastKernelsMixin and the TRL trainer in the bases (`rl_trainer` builds the class).
 
     Keywords besides the trainer's: `options` (KernelOptions or dict), `fast_generation` (False: TRL's own
     generation), `fast_log_probs` (False: TRL's own log-prob passes), `release_generation_memory` (False: keep
@@ -285,7 +285,7 @@ TRAINERS = {"FastGRPOTrainer": ("GRPOTrainer", True), "FastRLOOTrainer": ("RLOOT
 
 def rl_trainer(name: str, kernels_mixin: type) -> type:
     """FastGRPOTrainer or FastRLOOTrainer: (FastRolloutsMixin, kernels_mixin, TRL's trainer). Built by
-    fastplug.integrations.trl on first use, with its FastKernelsMixin (this module does not import that one)."""
+    fastplug.integrations.trl on first use, with its TRLFastKernelsMixin (this module does not import that one)."""
     base_name, returns_logprobs = TRAINERS[name]
     base = getattr(trl, base_name)
     doc = (

@@ -41,8 +41,9 @@ if importlib.util.find_spec("lightning") is None and importlib.util.find_spec("p
 __all__ = [
     "FastKernelsDDPStrategy",  # noqa: F822 (made on first use by __getattr__)
     "FastKernelsFSDPStrategy",  # noqa: F822 (made on first use by __getattr__)
-    "FastKernelsMixin",
+    "FastKernelsMixin",  # the former name of LightningFastKernelsMixin
     "FastKernelsStrategy",  # noqa: F822 (made on first use by __getattr__)
+    "LightningFastKernelsMixin",
     "find_transformers_models",
     "register_strategies",
     "strategy_classes",
@@ -60,7 +61,7 @@ _PYTORCH_LIGHTNING_SUFFIX = "PL"  # class names of the pytorch_lightning variant
 _classes_by_package: dict[str, dict[str, type]] = {}
 
 
-class FastKernelsMixin:
+class LightningFastKernelsMixin:
     """Patches the LightningModule's transformers models for the length of a run.
 
     Put it before a Lightning strategy in the bases; it takes one extra keyword, `options` (a KernelOptions or a
@@ -124,6 +125,9 @@ class FastKernelsMixin:
         self.fast_kernel_handles = [handle for handle, _ in patched]
         self._own_handles = [handle for handle, made in patched if made]
         self._patched_paths = [path for path, _ in models]
+
+
+FastKernelsMixin = LightningFastKernelsMixin  # its former name (the TRL adapter had a class of the same name)
 
 
 def find_transformers_models(module) -> list[tuple[str, object]]:
@@ -227,7 +231,7 @@ def _build_classes(strategies) -> dict[str, type]:
     suffix = "" if strategies.__name__ == "lightning.pytorch.strategies" else _PYTORCH_LIGHTNING_SUFFIX
     classes = {}
     for registry_name, (class_name, base_name) in _STRATEGIES.items():
-        bases = (FastKernelsMixin, getattr(strategies, base_name))
+        bases = (LightningFastKernelsMixin, getattr(strategies, base_name))
         if base_name == "SingleDeviceStrategy":
             bases = (_DeviceFromAccelerator, *bases)
         elif base_name == "ModelParallelStrategy":

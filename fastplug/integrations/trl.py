@@ -37,13 +37,14 @@ from .hf_trainer import LIGER_CONFLICT
 __all__ = [
     "FastDPOTrainer",
     "FastGRPOTrainer",  # noqa: F822 (built from grpo.py on first use by __getattr__)
-    "FastKernelsMixin",
+    "FastKernelsMixin",  # the former name of TRLFastKernelsMixin
     "FastRLOOTrainer",  # noqa: F822 (built from grpo.py on first use by __getattr__)
     "FastSFTTrainer",
+    "TRLFastKernelsMixin",
 ]
 
 
-class FastKernelsMixin:
+class TRLFastKernelsMixin:
     """Patches a TRL trainer's models with fastplug for the length of `train()`.
 
     Put it before the TRL trainer in the bases; it takes one extra keyword, `options` (a KernelOptions or a dict,
@@ -136,6 +137,9 @@ def _options_or_deprecated(options, fast_kernels):
     return fast_kernels
 
 
+FastKernelsMixin = TRLFastKernelsMixin  # its former name (the Lightning adapter had a class of the same name)
+
+
 class _Checkpointing(TrainerCallback):
     """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
 
@@ -186,11 +190,11 @@ def _loss_path(model) -> str:
     return "the model's own forward (fastplug's fused linear cross-entropy where the LM head is patched)"
 
 
-class FastSFTTrainer(FastKernelsMixin, SFTTrainer):
+class FastSFTTrainer(TRLFastKernelsMixin, SFTTrainer):
     """TRL's SFTTrainer with fastplug's kernels; takes `options=KernelOptions(...)`."""
 
 
-class FastDPOTrainer(FastKernelsMixin, DPOTrainer):
+class FastDPOTrainer(TRLFastKernelsMixin, DPOTrainer):
     """TRL's DPOTrainer with fastplug's kernels on the policy and the reference model.
 
     Takes `options=KernelOptions(...)`."""
@@ -202,5 +206,5 @@ def __getattr__(name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import grpo
 
-    cls = globals()[name] = grpo.rl_trainer(name, FastKernelsMixin)
+    cls = globals()[name] = grpo.rl_trainer(name, TRLFastKernelsMixin)
     return cls

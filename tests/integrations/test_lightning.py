@@ -130,6 +130,15 @@ def test_fit_restores_after_exception_with_constructed_strategy():
     assert module_state(module.lm) == before
 
 
+def test_the_mixin_is_named_for_lightning_and_its_former_name_still_imports():
+    from fastplug.integrations import lightning as adapter
+
+    for strategy in (FastKernelsStrategy, FastKernelsDDPStrategy, FastKernelsFSDPStrategy):
+        assert issubclass(strategy, adapter.LightningFastKernelsMixin)
+    assert adapter.FastKernelsMixin is adapter.LightningFastKernelsMixin
+    assert {"LightningFastKernelsMixin", "FastKernelsMixin"} <= set(adapter.__all__)
+
+
 def test_options_may_be_a_dict():
     assert FastKernelsStrategy(options={"mlp": False}).fast_kernels == KernelOptions(mlp=False)
 

@@ -180,6 +180,15 @@ def test_options_keyword_and_its_deprecated_spelling(tmp_path):
         FastSFTTrainer(model=tiny_llama(), options={}, fast_kernels=KernelOptions(), **kwargs)
 
 
+def test_the_mixin_is_named_for_trl_and_its_former_name_still_imports():
+    from fastplug.integrations import trl as adapter
+
+    for trainer in (FastSFTTrainer, FastDPOTrainer, adapter.FastGRPOTrainer, adapter.FastRLOOTrainer):
+        assert issubclass(trainer, adapter.TRLFastKernelsMixin)
+    assert adapter.FastKernelsMixin is adapter.TRLFastKernelsMixin
+    assert {"TRLFastKernelsMixin", "FastKernelsMixin"} <= set(adapter.__all__)
+
+
 @pytest.mark.compat
 def test_dpo_with_reference_model(tmp_path):
     def run(trainer_cls):

@@ -182,7 +182,8 @@ class FastModel:
         """peft's get_peft_model with defaults that keep fastplug's fused LoRA paths eligible (no dropout, no
         bias, no DoRA); warns about each choice that turns them off. `use_gradient_checkpointing`: True
         (non-reentrant), "offload" (layer inputs in pinned host memory), False, or "auto" (checkpoint only the
-        layers GPU memory needs, as KernelOptions' "auto"). `random_state` seeds the adapters' initialisation."""
+        layers GPU memory needs, as KernelOptions' "auto", under the memory_budget of the options the model was
+        patched with). `random_state` seeds the adapters' initialisation."""
         from peft import LoraConfig, get_peft_model
 
         if type(model).__module__.startswith("peft"):
@@ -236,7 +237,7 @@ class FastModel:
         mode = use_gradient_checkpointing
         vars(base)[_MODE] = mode
         if mode:
-            checkpointing.enable(base, mode)
+            _enable_checkpointing(base, mode)
             if "_require_grads_hook" not in vars(base):  # frozen embeddings: checkpointed layers need grad inputs
                 base.enable_input_require_grads()
         else:
@@ -264,7 +265,7 @@ class FastModel:
             mode = handle.options.gradient_checkpointing if handle is not None else False
         model.train()
         if mode:
-            checkpointing.enable(base, mode)
+            _enable_checkpointing(base, mode)
         base.config.use_cache = False
         return model
 
@@ -286,6 +287,13 @@ def _nf4_config(hf_kwargs):
     require_bitsandbytes()
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+
+
+def _enable_checkpointing(model: nn.Module, mode) -> None:
+    # FastModel's mode has no budget of its own: "auto" plans against the memory_budget of the patch's options.
+    handle = active_handle(model)
+    budget = handle.options.memory_budget if handle is not None else KernelOptions.memory_budget
+    checkpointing.enable(model, mode, budget)
 
 
 def _disable_checkpointing(model: nn.Module) -> None:

@@ -147,6 +147,18 @@ def test_inference_and_training_modes_toggle(llama_path):
     assert not checkpointing.is_enabled(no_checkpointing)
 
 
+def test_auto_checkpointing_plans_against_the_options_memory_budget(llama_path):
+    """gradient_checkpointing="auto" keeps the memory_budget of the options, whether the options or
+    get_peft_model's use_gradient_checkpointing ask for it, through for_inference / for_training."""
+    for mode in ("auto", False):
+        model, _ = FastModel.from_pretrained(
+            llama_path, options=KernelOptions(gradient_checkpointing=mode, memory_budget=0.5)
+        )
+        peft_model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="auto")
+        FastModel.for_training(FastModel.for_inference(peft_model))
+        assert vars(model)[checkpointing._AUTO].fraction == 0.5
+
+
 @pytest.mark.torch_reference  # the Trainer's plumbing around the patch, not the kernels' numbers
 def test_fast_model_patch_outlives_a_fastkernels_run(llama_path, tmp_path):
     """FastKernels trains on the patch FastModel made and leaves it in place: for_training/for_inference and

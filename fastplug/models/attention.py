@@ -154,7 +154,8 @@ def _attention_forward(extra_kwargs, use_rope: bool, use_lora: bool, output_gate
             # fused qkv output, whose v the attention saves too.
             norms = (self.q_norm, self.k_norm) if has_qk_norm else ()
             producers = () if hasattr(self, "qkv_proj") else (self.q_proj, self.k_proj, *norms)
-            inplace = cache is None and bool(producers) and outputs_private(*producers)
+            # len(), not bool(): torch 2.11's Dynamo cannot trace bool() of a tuple (a break under fullgraph)
+            inplace = cache is None and len(producers) > 0 and outputs_private(*producers)
             query, key = rope(query, key, cos, sin, inplace=inplace)
         elif not rotated and layer_rope:
             query, key = _rotate_as_family(self, query, key, *position_embeddings)

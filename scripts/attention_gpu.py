@@ -156,7 +156,8 @@ SWEEP4 = {
         256: [(128, 32, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2), (128, 64, 8, 2)],
     },
 }
-KERNELS = {"fwd": "_attn_fwd", "dkdv": "_attn_bwd_dkdv", "dq": "_attn_bwd_dq"}
+# per kernel: the module of fastplug.kernels.attention whose launcher looks it up (the recorder replaces it there)
+KERNELS = {"fwd": ("forward", "_attn_fwd"), "dkdv": ("backward", "_attn_bwd_dkdv"), "dq": ("backward", "_attn_bwd_dq")}
 ALL_TMA = ("fwd", "dkdv", "dq")
 
 
@@ -189,13 +190,15 @@ def sweep(name, c, table=SWEEP):
         for cfg in configs.get(128 if D <= 128 else 256, []):
             try:
                 with tuned(**{kernel: ((256, tuple(cfg)),)}):
-                    recorder = _LaunchRecorder(getattr(A, KERNELS[kernel]))
-                    setattr(A, KERNELS[kernel], recorder)
+                    stage, kernel_name = KERNELS[kernel]
+                    module = importlib.import_module(f"{A.__name__}.{stage}")
+                    recorder = _LaunchRecorder(getattr(module, kernel_name))
+                    setattr(module, kernel_name, recorder)
                     try:
                         fwd, bwd = triton_step(q, k, v, kw, do)
                         ms = bench_ms(fwd if kernel == "fwd" else bwd, rep=100)
                     finally:
-                        setattr(A, KERNELS[kernel], recorder.fn)
+                        setattr(module, kernel_name, recorder.fn)
                 compiled = recorder.last
                 regs = f"r{getattr(compiled, 'n_regs', '?')}s{getattr(compiled, 'n_spills', '?')}"
                 results.append((ms, cfg, regs))
@@ -255,8 +258,8 @@ def breakdown(name, c):
 
 
 def compare_old(path):
-    """The kernels of another attention.py (an earlier commit, its registered ops cut off) against this one's,
-    forward and backward apart, every case, same run."""
+    """The kernels of another attention.py (one file: a commit before kernels/attention/ was split by stage, its
+    registered ops cut off) against this one's, forward and backward apart, every case, same run."""
     spec = importlib.util.spec_from_file_location("fastplug.kernels._attention_old", path)
     old = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old  # dataclasses look their module up there

@@ -253,7 +253,7 @@ def test_fast_generate_and_fast_model_say_why_not(tmp_path):
 
 def test_linear_attention_layer_compiles_fullgraph():
     """torch.compile traces a patched Gated DeltaNet decoder layer (LoRA fused) without a graph break: the conv, the
-    delta rule and the gated norm are registered operators; output and gradients equal eager's."""
+    delta rule and the gated norm are registered operators; output and gradients equal eager's to fp32 rounding."""
     from fastplug.patch.engine import patch_model
 
     model = lora(tiny("qwen3_5"), "qwen3_5")
@@ -271,4 +271,6 @@ def test_linear_attention_layer_compiles_fullgraph():
 
     eager = run(lambda h: layer(h, position_embeddings=rotary))
     compiled = run(torch.compile(lambda h: layer(h, position_embeddings=rotary), backend="aot_eager", fullgraph=True))
-    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    # equal to fp32 rounding: aot_eager's decompositions may order a sum differently on some CPUs (AVX-512: 8e-7)
+    for i, (a, b) in enumerate(zip(compiled, eager)):
+        assert rel_err(a, b) <= 2e-6, f"output {i}: {rel_err(a, b):.1e} from eager"

@@ -290,10 +290,13 @@ def _nf4_config(hf_kwargs):
 
 
 def _enable_checkpointing(model: nn.Module, mode) -> None:
-    # FastModel's mode has no budget of its own: "auto" plans against the memory_budget of the patch's options.
+    # Through the patch's handle: it plans "auto" against its options' memory_budget (FastModel's mode has no
+    # budget of its own) and its restore() undoes what is turned on here, the "auto" plan's hooks included.
     handle = active_handle(model)
-    budget = handle.options.memory_budget if handle is not None else KernelOptions.memory_budget
-    checkpointing.enable(model, mode, budget)
+    if handle is not None:
+        handle.enable_checkpointing(mode)
+    else:
+        checkpointing.enable(model, mode, KernelOptions.memory_budget)
 
 
 def _disable_checkpointing(model: nn.Module) -> None:

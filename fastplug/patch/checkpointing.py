@@ -54,6 +54,11 @@ class CheckpointingSnapshot:
     model: nn.Module
     attributes: list[tuple[nn.Module, str, Any]]  # (module, name, instance value or _MISSING)
     input_grads: dict[str, Any]  # the input-grads hook attributes as they were (or _MISSING)
+    forward_hooks: set[int]  # the keys of every forward hook on the model's modules (unique in the process)
+
+
+# The functions transformers' enable_input_require_grads and peft's fallback register on the input embeddings
+_INPUT_GRADS_HOOKS = ("make_inputs_require_grads", "make_inputs_require_grad")
 
 
 def snapshot(model: nn.Module) -> CheckpointingSnapshot:
@@ -64,11 +69,9 @@ def snapshot(model: nn.Module) -> CheckpointingSnapshot:
         if hasattr(module, _FLAG)
         for name in (_FLAG, _FUNC)
     ]
-    return CheckpointingSnapshot(model, attributes, {n: vars(model).get(n, _MISSING) for n in _INPUT_GRADS_ATTRIBUTES})
-
-
-def _hooks(value) -> list:
-    return [] if value is _MISSING else list(value) if isinstance(value, (list, tuple)) else [value]
+    input_grads = {n: vars(model).get(n, _MISSING) for n in _INPUT_GRADS_ATTRIBUTES}
+    forward_hooks = {key for module in model.modules() for key in module._forward_hooks}
+    return CheckpointingSnapshot(model, attributes, input_grads, forward_hooks)
 
 
 def restore(state: CheckpointingSnapshot) -> None:
@@ -77,11 +80,18 @@ def restore(state: CheckpointingSnapshot) -> None:
             vars(module).pop(name, None)
         else:
             setattr(module, name, value)
-    before = [h for value in state.input_grads.values() for h in _hooks(value)]
-    for name in _INPUT_GRADS_ATTRIBUTES:  # hooks that enabling checkpointing added: removed, the attributes back
-        for hook in _hooks(vars(state.model).get(name, _MISSING)):
-            if not any(hook is kept for kept in before):
-                hook.remove()
+    # Every input-grads hook added since the snapshot, not only those the attributes hold now: each enable (peft's
+    # get_peft_model, for_training after for_inference) overwrites the attributes, orphaning the earlier hooks.
+    for module in state.model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            if key not in state.forward_hooks and getattr(hook, "__name__", None) in _INPUT_GRADS_HOOKS:
+                for table in (
+                    module._forward_hooks,
+                    module._forward_hooks_with_kwargs,
+                    module._forward_hooks_always_called,
+                ):
+                    table.pop(key, None)  # what RemovableHandle.remove() does, for a hook whose handle is lost
+    for name in _INPUT_GRADS_ATTRIBUTES:  # the attributes back
         if state.input_grads[name] is _MISSING:
             vars(state.model).pop(name, None)
         else:

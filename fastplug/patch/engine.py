@@ -162,7 +162,15 @@ class PatchHandle:
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             self.skipped.append((type(self.model).__name__, "gradient checkpointing: not supported by this model"))
             return
-        self._checkpointing_snapshot = checkpointing.snapshot(self.model)
+        self.enable_checkpointing(mode)
+
+    def enable_checkpointing(self, mode) -> None:
+        """Checkpointing in `mode` (True, "offload", "auto") on the patched model, owned by this handle: restore()
+        undoes it. FastModel turns it on through here after patching, so its "auto" plan's hooks go with the patch."""
+        if self._checkpointing_snapshot is None:
+            self._checkpointing_snapshot = checkpointing.snapshot(self.model)
+        if isinstance(self.checkpointing, checkpointing.AutoCheckpointing) and mode != "auto":
+            self.checkpointing.remove()  # its hooks would go on setting the layers' flags under the new mode
         self.checkpointing = checkpointing.enable(self.model, mode, self.options.memory_budget)
 
     def _install_graphs(self) -> None:

@@ -56,27 +56,27 @@ def installed_version(distribution: str) -> str | None:
         return None
 
 
-def _release(version: str) -> tuple[int, ...]:
+def release(version: str) -> tuple[int, ...]:
     """The numeric release of a version string: "2.13.0+cpu" -> (2, 13, 0), "5.25.0.dev0" -> (5, 25, 0).
     Pre- and dev releases count as their release, local labels (+cpu, +cu128) are dropped."""
     numbers = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
     if numbers is None:
         return ()
-    release = tuple(int(part) for part in numbers.group(1).split("."))
-    while len(release) > 1 and release[-1] == 0:  # 2.13 == 2.13.0
-        release = release[:-1]
-    return release
+    parts = tuple(int(part) for part in numbers.group(1).split("."))
+    while len(parts) > 1 and parts[-1] == 0:  # 2.13 == 2.13.0
+        parts = parts[:-1]
+    return parts
 
 
 def compare(installed: str, name: str) -> str | None:
     """ "newer" or "older" when `installed` lies outside the tested range of `name`, else None."""
     tested = TESTED[name]
-    release = _release(installed)
-    if not release:
+    found = release(installed)
+    if not found:
         return None
-    if release > _release(tested.newest):
+    if found > release(tested.newest):
         return "newer"
-    if release < _release(tested.lowest):
+    if found < release(tested.lowest):
         return "older"
     return None
 

@@ -38,33 +38,34 @@ mkdir -p "$OUT_DIR"
 PY="$(command -v python3)"
 
 # FASTPLUG_GPU_INSTALLED=1: an earlier run on this machine installed everything below (several runs at once,
-# ../shared/tools/gpuq jobs, must not install into the same folders together)
+# ../shared/tools/gpuq jobs, must not install into the same folders together): this checkout and the wheels go on
+# PYTHONPATH as they left them
 if [[ -n "${FASTPLUG_GPU_INSTALLED:-}" ]]; then
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
     [[ -d /tmp/site-fla ]] && export FASTPLUG_BENCH_FLA=/tmp/site-fla
-elif compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "gpu_run: installing .whl/ failed"; exit 1; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# flash-linear-attention (.whl/fla/, from scripts/fetch_gpu_wheels.sh) is unpacked apart, into /tmp/site-fla: only
-# the rows that ask for it see it (the e2e impls ending in _fla, scripts/gated_delta_gpu.py, tests/gpu), so the
-# plain transformers rows of Qwen3.5 run its torch delta rule
-if [[ -z "${FASTPLUG_GPU_INSTALLED:-}" ]] && compgen -G ".whl/fla/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-fla \
-        .whl/fla/*.whl || { echo "gpu_run: installing .whl/fla/ failed"; exit 1; }
-    export FASTPLUG_BENCH_FLA=/tmp/site-fla
-fi
-# fastplug itself: installed from this checkout with --no-deps into the Python that already has torch,
-# triton and transformers (editable, so edits need no reinstall). Offline pip needs setuptools in that
-# Python to build; without it the checkout goes first on PYTHONPATH instead, which imports the same code.
-if [[ -n "${FASTPLUG_GPU_INSTALLED:-}" ]]; then
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-elif "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT_DIR/install.log" 2>&1; then
-    echo "gpu_run: fastplug installed from $PWD (pip --no-deps, editable)"
 else
-    echo "gpu_run: pip could not build fastplug offline (see $OUT_DIR/install.log); using PYTHONPATH=$PWD"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { echo "gpu_run: installing .whl/ failed"; exit 1; }
+        export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    # flash-linear-attention (.whl/fla/, from scripts/fetch_gpu_wheels.sh) is unpacked apart, into /tmp/site-fla:
+    # only the rows that ask for it see it (the e2e impls ending in _fla, scripts/gated_delta_gpu.py, tests/gpu),
+    # so the plain transformers rows of Qwen3.5 run its torch delta rule
+    if compgen -G ".whl/fla/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-fla \
+            .whl/fla/*.whl || { echo "gpu_run: installing .whl/fla/ failed"; exit 1; }
+        export FASTPLUG_BENCH_FLA=/tmp/site-fla
+    fi
+    # fastplug itself: installed from this checkout with --no-deps into the Python that already has torch,
+    # triton and transformers (editable, so edits need no reinstall). Offline pip needs setuptools in that
+    # Python to build; without it the checkout goes first on PYTHONPATH instead, which imports the same code.
+    if "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT_DIR/install.log" 2>&1; then
+        echo "gpu_run: fastplug installed from $PWD (pip --no-deps, editable)"
+    else
+        echo "gpu_run: pip could not build fastplug offline (see $OUT_DIR/install.log); using PYTHONPATH=$PWD"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
 fi
 
 PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generate grpo qlora moe attention fp8 host compile gdn"

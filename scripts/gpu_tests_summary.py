@@ -22,9 +22,9 @@ def main(collected_path: str, report_path: str) -> int:
     for row in bad:
         print(f"FAILED {row[2]} ({row[1]} s): {row[3] if len(row) > 3 else ''}")
     missing = [nodeid for nodeid in collected if nodeid not in reported]
-    files = Counter(nodeid.split("::")[0] for nodeid in missing)
-    for path, n in sorted(files.items()):
-        print(f"NOT REPORTED {path}: {n} of {sum(c.split('::')[0] == path for c in collected)} tests")
+    totals = Counter(nodeid.split("::")[0] for nodeid in collected)
+    for path, n in sorted(Counter(nodeid.split("::")[0] for nodeid in missing).items()):
+        print(f"NOT REPORTED {path}: {n} of {totals[path]} tests")
     print("slowest: " + ", ".join(f"{row[2]} {row[1]} s" for row in sorted(rows, key=lambda r: -float(r[1]))[:8]))
     return 1 if bad or missing else 0
 

@@ -20,13 +20,13 @@ def installed(monkeypatch):
 
 def test_table_is_ordered_and_covers_the_patched_libraries():
     for name in ("transformers", "peft", "trl", "bitsandbytes", "accelerate", "lightning", "torch", "triton"):
-        low, new = versions._release(TESTED[name].lowest), versions._release(TESTED[name].newest)
+        low, new = versions.release(TESTED[name].lowest), versions.release(TESTED[name].newest)
         assert low and low <= new, name
 
 
 def test_release_ignores_local_labels_and_trailing_zeros():
-    assert versions._release("2.13.0+cpu") == versions._release("2.13") == (2, 13)
-    assert versions._release("5.25.0.dev0") == (5, 25)
+    assert versions.release("2.13.0+cpu") == versions.release("2.13") == (2, 13)
+    assert versions.release("5.25.0.dev0") == (5, 25)
     assert versions.compare("2.13.0+cu128", "torch") is None
     assert versions.compare("5.30.0", "transformers") == "newer"
     assert versions.compare("4.57.1", "transformers") == "older"

@@ -42,9 +42,9 @@ def select(use_fla: bool) -> str:
 
     from ..kernels.delta_rule import fla_refusal
 
-    if torch.cuda.is_available() and fla_refusal(torch.device("cuda")) is not None:
-        # transformers would run fla's kernels all the same and fail in the first backward
-        raise RuntimeError(fla_refusal(torch.device("cuda")))
+    refused = fla_refusal(torch.device("cuda")) if torch.cuda.is_available() else None
+    if refused is not None:  # transformers would run fla's kernels all the same and fail in the first backward
+        raise RuntimeError(refused)
     from importlib.metadata import version
 
     try:

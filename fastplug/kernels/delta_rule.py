@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..versions import release
 from . import tuning
 from ._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
 
@@ -449,11 +450,8 @@ def fla_refusal(device: torch.device) -> str | None:
     """Why fla's kernels cannot serve CUDA `device` although fla imports, or None. fla 0.6 raises in its backward
     (gated chunk_bwd_dqkwg, its #640) on Hopper with Triton >= 3.4.0 and < 3.7.1 unless tilelang is installed:
     decided here, before a forward that would succeed and a backward that would not."""
-    import triton
-
-    version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3] if part.isdigit())
     hopper = torch.cuda.get_device_capability(device)[0] == 9
-    if hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+    if hopper and (3, 4) <= release(triton.__version__) < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
         return (
             f"flash-linear-attention's gated delta rule backward is wrong on Hopper with Triton {triton.__version__} "
             "(fla #640: it needs Triton >= 3.7.1 or tilelang); fastplug's Triton scan runs instead"
@@ -511,8 +509,9 @@ def implementation_for(x: torch.Tensor, requested: str | None = None) -> str:
             raise ValueError(
                 "implementation 'fla' needs CUDA tensors and flash-linear-attention (pip install fastplug[fla])"
             )
-        if requested == "fla" and fla_refusal(x.device) is not None:
-            raise ValueError(f"implementation 'fla' cannot run here: {fla_refusal(x.device)}")
+        refused = fla_refusal(x.device) if requested == "fla" else None
+        if refused is not None:
+            raise ValueError(f"implementation 'fla' cannot run here: {refused}")
         if requested == "triton" and not use_triton(x):
             raise ValueError(f"implementation 'triton' cannot run on {x.device.type} tensors here")
         return requested

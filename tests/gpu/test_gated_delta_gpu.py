@@ -12,16 +12,22 @@ from fastplug.kernels.norms import rms_norm_gated, rms_norm_gated_reference
 from tests.helpers import TOL, assert_close, rel_err
 
 
-def _fla_found() -> bool:
+def _why_no_fla() -> str | None:
+    """Why fla's kernels cannot run here, or None. A refusal on this GPU is decided first, without putting fla
+    on sys.path: transformers' Qwen3.5 modules created later in this worker would pick up fla's kernels and
+    raise in their forward."""
     from fastplug.bench import _fla
 
+    refused = delta_rule.fla_refusal(torch.device("cuda"))
+    if refused is not None:
+        return refused
     try:
         _fla.select(True)
-    except RuntimeError:
-        return False
+    except RuntimeError as exc:
+        return str(exc)
     delta_rule.fla_available.cache_clear()
     delta_rule._fla_chunk_rule.cache_clear()
-    return delta_rule._fla_chunk_rule() is not None
+    return None if delta_rule._fla_chunk_rule() is not None else "flash-linear-attention not found"
 
 
 def _inputs(dtype, batch=2, tokens=1000, k_heads=4, heads=8, dim=128):
@@ -42,10 +48,8 @@ def _run(inputs, do, **kw):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("implementation", ["triton", "fla"])
 def test_gated_delta_rule_gpu(dtype, implementation):
-    if implementation == "fla" and not _fla_found():
-        pytest.skip("flash-linear-attention not found")
-    if implementation == "fla" and delta_rule.fla_refusal(torch.device("cuda")) is not None:
-        pytest.skip(delta_rule.fla_refusal(torch.device("cuda")))
+    if implementation == "fla" and (reason := _why_no_fla()) is not None:
+        pytest.skip(reason)
     inputs = _inputs(dtype)
     do = torch.randn(inputs[2].shape, device="cuda", dtype=dtype)
     exact = [t.detach().double().requires_grad_(True) for t in inputs]

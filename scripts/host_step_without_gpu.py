@@ -7,10 +7,11 @@ speed, which differs between machines and runs, with ours. Run two trees in alte
 
     python scripts/host_step_without_gpu.py --trees .before . --rounds 5
 
-Each tree is put first on PYTHONPATH in its own process (so `.before` can be `git archive <commit>`). The shape
-is Llama-1B's layer count and structure (16 layers, GQA, LoRA r=16 on every linear layer, fused AdamW as the
-Trainer's default) at small widths and in fp32 (a CPU's bf16 matmuls would swamp the host's work), since the
-host's work per step depends on the number of ops, not their size or dtype. The first step compiles the kernels
+Each tree is put first on PYTHONPATH in its own process (so `.before` can be `git archive <commit>`). The model
+is a bench e2e preset (`--model`, default llama: Llama-1B) with its full layer stack (count, layer types) at the
+preset's tiny widths, LoRA r=16 on the preset's targets, fused AdamW as the Trainer's default, in fp32 (a CPU's
+bf16 matmuls would swamp the host's work), since the host's work per step depends on the number of ops, not their
+size or dtype. `--top N` prints the N functions with the most host time of one step (cProfile). The first step compiles the kernels
 (cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python function calls per
 step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the machine is busy
 (CPU matmuls run for real).
@@ -46,7 +47,7 @@ def _stand_in_h100() -> dict:
     return launches
 
 
-def measure(steps: int, layers: int) -> dict:
+def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> dict:
     import cProfile
     import inspect
     import pstats
@@ -58,22 +59,27 @@ def measure(steps: int, layers: int) -> dict:
 
     import fastplug
     import fastplug.kernels  # noqa: F401  (imports the kernel modules whose use_triton is replaced)
+    from fastplug.bench.presets import MODELS
 
     kernels_take_cpu_tensors()
     torch.set_num_threads(1)  # CPU matmuls spinning on threads that other processes hold would swamp the host's work
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        vocab_size=1024,
-        use_cache=False,
-    )
+    preset = MODELS[model_name]
+    # the preset's tiny widths with its full layer stack (count, layer types, shared KV layers), in fp32
+    stack = {k: v for k, v in preset["full"].items() if k in ("num_hidden_layers", "layer_types", "num_kv_shared_layers")}
+    config = getattr(transformers, preset["config"])(**{**preset["tiny"], **stack, "use_cache": False})
+    if layers is not None:
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = (config.layer_types * layers)[:layers]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=16, target_modules=targets, task_type="CAUSAL_LM"))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=preset["attn"])
+    if preset.get("init"):
+        preset["init"](model)
+    lora = LoraConfig(
+        r=16, lora_alpha=16, target_modules=preset["lora"], target_parameters=preset.get("lora_parameters"),
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    model = get_peft_model(model, lora)
     options = dict(freeze_gc=True, stack_projections=True)  # as the trainer adapters patch
     if "self_check" in inspect.signature(fastplug.KernelOptions).parameters:
         options["self_check"] = False  # its comparisons would read the skipped kernels' empty outputs
@@ -102,6 +108,8 @@ def measure(steps: int, layers: int) -> dict:
     step()
     profiler.disable()
     calls = pstats.Stats(profiler).total_calls
+    if top:
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(top)
     return {"host_ms": statistics.median(times) * 1e3, "calls": calls, "launches": launched}
 
 
@@ -110,11 +118,13 @@ def main() -> int:
     parser.add_argument("--trees", nargs="+", default=["."], help="source trees to compare, each put on PYTHONPATH")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per tree, alternating")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--model", default="llama", help="a bench e2e preset (llama, gemma4, gemma4_moe, ...)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's full count)")
+    parser.add_argument("--top", type=int, default=0, help="print the N functions with the most host time")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.steps, args.layers)))
+        print(json.dumps(measure(args.steps, args.model, args.layers, args.top)))
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
@@ -122,10 +132,14 @@ def main() -> int:
     for round_ in range(args.rounds):
         for tree in args.trees:
             env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
-            command = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--layers", str(args.layers)]
+            command = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--model", args.model]
+            command += ["--layers", str(args.layers)] if args.layers else []
+            command += ["--top", str(args.top)] if args.top and round_ == 0 else []
             out = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
             if out.returncode:
                 sys.exit(f"{tree}: worker failed\n{out.stderr[-3000:]}")
+            if args.top and round_ == 0:
+                print(out.stderr[-20000:])
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[tree].append(result)
             print(f"round {round_}  {tree:<12} host {result['host_ms']:.1f} ms", flush=True)

@@ -11,15 +11,21 @@ second time, every layer of the stack is captured with it, sharing one memory po
 (forwards first to last, then backwards last to first), and from then on each layer call is a replay:
 - the layer's checkpointing, when on, is inside its graphs: the forward graph keeps only the inputs, the
   backward graph recomputes; memory as without graphs, plus each layer's output and input-gradient buffers.
-- layer k's input is layer k-1's output buffer, so the hidden states are not copied; inputs shared by all
-  layers (position embeddings, a mask) are copied into the graphs' buffers once per forward.
+- layer k's input is layer k-1's output buffer, so the hidden states are not copied. The other tensor inputs
+  (position embeddings, a mask, Gemma 4's per-layer inputs) go through static buffers that the layers share: a
+  replay copies its own inputs in when the buffers hold another's (the rotary tables and masks of another layer
+  type, another layer's per-layer input), in the forward and again before the backward, which reads them (its
+  recompute, or tensors the forward saved). An empty mapping argument (Gemma 4's store of shared keys and
+  values, where no layer shares them) is taken as a constant; a capture that fills it fails (the layers would
+  depend on each other beyond the hidden states).
 - fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
   the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
   copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
 Eager instead (the same numbers, the usual speed): inference or no grad, packed rows
-(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
+(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, an input besides the hidden states that
+needs a gradient, hooks on a layer other than
 fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
 warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, peft adapters
@@ -34,6 +40,7 @@ import sys
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -138,8 +145,12 @@ class LayerGraphs:
                 tensors.append(leaf)
             elif isinstance(leaf, _SCALARS):
                 key.append((type(leaf), leaf))
+            elif isinstance(leaf, Mapping) and not leaf:  # unused unless a layer fills it: see _capture
+                key.append((type(leaf), "empty"))
             else:
                 return f"an argument of type {type(leaf).__name__}"
+        if any(t.requires_grad for t in tensors[1:]):  # the static copies would take no gradient back
+            return "an input besides the hidden states needs a gradient"
         key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
         key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
         key = tuple(key)
@@ -203,6 +214,11 @@ class LayerGraphs:
                 grad = buffers[len(graphs) % 2]
                 for index in reversed(range(len(graphs))):
                     grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
+            if any(isinstance(leaf, Mapping) and leaf for leaf in leaves):
+                raise RuntimeError(
+                    "a layer stored tensors in a mapping argument for later layers (shared keys and values): "
+                    "the layers depend on each other beyond the hidden states"
+                )
         except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
             warnings.warn(
                 f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
@@ -313,17 +329,12 @@ class _Token:
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph: _LayerGraph, *tensors):
-        for i, (static, t) in enumerate(zip(graph.inputs, tensors)):
-            if static.data_ptr() == t.data_ptr():
-                continue
-            if i:  # shared by the layers: copied by the first one this forward, unless it changed since
-                last = graph.sources[i - 1]
-                if last is not None and last[0]() is t and last[1] == t._version:
-                    continue
-                graph.sources[i - 1] = (weakref.ref(t), t._version)
-            static.copy_(t)
+        if graph.inputs[0].data_ptr() != tensors[0].data_ptr():
+            graph.inputs[0].copy_(tensors[0])
+        shared = tensors[1 : len(graph.inputs)]
+        _load_shared(graph, shared)
         graph.fwd.replay()
-        ctx.graph, ctx.token = graph, _Token()
+        ctx.graph, ctx.token, ctx.shared = graph, _Token(), shared
         graph._pending = weakref.ref(ctx.token)
         return tuple(o.detach() for o in graph.outputs)
 
@@ -332,6 +343,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, *grads):
         graph = ctx.graph
         ctx.token.done = True
+        _load_shared(graph, ctx.shared)  # later layers' forwards may have put theirs in the shared buffers
         for static, g in zip(graph.grad_outputs, grads):
             if static is not None and static.data_ptr() != g.data_ptr():
                 static.copy_(g)
@@ -340,6 +352,17 @@ class _Replay(torch.autograd.Function):
         fresh = iter(torch._foreach_mul(present, 1.0) if present else [])  # one launch, not one per parameter
         param_grads = [None if g is None else next(fresh) for g in graph.grad_params]
         return None, *(None if g is None else g.detach() for g in graph.grad_inputs), *param_grads
+
+
+def _load_shared(graph: _LayerGraph, tensors) -> None:
+    """Put this layer's inputs besides the hidden states into the buffers the layers share, where these hold
+    another tensor (or this one changed in place since)."""
+    for i, (static, t) in enumerate(zip(graph.inputs[1:], tensors)):
+        last = graph.sources[i]
+        if static.data_ptr() == t.data_ptr() or (last is not None and last[0]() is t and last[1] == t._version):
+            continue
+        static.copy_(t)
+        graph.sources[i] = (weakref.ref(t), t._version)
 
 
 class _Fixed:

@@ -1,8 +1,9 @@
 """cuda_graphs=True on CUDA: LoRA training through replayed decoder-layer graphs gives the losses and adapters
 of the same patched model run eagerly (bf16 base, peft's fp32 adapters, fused AdamW, gradient accumulation),
-with checkpointing on and off, for Llama (also on FP8 bases) and Gemma2 (fastplug's Triton attention with
-softcap and window); two forwards before one backward fall back to eager for the second and still give the
-right gradients."""
+with checkpointing on and off, for Llama (also on FP8 bases), Gemma2 (fastplug's Triton attention with softcap
+and window), Gemma3 (each layer type its own rotary tables) and Gemma 4 (per-layer inputs; the MoE block beside
+the MLP; KV sharing, which the layer graphs refuse: eager with a warning and the same numbers); two forwards
+before one backward fall back to eager for the second and still give the right gradients."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 import fastplug
+from fastplug.bench.presets import ATTENTION_LORA, _gemma4_init
 from tests.helpers import assert_close, train_losses
 
 pytestmark = pytest.mark.gpu
@@ -18,15 +20,33 @@ pytestmark = pytest.mark.gpu
 def _model(family: str, seed: int = 0):
     common = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=64, vocab_size=1000)  # fmt: skip
+    types = ["sliding_attention", "full_attention"] * 2
+    gemma4 = dict(common, num_key_value_heads=1, global_head_dim=128, sliding_window=128, layer_types=types,
+                  final_logit_softcapping=30.0, hidden_size_per_layer_input=0, num_kv_shared_layers=0)  # fmt: skip
+    targets = "all-linear"
     if family == "gemma2":
         config = transformers.Gemma2Config(**common, sliding_window=128)
+    elif family == "gemma3":  # rope_local_base_freq: the sliding layers' rotary tables differ from the full ones'
+        config = transformers.Gemma3TextConfig(**common, sliding_window=128, layer_types=types)
+    elif family.startswith("gemma4"):
+        if family in ("gemma4", "gemma4_kv_shared"):  # per-layer inputs: each layer its own slice
+            gemma4.update(vocab_size_per_layer_input=1000, hidden_size_per_layer_input=64)
+        if family == "gemma4_kv_shared":  # the last two layers reuse the first two's keys and values
+            gemma4.update(num_kv_shared_layers=2)
+        if family == "gemma4_moe":
+            gemma4.update(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=256,
+                          attention_k_eq_v=True, num_global_key_value_heads=1)  # fmt: skip
+        config = transformers.Gemma4TextConfig(**gemma4)
+        targets = ATTENTION_LORA + ["gate_proj", "up_proj", "down_proj"]  # not the per-layer input projection
     else:
         config = transformers.LlamaConfig(**common)
     config.use_cache = False
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
+    if family.startswith("gemma4"):
+        _gemma4_init(model)
     torch.manual_seed(seed + 1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
@@ -38,8 +58,10 @@ def _adapters(model):
 
 
 @pytest.mark.parametrize(
-    "family, checkpointing", [("llama", True), ("llama", False), ("gemma2", True), ("llama-fp8", True)]
-)
+    "family, checkpointing",
+    [("llama", True), ("llama", False), ("gemma2", True), ("llama-fp8", True), ("gemma3", True), ("gemma3", False),
+     ("gemma4", True), ("gemma4_moe", True), ("gemma4_kv_shared", True)],
+)  # fmt: skip
 def test_graphed_layers_train_like_eager(family, checkpointing):
     """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
     dequantized dX elsewhere; the transposed-weight buffer inside the graphs)."""
@@ -53,8 +75,13 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
         handle = fastplug.patch_model(
             model, gradient_checkpointing=checkpointing, cuda_graphs=graphs, fp8=family.endswith("-fp8")
         )
-        results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
-        if graphs:
+        if graphs and family == "gemma4_kv_shared":
+            with pytest.warns(UserWarning, match="shared keys and values"):
+                results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
+            assert handle.graphs.replays == 0 and "1 failed (eager)" in handle.summary(), handle.summary()
+        else:
+            results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))
+        if graphs and family != "gemma4_kv_shared":
             assert handle.graphs.replays >= 8 * 4, handle.summary()  # steps 3..12 of 4 layers replayed
             assert "1 call signature(s) captured" in handle.summary()
         handle.restore()

@@ -86,6 +86,7 @@ class LayerGraphs:
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         self.seen: set[tuple] = set()
         self.replays = 0
+        self.capturing = False  # while this stack's layers are warmed up and captured
         self.eager: Counter = Counter()  # per forward of the stack: "replayed", or why its layers ran eagerly
         # One memory pool for all signatures: what one leaves free (its layers' temporaries) another uses. Safe
         # while no two signatures' replays interleave, i.e. one awaits its backward when another would run.
@@ -129,8 +130,8 @@ class LayerGraphs:
             return "inference or no grad"
         if not kwargs.get(UNPACKED):
             return "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
-        if _busy():
-            return "inside another capture or torch.compile's trace"
+        if self.capturing:  # the warm-up and the capture call the layers: they run as they are
+            return "inside this stack's capture"
         if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer):
             return "hooks on a layer, or hidden states not passed first"
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -202,7 +203,8 @@ class LayerGraphs:
         sources = [None] * len(shared)  # (weakref, version) of what each shared buffer last received
         graphs = [_LayerGraph(layer, leaves, spec, shared, sources) for layer in self.layers]
         try:
-            with _capturing(), lora.uncached_adapters(), _no_autocast_cache():
+            self.capturing = True
+            with lora.uncached_adapters(), _no_autocast_cache():
                 hidden = tensors[0].detach().clone().requires_grad_(tensors[0].requires_grad)
                 for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture
                     graph.warm_up(hidden)
@@ -226,6 +228,8 @@ class LayerGraphs:
                 stacklevel=4,
             )
             return _FAILED
+        finally:
+            self.capturing = False
         return graphs
 
 
@@ -485,21 +489,3 @@ def _no_autocast_cache():
         yield
     finally:
         torch.set_autocast_cache_enabled(cached)
-
-
-_capture_depth = 0
-
-
-@contextlib.contextmanager
-def _capturing():
-    global _capture_depth
-    _capture_depth += 1
-    try:
-        yield
-    finally:
-        _capture_depth -= 1
-
-
-def _busy() -> bool:
-    """While capturing (the warm-up calls layers too), layers run as they are."""
-    return _capture_depth > 0

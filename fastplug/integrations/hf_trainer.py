@@ -4,8 +4,9 @@
 
 - on_init_end (end of Trainer.__init__: model on its device, no optimizer yet): patch the model; turn on
   gradient checkpointing through the Trainer's own arguments when asked (the Trainer enables it in train()).
-- on_train_begin: `model_init` may have re-created the model: patch the new one; install the "offload"
-  checkpointing function; print the patch summary once.
+- on_train_begin: `model_init` may have re-created the model: patch the new one; put the options' checkpointing
+  mode on the layers the Trainer turned checkpointing on for (`trainer_checkpointing.RunCheckpointing`, also at
+  each step's begin); print the patch summary once.
 - on_log: tokens/s (non-padding tokens of the training forwards since the previous log) and peak GPU memory.
 - on_train_end: restore the model (and the checkpointing setting we changed). A patch the model carried before
   (from patch_model or FastModel) is kept, and stays after training; an option set here that differs from it
@@ -35,10 +36,9 @@ from transformers import TrainerCallback
 
 from ..models.structure import unwrap
 from ..options import CHECKPOINTING_OPTIONS, KernelOptions
-from ..patch import checkpointing
 from ..patch.engine import kernel_path_of, patch_for_run
-from .checkpointing_args import CheckpointingArgs, checkpointing_in
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
+from .trainer_checkpointing import RunCheckpointing, checkpointing_in
 
 LIGER_CONFLICT = (
     "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "
@@ -96,9 +96,8 @@ class FastKernels(TrainerCallback):
         self.handle = None
         self._owns_handle = False  # False for a patch the model carried before: it outlives the run
         self.summary: str | None = None
-        self.layers = None  # checkpointing.TrainerCheckpointing while training, once the Trainer turned it on
         self._liger = False
-        self._checkpointing_args = CheckpointingArgs()  # what we changed to turn checkpointing on, to put back
+        self.checkpointing = RunCheckpointing(self.options.gradient_checkpointing, self.options.memory_budget)
         self._tokens = _TokenCounter()
         self._window_start: float | None = None
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
@@ -129,7 +128,7 @@ class FastKernels(TrainerCallback):
             except BaseException:
                 self.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
                 # a retry starts as the first run
-                self._checkpointing_args.ask(trainer.args, trainer.model, self.options.gradient_checkpointing)
+                self.checkpointing.ask(trainer.args, trainer.model)
                 raise
 
         train_then_restore_on_error._fastplug_restores = True
@@ -152,21 +151,13 @@ class FastKernels(TrainerCallback):
             self._liger = True
             warnings.warn(LIGER_CONFLICT, stacklevel=2)
         self._patch(model)
-        self._checkpointing_args.ask(args, model, self.options.gradient_checkpointing)
+        self.checkpointing.ask(args, model)
         if model is not None and self._undo_fsdp is None:  # the Trainer made its accelerator in __init__
             self._undo_fsdp = peft_units_for_accelerate(model, accelerate_fsdp2_plugin())
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._patch(model)
-        if (
-            self.options.gradient_checkpointing
-            and model is not None
-            and self.layers is None
-            and checkpointing.is_enabled(unwrap(model))
-        ):  # the Trainer turned it on, on every layer
-            self.layers = checkpointing.TrainerCheckpointing(
-                unwrap(model), self.options.gradient_checkpointing, self.options.memory_budget
-            )
+        self.checkpointing.follow(model)  # the Trainer turned it on, on every layer
         if model is not None:
             self._tokens.attach(model)
         self._tokens.take()
@@ -183,8 +174,11 @@ class FastKernels(TrainerCallback):
         if model is not None:
             lines.append(f"  kernel path: {kernel_path_of(model)}")
         if checkpointing_in(args):
-            lines.append(f"  gradient checkpointing: on, {self.layers or 'non-reentrant'}")
+            lines.append(f"  gradient checkpointing: {self.checkpointing.describe(args)}")
         return "\n".join(lines)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.checkpointing.follow(model)
 
     # ------------------------------------------------------------------------------------------- logging
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -198,8 +192,9 @@ class FastKernels(TrainerCallback):
             extra["tokens_per_second"] = round(tokens / elapsed, 1)
         if torch.cuda.is_available():
             extra["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        if self.layers is not None and self.layers.auto is not None:  # how many layers "auto" checkpoints now
-            extra["checkpointed_layers"] = self.layers.auto.checkpointed()
+        checkpointed = self.checkpointing.checkpointed_layers()  # how many layers "auto" checkpoints now
+        if checkpointed is not None:
+            extra["checkpointed_layers"] = checkpointed
         logs.update(extra)
         if state.log_history:  # the Trainer stored a copy of `logs` before calling us
             state.log_history[-1].update(extra)
@@ -215,7 +210,4 @@ class FastKernels(TrainerCallback):
                 logging.getLogger("fastplug").info("fastplug %s", self.handle.graphs)
             if self._owns_handle:
                 self.handle.restore()
-        if self.layers is not None:
-            self.layers.undo()
-            self.layers = None
-        self._checkpointing_args.restore(args, model)
+        self.checkpointing.restore(args, model)

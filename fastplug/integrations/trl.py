@@ -17,22 +17,17 @@ from __future__ import annotations
 import sys
 import warnings
 
-import torch
-
 from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 
 try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as err:
     raise ImportError(f'fastplug.integrations.trl needs TRL: pip install "fastplug[trl]" ({err})') from err
-from transformers import TrainerCallback
-
 from ..models.structure import unwrap
-from ..patch import checkpointing
 from ..patch.engine import kernel_path_of, patch_for_run
-from .checkpointing_args import CheckpointingArgs, checkpointing_in
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from .hf_trainer import LIGER_CONFLICT
+from .trainer_checkpointing import RunCheckpointing
 
 __all__ = [
     "FastDPOTrainer",
@@ -61,7 +56,10 @@ class TRLFastKernelsMixin:
         self.fast_kernel_handles = []
         self._own_handles = []  # those this trainer made: a patch the model carried before outlives the run
         self.fast_kernels_summary = ""
-        self._checkpointing = _Checkpointing(self.fast_kernels.gradient_checkpointing, self.fast_kernels.memory_budget)
+        # a callback too: at each step's begin the mode goes on the layers again (TRL's DPO turns plain
+        # checkpointing on again after every reference pass)
+        options = self.fast_kernels
+        self._checkpointing = RunCheckpointing(options.gradient_checkpointing, options.memory_budget)
         self._undo_fsdp = None  # accelerate's FSDP2 plugin as it was (peft_units_for_accelerate)
         super().__init__(*args, **kwargs)
         # After TRL's set-up (PEFT wrapping, fused LM head, reference model), before the optimizer exists.
@@ -111,7 +109,7 @@ class TRLFastKernelsMixin:
             sections.append(
                 f"[{role}] {handle.summary()}\n  loss path: {_loss_path(model)}\n  kernel path: {kernel_path_of(model)}"
             )
-        self._checkpointing.asked.ask(self.args, self.model, self._checkpointing.mode)
+        self._checkpointing.ask(self.args, self.model)
         self._undo_fsdp = peft_units_for_accelerate(self.model, accelerate_fsdp2_plugin(self.accelerator))
         sections.append(f"  gradient checkpointing: {self._checkpointing.describe(self.args)}")
         self.fast_kernels_summary = "\n".join(sections)
@@ -138,46 +136,6 @@ def _options_or_deprecated(options, fast_kernels):
 
 
 FastKernelsMixin = TRLFastKernelsMixin  # its former name (the Lightning adapter had a class of the same name)
-
-
-class _Checkpointing(TrainerCallback):
-    """Gradient checkpointing as the options ask, through the trainer's own arguments (like FastKernels does).
-
-    Trainer.train() turns checkpointing on from its arguments, on every layer; at each step's begin the
-    options' mode is applied to the layers again (`checkpointing.TrainerCheckpointing`: the last layer
-    unchecked, "offload", "auto"), there because TRL's DPO re-enables plain checkpointing after every
-    reference pass.
-    """
-
-    def __init__(self, mode, memory_budget: float = 0.9):
-        self.mode, self.memory_budget = mode, memory_budget
-        self.asked = CheckpointingArgs()  # what we changed to turn checkpointing on, to put back
-        self.layers = None  # checkpointing.TrainerCheckpointing once the trainer turned checkpointing on
-
-    def describe(self, args) -> str:
-        if not checkpointing_in(args):
-            return "off"
-        last = ", the last layer unchecked"
-        if self.mode == "offload":
-            where = "layer inputs in pinned CPU memory" if torch.cuda.is_available() else "offload needs CUDA: plain"
-            return f"on, offload ({where}){last}"
-        if self.mode == "auto":
-            return "on, auto (the layers memory needs, planned at the first training step)"
-        return "on" + (", turned on by fastplug" if self.asked.turned_on else "") + last
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if not self.mode or model is None or not checkpointing.is_enabled(unwrap(model)):
-            return
-        if self.layers is None:
-            self.layers = checkpointing.TrainerCheckpointing(unwrap(model), self.mode, self.memory_budget)
-        else:
-            self.layers.reapply()
-
-    def restore(self, args, model) -> None:
-        if self.layers is not None:
-            self.layers.undo()
-        self.layers = None
-        self.asked.restore(args, model)
 
 
 def _loss_path(model) -> str:

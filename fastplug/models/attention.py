@@ -21,7 +21,6 @@ from ..kernels.rope import rope
 from . import fast_attention, stacking
 from .projections import fused_projections, outputs_private, step_projections, unfused_notes
 from .rules import MatchContext, Patch, Skip, combine_switches
-from .structure import decoder_stack
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 FUSED_PROJECTIONS = ("qkv_proj", "o_proj")
@@ -253,7 +252,7 @@ def _attention_route(module: nn.Module, ctx: MatchContext):
         return None, fast_attention.describe(module, ctx.family, fast_attention.fallback_name(config))
     if current not in (None, "eager", "sdpa"):
         return None, f"transformers' {current} attention, as loaded (fastplug replaces eager and sdpa)"
-    decoder = decoder_stack(ctx.root)
+    decoder = ctx.decoder
     return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(
         module, ctx.family, current or "eager"
     )

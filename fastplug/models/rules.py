@@ -64,6 +64,7 @@ class Skip:
 @dataclass(frozen=True)
 class MatchContext:
     root: nn.Module  # the transformers model being patched (peft unwrapped)
+    decoder: nn.Module  # its decoder stack (structure.decoder_stack), derived once per patch
     family: Family | None  # None: unknown model type, structural rules only
     options: KernelOptions
 

@@ -35,13 +35,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in decoder_stack(model).modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def other_towers(model: nn.Module) -> list[str]:
+def other_towers(model: nn.Module, decoder: nn.Module | None = None) -> list[str]:
     """Paths of the parts of a multimodal model off its language path (the vision tower, a projector), which
     fastplug leaves as they are: every module that is neither inside the decoder stack nor one of its ancestors.
     Empty for a model whose only sub-model is its decoder (a causal LM)."""
     from transformers import PreTrainedModel
 
-    decoder = decoder_stack(model)
+    decoder = decoder_stack(model) if decoder is None else decoder
     if decoder is model:
         return []
     inside = {id(m) for m in decoder.modules()}

@@ -74,6 +74,9 @@ class PatchHandle:
         self.model = model
         self.options = options
         self.family = family_of(model)
+        # derived once: the rules, the self-check, checkpointing and the graphs all take these
+        self.decoder = decoder_stack(model)
+        self.layers = decoder_layers(model)
         self.counts: dict[str, int] = {}
         self.skipped: list[tuple[str, str]] = []
         self.checkpointing: str | None = None
@@ -123,8 +126,9 @@ class PatchHandle:
         self.skipped += conversion.skipped
 
     def _patch_modules(self, outer: nn.Module) -> None:
-        ctx = MatchContext(root=self.model, family=self.family, options=self.options)
-        outside = other_towers(self.model)  # a multimodal model's vision tower and projector stay as they are
+        ctx = MatchContext(root=self.model, decoder=self.decoder, family=self.family, options=self.options)
+        # a multimodal model's vision tower and projector stay as they are
+        outside = other_towers(self.model, self.decoder)
         self.skipped += [(path, "not the language model: left as it is") for path in outside]
         for path, module in self.model.named_modules():
             if any(path == o or path.startswith(o + ".") for o in outside):
@@ -145,12 +149,12 @@ class PatchHandle:
                 break
         self._undo.append(self._uninstall_all)
         if self.options.lora:  # adapters may be added or enabled after patching: watch whenever LoRA is on
-            self._adapter_watch = watch_adapter_writes(decoder_stack(self.model))
+            self._adapter_watch = watch_adapter_writes(self.decoder)
         self._tally()
 
     def _self_check(self) -> None:
         """Keep only the kinds of patch that agree with the original modules on this model (self_check.py)."""
-        self.check = verify(self.model, self._records, self.options, self.family is not None)
+        self.check = verify(self.model, self.layers, self._records, self.options, self.family is not None)
         for kind, why in self.check.declined:
             self.skipped.append((kind, f"declined by the self-check: {why}"))
         self._tally()
@@ -176,7 +180,7 @@ class PatchHandle:
     def _install_graphs(self) -> None:
         if not self.options.cuda_graphs:
             return
-        installed = layer_graphs.install(decoder_layers(self.model))
+        installed = layer_graphs.install(self.layers)
         if isinstance(installed, str):
             self.skipped.append(("cuda_graphs", installed))
         else:

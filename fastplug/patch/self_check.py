@@ -475,19 +475,18 @@ class Timer:
         return time.perf_counter() - self.start
 
 
-def verify(model: nn.Module, records: list, options, known_family: bool) -> Report:
+def verify(model: nn.Module, layers: list[nn.Module], records: list, options, known_family: bool) -> Report:
     """Check the installed patches (`records`, in the order applied; each has .patch, .module, .path,
-    install() and uninstall()) against the original modules; take off every kind that disagrees."""
+    install() and uninstall()) against the original modules of `model` (its decoder `layers`); take off every
+    kind that disagrees."""
     import warnings
 
     from ..models.padding import forget_batch_paths
-    from ..models.structure import decoder_layers
 
     if not records:
         return Report(ran=False, reason="nothing patched")
     if not options.self_check:
         return Report(ran=False, reason="off (self_check=False)")
-    layers = decoder_layers(model)
     reason = why_not_checkable(model, layers)
     probe = Probe(model, layers) if reason is None else None
     if probe is not None:

@@ -113,7 +113,7 @@ def test_trainer_auto_checkpointing_plans_the_layers_and_is_undone(tmp_path):
     assert "gradient checkpointing: on, auto: 2 of 3 layers checkpointed" in fast.summary
     assert watch.checkpointed == [[True, True, False]] * 2
     assert [h["checkpointed_layers"] for h in history if "loss" in h] == [2, 2]
-    assert fast.layers is None and not checkpointing_on(model)
+    assert fast.checkpointing.layers is None and not checkpointing_on(model)
     assert not checkpointing.decoder_stack(model)._forward_pre_hooks, "auto's hook is removed"
 
 

@@ -24,8 +24,7 @@ second time, every layer of the stack is captured with it, sharing one memory po
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
 Eager instead (the same numbers, the usual speed): inference or no grad, packed rows
-(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, an input besides the hidden states that
-needs a gradient, hooks on a layer other than
+(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
 fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
 warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, peft adapters
@@ -150,8 +149,6 @@ class LayerGraphs:
                 key.append((type(leaf), "empty"))
             else:
                 return f"an argument of type {type(leaf).__name__}"
-        if any(t.requires_grad for t in tensors[1:]):  # the static copies would take no gradient back
-            return "an input besides the hidden states needs a gradient"
         key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
         key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
         key = tuple(key)
@@ -198,8 +195,9 @@ class LayerGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
-        # Inputs shared by every layer (all tensors but the hidden states, the first): one static copy.
-        shared = [t.detach().clone() for t in tensors[1:]]
+        # Inputs shared by every layer (all tensors but the hidden states, the first): one static copy. One that
+        # needs a gradient (Gemma 4's per-layer inputs when the embeddings' output does) gets it from each layer.
+        shared = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors[1:]]
         sources = [None] * len(shared)  # (weakref, version) of what each shared buffer last received
         graphs = [_LayerGraph(layer, leaves, spec, shared, sources) for layer in self.layers]
         try:

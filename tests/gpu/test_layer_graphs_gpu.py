@@ -1,9 +1,9 @@
 """cuda_graphs=True on CUDA: LoRA training through replayed decoder-layer graphs gives the losses and adapters
 of the same patched model run eagerly (bf16 base, peft's fp32 adapters, fused AdamW, gradient accumulation),
 with checkpointing on and off, for Llama (also on FP8 bases), Gemma2 (fastplug's Triton attention with softcap
-and window), Gemma3 (each layer type its own rotary tables) and Gemma 4 (per-layer inputs; the MoE block beside
-the MLP; KV sharing, which the layer graphs refuse: eager with a warning and the same numbers); two forwards
-before one backward fall back to eager for the second and still give the right gradients."""
+and window), Gemma3 (each layer type its own rotary tables) and Gemma 4 (per-layer inputs that need a gradient;
+the MoE block beside the MLP; KV sharing, which the layer graphs refuse: eager with a warning and the same
+numbers); two forwards before one backward fall back to eager for the second and still give the right gradients."""
 
 import pytest
 import torch
@@ -45,6 +45,8 @@ def _model(family: str, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda()
     if family.startswith("gemma4"):
         _gemma4_init(model)
+    if family == "gemma4":  # the embeddings' output needs a gradient, so the per-layer inputs made from it do
+        model.enable_input_require_grads()
     torch.manual_seed(seed + 1)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
     for name, p in model.named_parameters():

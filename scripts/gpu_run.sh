@@ -6,7 +6,7 @@
 # PARTs run in the order given (default: doctor tests micro e2e):
 #   doctor                 python -m fastplug doctor
 #   tests [PYTEST ARGS]    tests/gpu over every GPU of the machine (one pytest-xdist worker per GPU; the 2-GPU tests,
-#                          marker gpu2, on the first two after them), each test limited to $FASTPLUG_TEST_TIMEOUT s
+#                          marker gpu2, on the last two meanwhile), each test limited to $FASTPLUG_TEST_TIMEOUT s
 #                          (240), each pytest run to $FASTPLUG_TESTS_BUDGET s (420). $OUT/tests_report.tsv gets each
 #                          outcome as it comes; the part ends with the failures and the files that never reported
 #   micro [ARGS]           python -m fastplug.bench micro ARGS
@@ -72,18 +72,22 @@ PARTS="doctor tests micro e2e maxseq frameworks varlen probe convergence generat
 is_part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 gpu_tests() {  # tests/gpu over the machine's GPUs; a summary even when a time limit cuts it
-    local ids gpus report single pair rc=0 r
+    local ids gpus report single pair pair_pid rc=0 r
     # the GPUs this process may use: $CUDA_VISIBLE_DEVICES when set, else every one nvidia-smi lists
     ids=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd,)}
     ids=${ids:-0}
     gpus=$(tr ',' '\n' <<< "$ids" | wc -l)
     report="$OUT_DIR/tests_report.tsv"
     : > "$report"
-    # Every GPU takes single-GPU tests first (one pytest-xdist worker each); then the 2-GPU tests (marker gpu2:
-    # torchrun and accelerate launches) run on the first two. Beside the others they would share two GPUs with
-    # the largest single tests; after them, no GPU waits idle. One GPU skips them.
+    # Every GPU takes single-GPU tests (one pytest-xdist worker each); the 2-GPU tests (marker gpu2: torchrun and
+    # accelerate launches of small models) share the last two meanwhile (4 GPUs or more), or run after the rest on
+    # the first two (2 or 3 GPUs). One GPU skips them.
     single=$ids pair=""
-    ((gpus >= 2)) && pair=$(cut -d, -f1-2 <<< "$ids")
+    if ((gpus >= 4)); then
+        pair=$(cut -d, -f$((gpus - 1))- <<< "$ids")
+    elif ((gpus >= 2)); then
+        pair=$(cut -d, -f1-2 <<< "$ids")
+    fi
     "$PY" -m pytest -q --collect-only -m "gpu$([[ -n $pair ]] && echo ' or gpu2' || echo ' and not gpu2')" \
         -p no:cacheprovider tests/gpu "$@" | grep '::' > "$OUT_DIR/tests_collected.txt"
     run_single() {  # one pytest-xdist worker per GPU, tests dealt out one by one (a file's tests may spread)
@@ -95,8 +99,16 @@ gpu_tests() {  # tests/gpu over the machine's GPUs; a summary even when a time l
         FASTPLUG_TEST_REPORT="$report" CUDA_VISIBLE_DEVICES="$pair" timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-420}" \
             "$PY" -m pytest -q -m gpu2 --timeout 400 -p no:cacheprovider tests/gpu "$@"
     }
-    run_single "$@" || rc=$?
-    if [[ -n $pair ]]; then run_pair "$@" || { r=$?; ((rc)) || rc=$r; }; fi
+    if ((gpus >= 4)); then
+        run_pair "$@" > "$OUT_DIR/tests_gpu2.log" 2>&1 &
+        pair_pid=$!
+        run_single "$@" || rc=$?
+        wait "$pair_pid" || { r=$?; ((rc)) || rc=$r; }
+        echo "=== the 2-GPU tests (GPUs $pair):"; tail -5 "$OUT_DIR/tests_gpu2.log"
+    else
+        run_single "$@" || rc=$?
+        if [[ -n $pair ]]; then run_pair "$@" || { r=$?; ((rc)) || rc=$r; }; fi
+    fi
     "$PY" scripts/gpu_tests_summary.py "$OUT_DIR/tests_collected.txt" "$report" || { ((rc)) || rc=1; }
     return "$rc"
 }

@@ -11,10 +11,10 @@ Each tree is put first on PYTHONPATH in its own process (so `.before` can be `gi
 is a bench e2e preset (`--model`, default llama: Llama-1B) with its full layer stack (count, layer types) at the
 preset's tiny widths, LoRA r=16 on the preset's targets, fused AdamW as the Trainer's default, in fp32 (a CPU's
 bf16 matmuls would swamp the host's work), since the host's work per step depends on the number of ops, not their
-size or dtype. `--top N` prints the N functions with the most host time of one step (cProfile). The first step compiles the kernels
-(cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python function calls per
-step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the machine is busy
-(CPU matmuls run for real).
+size or dtype. `--top N` prints the N functions with the most host time of one step (cProfile). The first step
+compiles the kernels (cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python
+function calls per step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the
+machine is busy (CPU matmuls run for real).
 """
 
 from __future__ import annotations
@@ -65,14 +65,18 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> di
     torch.set_num_threads(1)  # CPU matmuls spinning on threads that other processes hold would swamp the host's work
     preset = MODELS[model_name]
     # the preset's tiny widths with its full layer stack (count, layer types, shared KV layers), in fp32
-    stack = {k: v for k, v in preset["full"].items() if k in ("num_hidden_layers", "layer_types", "num_kv_shared_layers")}
+    stack = {
+        k: v for k, v in preset["full"].items() if k in ("num_hidden_layers", "layer_types", "num_kv_shared_layers")
+    }
     config = getattr(transformers, preset["config"])(**{**preset["tiny"], **stack, "use_cache": False})
     if layers is not None:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = (config.layer_types * layers)[:layers]
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=preset["attn"])
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation=preset["attn"]
+    )
     if preset.get("init"):
         preset["init"](model)
     lora = LoraConfig(

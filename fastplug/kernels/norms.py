@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import state, tuning
 from ._utils import (
-    cdiv,
+    SUPPORTED_DTYPES,
     check_dtype,
     check_same_device,
     check_shape,
@@ -372,23 +372,41 @@ def _config(n_cols: int, dtype: torch.dtype, backward: bool, center: bool) -> No
     return tuning.pick("norm", norm_config, n_cols, dtype, backward=backward, center=center)
 
 
+# The launch settings memoised per (n_cols, dtype, backward, center) for the forward and per (n_cols, dtype,
+# backward, center, device) for the backward, whose entry also holds its grid's bound (the device's SMs times
+# programs per SM): what `_config` and `num_sms` give while no tuning override is set, without their Python
+# calls on every launch (a step launches each norm up to three times). Plain ints and configs, one entry per
+# norm width, dtype and device a model has: a handful.
+_LAUNCHES: dict[tuple, NormConfig | tuple[NormConfig, int]] = state.register_cache("norms.launches", {})
+
+
 def _norm_forward(
     x2, weight, bias, eps, offset, *, center, cast_before_scale, out_dtype, gate=None, config: NormConfig | None = None
 ):
     """gate: None, or z [rows, cols] (unit last stride) to multiply the result by silu(z)."""
     n_rows, n_cols = x2.shape
-    cfg = config or _config(n_cols, x2.dtype, backward=False, center=center)
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x2.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=x2.device) if center else rstd  # rstd: unused stand-in
-    grid = (cdiv(n_rows, cfg.block_rows),)
+    if config is not None:
+        cfg = config
+    elif tuning._overrides:  # an override of some kernel is set: ask `tuning.pick` on every launch
+        cfg = _config(n_cols, x2.dtype, backward=False, center=center)
+    else:
+        key = (n_cols, x2.dtype, False, center)
+        try:
+            cfg = _LAUNCHES[key]
+        except KeyError:
+            cfg = _LAUNCHES[key] = norm_config(n_cols, x2.dtype, backward=False, center=center)
+    device = x2.device
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=device) if center else rstd  # rstd: unused stand-in
+    grid = (-(-n_rows // cfg.block_rows),)  # cdiv, inline
     _norm_fwd[grid](
         x2,
         x2.stride(0),
         weight if weight is not None else rstd,
         bias if bias is not None else rstd,
         y,
-        y.stride(0),
+        n_cols,  # y's row stride: a fresh contiguous [rows, cols] tensor
         mean,
         rstd,
         n_rows,
@@ -416,13 +434,26 @@ def _norm_backward(
     """Returns dx [rows, cols] in x's dtype, and dW, db in fp32 (None where not asked for); with a gate (the
     gated RMSNorm, Llama's rounding) also dz in the gate's dtype, else None."""
     n_rows, n_cols = x2.shape
-    cfg = config or _config(n_cols, x2.dtype, backward=True, center=mean is not None)
-    n_programs = min(cdiv(n_rows, cfg.block_rows), num_sms(x2.device) * cfg.programs_per_sm)
-    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    device = x2.device
+    if config is not None or tuning._overrides:
+        cfg = config or _config(n_cols, x2.dtype, backward=True, center=mean is not None)
+        max_programs = num_sms(device) * cfg.programs_per_sm
+    else:
+        key = (n_cols, x2.dtype, True, mean is not None, device)
+        try:
+            cfg, max_programs = _LAUNCHES[key]
+        except KeyError:
+            cfg = norm_config(n_cols, x2.dtype, backward=True, center=mean is not None)
+            max_programs = num_sms(device) * cfg.programs_per_sm
+            _LAUNCHES[key] = (cfg, max_programs)
+    n_programs = -(-n_rows // cfg.block_rows)  # cdiv, inline
+    if n_programs > max_programs:
+        n_programs = max_programs
+    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=device)
     # Looped tiles add into their partial row; fused ones write it once at the end.
     alloc = torch.zeros if cfg.looped else torch.empty
-    dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_dw else None
-    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=x2.device) if compute_db else None
+    dw_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=device) if compute_dw else None
+    db_partial = alloc((n_programs, n_cols), dtype=torch.float32, device=device) if compute_db else None
     dz = torch.empty_like(gate) if gate is not None else None
     _norm_bwd[(n_programs,)](
         dy2,
@@ -433,7 +464,7 @@ def _norm_backward(
         mean if mean is not None else rstd,
         rstd,
         dx,
-        dx.stride(0),
+        n_cols,  # dx's row stride: a fresh contiguous [rows, cols] tensor
         dw_partial if dw_partial is not None else rstd,
         db_partial if db_partial is not None else rstd,
         n_rows,
@@ -455,7 +486,8 @@ def _norm_backward(
         CAST_BEFORE_SCALE=gate is not None,
         num_warps=cfg.num_warps,
     )
-    dw, db = _reduce_partials(dw_partial), _reduce_partials(db_partial)
+    dw = _reduce_partials(dw_partial) if compute_dw else None
+    db = _reduce_partials(db_partial) if compute_db else None
     return (dx, dw, db, dz) if gate is not None else (dx, dw, db)
 
 
@@ -491,6 +523,32 @@ def _check_inputs(x, weight, bias, eps):
         raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
 
 
+# The public functions first test their inputs in one expression of attribute reads and comparisons, no Python
+# call (the norms run up to three times per layer and step, and the host bounds small-batch steps): a test
+# stricter than the checks (eps a float, not any number), never looser. Where it fails, the checks run and
+# raise their clear errors; where they pass (an int eps, say), so does the call.
+
+
+def _check_rms_norm_inputs(x, weight, eps, offset, scale_in_fp32):
+    _check_inputs(x, weight, None, eps)
+    if weight is None and offset != 0.0:
+        raise ValueError(f"offset {offset!r} needs a weight (offset scales as offset + weight); got weight None")
+    if not isinstance(scale_in_fp32, bool):
+        raise ValueError(f"scale_in_fp32 must be a bool; got {scale_in_fp32!r}")
+
+
+def _check_gated_inputs(x, gate, weight, eps):
+    _check_inputs(x, weight, None, eps)
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"gate must be a torch.Tensor; got {type(gate).__name__}")
+    check_dtype("gate", gate)
+    check_shape("gate", gate, tuple(x.shape), "x's shape")
+    check_same_device(x=x, gate=gate, weight=weight)
+
+
+_KEPT_MODIFIED = "a tensor kept for backward was modified by an inplace operation between forward and backward"
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. Autograd functions
 # ----------------------------------------------------------------------------------------------------
@@ -509,32 +567,37 @@ def _rms_out_dtype(x, weight, offset, scale_in_fp32=False):
 def _rms_norm_forward(x, weight, eps, offset, scale_in_fp32=False):
     """(y shaped like x, rstd per row, x2 the rows view of x that backward reads): the forward shared by the
     autograd Function and the operator."""
-    x2 = rows_view(x)
+    x2 = x.reshape(-1, x.shape[-1])  # rows_view, inline
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    llama = offset == 0.0 and not scale_in_fp32 and weight is not None  # _llama_form, inline
+    # _rms_out_dtype: promote_types of a dtype with itself is that dtype
+    out_dtype = x.dtype if not llama or weight.dtype == x.dtype else promote_types(x.dtype, weight.dtype)
     y, _, rstd = _norm_forward(
-        x2,
-        weight,
-        None,
-        eps,
-        offset,
-        center=False,
-        cast_before_scale=_llama_form(weight, offset, scale_in_fp32),
-        out_dtype=_rms_out_dtype(x, weight, offset, scale_in_fp32),
+        x2, weight, None, eps, offset, center=False, cast_before_scale=llama, out_dtype=out_dtype
     )
     return y.view(x.shape), rstd, x2
 
 
 def _layer_norm_forward(x, weight, bias, eps):
     """(y shaped like x, mean and rstd per row, x2), shared like `_rms_norm_forward`."""
-    x2 = rows_view(x)
+    x2 = x.reshape(-1, x.shape[-1])  # rows_view, inline
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     y, mean, rstd = _norm_forward(x2, weight, bias, eps, 0.0, center=True, cast_before_scale=False, out_dtype=x.dtype)
     return y.view(x.shape), mean, rstd, x2
 
 
 class RMSNorm(torch.autograd.Function):
+    # `keep_for_backward` and `kept_for_backward` written out for the one tensor: the weight stays on ctx, not in
+    # save_for_backward, and backward checks its version. rows_view written out for dy. `params` is (eps,
+    # offset, scale_in_fp32): one argument for three, each of which costs Function.apply some host time.
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, scale_in_fp32):
+    def forward(ctx, x, weight, params):
+        eps, offset, scale_in_fp32 = params
         y, rstd, x2 = _rms_norm_forward(x, weight, eps, offset, scale_in_fp32)
-        keep_for_backward(ctx, (weight,))
+        ctx.weight = weight
+        ctx.weight_version = None if weight is None else weight._version
         ctx.save_for_backward(x2, rstd)
         ctx.offset = offset
         ctx.x_shape = x.shape
@@ -543,9 +606,14 @@ class RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, rstd = ctx.saved_tensors
-        (weight,) = kept_for_backward(ctx)
+        weight = ctx.weight
+        if weight is not None and weight._version != ctx.weight_version:
+            raise RuntimeError(_KEPT_MODIFIED)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
         dx, dw, _ = _norm_backward(
-            rows_view(dy),
+            dy2,
             x2,
             weight,
             None,
@@ -554,14 +622,17 @@ class RMSNorm(torch.autograd.Function):
             compute_dw=ctx.needs_input_grad[1],
             compute_db=False,
         )
-        return dx.view(ctx.x_shape), (dw.to(weight.dtype) if dw is not None else None), None, None, None
+        if dw is not None and dw.dtype != weight.dtype:  # dw is fp32
+            dw = dw.to(weight.dtype)
+        return dx.view(ctx.x_shape), dw, None
 
 
 class LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         y, mean, rstd, x2 = _layer_norm_forward(x, weight, bias, eps)
-        keep_for_backward(ctx, (weight,))
+        ctx.weight = weight  # as in RMSNorm
+        ctx.weight_version = None if weight is None else weight._version
         ctx.save_for_backward(x2, mean, rstd)
         ctx.x_shape = x.shape
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -570,19 +641,27 @@ class LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, mean, rstd = ctx.saved_tensors
-        (weight,) = kept_for_backward(ctx)
+        weight = ctx.weight
+        if weight is not None and weight._version != ctx.weight_version:
+            raise RuntimeError(_KEPT_MODIFIED)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        needs_input_grad = ctx.needs_input_grad
         dx, dw, db = _norm_backward(
-            rows_view(dy),
+            dy2,
             x2,
             weight,
             mean,
             rstd,
             0.0,
-            compute_dw=ctx.needs_input_grad[1],
-            compute_db=ctx.needs_input_grad[2],
+            compute_dw=needs_input_grad[1],
+            compute_db=needs_input_grad[2],
         )
-        dw = dw.to(weight.dtype) if dw is not None else None
-        db = db.to(ctx.bias_dtype) if db is not None else None
+        if dw is not None and dw.dtype != weight.dtype:  # dw and db are fp32
+            dw = dw.to(weight.dtype)
+        if db is not None and db.dtype != ctx.bias_dtype:
+            db = db.to(ctx.bias_dtype)
         return dx.view(ctx.x_shape), dw, db, None
 
 
@@ -636,23 +715,48 @@ def rms_norm(
     x_norm * (offset + w) in fp32, then cast to x's dtype; scale_in_fp32=True takes that form at offset 0
     too (Gemma 4's RMSNorm: x_norm * w in fp32). weight None: no scaling.
     """
-    _check_inputs(x, weight, None, eps)
-    if weight is None and offset != 0.0:
-        raise ValueError(f"offset {offset!r} needs a weight (offset scales as offset + weight); got weight None")
-    if not isinstance(scale_in_fp32, bool):
-        raise ValueError(f"scale_in_fp32 must be a bool; got {scale_in_fp32!r}")
+    if not (  # `_check_rms_norm_inputs` without a call where the inputs are good (see above it)
+        isinstance(x, torch.Tensor)
+        and x.dtype in SUPPORTED_DTYPES
+        and x.ndim
+        and x.shape[-1]
+        and (
+            offset == 0.0
+            if weight is None
+            else (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
+        )
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+        and (scale_in_fp32 is False or scale_in_fp32 is True)
+    ):
+        _check_rms_norm_inputs(x, weight, eps, offset, scale_in_fp32)
     if x.numel() == 0 or not use_triton(x, weight):
         return rms_norm_reference(x, weight, eps, offset, scale_in_fp32)
     if torch.compiler.is_compiling():
         return _rms_norm_op(x, weight, float(eps), float(offset), scale_in_fp32)[0]
-    return RMSNorm.apply(x, weight, float(eps), float(offset), scale_in_fp32)
+    return RMSNorm.apply(x, weight, (float(eps), float(offset), scale_in_fp32))
 
 
 def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:
     """LayerNorm over the last dim of x, statistics in fp32, result in x's dtype (like nn.LayerNorm)."""
-    _check_inputs(x, weight, bias, eps)
+    if not (  # `_check_inputs` without a call where the inputs are good (see above `_check_rms_norm_inputs`)
+        isinstance(x, torch.Tensor)
+        and x.dtype in SUPPORTED_DTYPES
+        and x.ndim
+        and x.shape[-1]
+        and (
+            weight is None
+            or (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
+        )
+        and (
+            bias is None or (bias.dtype in SUPPORTED_DTYPES and bias.shape == x.shape[-1:] and bias.device == x.device)
+        )
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+    ):
+        _check_inputs(x, weight, bias, eps)
     if x.numel() == 0 or not use_triton(x, weight, bias):
         return layer_norm_reference(x, weight, bias, eps)
     if torch.compiler.is_compiling():
@@ -664,12 +768,23 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     """The gated RMSNorm of Gated DeltaNet layers (transformers' Qwen3_5RMSNormGated, Qwen3NextRMSNormGated):
     Llama's RMSNorm of x (normalised in fp32, rounded to x's dtype, times weight) times silu(gate) in fp32,
     the result in x's dtype. gate has x's shape (any float dtype)."""
-    _check_inputs(x, weight, None, eps)
-    if not isinstance(gate, torch.Tensor):
-        raise ValueError(f"gate must be a torch.Tensor; got {type(gate).__name__}")
-    check_dtype("gate", gate)
-    check_shape("gate", gate, tuple(x.shape), "x's shape")
-    check_same_device(x=x, gate=gate, weight=weight)
+    if not (  # `_check_gated_inputs` without a call where the inputs are good (see above `_check_rms_norm_inputs`)
+        isinstance(x, torch.Tensor)
+        and x.dtype in SUPPORTED_DTYPES
+        and x.ndim
+        and x.shape[-1]
+        and (
+            weight is None
+            or (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
+        )
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+        and isinstance(gate, torch.Tensor)
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.shape == x.shape
+        and gate.device == x.device
+    ):
+        _check_gated_inputs(x, gate, weight, eps)
     if x.numel() == 0 or not use_triton(x, gate, weight):
         return rms_norm_gated_reference(x, gate, weight, eps)
     if torch.compiler.is_compiling():

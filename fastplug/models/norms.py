@@ -8,10 +8,25 @@ from ..kernels.norms import layer_norm, rms_norm
 from .rules import MatchContext, Patch, Skip
 
 
-def _rms_norm_forward(offset: float, scale_in_fp32: bool = False):
-    def forward(self, hidden_states):
-        eps = self.variance_epsilon if hasattr(self, "variance_epsilon") else self.eps
-        return rms_norm(hidden_states, self.weight, eps=eps, offset=offset, scale_in_fp32=scale_in_fp32)
+def _eps_attribute(module: nn.Module) -> str:
+    """Where the norm keeps its epsilon: Llama's `variance_epsilon`, else `eps`."""
+    return "variance_epsilon" if hasattr(module, "variance_epsilon") else "eps"
+
+
+def _rms_norm_forward(offset: float, scale_in_fp32: bool, eps_attribute: str):
+    # eps_attribute is looked up once, at patch time (`_eps_attribute`): a hasattr that misses goes through
+    # nn.Module.__getattr__ and an AttributeError on every call, and the norms are called many times per step.
+    if eps_attribute == "variance_epsilon":
+
+        def forward(self, hidden_states):
+            return rms_norm(
+                hidden_states, self.weight, eps=self.variance_epsilon, offset=offset, scale_in_fp32=scale_in_fp32
+            )
+
+    else:
+
+        def forward(self, hidden_states):
+            return rms_norm(hidden_states, self.weight, eps=self.eps, offset=offset, scale_in_fp32=scale_in_fp32)
 
     return forward
 
@@ -49,10 +64,12 @@ def match_rms_norm(module: nn.Module, ctx: MatchContext):
     if not _looks_like_rms_norm(module):
         return None
     if ctx.family is not None:
-        return Patch("rms_norm", _rms_norm_forward(ctx.family.rms_norm_offset, ctx.family.rms_norm_scale_in_fp32))
+        family = ctx.family
+        forward = _rms_norm_forward(family.rms_norm_offset, family.rms_norm_scale_in_fp32, _eps_attribute(module))
+        return Patch("rms_norm", forward)
     # Unknown family: Llama's norm stores `variance_epsilon`; an `eps` norm may be Llama- or Gemma-style.
     if hasattr(module, "variance_epsilon"):
-        return Patch("rms_norm", _rms_norm_forward(0.0))
+        return Patch("rms_norm", _rms_norm_forward(0.0, False, "variance_epsilon"))
     return Skip("rms_norm", "RMSNorm variant of an unknown family (weight or 1 + weight?)")
 
 

@@ -46,8 +46,7 @@ def _lora_args(kind: str, stacked: bool = False):
             rand(4, inp) if adapter else None,
             rand(out, 4) if adapter else None,
         ]
-    lora = importlib.import_module("fastplug.kernels.lora")
-    tensors, present = lora._pack(params)
+    tensors, present = importlib.import_module("fastplug.kernels.lora.ops")._pack(params)
     scalings = [2.0] * 3 if stacked else [0.5, 2.0, 1.0]  # stacked: peft's one scaling (a path of its own)
     if kind == "mlp":
         return (x, tensors, present, scalings, "silu")
@@ -116,10 +115,10 @@ def _moe_args(lora: bool, tokens=7, hidden=16, inter=8, experts=3, k=2, r=4, gpt
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=False)),
         ("moe.experts", "_moe_experts_op", lambda: _moe_args(lora=True, gpt_oss=True)),
-        ("lora", "_projections_op", lambda: _lora_args("qkv")),
-        ("lora", "_projections_op", lambda: _lora_args("qkv", stacked=True)),
-        ("lora", "_mlp_op", lambda: _lora_args("mlp")),
-        ("lora", "_mlp_op", lambda: _lora_args("mlp", stacked=True)),
+        ("lora.ops", "_projections_op", lambda: _lora_args("qkv")),
+        ("lora.ops", "_projections_op", lambda: _lora_args("qkv", stacked=True)),
+        ("lora.ops", "_mlp_op", lambda: _lora_args("mlp")),
+        ("lora.ops", "_mlp_op", lambda: _lora_args("mlp", stacked=True)),
         ("norms", "_rms_norm_gated_op", lambda: (torch.randn(6, 20, requires_grad=True), torch.randn(6, 20, requires_grad=True),
                                                  torch.randn(20, requires_grad=True), 1e-6)),
         ("causal_conv", "_causal_conv1d_op", lambda: (torch.randn(2, 9, 12, requires_grad=True), torch.randn(12, 4, requires_grad=True),
@@ -271,18 +270,19 @@ def test_registered_lora_operators_match_the_autograd_nodes(kind, stacked):
     """Outputs and every grad of the registered operators (what torch.compile runs) against the eager nodes,
     with bases stacked in memory or not."""
     lora = importlib.import_module("fastplug.kernels.lora")
+    ops = importlib.import_module("fastplug.kernels.lora.ops")
     args = _lora_args(kind, stacked)
     x, tensors, present, scalings = args[:4]
-    params = lora._unpack(tensors, present)
+    params = ops._unpack(tensors, present)
     projs = [lora.LoRAProjection(*params[4 * i : 4 * i + 4], s) for i, s in enumerate(scalings)]
     if stacked:
         n = 2 if kind == "mlp" else 3
-        assert lora._stacked_in_memory(projs[:n], x.dtype) is not None
+        assert ops._stacked_in_memory(projs[:n], x.dtype) is not None
     torch.manual_seed(7)
     results = []
     for registered in (True, False):
         if registered:
-            outs = lora._projections_op(*args)[0] if kind == "qkv" else lora._mlp_op(*args)[0]
+            outs = ops._projections_op(*args)[0] if kind == "qkv" else ops._mlp_op(*args)[0]
         elif kind == "qkv":
             cos, sin, head_dim = args[4:]
             outs = torch.cat([y.reshape(10, -1) for y in lora.lora_qkv(x, *projs, rotary=(cos, sin, head_dim))], 1)
@@ -305,19 +305,19 @@ def test_registered_lora_operators_match_the_autograd_nodes(kind, stacked):
 def test_registered_lora_backward_operators_pass_opcheck(kind, stacked):
     """The backward operators' fake outputs match the real ones (shapes, dtypes, strides: Inductor checks the
     strides; the stacked adapters' grads are blocks of one buffer)."""
-    lora = importlib.import_module("fastplug.kernels.lora")
+    ops = importlib.import_module("fastplug.kernels.lora.ops")
     args = _lora_args(kind, stacked)
     x, tensors, present = args[:3]
-    needs = lora._op_needs(x, tensors)
+    needs = ops._op_needs(x, tensors)
     with torch.no_grad():
         if kind == "qkv":
-            y, xa = lora._projections_op(*args)
+            y, xa = ops._projections_op(*args)
             dy = torch.randn(y.shape)
-            op, op_args = lora._projections_backward_op, (dy, x.detach(), xa, *args[1:], needs)
+            op, op_args = ops._projections_backward_op, (dy, x.detach(), xa, *args[1:], needs)
         else:
-            y, gate_up, xa_gu, xa_down = lora._mlp_op(*args)
+            y, gate_up, xa_gu, xa_down = ops._mlp_op(*args)
             dy = torch.randn(y.shape)
-            op, op_args = lora._mlp_backward_op, (dy, x.detach(), gate_up, xa_gu, xa_down, *args[1:], needs)
+            op, op_args = ops._mlp_backward_op, (dy, x.detach(), gate_up, xa_gu, xa_down, *args[1:], needs)
         torch.library.opcheck(op, op_args)
         # opcheck does not compare strides; the fake implementation makes every grad contiguous
         assert all(g.is_contiguous() for g in op(*op_args))

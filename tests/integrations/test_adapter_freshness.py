@@ -13,6 +13,7 @@ import torch
 import fastplug
 from fastplug.bench.text import stdlib_bytes
 from fastplug.kernels import lora as lora_kernels
+from fastplug.kernels.lora import casts as lora_casts
 from tests.helpers import rel_err, train_losses
 from tests.models.tiny import tiny_model
 
@@ -62,7 +63,7 @@ def _stale_copies(model) -> list[str]:
     """Names of adapters whose cached compute-dtype copy differs from the parameter cast to that dtype."""
     stale = []
     for name, p in model.named_parameters():
-        entry = lora_kernels._CAST_CACHE.get(id(p))
+        entry = lora_casts._CAST_CACHE.get(id(p))
         if "lora_" in name and entry is not None and entry.ref() is p:
             if not torch.equal(entry.cast, p.detach().to(entry.dtype)):
                 stale.append(name)

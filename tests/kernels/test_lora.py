@@ -241,14 +241,14 @@ def test_stacked_adapters_are_not_served_to_parameters_that_reuse_dead_ids():
     """The stacked adapter matrices are cached by the adapters' ids until the next generation; outside a
     patched model no generation passes between calls, so a new block whose adapters reuse the ids of a dead
     one's (CPython reuses freed addresses) must not get the dead block's matrices (a failure seen in CI)."""
-    from fastplug.kernels import lora as lora_kernels
+    from fastplug.kernels.lora import casts
 
-    lora_kernels._STACKED_ADAPTERS.clear()
+    casts._STACKED_ADAPTERS.clear()
     old, _ = peft_block(torch.bfloat16, True, rank_pattern={"k_proj": 2, "v_proj": 6})
     enable_stacking(old)
     x = torch.randn(3, 7, HIDDEN)
     stacked_qkv(layers(old), x.bfloat16())
-    ((old_key, old_entry),) = lora_kernels._STACKED_ADAPTERS.items()
+    ((old_key, old_entry),) = casts._STACKED_ADAPTERS.items()
     model, ref = peft_block(torch.bfloat16, True, rank_pattern={"k_proj": 2, "v_proj": 6})
     enable_stacking(model)
     m = layers(model)
@@ -257,8 +257,8 @@ def test_stacked_adapters_are_not_served_to_parameters_that_reuse_dead_ids():
         for n in ("q_proj", "k_proj", "v_proj")
         for ab in "AB"
     )
-    lora_kernels._STACKED_ADAPTERS.clear()  # the dead block's entry under the new block's ids, same versions
-    lora_kernels._STACKED_ADAPTERS[(*new_ids, old_key[-1])] = old_entry
+    casts._STACKED_ADAPTERS.clear()  # the dead block's entry under the new block's ids, same versions
+    casts._STACKED_ADAPTERS[(*new_ids, old_key[-1])] = old_entry
     del old
     assert_matches_peft(model, ref, stacked_qkv, peft_qkv, x, [Q_OUT, KV_OUT, KV_OUT], torch.bfloat16)
 

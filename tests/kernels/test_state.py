@@ -5,9 +5,8 @@ import pytest
 import torch
 import torch.optim.optimizer as optim_hooks
 
-from fastplug.kernels import lora as lora_kernels
 from fastplug.kernels import lora_linear, rms_norm, state
-from fastplug.kernels.lora import LoRAProjection
+from fastplug.kernels.lora import LoRAProjection, casts
 
 
 def _fastplug_hooks() -> list:
@@ -51,7 +50,7 @@ def test_release_removes_hook_and_empties_caches():
     assert not _fastplug_hooks(), "a fastplug hook is left on torch.optim.Optimizer"
     assert not state.hook_installed()
     assert sum(state.cached_tensors().values()) == 0, state.cached_tensors()
-    assert not lora_kernels._CAST_CACHE and not lora_kernels._STACKED_ADAPTERS
+    assert not casts._CAST_CACHE and not casts._STACKED_ADAPTERS
     del params
 
 
@@ -60,9 +59,9 @@ def test_ref_counted_and_steps_invalidate():
     state.acquire()
     state.release()
     assert state.hook_installed() and state.holders() == 1, "one holder left: the hook stays"
-    generation, steps = lora_kernels._generation, state.optimizer_steps()
+    generation, steps = casts._generation, state.optimizer_steps()
     _fill_caches()  # one optimizer step
-    assert state.optimizer_steps() == steps + 1 and lora_kernels._generation > generation
+    assert state.optimizer_steps() == steps + 1 and casts._generation > generation
     state.release()
     assert not _fastplug_hooks() and sum(state.cached_tensors().values()) == 0
     with pytest.raises(RuntimeError, match="without a matching acquire"):

@@ -7,6 +7,7 @@ import torch
 
 import fastplug
 from fastplug.kernels import lora
+from fastplug.kernels.lora import casts as lora_casts
 from fastplug.models.structure import decoder_layers
 from fastplug.patch import layer_graphs
 from fastplug.patch.checkpointing import enable_native
@@ -71,13 +72,13 @@ def test_fused_lora_without_adapter_caches_computes_the_same():
     for cached in (True, False):
         model.zero_grad(set_to_none=True)
         lora.invalidate_adapter_casts()
-        lora._CAST_CACHE.clear()
+        lora_casts._CAST_CACHE.clear()
         if cached:
             loss = model(**ids).loss
         else:
             with lora.uncached_adapters():
                 loss = model(**ids).loss
-            assert not lora._CAST_CACHE and not lora._STACKED_ADAPTERS, "nothing cached while uncached"
+            assert not lora_casts._CAST_CACHE and not lora_casts._STACKED_ADAPTERS, "nothing cached while uncached"
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]))
     handle.restore()

@@ -18,9 +18,11 @@ from fastplug.bench.presets import ATTENTION_LORA, _gemma4_init
 from tests.helpers import assert_close, train_losses
 
 pytestmark = pytest.mark.gpu
-# Measured on an H100/H200 (torch 2.11, transformers 5.17): Gemma 4's capture (dense, MoE) fails in the backward
-# capture with "Trying to backward through the graph a second time"; its layers then run eagerly, as for any
-# capture that fails. Not yet traced to its cause.
+# Measured on 4 H200s (torch 2.11, transformers 5.17): Gemma 4's layers store their keys and values in the
+# shared_kv_states mapping whether or not a later layer reads them, and the capture refuses any store (it cannot
+# tell a dead store from a dependence between layers); with KV sharing the capture fails before that check, in the
+# backward ("Trying to backward through the graph a second time": the reader's graph reaches into the storing
+# layer's). Both run eagerly. Capturing them needs the capture to see which stored entries a layer reads.
 GEMMA4_CAPTURE = "Gemma 4's decoder layers do not capture yet"
 
 

@@ -100,6 +100,31 @@ def test_trainer_losses_match_and_model_is_restored(tmp_path):
     assert not checkpointing_on(model), "the checkpointing FastKernels turned on is turned off again"
 
 
+class _ReenableCheckpointing(TrainerCallback):
+    """Turns plain checkpointing on again on every layer after each step, as TRL's DPO does around its reference
+    passes, and records at each step's begin (after FastKernels' own step-begin) which layers are checkpointed."""
+
+    def __init__(self):
+        self.at_step_begin = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.at_step_begin.append([layer.gradient_checkpointing for layer in checkpointing.decoder_layers(model)])
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        assert all(layer.gradient_checkpointing for layer in checkpointing.decoder_layers(model))
+
+
+def test_trainer_puts_the_checkpointing_mode_back_after_something_reenables_it(tmp_path):
+    """Each step begins with the options' mode on the layers (the last one unchecked), whatever turned plain
+    checkpointing on every layer in between."""
+    reenable = _ReenableCheckpointing()
+    model = tiny_model("llama")
+    _run(tmp_path, [FastKernels(), reenable], model=model, args=_args(tmp_path, max_steps=3))
+    assert reenable.at_step_begin == [[True, False]] * 3
+    assert not checkpointing_on(model)
+
+
 def test_trainer_auto_checkpointing_plans_the_layers_and_is_undone(tmp_path):
     """FastKernels(gradient_checkpointing="auto") runs AutoCheckpointing on the layers the Trainer turned
     checkpointing on for (on CPU: every layer but the last stays checkpointed), reports the count in the

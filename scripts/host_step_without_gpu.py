@@ -11,7 +11,12 @@ Each tree is put first on PYTHONPATH in its own process (so `.before` can be `gi
 is a bench e2e preset (`--model`, default llama: Llama-1B) with its full layer stack (count, layer types) at the
 preset's tiny widths, LoRA r=16 on the preset's targets, fused AdamW as the Trainer's default, in fp32 (a CPU's
 bf16 matmuls would swamp the host's work), since the host's work per step depends on the number of ops, not their
-size or dtype. `--top N` prints the N functions with the most host time of one step (cProfile). The first step
+size or dtype. `--top N` prints the N functions with the most host time of one step (cProfile).
+
+`--lengths 64-700` asks what a new batch length costs the host: each timed step takes two rows of a random length
+in that range, the second right-padded (the collator's dynamic padding, its pads' labels ignored). The table then
+gives the median host ms of the steps that compiled nothing and the number of Triton compiles the new lengths
+caused (a new integer specialisation of a kernel: about a second each on a GPU host, the first time). The first step
 compiles the kernels (cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python
 function calls per step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the
 machine is busy (CPU matmuls run for real).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -47,7 +53,25 @@ def _stand_in_h100() -> dict:
     return launches
 
 
-def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> dict:
+def _count_compiles() -> list:
+    """A one-element list counting Triton compiles from now on: JITFunction's in-memory cache misses (`_do_compile`,
+    Triton 3.4 on), else calls of `triton.compiler.compile`."""
+    import triton.compiler
+    from triton.runtime.jit import JITFunction
+
+    count = [0]
+    owner, name = (JITFunction, "_do_compile") if hasattr(JITFunction, "_do_compile") else (triton.compiler, "compile")
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, counted)
+    return count
+
+
+def measure(steps: int, model_name: str, layers: int | None, top: int = 0, lengths: str = "") -> dict:
     import cProfile
     import inspect
     import pstats
@@ -90,10 +114,13 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> di
     fastplug.patch_model(model, **options)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    ids = torch.randint(0, config.vocab_size, (2, 64))
+    rng = random.Random(0)
 
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
+    def step(length: int = 64, pads: int = 0):
+        ids = torch.randint(0, config.vocab_size, (2, length))
+        mask, labels = torch.ones_like(ids), ids.clone()
+        mask[1, length - pads :], labels[1, length - pads :] = 0, -100
+        loss = model(input_ids=ids, attention_mask=mask if pads else None, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -101,11 +128,14 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> di
     step()  # compiles
     step()
     launches.clear()
-    times = []
+    compiles = _count_compiles()
+    lo, hi = map(int, lengths.split("-")) if lengths else (64, 64)
+    times, compiled = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        length = rng.randint(lo, hi)
+        before, start = compiles[0], time.perf_counter()
+        step(length, rng.randint(1, length // 2) if lengths else 0)
+        (compiled if compiles[0] > before else times).append(time.perf_counter() - start)
     launched = sum(launches.values()) / steps
     profiler = cProfile.Profile()
     profiler.enable()
@@ -114,7 +144,14 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0) -> di
     calls = pstats.Stats(profiler).total_calls
     if top:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(top)
-    return {"host_ms": statistics.median(times) * 1e3, "calls": calls, "launches": launched}
+    result = {
+        "host_ms": statistics.median(times) * 1e3 if times else float("nan"),
+        "calls": calls,
+        "launches": launched,
+    }
+    if lengths:
+        result.update(compiles=compiles[0], compile_steps=len(compiled))
+    return result
 
 
 def main() -> int:
@@ -125,10 +162,11 @@ def main() -> int:
     parser.add_argument("--model", default="llama", help="a bench e2e preset (llama, gemma4, gemma4_moe, ...)")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's full count)")
     parser.add_argument("--top", type=int, default=0, help="print the N functions with the most host time")
+    parser.add_argument("--lengths", default="", help="MIN-MAX: random batch lengths, right-padded (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.steps, args.model, args.layers, args.top)))
+        print(json.dumps(measure(args.steps, args.model, args.layers, args.top, args.lengths)))
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
@@ -139,6 +177,7 @@ def main() -> int:
             command = [sys.executable, __file__, "--worker", "--steps", str(args.steps), "--model", args.model]
             command += ["--layers", str(args.layers)] if args.layers else []
             command += ["--top", str(args.top)] if args.top and round_ == 0 else []
+            command += ["--lengths", args.lengths] if args.lengths else []
             out = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
             if out.returncode:
                 sys.exit(f"{tree}: worker failed\n{out.stderr[-3000:]}")
@@ -147,12 +186,15 @@ def main() -> int:
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[tree].append(result)
             print(f"round {round_}  {tree:<12} host {result['host_ms']:.1f} ms", flush=True)
-    print("\n| tree | host ms per step (median of rounds; each round's) | Python calls per step | Triton launches |")
-    print("|---|---|---|---|")
+    varlen = " | steps that compiled | Triton compiles" if args.lengths else ""
+    header = "host ms per step (median of rounds; each round's) | Python calls per step | Triton launches"
+    print(f"\n| tree | {header}{varlen} |")
+    print("|---|---|---|---|" + ("---|---|" if args.lengths else ""))
     for tree, rows in results.items():
         each = " ".join(f"{r['host_ms']:.1f}" for r in rows)
         median = statistics.median(r["host_ms"] for r in rows)
-        print(f"| {tree} | {median:.1f} ({each}) | {rows[-1]['calls']} | {rows[-1]['launches']:.0f} |")
+        extra = f" | {rows[0]['compile_steps']} of {args.steps} | {rows[0]['compiles']}" if args.lengths else ""
+        print(f"| {tree} | {median:.1f} ({each}) | {rows[-1]['calls']} | {rows[-1]['launches']:.0f}{extra} |")
     return 0
 
 

@@ -523,10 +523,26 @@ def _check_inputs(x, weight, bias, eps):
         raise ValueError(f"eps must be a finite number > 0; got {eps!r}")
 
 
-# The public functions first test their inputs in one expression of attribute reads and comparisons, no Python
-# call (the norms run up to three times per layer and step, and the host bounds small-batch steps): a test
-# stricter than the checks (eps a float, not any number), never looser. Where it fails, the checks run and
-# raise their clear errors; where they pass (an int eps, say), so does the call.
+# The public functions first test their inputs in one expression of attribute reads and comparisons (one call,
+# `_plainly_valid`, instead of the checks' dozen: the norms run up to three times per layer and step, and the
+# host bounds small-batch steps): a test stricter than the checks (eps a float, not any number), never looser.
+# Where it fails, the checks run and raise their clear errors; where they pass (an int eps, say), so does the call.
+
+
+def _plainly_valid(x, weight, eps) -> bool:
+    """What every norm asks of x, its weight (or None) and eps, as `_check_inputs` would pass them."""
+    return (
+        isinstance(x, torch.Tensor)
+        and x.dtype in SUPPORTED_DTYPES
+        and x.ndim > 0
+        and x.shape[-1] > 0
+        and (
+            weight is None
+            or (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
+        )
+        and type(eps) is float
+        and 0.0 < eps < math.inf
+    )
 
 
 def _check_rms_norm_inputs(x, weight, eps, offset, scale_in_fp32):
@@ -715,18 +731,9 @@ def rms_norm(
     x_norm * (offset + w) in fp32, then cast to x's dtype; scale_in_fp32=True takes that form at offset 0
     too (Gemma 4's RMSNorm: x_norm * w in fp32). weight None: no scaling.
     """
-    if not (  # `_check_rms_norm_inputs` without a call where the inputs are good (see above it)
-        isinstance(x, torch.Tensor)
-        and x.dtype in SUPPORTED_DTYPES
-        and x.ndim
-        and x.shape[-1]
-        and (
-            offset == 0.0
-            if weight is None
-            else (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
-        )
-        and type(eps) is float
-        and 0.0 < eps < math.inf
+    if not (  # `_check_rms_norm_inputs` where the inputs are not plainly good (see above `_plainly_valid`)
+        _plainly_valid(x, weight, eps)
+        and (weight is not None or offset == 0.0)
         and (scale_in_fp32 is False or scale_in_fp32 is True)
     ):
         _check_rms_norm_inputs(x, weight, eps, offset, scale_in_fp32)
@@ -741,20 +748,11 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float = 1e-5
 ) -> torch.Tensor:
     """LayerNorm over the last dim of x, statistics in fp32, result in x's dtype (like nn.LayerNorm)."""
-    if not (  # `_check_inputs` without a call where the inputs are good (see above `_check_rms_norm_inputs`)
-        isinstance(x, torch.Tensor)
-        and x.dtype in SUPPORTED_DTYPES
-        and x.ndim
-        and x.shape[-1]
-        and (
-            weight is None
-            or (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
-        )
+    if not (  # `_check_inputs` where the inputs are not plainly good (see above `_plainly_valid`)
+        _plainly_valid(x, weight, eps)
         and (
             bias is None or (bias.dtype in SUPPORTED_DTYPES and bias.shape == x.shape[-1:] and bias.device == x.device)
         )
-        and type(eps) is float
-        and 0.0 < eps < math.inf
     ):
         _check_inputs(x, weight, bias, eps)
     if x.numel() == 0 or not use_triton(x, weight, bias):
@@ -768,17 +766,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | N
     """The gated RMSNorm of Gated DeltaNet layers (transformers' Qwen3_5RMSNormGated, Qwen3NextRMSNormGated):
     Llama's RMSNorm of x (normalised in fp32, rounded to x's dtype, times weight) times silu(gate) in fp32,
     the result in x's dtype. gate has x's shape (any float dtype)."""
-    if not (  # `_check_gated_inputs` without a call where the inputs are good (see above `_check_rms_norm_inputs`)
-        isinstance(x, torch.Tensor)
-        and x.dtype in SUPPORTED_DTYPES
-        and x.ndim
-        and x.shape[-1]
-        and (
-            weight is None
-            or (weight.dtype in SUPPORTED_DTYPES and weight.shape == x.shape[-1:] and weight.device == x.device)
-        )
-        and type(eps) is float
-        and 0.0 < eps < math.inf
+    if not (  # `_check_gated_inputs` where the inputs are not plainly good (see above `_plainly_valid`)
+        _plainly_valid(x, weight, eps)
         and isinstance(gate, torch.Tensor)
         and gate.dtype in SUPPORTED_DTYPES
         and gate.shape == x.shape

@@ -36,10 +36,16 @@ class KernelOptions:
     # Replay each decoder layer's forward and backward as CUDA graphs once a batch shape repeats (training,
     # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
     # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/patch/layer_graphs.py).
-    cuda_graphs: bool = False
+    # None (the default): on for a model on a CUDA device, and a shape is captured only while what the graphs
+    # keep stays within graphs_memory; True: every shape up to the limit of captured shapes; False: off.
+    cuda_graphs: bool | None = None
+    # cuda_graphs=None: the most memory the captured graphs may keep, as a fraction of the peak memory allocated
+    # before the first capture (the eager steps' peak: weights, optimizer state and activations).
+    graphs_memory: float = 0.5
     # Training batches padded on the right (the collator's dynamic padding) run without a mask, and their rows
     # are padded on to one of a few lengths (four per doubling) so that captured graphs serve every batch; the
-    # pads' labels are ignored, so losses and gradients are unchanged (models/padding.py). None: with cuda_graphs.
+    # pads' labels are ignored, so losses and gradients are unchanged (models/padding.py). None: with the graphs
+    # (on where they are installed).
     bucket_lengths: bool | None = None
     # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
     # blocks, the bf16 copies freed from the GPU) and run on the FP8 GEMM; layers already in FP8 (transformers'
@@ -78,13 +84,27 @@ class KernelOptions:
             or not (0 < self.memory_budget <= 1)
         ):
             raise ValueError(f"memory_budget must be a fraction in (0, 1]; got {self.memory_budget!r}")
+        if (
+            isinstance(self.graphs_memory, bool)
+            or not isinstance(self.graphs_memory, (int, float))
+            or not self.graphs_memory > 0
+        ):
+            raise ValueError(
+                f"graphs_memory must be a positive fraction of the peak memory; got {self.graphs_memory!r}"
+            )
         if self.gradient_checkpointing not in (True, False, "offload", "auto"):
             raise ValueError(
                 f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"
             )
 
     def buckets_on(self) -> bool:
-        return self.cuda_graphs if self.bucket_lengths is None else self.bucket_lengths
+        """Whether training rows are padded on to bucket lengths; cuda_graphs=None must be resolved first (the
+        patch decides it: PatchHandle.options)."""
+        if self.bucket_lengths is not None:
+            return self.bucket_lengths
+        if self.cuda_graphs is None:
+            raise ValueError("buckets_on() needs cuda_graphs resolved to True or False")
+        return self.cuda_graphs
 
     def scoped_to_run(self) -> "KernelOptions":
         """These options as a trainer adapter applies them: its patch lasts one run, so freeze_gc and

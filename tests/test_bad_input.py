@@ -61,8 +61,16 @@ OPTIONAL_BOOL_OPTIONS = [f.name for f in dataclasses.fields(KernelOptions) if f.
 
 
 def test_every_switch_is_checked():
-    assert {"rope", "rms_norm", "cross_entropy", "fp8", "fp8_keep_original", "cuda_graphs"} <= set(BOOL_OPTIONS)
-    assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc", "bucket_lengths"}
+    assert {"rope", "rms_norm", "cross_entropy", "fp8", "fp8_keep_original"} <= set(BOOL_OPTIONS)
+    assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc", "bucket_lengths", "cuda_graphs"}
+
+
+@pytest.mark.parametrize("value", [0, -0.5, True, "half", None])
+def test_graphs_memory_must_be_a_positive_fraction(value):
+    with pytest.raises(
+        ValueError, match=f"graphs_memory must be a positive fraction of the peak memory; got {value!r}"
+    ):
+        KernelOptions(graphs_memory=value)
 
 
 @pytest.mark.parametrize("name", BOOL_OPTIONS + OPTIONAL_BOOL_OPTIONS)

@@ -26,14 +26,16 @@ import time
 from ._report import fmt, grouped_bar_plot, markdown_table, short_error, write_csv
 from .presets import ALL_LINEAR_LORA, MODELS  # noqa: F401 (scripts/fp8_gpu.py reads e2e.ALL_LINEAR_LORA)
 
-# _auto: gradient_checkpointing="auto"; _compile: patched, then torch.compile (what
-# TrainingArguments(torch_compile=True) does); _graphs: cuda_graphs=True (the decoder layers replayed as CUDA graphs)
+# fastplug: the defaults (CUDA graphs within their memory cap); _eager: cuda_graphs=False; _auto:
+# gradient_checkpointing="auto"; _compile: patched, then torch.compile (what TrainingArguments(torch_compile=True)
+# does); _graphs: cuda_graphs=True (every shape up to the limit, no memory cap)
 IMPLS = (
     "transformers",
     "transformers_fla",
     "compile",
     "liger",
     "fastplug",
+    "fastplug_eager",
     "fastplug_auto",
     "fastplug_compile",
     "fastplug_auto_compile",
@@ -135,7 +137,7 @@ def apply_impl(model, impl: str, checkpointing, options: dict | None = None):
                 "gradient_checkpointing": mode,
                 "freeze_gc": True,
                 "stack_projections": True,
-                "cuda_graphs": "_graphs" in impl,
+                "cuda_graphs": True if "_graphs" in impl else False if impl.endswith("_eager") else None,
                 **(options or {}),
             },
         )

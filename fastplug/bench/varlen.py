@@ -6,8 +6,10 @@ log-uniformly from --min-len to --max-len tokens, tokenised by a byte-level BPE 
 the preset's targets, non-reentrant checkpointing, the Trainer's default optimizer, fused AdamW):
   trainer                 transformers.Trainer, DataCollatorForLanguageModeling (pads each batch to its longest row)
   trainer_liger           the same with use_liger_kernel=True
-  trainer_fastkernels     the same with callbacks=[FastKernels()] (the defaults)
-  trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (rows padded on to a few lengths)
+  trainer_fastkernels     the same with callbacks=[FastKernels()] (the defaults: CUDA graphs within their
+                          memory cap, rows padded on to a few lengths)
+  trainer_fastkernels_eager    FastKernels(cuda_graphs=False) (no graphs, no buckets)
+  trainer_fastkernels_graphs   FastKernels(cuda_graphs=True) (graphs without a memory cap)
   sft, fast_sft            trl.SFTTrainer / FastSFTTrainer, its collator padding each batch to its longest row
   sft_packed, fast_sft_packed  the same with packing=True (padding-free rows)
   lightning               a Lightning fit of a LightningModule around the same model, on the same documents and
@@ -35,6 +37,7 @@ RUNS = (
     "trainer",
     "trainer_liger",
     "trainer_fastkernels",
+    "trainer_fastkernels_eager",
     "trainer_fastkernels_graphs",
     "sft",
     "fast_sft",
@@ -46,6 +49,7 @@ RUNS = (
 BASELINE = {
     "trainer_liger": "trainer",
     "trainer_fastkernels": "trainer",
+    "trainer_fastkernels_eager": "trainer",
     "trainer_fastkernels_graphs": "trainer",
     "fast_sft": "sft",
     "fast_sft_packed": "sft_packed",
@@ -247,7 +251,8 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
     if "fastkernels" in run:
         from ..integrations.hf_trainer import FastKernels
 
-        callbacks.append(FastKernels(cuda_graphs=run.endswith("_graphs")))
+        graphs = True if run.endswith("_graphs") else False if run.endswith("_eager") else None
+        callbacks.append(FastKernels(cuda_graphs=graphs))
     args = _training_args(spec, device, run)
     args["max_steps"] += PROFILED_STEPS
     trainer = Trainer(
@@ -259,7 +264,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
     )
     _train(trainer, meter.timer)
     note = _counts_note([callbacks[-1].handle]) if "fastkernels" in run else ""
-    if run.endswith("_graphs") and callbacks[-1].handle is not None and callbacks[-1].handle.graphs is not None:
+    if "fastkernels" in run and callbacks[-1].handle is not None and callbacks[-1].handle.graphs is not None:
         note += f"; {callbacks[-1].handle.graphs}"
     return meter.result(note)
 

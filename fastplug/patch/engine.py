@@ -9,6 +9,7 @@ already replaced on the instance by someone else (TRL's fused LM head, accelerat
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
 from collections import Counter
@@ -72,11 +73,18 @@ class PatchHandle:
 
     def __init__(self, model: nn.Module, options: KernelOptions):
         self.model = model
-        self.options = options
         self.family = family_of(model)
         # derived once: the rules, the self-check, checkpointing and the graphs all take these
         self.decoder = decoder_stack(model)
         self.layers = decoder_layers(model)
+        # cuda_graphs=None resolved here, before the rules run (bucketed lengths go with the graphs), so that these
+        # options say what runs; the memory cap is the default's only
+        wanted = options.cuda_graphs
+        self.graphs_off = None if wanted is False else layer_graphs.why_not(self.layers, placed=wanted is None)
+        self.graphs_memory = options.graphs_memory if options.cuda_graphs is None else None
+        if options.cuda_graphs is None:
+            options = dataclasses.replace(options, cuda_graphs=self.graphs_off is None)
+        self.options = options
         self.counts: dict[str, int] = {}
         self.skipped: list[tuple[str, str]] = []
         self.checkpointing: str | None = None
@@ -178,14 +186,14 @@ class PatchHandle:
         self.checkpointing = checkpointing.enable(self.model, mode, self.options.memory_budget)
 
     def _install_graphs(self) -> None:
+        if self.graphs_off is not None:
+            if self.graphs_memory is None:  # asked for (cuda_graphs=True), and cannot be: the user hears why
+                self.skipped.append(("cuda_graphs", self.graphs_off))
+            return
         if not self.options.cuda_graphs:
             return
-        installed = layer_graphs.install(self.layers)
-        if isinstance(installed, str):
-            self.skipped.append(("cuda_graphs", installed))
-        else:
-            self.graphs = installed
-            self._undo.append(installed.remove)
+        self.graphs = layer_graphs.LayerGraphs(self.layers, memory_cap=self.graphs_memory)
+        self._undo.append(self.graphs.remove)
 
     # -- undoing
     def restore(self) -> None:
@@ -224,6 +232,8 @@ class PatchHandle:
             lines.append(f"  fp8: {self.fp8}")
         if self.graphs is not None:
             lines.append(f"  {self.graphs}")
+        elif self.graphs_off is not None:
+            lines.append(f"  CUDA graphs of the decoder layers: off ({self.graphs_off})")
         paths = batch_paths(self.model)
         if paths:
             lines.append(f"  padded training batches (models/padding.py): {paths}")

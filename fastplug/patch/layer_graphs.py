@@ -16,16 +16,19 @@ second time, every layer of the stack is captured with it, sharing one memory po
   replay copies its own inputs in when the buffers hold another's (the rotary tables and masks of another layer
   type, another layer's per-layer input), in the forward and again before the backward, which reads them (its
   recompute, or tensors the forward saved). An empty mapping argument (Gemma 4's store of shared keys and
-  values, where no layer shares them) is taken as a constant; a capture that fills it fails (the layers would
-  depend on each other beyond the hidden states).
+  values) is taken as a constant: each layer's capture stores into a private one, and a layer that reads what
+  another stored (KV sharing) fails the capture (the layers depend on each other beyond the hidden states).
 - fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
   the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
   copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
+Memory: by default (`cuda_graphs=None`) a shape is captured only while the graphs' predicted keep stays within
+`graphs_memory` times the peak allocated before the first capture; `cuda_graphs=True` has no cap.
 Eager instead (the same numbers, the usual speed): inference or no grad, packed rows
 (the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
-fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures`, a layer whose
+fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures` or beyond the
+memory cap, a layer whose
 previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
 warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, peft adapters
 disabled, switched or merged, hooks or modules added since the capture (`_Fixed`): the graphs are dropped and
@@ -62,26 +65,34 @@ _SCALARS = (bool, int, float, str, type(None), torch.dtype)
 _FUNC, _MISSING = "_gradient_checkpointing_func", object()
 
 
-def install(layers: list[nn.Module], max_signatures: int = 4) -> "LayerGraphs | str":
-    """Route `layers` (a decoder stack's, in call order) through CUDA graphs; returns the LayerGraphs (its
-    `remove()` undoes it), or the reason none were installed."""
+def why_not(layers: list[nn.Module], placed: bool) -> str | None:
+    """Why `layers` (a decoder stack's, in call order) cannot run through CUDA graphs; None: they can. placed:
+    the layers must be on a CUDA device already (the default's test; asked for, the graphs wait for a move)."""
     if not layers:
         return "no decoder layers"
     if not torch.cuda.is_available():
         return "needs a CUDA device"
+    if placed and not any(p.is_cuda for layer in layers for p in layer.parameters()):
+        return "the model is not on a CUDA device"
     if any(isinstance(m, nn.Dropout) and m.p > 0 for layer in layers for m in layer.modules()) or any(
         getattr(getattr(layer, "self_attn", None), "attention_dropout", 0) for layer in layers
     ):
         return "dropout in the layers (random numbers inside graphs are not supported here)"
-    return LayerGraphs(layers, max_signatures)
+    return None
 
 
 class LayerGraphs:
     """The graphs of one decoder stack, per call signature."""
 
-    def __init__(self, layers: list[nn.Module], max_signatures: int):
+    def __init__(self, layers: list[nn.Module], max_signatures: int = 4, memory_cap: float | None = None):
         self.layers = layers
         self.max_signatures = max_signatures
+        # memory_cap: what the graphs may keep, as a fraction of the peak allocated before the first capture (None:
+        # no cap). Before each capture its cost is predicted from the earlier ones' bytes per hidden-state element.
+        self.memory_cap = memory_cap
+        self._cap_bytes: int | None = None
+        self.kept = 0  # bytes the captures added to the device's reserved memory
+        self._bytes_per_element = 0.0
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         self.seen: set[tuple] = set()
         self.replays = 0
@@ -108,9 +119,11 @@ class LayerGraphs:
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
         paths = "; ".join(f"{why}: {n}" for why, n in self.eager.most_common())
+        cap = f" of at most {self._cap_bytes / 2**30:.2f}" if self._cap_bytes is not None else ""
         return (
             f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
             + (f", {failed} failed (eager)" if failed else "")
+            + (f", keeping {self.kept / 2**30:.2f}{cap} GiB" if self.sets else "")
             + f", {self.replays} layer calls replayed"
             + (f"; forwards by path: {paths}" if paths else "")
         )
@@ -165,6 +178,8 @@ class LayerGraphs:
                 return f"a batch shape beyond the first {self.max_signatures} captured"
             if not self._capturable():
                 return "checkpointing other than plain, or hooks inside the layers"
+            if not self._fits(tensors[0]):
+                return "a batch shape beyond the graphs' memory cap (graphs_memory)"
             if not self.sets:
                 self._fixed.close()
                 self._fixed = _Fixed(self.layers)
@@ -191,7 +206,25 @@ class LayerGraphs:
         return True
 
     # -- capture
+    def _fits(self, hidden: torch.Tensor) -> bool:
+        """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap; the first
+        capture always goes ahead (there is nothing yet to predict its cost from)."""
+        if self.memory_cap is None:
+            return True
+        if self._cap_bytes is None:
+            self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(hidden.device))
+        return not self.sets or self.kept + self._bytes_per_element * hidden.numel() <= self._cap_bytes
+
     def _capture(self, leaves: list, spec, tensors: list[torch.Tensor]):
+        device = tensors[0].device
+        reserved = torch.cuda.memory_reserved(device)
+        graphs = self._capture_graphs(leaves, spec, tensors)
+        added = max(torch.cuda.memory_reserved(device) - reserved, 0)
+        self.kept += added
+        self._bytes_per_element = max(self._bytes_per_element, added / tensors[0].numel())
+        return graphs
+
+    def _capture_graphs(self, leaves: list, spec, tensors: list[torch.Tensor]):
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
@@ -214,11 +247,6 @@ class LayerGraphs:
                 grad = buffers[len(graphs) % 2]
                 for index in reversed(range(len(graphs))):
                     grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
-            if any(isinstance(leaf, Mapping) and leaf for leaf in leaves):
-                raise RuntimeError(
-                    "a layer stored tensors in a mapping argument for later layers (shared keys and values): "
-                    "the layers depend on each other beyond the hidden states"
-                )
         except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
             warnings.warn(
                 f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
@@ -255,7 +283,11 @@ class _LayerGraph:
     def _call(self, tensors):
         it = iter(tensors)
         args, kwargs = pytree.tree_unflatten(
-            [next(it) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves], self.spec
+            [
+                next(it) if isinstance(leaf, torch.Tensor) else _store_only(leaf) if isinstance(leaf, Mapping) else leaf
+                for leaf in self.leaves
+            ],
+            self.spec,
         )
         return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
 
@@ -428,6 +460,28 @@ def _remove_handles(handles: list) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
+_STORE_ONLY: dict[type, type] = {}
+
+
+def _store_only(mapping: Mapping) -> Mapping:
+    """A fresh empty mapping of `mapping`'s type for one layer's warm-up or capture (Gemma 4's store of shared
+    keys and values, passed empty to every layer). The layer may store into it: a replay repeats no store, and
+    the caller's mapping stays empty, as the eager path leaves it for layers that nobody reads from. A read
+    raises: then a layer depends on what another stored, and the capture fails (that shape stays eager)."""
+    cls = _STORE_ONLY.get(type(mapping))
+    if cls is None:
+
+        def read(self, *args, **kwargs):
+            raise RuntimeError(
+                "a layer read what another stored in a mapping argument (shared keys and values): "
+                "the layers depend on each other beyond the hidden states"
+            )
+
+        reads = {name: read for name in ("__getitem__", "get", "__contains__", "keys", "values", "items", "__iter__")}
+        cls = _STORE_ONLY[type(mapping)] = type(f"StoreOnly{type(mapping).__name__}", (type(mapping),), reads)
+    return cls()
+
+
 def _graphed_subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:

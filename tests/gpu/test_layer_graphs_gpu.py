@@ -18,12 +18,6 @@ from fastplug.bench.presets import ATTENTION_LORA, _gemma4_init
 from tests.helpers import assert_close, train_losses
 
 pytestmark = pytest.mark.gpu
-# Measured on 4 H200s (torch 2.11, transformers 5.17): Gemma 4's layers store their keys and values in the
-# shared_kv_states mapping whether or not a later layer reads them, and the capture refuses any store (it cannot
-# tell a dead store from a dependence between layers); with KV sharing the capture fails before that check, in the
-# backward ("Trying to backward through the graph a second time": the reader's graph reaches into the storing
-# layer's). Both run eagerly. Capturing them needs the capture to see which stored entries a layer reads.
-GEMMA4_CAPTURE = "Gemma 4's decoder layers do not capture yet"
 
 
 def _model(family: str, seed: int = 0):
@@ -75,8 +69,9 @@ def _adapters(model):
 )  # fmt: skip
 def test_graphed_layers_train_like_eager(family, checkpointing):
     """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
-    dequantized dX elsewhere; the transposed-weight buffer inside the graphs). Gemma 4's layers do not capture
-    yet (below): there the test checks the eager fallback's numbers and warning, then xfails."""
+    dequantized dX elsewhere; the transposed-weight buffer inside the graphs). Gemma 4's layers store their keys
+    and values in a mapping argument whether or not a later layer reads them: dead stores capture; KV sharing
+    (a layer reads another's) fails the capture and runs eagerly with the same numbers, and says so."""
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1000, (2, 256), generator=gen).cuda() for _ in range(12)]
     results, summary, failed = {}, "", []
@@ -101,11 +96,10 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     for name, want in eager_params.items():
         assert_close(graph_params[name], want, torch.bfloat16, name)
-    if family.startswith("gemma4") and failed:  # eager, with the same numbers, and said
+    if family == "gemma4_kv_shared":  # refused by design: the layers depend on each other
+        assert failed and "read what another stored" in failed[0], failed
         assert replays == 0 and "1 failed (eager)" in summary, summary
-        if family == "gemma4_kv_shared":  # refused by design: the layers depend on each other
-            return
-        pytest.xfail(f"{GEMMA4_CAPTURE}: {failed[0]}")
+        return
     assert not failed, failed
     assert replays >= 8 * 4, summary  # steps 3..12 of 4 layers replayed
     assert "1 call signature(s) captured" in summary
@@ -147,3 +141,30 @@ def test_disabled_adapters_after_capture_are_seen():
         want = model(input_ids=ids, labels=ids).loss
     assert_close(without.detach(), want, torch.bfloat16, "loss with adapters disabled")
     assert (with_adapters - without).abs().item() > 1e-4, "the adapters change the loss (else nothing is tested)"
+
+
+def test_default_graphs_capture_within_their_memory_cap():
+    """cuda_graphs=None (the default) installs the graphs on a CUDA model; a shape whose predicted keep would pass
+    graphs_memory runs eagerly and says why, with the numbers of cuda_graphs=False."""
+    gen = torch.Generator().manual_seed(6)
+    batches = [torch.randint(0, 1000, (2, n), generator=gen).cuda() for n in (128, 256, 512) for _ in range(3)]
+    results = {}
+    for options in (dict(cuda_graphs=False), dict(graphs_memory=1e-9), {}):
+        model = _model("llama")
+        handle = fastplug.patch_model(model, **options)
+        results[str(options)] = train_losses(model, model, batches, fused=True)
+        graphs, summary = handle.graphs, handle.summary()
+        handle.restore()
+        if options.get("cuda_graphs") is False:
+            assert graphs is None
+            continue
+        assert graphs is not None and graphs.memory_cap == options.get("graphs_memory", 0.5), summary
+        captured = int(summary.split(" call signature(s) captured")[0].rsplit(" ", 1)[1])
+        if options:  # the first shape always; the next two beyond the cap
+            assert captured == 1 and graphs.eager["a batch shape beyond the graphs' memory cap (graphs_memory)"] == 2
+        else:  # half the peak: at least the first shape (always captured), the others as their size allows
+            assert captured >= 1 and graphs.replays > 0, summary
+        assert graphs.kept > 0 and "keeping" in summary, summary
+    want = torch.tensor(results[str(dict(cuda_graphs=False))])
+    for key, losses in results.items():
+        torch.testing.assert_close(torch.tensor(losses), want, rtol=2e-3, atol=2e-3, msg=key)

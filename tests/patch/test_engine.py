@@ -59,7 +59,7 @@ def test_summary_says_what_runs_on_the_models_device(monkeypatch, interpret, run
         with patch_model(tiny_model(family), gradient_checkpointing=False, self_check=False) as handle:
             text = handle.summary()
             paths = dict(handle.paths)
-        assert "CUDA" not in text
+        assert "on CUDA" not in text and "cuda" not in text
         attention = [taken for path, taken in paths.items() if path.endswith("self_attn")]
         assert len(attention) == 2 and all(f"flash attention on cpu: {runs}" in taken for taken in attention)
     experts = [taken for path, taken in paths.items() if path.endswith("experts")]
@@ -138,7 +138,8 @@ def test_options_may_be_a_dict():
     """options= as a dict works as the keywords do: the same checks, and each key counts as set by the caller."""
     model = tiny_model("llama")
     handle = patch_model(model, options={"rope": False, "gradient_checkpointing": False})
-    assert handle.options == KernelOptions(rope=False, gradient_checkpointing=False)
+    # cuda_graphs=None resolved by the patch: no graphs off the GPU
+    assert handle.options == KernelOptions(rope=False, gradient_checkpointing=False, cuda_graphs=False)
     assert patch_model(model, options={"rope": False}) is handle
     with pytest.raises(ValueError, match=r"other options: rope=True \(patched with False\)"):
         patch_model(model, options={"rope": True})  # a default, but named: set by the caller

@@ -119,3 +119,58 @@ def test_what_the_graphs_take_as_fixed_sees_adapter_switches_hooks_freezing_and_
     fixed.close()
     del fixed
     assert len(torch_module._global_module_registration_hooks) == registered, "process-wide hooks removed"
+
+
+def test_default_resolves_off_the_gpu_quietly():
+    """cuda_graphs=None: off on a CPU model without a warning entry (the user asked for nothing); the handle's
+    options say what runs (no graphs, so no bucketed lengths) and the summary says why."""
+    handle = fastplug.patch_model(tiny_model("llama"), gradient_checkpointing=False)
+    try:
+        assert handle.graphs is None and handle.options.cuda_graphs is False
+        assert not handle.options.buckets_on()
+        assert not any(path == "cuda_graphs" for path, _ in handle.skipped)
+        assert "CUDA graphs of the decoder layers: off (needs a CUDA device)" in handle.summary()
+    finally:
+        handle.restore()
+
+
+def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch):
+    """A shape is captured only while what the graphs keep plus its predicted share (the largest bytes per
+    hidden-state element measured so far) stays within the cap; the first always is; no cap, no limit."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    layers = decoder_layers(tiny_model("llama"))
+    capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    try:
+        hidden = torch.empty(100)
+        assert capped._fits(hidden), "the first capture has nothing to be predicted from"
+        capped.sets[("first",)] = []
+        capped.kept, capped._bytes_per_element = 300, 2.0
+        assert capped._fits(torch.empty(100))  # 300 + 200 <= 500
+        assert not capped._fits(torch.empty(101))  # 300 + 202 > 500
+    finally:
+        capped.remove()
+    uncapped = layer_graphs.LayerGraphs(layers)
+    try:
+        uncapped.sets[("first",)] = []
+        uncapped.kept, uncapped._bytes_per_element = 10**12, 2.0
+        assert uncapped._fits(torch.empty(10**6))
+    finally:
+        uncapped.remove()
+
+
+def test_store_only_mapping_keeps_the_type_takes_stores_and_refuses_reads():
+    """What each layer's capture gets for an empty mapping argument (Gemma 4's shared keys and values)."""
+    from collections import UserDict
+
+    for kind in (dict, UserDict):
+        private = layer_graphs._store_only(kind())
+        assert isinstance(private, kind) and len(private) == 0
+        private["full_attention"] = (torch.randn(2), torch.randn(2))  # a dead store: allowed
+        assert len(private) == 1
+        for read in (lambda m: m["full_attention"], lambda m: m.get("full_attention"), lambda m: "x" in m):
+            try:
+                read(private)
+            except RuntimeError as error:
+                assert "read what another stored" in str(error)
+            else:
+                raise AssertionError(f"a read of a {kind.__name__} went through")

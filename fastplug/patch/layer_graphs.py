@@ -105,7 +105,7 @@ class LayerGraphs:
         self._fixed = _Fixed([])  # what the graphs in `sets` took as fixed when they were captured
         for index, layer in enumerate(layers):
             vars(layer)[_GRAPHS] = (self, index)
-            layer.__class__ = _graphed_subclass(type(layer))
+            layer.__class__ = _graphed_subclass(type(layer), traced_when_compiled=memory_cap is not None)
 
     def remove(self) -> None:
         self._fixed.close()
@@ -482,18 +482,33 @@ def _store_only(mapping: Mapping) -> Mapping:
     return cls()
 
 
-def _graphed_subclass(cls: type) -> type:
-    sub = _SUBCLASSES.get(cls)
+def _graphed_subclass(cls: type, traced_when_compiled: bool) -> type:
+    """The layers' class with a `__call__` that replays their graphs. Under torch.compile either the layer is
+    traced as its own class would be (traced_when_compiled: the default's graphs, so that a compiled model keeps
+    its whole graph) or it is a graph break that replays (cuda_graphs=True: the embedding, final norm and loss
+    compile; compiling the layers would add little to a replay, fastplug's layers being its kernels)."""
+    sub = _SUBCLASSES.get((cls, traced_when_compiled))
     if sub is None:
-        # Opaque to torch.compile (a graph break at each layer): a compiled model's layers replay their graphs,
-        # and compiling them would add nothing a replay does not already give (fastplug's layers are its kernels).
+
         @torch.compiler.disable
-        def __call__(self, *args, **kwargs):
+        def replayed_or_eager(self, args, kwargs):
             entry = vars(self).get(_GRAPHS)
             out = _EAGER if entry is None else entry[0].call(self, entry[1], args, kwargs)
             return super(sub, self).__call__(*args, **kwargs) if out is _EAGER else out
 
-        sub = _SUBCLASSES[cls] = type(
+        if traced_when_compiled:
+
+            def __call__(self, *args, **kwargs):
+                if torch.compiler.is_compiling():
+                    return super(sub, self).__call__(*args, **kwargs)
+                return replayed_or_eager(self, args, kwargs)
+
+        else:
+
+            def __call__(self, *args, **kwargs):
+                return replayed_or_eager(self, args, kwargs)
+
+        sub = _SUBCLASSES[(cls, traced_when_compiled)] = type(
             cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         )
     return sub

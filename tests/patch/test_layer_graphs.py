@@ -174,3 +174,23 @@ def test_store_only_mapping_keeps_the_type_takes_stores_and_refuses_reads():
                 assert "read what another stored" in str(error)
             else:
                 raise AssertionError(f"a read of a {kind.__name__} went through")
+
+
+def test_default_graphs_leave_a_compiled_model_whole():
+    """Under torch.compile the default's layers (memory_cap set) are traced as their own class, so a fullgraph
+    compile of the model works and computes the same; cuda_graphs=True's layers are graph breaks that replay."""
+    ids = batch()
+    want = tiny_model("llama").train()(**ids).loss
+    for cap in (0.5, None):
+        model = tiny_model("llama").train()
+        graphs = layer_graphs.LayerGraphs(decoder_layers(model), memory_cap=cap)
+        try:
+            torch._dynamo.reset()
+            breaks = torch._dynamo.explain(model)(**ids).graph_break_count
+            assert breaks == 0 if cap is not None else breaks >= len(decoder_layers(model)), breaks
+            if cap is not None:
+                torch._dynamo.reset()
+                got = torch.compile(model, backend="eager", fullgraph=True)(**ids).loss
+                assert_close(got.detach(), want.detach(), torch.float32, "compiled loss")
+        finally:
+            graphs.remove()

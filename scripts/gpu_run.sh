@@ -90,9 +90,11 @@ gpu_tests() {  # tests/gpu over the machine's GPUs; a summary even when a time l
     fi
     "$PY" -m pytest -q --collect-only -m "gpu$([[ -n $pair ]] && echo ' or gpu2' || echo ' and not gpu2')" \
         -p no:cacheprovider tests/gpu "$@" | grep '::' > "$OUT_DIR/tests_collected.txt"
-    run_single() {  # one pytest-xdist worker per GPU, tests dealt out one by one (a file's tests may spread)
+    # idle workers steal queued tests (pytest-xdist >= 3.2), so one long test does not hold back a worker's queue
+    dist=$("$PY" -c 'import xdist; print("worksteal" if tuple(map(int, xdist.__version__.split(".")[:2])) >= (3, 2) else "load")')
+    run_single() {  # one pytest-xdist worker per GPU (a file's tests may spread)
         FASTPLUG_TEST_REPORT="$report" FASTPLUG_TEST_GPUS="$single" timeout -s INT -k 30 "${FASTPLUG_TESTS_BUDGET:-420}" \
-            "$PY" -m pytest -q -m "gpu and not gpu2" -n "$(tr ',' '\n' <<< "$single" | wc -l)" --dist load \
+            "$PY" -m pytest -q -m "gpu and not gpu2" -n "$(tr ',' '\n' <<< "$single" | wc -l)" --dist "$dist" \
             --timeout "${FASTPLUG_TEST_TIMEOUT:-240}" -p no:cacheprovider tests/gpu "$@"
     }
     run_pair() {

@@ -94,7 +94,11 @@ class LayerGraphs:
         self.kept = 0  # bytes the captures added to the device's reserved memory
         self._bytes_per_element = 0.0
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
-        self.seen: set[tuple] = set()
+        # signature -> what each layer took at the signature's first sighting ({layer index: _Record})
+        self.seen: dict[tuple, dict[int, _Record]] = {}
+        self._recording: dict[int, _Record] | None = None  # the records of this forward, a first sighting
+        self._forward = None  # the graphs layer 0 replayed in this forward: the later layers replay theirs
+        self._removed: str | None = None  # what __str__ said when remove() freed the graphs
         self.replays = 0
         self.capturing = False  # while this stack's layers are warmed up and captured
         self.eager: Counter = Counter()  # per forward of the stack: "replayed", or why its layers ran eagerly
@@ -108,7 +112,10 @@ class LayerGraphs:
             layer.__class__ = _graphed_subclass(type(layer), traced_when_compiled=memory_cap is not None)
 
     def remove(self) -> None:
+        self._removed = str(self)
         self._fixed.close()
+        self.seen.clear()
+        self._recording = self._forward = self._last = None
         for layer in self.layers:
             vars(layer).pop(_GRAPHS, None)
             if type(layer) in _SUBCLASSES.values():
@@ -116,6 +123,8 @@ class LayerGraphs:
         self.sets.clear()
 
     def __str__(self) -> str:
+        if self._removed is not None:
+            return self._removed
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
         paths = "; ".join(f"{why}: {n}" for why, n in self.eager.most_common())
@@ -158,34 +167,47 @@ class LayerGraphs:
                 tensors.append(leaf)
             elif isinstance(leaf, _SCALARS):
                 key.append((type(leaf), leaf))
-            elif isinstance(leaf, Mapping) and not leaf:  # unused unless a layer fills it: see _capture
-                key.append((type(leaf), "empty"))
+            elif isinstance(leaf, Mapping):  # a store for later layers: each capture gets its own (_store_only)
+                key.append((type(leaf), "mapping"))
             else:
                 return f"an argument of type {type(leaf).__name__}"
         key.append(tuple(getattr(l, "gradient_checkpointing", False) for l in self.layers))
         key.append(torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"))
         key = tuple(key)
-        if index == 0 and self.sets and not self._fixed.holds():
-            self.sets.clear()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
-            self.seen.clear()
-        graphs = self.sets.get(key)
-        if graphs is None:
-            if index != 0 or key not in self.seen:  # first sighting (or mid-stack): eager, captured next time
-                if index == 0:
-                    self.seen.add(key)
+        if index != 0:
+            if self._recording is not None:  # the stack's first sighting: each layer's own inputs, for the capture
+                self._recording[index] = _Record(key, leaves, spec, tensors)
                 return "a batch shape seen for the first time (captured when it repeats)"
-            if len(self.sets) >= self.max_signatures:
-                return f"a batch shape beyond the first {self.max_signatures} captured"
-            if not self._capturable():
-                return "checkpointing other than plain, or hooks inside the layers"
-            if not self._fits(tensors[0]):
-                return "a batch shape beyond the graphs' memory cap (graphs_memory)"
-            if not self.sets:
-                self._fixed.close()
-                self._fixed = _Fixed(self.layers)
-            graphs = self.sets[key] = self._capture(leaves, spec, tensors)
-        if graphs is _FAILED:
-            return "its capture failed (warned)"
+            graphs = self._forward
+            if graphs is None:
+                return "its stack's first layer ran eagerly"
+            if graphs[index].key != key:
+                return "inputs unlike those it was captured with"
+        else:
+            self._forward = self._recording = None
+            if self.sets and not self._fixed.holds():
+                self.sets.clear()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
+                self.seen.clear()
+            graphs = self.sets.get(key)
+            if graphs is None:
+                # first sighting (or one whose forward stopped before the last layer): eager, its layers' inputs
+                # recorded, captured next time
+                if len(self.seen.get(key, ())) != len(self.layers):
+                    self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
+                    return "a batch shape seen for the first time (captured when it repeats)"
+                if len(self.sets) >= self.max_signatures:
+                    return f"a batch shape beyond the first {self.max_signatures} captured"
+                if not self._capturable():
+                    return "checkpointing other than plain, or hooks inside the layers"
+                if not self._fits(tensors[0]):
+                    return "a batch shape beyond the graphs' memory cap (graphs_memory)"
+                if not self.sets:
+                    self._fixed.close()
+                    self._fixed = _Fixed(self.layers)
+                records = [self.seen[key][i] for i in range(len(self.layers))]
+                graphs = self.sets[key] = self._capture(records, tensors)
+            if graphs is _FAILED:
+                return "its capture failed (warned)"
         graph = graphs[index]
         if tensors[0].requires_grad and not graph.inputs[0].requires_grad:
             return "captured for an input that needed no gradient"
@@ -194,6 +216,8 @@ class LayerGraphs:
         if graph.awaiting_backward():
             return "two forwards before one backward"
         self._last = graphs
+        if index == 0:
+            self._forward = graphs
         self.replays += 1
         return graph.run(tensors)
 
@@ -215,24 +239,41 @@ class LayerGraphs:
             self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(hidden.device))
         return not self.sets or self.kept + self._bytes_per_element * hidden.numel() <= self._cap_bytes
 
-    def _capture(self, leaves: list, spec, tensors: list[torch.Tensor]):
+    def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
         device = tensors[0].device
         reserved = torch.cuda.memory_reserved(device)
-        graphs = self._capture_graphs(leaves, spec, tensors)
+        graphs = self._capture_graphs(records, tensors)
         added = max(torch.cuda.memory_reserved(device) - reserved, 0)
         self.kept += added
         self._bytes_per_element = max(self._bytes_per_element, added / tensors[0].numel())
         return graphs
 
-    def _capture_graphs(self, leaves: list, spec, tensors: list[torch.Tensor]):
+    def _capture_graphs(self, records: list["_Record"], tensors: list[torch.Tensor]):
+        """records: each layer's inputs at the first sighting; tensors: layer 0's now."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
-        # Inputs shared by every layer (all tensors but the hidden states, the first): one static copy. One that
-        # needs a gradient (Gemma 4's per-layer inputs when the embeddings' output does) gets it from each layer.
-        shared = [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors[1:]]
-        sources = [None] * len(shared)  # (weakref, version) of what each shared buffer last received
-        graphs = [_LayerGraph(layer, leaves, spec, shared, sources) for layer in self.layers]
+        # The inputs besides the hidden states go through static buffers that the layers share, one per argument
+        # position and layout (Gemma 4's global layers take wider rotary tables than its sliding ones). A buffer
+        # starts with layer 0's tensor where that fits, else zeros: replays copy each layer's own tensors in.
+        # One that needs a gradient (Gemma 4's per-layer inputs when the embeddings' output does) gets it.
+        statics: dict[tuple, torch.Tensor] = {}
+        sources: dict[int, tuple] = {}  # id(buffer) -> (weakref, version) of what it last received
+        graphs = []
+        for layer, record in zip(self.layers, records):
+            shared = []
+            for position, layout in enumerate(record.layouts):
+                buffer = statics.get((position, layout))
+                if buffer is None:
+                    first = tensors[1 + position] if 1 + position < len(tensors) else None
+                    if first is not None and _layout(first) == layout:
+                        buffer = first.detach().clone()
+                    else:
+                        buffer = torch.empty_strided(layout[0], layout[1], dtype=layout[2], device=tensors[0].device)
+                        buffer.zero_()
+                    buffer = statics[(position, layout)] = buffer.requires_grad_(layout[3])
+                shared.append(buffer)
+            graphs.append(_LayerGraph(layer, record, shared, sources))
         try:
             self.capturing = True
             with lora.uncached_adapters(), _no_autocast_cache():
@@ -262,9 +303,9 @@ class LayerGraphs:
 class _LayerGraph:
     """One layer's forward and backward graphs and the buffers they read and write."""
 
-    def __init__(self, layer: nn.Module, leaves: list, spec, shared: list[torch.Tensor], sources: list):
+    def __init__(self, layer: nn.Module, record: "_Record", shared: list[torch.Tensor], sources: dict):
         self.layer = layer
-        self.leaves, self.spec = leaves, spec
+        self.key, self.leaves, self.spec = record.key, record.leaves, record.spec
         self.inputs: list[torch.Tensor] = [None, *shared]  # static inputs; [0] (the hidden states) set at capture
         self.sources = sources
         trained = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
@@ -284,7 +325,7 @@ class _LayerGraph:
         it = iter(tensors)
         args, kwargs = pytree.tree_unflatten(
             [
-                next(it) if isinstance(leaf, torch.Tensor) else _store_only(leaf) if isinstance(leaf, Mapping) else leaf
+                next(it) if leaf is _TENSOR else _store_only(leaf) if isinstance(leaf, Mapping) else leaf
                 for leaf in self.leaves
             ],
             self.spec,
@@ -391,12 +432,35 @@ class _Replay(torch.autograd.Function):
 def _load_shared(graph: _LayerGraph, tensors) -> None:
     """Put this layer's inputs besides the hidden states into the buffers the layers share, where these hold
     another tensor (or this one changed in place since)."""
-    for i, (static, t) in enumerate(zip(graph.inputs[1:], tensors)):
-        last = graph.sources[i]
+    for static, t in zip(graph.inputs[1:], tensors):
+        last = graph.sources.get(id(static))
         if static.data_ptr() == t.data_ptr() or (last is not None and last[0]() is t and last[1] == t._version):
             continue
         static.copy_(t)
-        graph.sources[i] = (weakref.ref(t), t._version)
+        graph.sources[id(static)] = (weakref.ref(t), t._version)
+
+
+_TENSOR = object()  # a tensor's place among a _Record's leaves
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.requires_grad)
+
+
+class _Record:
+    """What one layer took at a signature's first sighting: its signature, its arguments with each tensor's
+    place marked (the tensors themselves are not kept) and the layouts of its tensors besides the hidden states."""
+
+    __slots__ = ("key", "leaves", "spec", "layouts")
+
+    def __init__(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]):
+        self.key, self.spec = key, spec
+        # a mapping argument by its type only: what the eager layers stored in it must not be kept alive
+        self.leaves = [
+            _TENSOR if isinstance(leaf, torch.Tensor) else type(leaf)() if isinstance(leaf, Mapping) else leaf
+            for leaf in leaves
+        ]
+        self.layouts = [_layout(t) for t in tensors[1:]]
 
 
 class _Fixed:

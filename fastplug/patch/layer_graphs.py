@@ -91,7 +91,7 @@ class LayerGraphs:
         # no cap). Before each capture its cost is predicted from the earlier ones' bytes per hidden-state element.
         self.memory_cap = memory_cap
         self._cap_bytes: int | None = None
-        self.kept = 0  # bytes the captures added to the device's reserved memory
+        self.kept = 0  # bytes the captures added to the graphs' memory pool
         self._bytes_per_element = 0.0
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         # signature -> what each layer took at the signature's first sighting ({layer index: _Record})
@@ -241,9 +241,9 @@ class LayerGraphs:
 
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
         device = tensors[0].device
-        reserved = torch.cuda.memory_reserved(device)
+        before = _graph_pool_bytes(device)
         graphs = self._capture_graphs(records, tensors)
-        added = max(torch.cuda.memory_reserved(device) - reserved, 0)
+        added = max(_graph_pool_bytes(device) - before, 0)
         self.kept += added
         self._bytes_per_element = max(self._bytes_per_element, added / tensors[0].numel())
         return graphs
@@ -438,6 +438,17 @@ def _load_shared(graph: _LayerGraph, tensors) -> None:
             continue
         static.copy_(t)
         graph.sources[id(static)] = (weakref.ref(t), t._version)
+
+
+def _graph_pool_bytes(device: torch.device) -> int:
+    """The device memory held in CUDA graphs' private pools (a capture's cost: torch.cuda.graph empties the
+    allocator's cache on entry, so the device's reserved total can even shrink across one)."""
+    segments = torch.cuda.memory_snapshot()
+    return sum(
+        s["total_size"]
+        for s in segments
+        if s.get("device") == device.index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+    )
 
 
 _TENSOR = object()  # a tensor's place among a _Record's leaves

@@ -240,18 +240,17 @@ class LayerGraphs:
         return not self.sets or self.kept + self._bytes_per_element * hidden.numel() <= self._cap_bytes
 
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
-        device = tensors[0].device
-        before = _graph_pool_bytes(device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        before = _pool_bytes(self._pool)
         graphs = self._capture_graphs(records, tensors)
-        added = max(_graph_pool_bytes(device) - before, 0)
+        added = max(_pool_bytes(self._pool) - before, 0)
         self.kept += added
         self._bytes_per_element = max(self._bytes_per_element, added / tensors[0].numel())
         return graphs
 
     def _capture_graphs(self, records: list["_Record"], tensors: list[torch.Tensor]):
         """records: each layer's inputs at the first sighting; tensors: layer 0's now."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         pool = self._pool
         # The inputs besides the hidden states go through static buffers that the layers share, one per argument
         # position and layout (Gemma 4's global layers take wider rotary tables than its sliding ones). A buffer
@@ -440,15 +439,11 @@ def _load_shared(graph: _LayerGraph, tensors) -> None:
         graph.sources[id(static)] = (weakref.ref(t), t._version)
 
 
-def _graph_pool_bytes(device: torch.device) -> int:
-    """The device memory held in CUDA graphs' private pools (a capture's cost: torch.cuda.graph empties the
-    allocator's cache on entry, so the device's reserved total can even shrink across one)."""
-    segments = torch.cuda.memory_snapshot()
-    return sum(
-        s["total_size"]
-        for s in segments
-        if s.get("device") == device.index and tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
-    )
+def _pool_bytes(pool: tuple) -> int:
+    """The device memory held by one graph memory pool: a capture's cost is its growth. Not the device's reserved
+    total, nor all pools': torch.cuda.graph collects garbage and empties the allocator's cache on entry, which
+    can free other memory (another model's graphs) during the capture."""
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool)
 
 
 _TENSOR = object()  # a tensor's place among a _Record's leaves

@@ -1,14 +1,16 @@
-"""CUDA graphs of the decoder layers (`cuda_graphs=True`): each layer's forward and backward replayed as one
-graph each, instead of issued op by op from Python.
+"""CUDA graphs of the decoder layers (`cuda_graphs`, on by default): each layer's forward and backward replayed
+as one graph each, instead of issued op by op from Python.
 
 Why: a LoRA step of a 1B model is ~100 ms of GPU work that the host takes 1.3-2x as long to issue (dozens of
 kernels, autograd nodes and Python frames per layer); a replay costs the host a few microseconds.
 
 How: the layers' class is swapped, on these instances only, for a subclass whose `__call__` routes a call to
-the graphs when it can (restore() swaps it back). The first time a call signature (the tensors' shapes,
-dtypes and strides, every other argument's value, which layers are checkpointed) is seen it runs eagerly; the
-second time, every layer of the stack is captured with it, sharing one memory pool, in the order they run
-(forwards first to last, then backwards last to first), and from then on each layer call is a replay:
+the graphs when it can (restore() swaps it back). The first time the stack's first layer sees a call signature
+(the tensors' shapes, dtypes and strides, every other argument's value, which layers are checkpointed) the stack
+runs eagerly and each layer's own signature is recorded (`_Record`: its arguments, its tensors' layouts); the
+second time, every layer is captured with its own recorded inputs, sharing one memory pool, in the order they
+run (forwards first to last, then backwards last to first), and from then on each layer call whose signature
+matches its record is a replay:
 - the layer's checkpointing, when on, is inside its graphs: the forward graph keeps only the inputs, the
   backward graph recomputes; memory as without graphs, plus each layer's output and input-gradient buffers.
 - layer k's input is layer k-1's output buffer, so the hidden states are not copied. The other tensor inputs

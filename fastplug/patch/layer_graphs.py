@@ -233,13 +233,24 @@ class LayerGraphs:
 
     # -- capture
     def _fits(self, hidden: torch.Tensor) -> bool:
-        """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap; the first
-        capture always goes ahead (there is nothing yet to predict its cost from)."""
+        """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap, and within
+        half of what the device has free (a default must not turn a run that fits into one that does not). Its
+        cost is predicted from the earlier captures' bytes per hidden-state element; the first is estimated as
+        every layer's output and a few more such buffers (what each capture keeps), and goes ahead if it fits
+        in the free memory."""
         if self.memory_cap is None:
             return True
+        device = hidden.device
         if self._cap_bytes is None:
-            self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(hidden.device))
-        return not self.sets or self.kept + self._bytes_per_element * hidden.numel() <= self._cap_bytes
+            self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
+        if self.sets:
+            cost = self._bytes_per_element * hidden.numel()
+            if self.kept + cost > self._cap_bytes:
+                return False
+        else:
+            cost = (len(self.layers) + 4) * hidden.numel() * hidden.element_size()
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return cost <= (torch.cuda.mem_get_info(device)[0] + cached) / 2
 
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
         if self._pool is None:

@@ -136,17 +136,27 @@ def test_default_resolves_off_the_gpu_quietly():
 
 def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch):
     """A shape is captured only while what the graphs keep plus its predicted share (the largest bytes per
-    hidden-state element measured so far) stays within the cap; the first always is; no cap, no limit."""
+    hidden-state element measured so far) stays within the cap and half the free memory; the first needs only
+    the free memory for its estimate; no cap, no limit."""
+    free = [10**9]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 600)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 500)
     layers = decoder_layers(tiny_model("llama"))
     capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
     try:
-        hidden = torch.empty(100)
-        assert capped._fits(hidden), "the first capture has nothing to be predicted from"
+        hidden = torch.empty(100)  # fp32: the first capture is estimated at (layers + 4) x 400 bytes
+        assert capped._fits(hidden), "the first capture goes ahead when it fits in the free memory"
+        free[0] = 2 * (len(layers) + 4) * 400 - 100 - 2  # with the allocator's 100 cached bytes: 2 short
+        assert not capped._fits(hidden), "half the free memory bounds the first capture too"
+        free[0] = 10**9
         capped.sets[("first",)] = []
         capped.kept, capped._bytes_per_element = 300, 2.0
         assert capped._fits(torch.empty(100))  # 300 + 200 <= 500
         assert not capped._fits(torch.empty(101))  # 300 + 202 > 500
+        free[0] = 2 * 200 - 100 - 2
+        assert not capped._fits(torch.empty(100)), "within the cap but not in half the free memory"
     finally:
         capped.remove()
     uncapped = layer_graphs.LayerGraphs(layers)

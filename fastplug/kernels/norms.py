@@ -565,6 +565,16 @@ def _check_gated_inputs(x, gate, weight, eps):
 _KEPT_MODIFIED = "a tensor kept for backward was modified by an inplace operation between forward and backward"
 
 
+def _weight_and_rows(ctx, dy: torch.Tensor) -> tuple:
+    """What a norm's backward starts from: the weight kept by reference (raising if it changed in place since the
+    forward, as autograd does for saved tensors) and dy as contiguous rows."""
+    weight = ctx.weight
+    if weight is not None and weight._version != ctx.weight_version:
+        raise RuntimeError(_KEPT_MODIFIED)
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    return weight, dy2 if dy2.stride(-1) == 1 else dy2.contiguous()
+
+
 # ----------------------------------------------------------------------------------------------------
 # 3. Autograd functions
 # ----------------------------------------------------------------------------------------------------
@@ -622,12 +632,7 @@ class RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, rstd = ctx.saved_tensors
-        weight = ctx.weight
-        if weight is not None and weight._version != ctx.weight_version:
-            raise RuntimeError(_KEPT_MODIFIED)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        weight, dy2 = _weight_and_rows(ctx, dy)
         dx, dw, _ = _norm_backward(
             dy2,
             x2,
@@ -657,12 +662,7 @@ class LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, mean, rstd = ctx.saved_tensors
-        weight = ctx.weight
-        if weight is not None and weight._version != ctx.weight_version:
-            raise RuntimeError(_KEPT_MODIFIED)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        weight, dy2 = _weight_and_rows(ctx, dy)
         needs_input_grad = ctx.needs_input_grad
         dx, dw, db = _norm_backward(
             dy2,

@@ -11,6 +11,10 @@ CheckpointingMode = Union[bool, Literal["offload", "auto"]]
 CHECKPOINTING_OPTIONS = frozenset({"gradient_checkpointing", "memory_budget"})
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)  # True is an int, not a fraction
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """Which parts of a model fastplug replaces. Everything suitable is on by default."""
@@ -78,17 +82,9 @@ class KernelOptions:
                 raise TypeError(
                     f"fastplug option {f.name} must be True, False or None; got {value!r} ({type(value).__name__})"
                 )
-        if (
-            isinstance(self.memory_budget, bool)
-            or not isinstance(self.memory_budget, (int, float))
-            or not (0 < self.memory_budget <= 1)
-        ):
+        if not (_is_number(self.memory_budget) and 0 < self.memory_budget <= 1):
             raise ValueError(f"memory_budget must be a fraction in (0, 1]; got {self.memory_budget!r}")
-        if (
-            isinstance(self.graphs_memory, bool)
-            or not isinstance(self.graphs_memory, (int, float))
-            or not self.graphs_memory > 0
-        ):
+        if not (_is_number(self.graphs_memory) and self.graphs_memory > 0):
             raise ValueError(
                 f"graphs_memory must be a positive fraction of the peak memory; got {self.graphs_memory!r}"
             )

@@ -81,8 +81,8 @@ class PatchHandle:
         # options say what runs; the memory cap is the default's only
         wanted = options.cuda_graphs
         self.graphs_off = None if wanted is False else layer_graphs.why_not(self.layers, placed=wanted is None)
-        self.graphs_memory = options.graphs_memory if options.cuda_graphs is None else None
-        if options.cuda_graphs is None:
+        self.graphs_memory = options.graphs_memory if wanted is None else None
+        if wanted is None:
             options = dataclasses.replace(options, cuda_graphs=self.graphs_off is None)
         self.options = options
         self.counts: dict[str, int] = {}

@@ -65,6 +65,12 @@ def test_every_switch_is_checked():
     assert set(OPTIONAL_BOOL_OPTIONS) == {"stack_projections", "freeze_gc", "bucket_lengths", "cuda_graphs"}
 
 
+@pytest.mark.parametrize("value", [0, 1.5, True, "0.5", None])
+def test_memory_budget_must_be_a_fraction(value):
+    with pytest.raises(ValueError, match=rf"memory_budget must be a fraction in \(0, 1\]; got {value!r}"):
+        KernelOptions(memory_budget=value)
+
+
 @pytest.mark.parametrize("value", [0, -0.5, True, "half", None])
 def test_graphs_memory_must_be_a_positive_fraction(value):
     with pytest.raises(

@@ -265,3 +265,31 @@ def test_empty_rows():
 def test_bad_input_raises_value_error(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_backward_refuses_a_weight_changed_in_place_and_reads_strided_dy(kind):
+    """The kept weight (held by reference, not saved) changed in place before the backward raises as autograd
+    does for saved tensors; a dy whose last stride is not 1 gives the gradients of the same dy made contiguous."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 64, generator=gen).requires_grad_()
+    weight = torch.randn(64, generator=gen).requires_grad_()
+    bias = torch.randn(64, generator=gen).requires_grad_()
+
+    def norm():
+        return rms_norm(x, weight) if kind == "rms" else layer_norm(x, weight, bias)
+
+    y = norm()
+    with torch.no_grad():
+        weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation between forward and backward"):
+        y.backward(torch.randn_like(y))
+    dy = torch.randn(64, 5, 3, generator=gen).permute(2, 1, 0)  # last stride 15
+    grads = []
+    for grad_out in (dy, dy.contiguous()):
+        x.grad = weight.grad = bias.grad = None
+        norm().backward(grad_out)
+        grads.append((x.grad.clone(), weight.grad.clone()))
+    (gx, gw), (wx, ww) = grads
+    assert_close(gx, wx, torch.float32, "dx")
+    assert_close(gw, ww, torch.float32, "dweight")

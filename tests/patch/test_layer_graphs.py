@@ -39,7 +39,7 @@ def test_routing_is_per_instance_exact_and_undone():
         enable_native(model)
     layers = decoder_layers(routed)
     original = type(layers[0])
-    graphs = layer_graphs.LayerGraphs(layers, max_signatures=2)  # install() declines without CUDA
+    graphs = layer_graphs.LayerGraphs(layers, max_signatures=2)  # the patch installs none without CUDA
     assert type(layers[0]) is not original and isinstance(layers[0], original)
     assert type(decoder_layers(reference)[0]) is original, "another model's layers keep their class"
     results = []

@@ -17,9 +17,10 @@ matches its record is a replay:
   (position embeddings, a mask, Gemma 4's per-layer inputs) go through static buffers that the layers share: a
   replay copies its own inputs in when the buffers hold another's (the rotary tables and masks of another layer
   type, another layer's per-layer input), in the forward and again before the backward, which reads them (its
-  recompute, or tensors the forward saved). An empty mapping argument (Gemma 4's store of shared keys and
-  values) is taken as a constant: each layer's capture stores into a private one, and a layer that reads what
-  another stored (KV sharing) fails the capture (the layers depend on each other beyond the hidden states).
+  recompute, or tensors the forward saved). A mapping argument (Gemma 4's store of shared keys and values)
+  is keyed by its type: what a layer's capture stores there becomes an extra output of its graph, and a later
+  layer that reads it (KV sharing) takes those buffers as extra inputs and gives back their gradients; a replay
+  puts its stores in the caller's mapping, for the layers that read them, replayed or eager.
 - fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
   the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
   copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
@@ -169,7 +170,7 @@ class LayerGraphs:
                 tensors.append(leaf)
             elif isinstance(leaf, _SCALARS):
                 key.append((type(leaf), leaf))
-            elif isinstance(leaf, Mapping):  # a store for later layers: each capture gets its own (_store_only)
+            elif isinstance(leaf, Mapping):  # a store shared with later layers: see _CaptureMapping
                 key.append((type(leaf), "mapping"))
             else:
                 return f"an argument of type {type(leaf).__name__}"
@@ -217,11 +218,23 @@ class LayerGraphs:
             return "another shape's replay awaits its backward (they share the memory pool)"
         if graph.awaiting_backward():
             return "two forwards before one backward"
+        mapping = next((leaf for leaf in leaves if isinstance(leaf, Mapping)), None)
+        reads = []
+        if graph.read_keys:  # another layer's stores, as its replay or its eager run left them in the mapping
+            if any(key not in mapping for key in graph.read_keys):
+                return "an entry another layer stores is missing from the mapping argument"
+            reads = pytree.tree_leaves([mapping[key] for key in graph.read_keys])
+            static = graph.inputs[len(graph.inputs) - graph.reads :]
+            if [(t.shape, t.dtype) for t in reads] != [(t.shape, t.dtype) for t in static]:
+                return "stored entries unlike those it was captured with"
         self._last = graphs
         if index == 0:
             self._forward = graphs
         self.replays += 1
-        return graph.run(tensors)
+        output, stored = graph.run(tensors + reads)
+        for key, value in stored.items():  # for the layers that read them, replayed or eager
+            mapping[key] = value
+        return output
 
     def _capturable(self) -> bool:
         for layer in self.layers:
@@ -290,10 +303,11 @@ class LayerGraphs:
             self.capturing = True
             with lora.uncached_adapters(), _no_autocast_cache():
                 hidden = tensors[0].detach().clone().requires_grad_(tensors[0].requires_grad)
+                warm_store, store = {}, {}  # what layers store in a mapping argument for later ones (KV sharing)
                 for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture
-                    graph.warm_up(hidden)
+                    graph.warm_up(hidden, warm_store)
                 for graph in graphs:
-                    hidden = graph.capture_forward(hidden, pool)
+                    hidden = graph.capture_forward(hidden, pool, store)
                 # Input gradients alternate between two buffers: layer k's is read by layer k-1's backward only,
                 # and layer k-2 may then overwrite it (the last layer's output gradient is copied into one).
                 buffers = [torch.empty_like(hidden), torch.empty_like(hidden)]
@@ -328,45 +342,71 @@ class _LayerGraph:
         self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         self.outputs = self.out_spec = None
+        self.layer_outputs = 0  # how many of `outputs` are the layer's own; the rest are what it stored
+        self.stores: list[tuple] = []  # (key, spec, count) of each entry it stored in the mapping argument
+        self.read_keys: list = []  # the entries of the mapping argument it reads (another layer's stores)
+        self.reads = 0  # how many of `inputs` (the last ones) are those entries' tensors
         self.grad_outputs: list = []
         self.grad_inputs: list = []  # per static input: its gradient buffer or None
         self.grad_params: list = []
         self._pending = None  # weakref to the _Token of the last replay
 
-    def _call(self, tensors):
+    def _call(self, tensors, mapping: "Mapping | None" = None):
+        if sum(isinstance(leaf, Mapping) for leaf in self.leaves) > 1:
+            raise RuntimeError("a layer takes more than one mapping argument")
         it = iter(tensors)
         args, kwargs = pytree.tree_unflatten(
-            [
-                next(it) if leaf is _TENSOR else _store_only(leaf) if isinstance(leaf, Mapping) else leaf
-                for leaf in self.leaves
-            ],
+            [next(it) if leaf is _TENSOR else mapping if isinstance(leaf, Mapping) else leaf for leaf in self.leaves],
             self.spec,
         )
         return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
 
-    def _differentiable(self, outputs):
-        wrt = [t for t in self.inputs if t.requires_grad] + list(self.aliases.values())
-        return [o for o in outputs if o.requires_grad], wrt
+    def _mapping(self, store: dict) -> "Mapping | None":
+        kind = next((type(leaf) for leaf in self.leaves if isinstance(leaf, Mapping)), None)
+        return None if kind is None else _capture_mapping(kind, store)
 
-    def warm_up(self, hidden: torch.Tensor) -> None:
+    def _differentiable(self, outputs, reads=()):
+        wrt = [t for t in self.inputs if t.requires_grad] + [t for t in reads if t.requires_grad]
+        return [o for o in outputs if o.requires_grad], wrt + list(self.aliases.values())
+
+    def warm_up(self, hidden: torch.Tensor, store: dict) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.inputs[0] = hidden
             with _checkpointing_for_capture(self.layer):
                 for _ in range(2):
-                    outputs = pytree.tree_leaves(self._call(self.inputs))
-                    grads_of, wrt = self._differentiable(outputs)
+                    mapping = self._mapping(store)
+                    outputs = pytree.tree_leaves(self._call(self.inputs, mapping))
+                    stored = pytree.tree_leaves(mapping.stored) if mapping is not None else []
+                    reads = pytree.tree_leaves([store[key] for key in mapping.read]) if mapping is not None else []
+                    grads_of, wrt = self._differentiable(outputs + stored, reads)
                     if grads_of:
                         torch.autograd.grad(grads_of, wrt, [torch.ones_like(o) for o in grads_of], allow_unused=True)
+            if mapping is not None:
+                store.update(_aliases(mapping.stored))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def capture_forward(self, hidden: torch.Tensor, pool) -> torch.Tensor:
+    def capture_forward(self, hidden: torch.Tensor, pool, store: dict) -> torch.Tensor:
+        """store: what earlier layers' graphs stored in the mapping argument, as leaves on their output buffers;
+        this layer's reads become inputs of its graph (its backward gives their gradients) and its stores outputs."""
         self.inputs[0] = hidden
+        mapping = self._mapping(store)
         with _checkpointing_for_capture(self.layer), torch.cuda.graph(self.fwd, pool=pool):
-            outputs = self._call(self.inputs)
+            outputs = self._call(self.inputs, mapping)
         self.outputs, self.out_spec = pytree.tree_flatten(outputs)
+        self.layer_outputs = len(self.outputs)
+        if mapping is not None:
+            for key, value in mapping.stored.items():
+                leaves, spec = pytree.tree_flatten(value)
+                self.stores.append((key, spec, len(leaves)))
+                self.outputs += leaves
+            store.update(_aliases(mapping.stored))
+            self.read_keys = list(mapping.read)
+            reads = pytree.tree_leaves([store[key] for key in self.read_keys])
+            self.inputs += reads
+            self.reads = len(reads)
         first = self.outputs[0]  # the next layer's input: this buffer itself, no copy
         return first.detach().requires_grad_(first.requires_grad)
 
@@ -399,9 +439,14 @@ class _LayerGraph:
         token = self._pending() if self._pending is not None else None
         return token is not None and not token.done
 
-    def run(self, tensors: list[torch.Tensor]):
+    def run(self, tensors: list[torch.Tensor]) -> tuple:
+        """The layer's output and what it stored in the mapping argument ({key: value}), from a replay."""
         outputs = _Replay.apply(self, *tensors, *self.params)
-        return pytree.tree_unflatten(list(outputs), self.out_spec)
+        stored, at = {}, self.layer_outputs
+        for key, spec, count in self.stores:
+            stored[key] = pytree.tree_unflatten(list(outputs[at : at + count]), spec)
+            at += count
+        return pytree.tree_unflatten(list(outputs[: self.layer_outputs]), self.out_spec), stored
 
 
 class _Token:
@@ -543,26 +588,54 @@ def _remove_handles(handles: list) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-_STORE_ONLY: dict[type, type] = {}
+_CAPTURE_MAPPINGS: dict[type, type] = {}
 
 
-def _store_only(mapping: Mapping) -> Mapping:
-    """A fresh empty mapping of `mapping`'s type for one layer's warm-up or capture (Gemma 4's store of shared
-    keys and values, passed empty to every layer). The layer may store into it: a replay repeats no store, and
-    the caller's mapping stays empty, as the eager path leaves it for layers that nobody reads from. A read
-    raises: then a layer depends on what another stored, and the capture fails (that shape stays eager)."""
-    cls = _STORE_ONLY.get(type(mapping))
+def _capture_mapping(kind: type, store: dict) -> Mapping:
+    """An empty mapping of the argument's type for one layer's warm-up or capture (Gemma 4's store of shared keys
+    and values): what the layer stores goes to `.stored` (the graph's extra outputs), and what it reads comes
+    from `store`, the earlier layers' stores in this capture, and is listed in `.read` (its graph's extra
+    inputs). A key no earlier layer stored raises KeyError, as the eager model would."""
+    cls = _CAPTURE_MAPPINGS.get(kind)
     if cls is None:
 
-        def read(self, *args, **kwargs):
-            raise RuntimeError(
-                "a layer read what another stored in a mapping argument (shared keys and values): "
-                "the layers depend on each other beyond the hidden states"
-            )
+        def __init__(self, store):
+            kind.__init__(self)
+            self._store, self.stored, self.read = store, {}, []
 
-        reads = {name: read for name in ("__getitem__", "get", "__contains__", "keys", "values", "items", "__iter__")}
-        cls = _STORE_ONLY[type(mapping)] = type(f"StoreOnly{type(mapping).__name__}", (type(mapping),), reads)
-    return cls()
+        def __getitem__(self, key):
+            if key in self.stored:
+                return self.stored[key]
+            value = self._store[key]
+            if key not in self.read:
+                self.read.append(key)
+            return value
+
+        def get(self, key, default=None):
+            return self[key] if key in self else default
+
+        def __contains__(self, key):
+            return key in self.stored or key in self._store
+
+        def __setitem__(self, key, value):
+            self.stored[key] = value
+
+        def iterate(self, *args, **kwargs):
+            raise RuntimeError("a layer iterates over a mapping argument shared between layers")
+
+        methods = dict(__init__=__init__, __getitem__=__getitem__, get=get, __contains__=__contains__)
+        methods.update(__setitem__=__setitem__, keys=iterate, values=iterate, items=iterate, __iter__=iterate)
+        cls = _CAPTURE_MAPPINGS[kind] = type(f"Capture{kind.__name__}", (kind,), methods)
+    return cls(store)
+
+
+def _aliases(stored: dict) -> dict:
+    """Stored entries as the layers that read them take them: leaves on the same buffers, needing a gradient
+    where the stored tensor does (the reader's backward graph then gives it)."""
+    return {
+        key: pytree.tree_map(lambda t: t.detach().requires_grad_(t.requires_grad), value)
+        for key, value in stored.items()
+    }
 
 
 def _graphed_subclass(cls: type, traced_when_compiled: bool) -> type:

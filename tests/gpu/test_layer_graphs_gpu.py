@@ -2,9 +2,8 @@
 of the same patched model run eagerly (bf16 base, peft's fp32 adapters, fused AdamW, gradient accumulation),
 with checkpointing on and off, for Llama (also on FP8 bases), Gemma2 (fastplug's Triton attention with softcap
 and window), Gemma3 (each layer type its own rotary tables) and Gemma 4 (per-layer inputs that need a gradient;
-the MoE block beside the MLP; KV sharing, which the layer graphs refuse; none of them captures yet: eager with a
-warning and the same numbers); two forwards before one backward fall back to eager for the second and still give
-the right gradients."""
+the MoE block beside the MLP; KV sharing, where later layers read the keys and values an earlier layer stored);
+two forwards before one backward fall back to eager for the second and still give the right gradients."""
 
 import warnings
 
@@ -70,8 +69,8 @@ def _adapters(model):
 def test_graphed_layers_train_like_eager(family, checkpointing):
     """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
     dequantized dX elsewhere; the transposed-weight buffer inside the graphs). Gemma 4's layers store their keys
-    and values in a mapping argument whether or not a later layer reads them: dead stores capture; KV sharing
-    (a layer reads another's) fails the capture and runs eagerly with the same numbers, and says so."""
+    and values in a mapping argument; with KV sharing later layers read them: the storing layer's graph outputs
+    them, the readers' graphs take them as inputs and give their gradients back."""
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1000, (2, 256), generator=gen).cuda() for _ in range(12)]
     results, summary, failed = {}, "", []
@@ -96,10 +95,6 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-3, atol=2e-3)
     for name, want in eager_params.items():
         assert_close(graph_params[name], want, torch.bfloat16, name)
-    if family == "gemma4_kv_shared":  # refused by design: the layers depend on each other
-        assert failed and "read what another stored" in failed[0], failed
-        assert replays == 0 and "1 failed (eager)" in summary, summary
-        return
     assert not failed, failed
     assert replays >= 8 * 4, summary  # steps 3..12 of 4 layers replayed
     assert "1 call signature(s) captured" in summary

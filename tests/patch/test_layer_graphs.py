@@ -168,22 +168,31 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
         uncapped.remove()
 
 
-def test_store_only_mapping_keeps_the_type_takes_stores_and_refuses_reads():
-    """What each layer's capture gets for an empty mapping argument (Gemma 4's shared keys and values)."""
+def test_capture_mapping_keeps_the_type_takes_stores_and_records_reads():
+    """What each layer's warm-up and capture get for a mapping argument (Gemma 4's shared keys and values): its
+    stores kept apart (its graph's extra outputs), its reads served from the earlier layers' stores and listed
+    (its graph's extra inputs); a key nobody stored raises KeyError as in the eager model."""
     from collections import UserDict
 
     for kind in (dict, UserDict):
-        private = layer_graphs._store_only(kind())
-        assert isinstance(private, kind) and len(private) == 0
-        private["full_attention"] = (torch.randn(2), torch.randn(2))  # a dead store: allowed
-        assert len(private) == 1
-        for read in (lambda m: m["full_attention"], lambda m: m.get("full_attention"), lambda m: "x" in m):
-            try:
-                read(private)
-            except RuntimeError as error:
-                assert "read what another stored" in str(error)
-            else:
-                raise AssertionError(f"a read of a {kind.__name__} went through")
+        earlier = {"sliding_attention": (torch.randn(2), torch.randn(2))}
+        mapping = layer_graphs._capture_mapping(kind, earlier)
+        assert isinstance(mapping, kind)
+        mapping["full_attention"] = (torch.randn(3), torch.randn(3))
+        assert set(mapping.stored) == {"full_attention"} and mapping.read == []
+        assert mapping["full_attention"] is mapping.stored["full_attention"], "its own store reads back"
+        assert mapping["sliding_attention"] is earlier["sliding_attention"]
+        assert mapping.get("sliding_attention") is earlier["sliding_attention"] and "sliding_attention" in mapping
+        assert mapping.read == ["sliding_attention"], "read once, listed once"
+        assert mapping.get("missing") is None and "missing" not in mapping
+        try:
+            mapping["missing"]
+        except KeyError:
+            pass
+        else:
+            raise AssertionError(f"a {kind.__name__} served a key nobody stored")
+        aliases = layer_graphs._aliases({"k": (torch.randn(2, requires_grad=True) * 2, torch.randn(2))})["k"]
+        assert aliases[0].is_leaf and aliases[0].requires_grad and not aliases[1].requires_grad
 
 
 def test_default_graphs_leave_a_compiled_model_whole():

@@ -21,9 +21,10 @@ matches its record is a replay:
   is keyed by its type: what a layer's capture stores there becomes an extra output of its graph, and a later
   layer that reads it (KV sharing) takes those buffers as extra inputs and gives back their gradients; a replay
   puts its stores in the caller's mapping, for the layers that read them, replayed or eager.
-- fused LoRA casts and stacks the adapters inside the graphs (`lora.uncached_adapters`), so a replay reads
-  the parameters as the optimizer left them; parameter gradients come out as fresh tensors (one foreach
-  copy), so gradient accumulation adds to them rather than to a buffer the next replay overwrites.
+- fused LoRA casts and stacks the adapters inside the graphs (it caches nothing while a stream is captured:
+  `lora.casts.adapters_cacheable`), so a replay reads the parameters as the optimizer left them; parameter
+  gradients come out as fresh tensors (one foreach copy), so gradient accumulation adds to them rather than to
+  a buffer the next replay overwrites.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
 Memory: by default (`cuda_graphs=None`) a shape is captured only while the graphs' predicted keep stays within
@@ -57,7 +58,6 @@ from torch.nn.modules.module import (
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..kernels import lora
 from ..models.fast_attention import UNPACKED
 
 _EAGER = object()
@@ -301,7 +301,7 @@ class LayerGraphs:
             graphs.append(_LayerGraph(layer, record, shared, sources))
         try:
             self.capturing = True
-            with lora.uncached_adapters(), _no_autocast_cache():
+            with _no_autocast_cache():
                 hidden = tensors[0].detach().clone().requires_grad_(tensors[0].requires_grad)
                 warm_store, store = {}, {}  # what layers store in a mapping argument for later ones (KV sharing)
                 for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture

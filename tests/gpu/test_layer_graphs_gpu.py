@@ -163,3 +163,41 @@ def test_default_graphs_capture_within_their_memory_cap():
     want = torch.tensor(results[str(dict(cuda_graphs=False))])
     for key, losses in results.items():
         torch.testing.assert_close(torch.tensor(losses), want, rtol=2e-3, atol=2e-3, msg=key)
+
+
+def test_a_users_cuda_graph_of_fused_lora_reads_the_adapters_at_replay():
+    """Captured fused LoRA (forward and backward) caches no adapter cast: after the fp32 adapters change in place
+    (as fused AdamW writes them: no version bump through .data), a replay gives the eager result of the new
+    adapters, and the capture left nothing in the caches."""
+    from fastplug.kernels import lora
+    from fastplug.kernels.lora import casts as lora_casts
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.randn(384, 256, device="cuda", generator=gen, dtype=torch.bfloat16) / 16
+    a = (torch.randn(16, 256, device="cuda", generator=gen) / 16).requires_grad_()
+    b = (torch.randn(384, 16, device="cuda", generator=gen) / 16).requires_grad_()
+    x = torch.randn(4, 100, 256, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(4, 100, 384, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def step():
+        y = lora.lora_linear(x, lora.LoRAProjection(weight, None, a, b, 2.0))
+        return (y, *torch.autograd.grad(y, (x, a, b), dy))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    lora.invalidate_adapter_casts()
+    lora_casts._CAST_CACHE.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    assert not lora_casts._CAST_CACHE and not lora_casts._STACKED_ADAPTERS, "a capture cached adapter casts"
+    for t in (a, b):
+        t.data.add_(torch.randn(t.shape, device="cuda", generator=gen) / 16)
+    graph.replay()
+    want = step()
+    for name, got, ref in zip(("y", "dx", "da", "db"), captured, want):
+        assert_close(got, ref, torch.bfloat16, name)

@@ -33,8 +33,8 @@ One module per stage, each importing only from those above it in this list:
     projections  `LoRAProjection`, `StackedBase` (`QUANTIZED_STACK`, `is_stacked`), the input checks, the flat
                  parameter order (`_flatten`), the adapters of one input side by side (`_Adapters`)
     casts        the adapters' compute-dtype copies and their caches (`_CAST_CACHE`, the stacked adapters'
-                 matrices `_STACKED_ADAPTERS`), one generation each: `invalidate_adapter_casts`,
-                 `uncached_adapters` (CUDA graph capture)
+                 matrices `_STACKED_ADAPTERS`), one generation each: `invalidate_adapter_casts`; none
+                 while a CUDA graph is captured (`adapters_cacheable`)
     maths        the forward and backward pieces: base GEMMs (dense, 4-bit, FP8), adapter matmuls, dX, grads,
                  per projection or stacked
     functions    the blocks' forward and backward (`_project`, `_mlp` and their grads) and the autograd nodes
@@ -43,13 +43,13 @@ One module per stage, each importing only from those above it in this list:
                  and their backward)
     api          `lora_linear`, `lora_projections`, `lora_qkv`, `lora_mlp`: checks, then one node or operator
 Only the public names are re-exported here; tests reach private ones in the module that owns them. Read a
-rebound global (`casts._generation`, `casts._caching`) through its module, never by `from ... import`.
+rebound global (`casts._generation`) through its module, never by `from ... import`.
 """
 
 from __future__ import annotations
 
 from .api import lora_linear, lora_mlp, lora_projections, lora_qkv
-from .casts import invalidate_adapter_casts, uncached_adapters
+from .casts import invalidate_adapter_casts
 from .projections import QUANTIZED_STACK, LoRAProjection, StackedBase, is_stacked
 
 __all__ = [
@@ -62,5 +62,4 @@ __all__ = [
     "lora_mlp",
     "lora_projections",
     "lora_qkv",
-    "uncached_adapters",
 ]

@@ -1,14 +1,13 @@
 """The adapters' compute-dtype copies and their caches: each parameter's cast (`_CAST_CACHE`, refreshed for all
 stale adapters at once by one foreach copy per shape) and the stacked adapters' matrices (`_STACKED_ADAPTERS`),
 both valid for one generation: `invalidate_adapter_casts` starts the next (after each optimizer step, at each
-forward of a patched model); `uncached_adapters` turns both caches off while a CUDA graph is captured.
+forward of a patched model). Neither is used while a CUDA graph is captured (`adapters_cacheable`).
 
-`_generation` and `_caching` are rebound here: other modules read them as `casts._generation`, never through
-`from .casts import _generation` (a copy of the value at import). The functions that read them live here."""
+`_generation` is rebound here: other modules read it as `casts._generation`, never through
+`from .casts import _generation` (a copy of the value at import). The functions that read it live here."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 
 import torch
@@ -43,20 +42,13 @@ _CAST_CACHE: dict[int, _Cast] = state.register_cache("lora.adapter_casts", {})
 # torch optimizer step (`state`'s one post-step hook, installed by patch_model or on first use) and whenever
 # `invalidate_adapter_casts()` is called: a patched model calls it at the start of each forward.
 _generation = 0
-# False while a CUDA graph is captured (`uncached_adapters`): a replay runs no Python, so a cached copy read by a
-# graph would never be refreshed; the casts and stacks are then recorded into the graph and redone at each replay.
-_caching = True
 
 
-@contextlib.contextmanager
-def uncached_adapters():
-    """Within: the fused LoRA ops cast and stack adapters at every call instead of reusing cached copies."""
-    global _caching
-    previous, _caching = _caching, False
-    try:
-        yield
-    finally:
-        _caching = previous
+def adapters_cacheable(x: torch.Tensor) -> bool:
+    """False while x's stream is being captured into a CUDA graph (fastplug's layer graphs, `torch.cuda.graph`,
+    torch.compile's "reduce-overhead"): a replay runs no Python, so a cached copy read by a graph would never be
+    refreshed; the casts and stacks are then recorded into the graph and redone at each replay."""
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def invalidate_adapter_casts(*_) -> None:
@@ -111,10 +103,10 @@ def _refresh_casts(t: torch.Tensor, dtype: torch.dtype) -> None:
                 other.version, other.generation, other.dtype, other.cast = p._version, _generation, dtype, cast
 
 
-def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _cast_param(t: torch.Tensor | None, dtype: torch.dtype, cache: bool) -> torch.Tensor | None:
     if t is None or t.dtype == dtype:
         return t
-    if _caching:
+    if cache:
         hit = _CAST_CACHE.get(id(t))  # a hit is checked inline: this runs for every adapter of every layer
         if (
             hit is not None
@@ -126,18 +118,18 @@ def _cast_param(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | No
             return hit.cast
     if is_4bit(t) or is_fp8(t):  # quantized weights: converted where read
         return t
-    if not _caching:
+    if not cache:
         return t.to(dtype)
     _refresh_casts(t, dtype)
     return _CAST_CACHE[id(t)].cast
 
 
-def _cast_params(params, dtype: torch.dtype) -> list:
+def _cast_params(params, dtype: torch.dtype, cache: bool) -> list:
     """The parameters in the compute dtype, cast inside the autograd function rather than before it: a
     `.to` outside would add an autograd node per tensor per call (peft keeps adapters in fp32 next to a
     bf16 base by default), and its Python cost per step is what a LoRA step is short of. Backward returns
-    grads in the compute dtype; autograd casts each to its parameter's dtype."""
-    return [_cast_param(t, dtype) for t in params]
+    grads in the compute dtype; autograd casts each to its parameter's dtype. cache: `adapters_cacheable`."""
+    return [_cast_param(t, dtype, cache) for t in params]
 
 
 # ------------------------------------------------------------------------------------ stacked adapters
@@ -150,7 +142,7 @@ def _cast_params(params, dtype: torch.dtype) -> list:
 _STACKED_ADAPTERS: dict[tuple, tuple] = state.register_cache("lora.stacked_adapters", {})
 
 
-def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
+def _stacked_adapters(originals, casts, dtype: torch.dtype, cache: bool) -> _StackedAdapters:
     """originals: the projections as the caller passed them (versions and ids of their adapters key the
     cache); casts: the same in the compute dtype. A zero block stands in for a projection without adapter."""
     # loops, not generator expressions: this runs twice per layer per step (the host sets the pace)
@@ -162,7 +154,7 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
                 ids.append(id(t))
                 versions.append(t._version)
     key, versions = (*ids, dtype), tuple(versions)
-    hit = _STACKED_ADAPTERS.get(key) if _caching else None
+    hit = _STACKED_ADAPTERS.get(key) if cache else None
     if hit is not None and hit[1] == versions:
         for ref, t in zip(hit[0], adapter_params):
             if ref() is not t:
@@ -181,12 +173,12 @@ def _stacked_adapters(originals, casts, dtype: torch.dtype) -> _StackedAdapters:
     else:
         b_blk = torch.block_diag(*(b * p.scaling if p.lora_A is not None else b for b, p in zip(blocks, casts)))
     built = _StackedAdapters(adapters.a_cat, b_blk, adapters.slices)
-    if _caching:
+    if cache:
         _STACKED_ADAPTERS[key] = ([weakref.ref(t) for t in adapter_params], versions, built)
     return built
 
 
-def _group_adapters(originals, casts, stacked, dtype: torch.dtype):
+def _group_adapters(originals, casts, stacked, dtype: torch.dtype, cache: bool):
     """The adapter matrices of one group of projections: stacked (keyed by the originals) where its bases are
     stacked, else per projection."""
-    return _stacked_adapters(originals, casts, dtype) if stacked is not None else _adapters(casts)
+    return _stacked_adapters(originals, casts, dtype, cache) if stacked is not None else _adapters(casts)

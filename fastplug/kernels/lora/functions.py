@@ -12,7 +12,7 @@ from torch.autograd.graph import increment_version
 from .._utils import keep_for_backward, kept_for_backward, no_autocast, rows_view
 from ..activations import glu_backward, glu_forward
 from ..rope import rope_projections
-from .casts import _cast_params, _group_adapters
+from .casts import _cast_params, _group_adapters, adapters_cacheable
 from .maths import _dy_b, _forward, _forward_stacked, _grads_stacked, _input_grad, _param_grads
 from .projections import _adapters, _flatten, _unflatten, _weight_shape
 
@@ -49,11 +49,12 @@ def _project(x, x2, scalings, params, stacked, rotary, joined: bool = False) -> 
     rotary: None or (cos, sin, head_dim): q and k rotated in place. joined: dense bases write their outputs
     side by side into one buffer."""
     originals = _unflatten(params, scalings) if stacked is not None else None
-    projs = _unflatten(_cast_params(params, x.dtype), scalings)
+    cache = adapters_cacheable(x)
+    projs = _unflatten(_cast_params(params, x.dtype, cache), scalings)
     outs = [_weight_shape(p.weight)[0] for p in projs]
     y = None
     with no_autocast(x):
-        adapters = _group_adapters(originals, projs, stacked, x.dtype)
+        adapters = _group_adapters(originals, projs, stacked, x.dtype, cache)
         if stacked is not None:
             y, xa = _forward_stacked(x2, stacked, adapters, projs)
             ys = list(y.split(outs, dim=1))
@@ -130,11 +131,12 @@ def _mlp(x, x2, activation, scalings, params, stacked, joined: bool = False) -> 
     """Forward of down(act(gate(x)) * up(x)) (shared by the autograd node and the registered operator).
     joined: gate and up (dense) written side by side into one buffer."""
     originals = _unflatten(params, scalings)[:2] if stacked is not None else None
-    gate_p, up_p, down_p = projs = _unflatten(_cast_params(params, x.dtype), scalings)
+    cache = adapters_cacheable(x)
+    gate_p, up_p, down_p = projs = _unflatten(_cast_params(params, x.dtype, cache), scalings)
     down_adapters = _adapters([down_p])
     width = _weight_shape(gate_p.weight)[0]
     with no_autocast(x):
-        gu_adapters = _group_adapters(originals, [gate_p, up_p], stacked, x.dtype)
+        gu_adapters = _group_adapters(originals, [gate_p, up_p], stacked, x.dtype, cache)
         if stacked is not None:
             gate_up, xa_gu = _forward_stacked(x2, stacked, gu_adapters, [gate_p, up_p])
             gate, up = gate_up.split(width, dim=1)

@@ -12,7 +12,7 @@ import torch
 from .._utils import rows_view
 from ..fp8 import is_fp8
 from ..quant import is_4bit
-from .casts import _cast_params, _group_adapters
+from .casts import _cast_params, _group_adapters, adapters_cacheable
 from .functions import _mlp, _mlp_grads, _MLPForward, _project, _project_grads, _Projected
 from .projections import StackedBase, _adapters, _unflatten, is_stacked
 
@@ -156,10 +156,10 @@ def _projections_backward_op(dy, x, xa, tensors, present, scalings, cos, sin, he
     params = _unpack(tensors, present)
     projs = _unflatten(params, scalings)
     stacked = _stacked_in_memory(projs, x.dtype)
-    cast = _unflatten(_cast_params(params, x.dtype), scalings)
-    fwd = _Projected(
-        None, None, xa if xa.shape[1] else None, _group_adapters(projs, cast, stacked, x.dtype), cast, projs
-    )
+    cache = adapters_cacheable(x)
+    cast = _unflatten(_cast_params(params, x.dtype, cache), scalings)
+    adapters = _group_adapters(projs, cast, stacked, x.dtype, cache)
+    fwd = _Projected(None, None, xa if xa.shape[1] else None, adapters, cast, projs)
     rotary = None if cos is None else (cos, sin, x.shape[0], head_dim)
     dys = list(dy.split([p.weight.shape[0] for p in projs], dim=1))
     dx, grads = _project_grads(
@@ -229,8 +229,9 @@ def _mlp_backward_op(dy, x, gate_up, xa_gu, xa_down, tensors, present, scalings,
     params = _unpack(tensors, present)
     projs = _unflatten(params, scalings)
     stacked = _stacked_in_memory(projs[:2], x.dtype)
-    cast = _unflatten(_cast_params(params, x.dtype), scalings)
-    adapters = (_group_adapters(projs[:2], cast[:2], stacked, x.dtype), _adapters(cast[2:]))
+    cache = adapters_cacheable(x)
+    cast = _unflatten(_cast_params(params, x.dtype, cache), scalings)
+    adapters = (_group_adapters(projs[:2], cast[:2], stacked, x.dtype, cache), _adapters(cast[2:]))
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=1)
     fwd = _MLPForward(
         None,

@@ -46,9 +46,10 @@ _generation = 0
 
 def adapters_cacheable(x: torch.Tensor) -> bool:
     """False while x's stream is being captured into a CUDA graph (fastplug's layer graphs, `torch.cuda.graph`,
-    torch.compile's "reduce-overhead"): a replay runs no Python, so a cached copy read by a graph would never be
-    refreshed; the casts and stacks are then recorded into the graph and redone at each replay."""
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    torch.compile's "reduce-overhead") or the call is traced by torch.compile: a replay or a compiled graph runs
+    no Python, so a cached copy read by it would never be refreshed; the casts and stacks are then recorded into
+    the graph and redone at each run."""
+    return not (torch.compiler.is_compiling() or (x.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def invalidate_adapter_casts(*_) -> None:

@@ -107,7 +107,7 @@ def _tile(pid_r, pid_c, n_rows, n_cols, FLAT: tl.constexpr, BLOCK_ROWS: tl.const
     return rows, cols, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # a new batch length compiles nothing
 def _glu_fwd(
     gate_ptr,
     up_ptr,
@@ -129,7 +129,7 @@ def _glu_fwd(
     tl.store(h_ptr + rows * stride_h + cols, (x * p * u).to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # a new batch length compiles nothing
 def _glu_bwd(
     grad_h_ptr,
     gate_ptr,

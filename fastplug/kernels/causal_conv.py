@@ -59,7 +59,7 @@ def _pre_activation(X, W, B, rows, t, row_mask, cols, col_mask, sx_b, sx_t, seq_
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "seq_len"])  # a new batch length compiles nothing
 def _conv_fwd(
     X, W, B, Y, n_rows, n_cols, seq_len, sx_b, sx_t,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -78,7 +78,7 @@ def _conv_fwd(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "seq_len"])  # a new batch length compiles nothing
 def _conv_bwd_pre(
     DY, X, W, B, DPRE, DW_PARTIAL, DB_PARTIAL, n_rows, n_cols, seq_len, sx_b, sx_t, sdy_t, tiles_per_program,
     K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -120,7 +120,7 @@ def _conv_bwd_pre(
         tl.store(DB_PARTIAL + tl.program_id(0).to(tl.int64) * n_cols + cols, db_acc, mask=col_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "seq_len"])  # a new batch length compiles nothing
 def _conv_bwd_dx(
     DPRE, W, DX, n_rows, n_cols, seq_len,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,

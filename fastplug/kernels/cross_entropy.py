@@ -65,7 +65,7 @@ def _final_logits(x, logit_scale, softcap, post_scale, HAS_SOFTCAP: tl.constexpr
     return z
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # a new batch length compiles nothing
 def _ce_rows(
     logits_ptr,
     logits_stride,

@@ -55,7 +55,7 @@ _L2_EPS = 1e-6  # transformers' and fla's l2norm: x * rsqrt(sum(x^2) + 1e-6)
 # ----------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])  # a new batch length compiles nothing
 def _scan_fwd(
     W, U, QD, KD, P, GAMMA, O, S_FINAL, STATES, V_NEW, n_chunks, dk, dv,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STORE_OUT: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -93,7 +93,7 @@ def _scan_fwd(
         tl.store(S_FINAL + bh * dk * dv + rk[:, None] * dv + rv[None, :], s, mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])  # a new batch length compiles nothing
 def _scan_bwd(
     W, QD, KD, P, GAMMA, DO, DS_FINAL, DU, DS_NEXT, n_chunks, dk, dv,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_DS_FINAL: tl.constexpr, PRECISION: tl.constexpr,

@@ -138,7 +138,7 @@ def _rotate_heads(
             tl.store(y_row + p, x_pass.to(y_ptr.dtype.element_ty), mask=pass_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])  # a new batch length compiles nothing
 def _rope_kernel(
     q_ptr,
     k_ptr,

@@ -88,7 +88,7 @@ def _dkdv_loop(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])  # a new batch length compiles nothing
 def _attn_bwd_dkdv(
     Q,
     K,
@@ -361,7 +361,7 @@ def _dq_loop(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])  # a new batch length compiles nothing
 def _attn_bwd_dq(
     Q,
     K,

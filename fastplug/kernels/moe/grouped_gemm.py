@@ -93,7 +93,7 @@ def _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX: tl.constexpr, BL
     return rm, mask_m, src
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm(
     a_ptr,
     a_index_ptr,
@@ -206,7 +206,7 @@ def _grouped_mm(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm_glu(
     a_ptr,
     a_index_ptr,
@@ -371,7 +371,7 @@ def _dw_step(
     return dot_acc(dy, x, acc, PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm_dw(
     dy_ptr,
     dy_desc,
@@ -489,7 +489,7 @@ def _grouped_mm_dw(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _scale_scatter_rows(
     y_ptr,
     rw_ptr,

@@ -41,7 +41,7 @@ def _pick(remaining, cols, BLOCK_E: tl.constexpr):
     return best, pick, tl.where(cols[None, :] == pick[:, None], -2.0, remaining)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a new batch length compiles nothing
 def _router_fwd(
     logits_ptr,
     weights_ptr,
@@ -74,7 +74,7 @@ def _router_fwd(
         tl.store(weights_ptr + rows * TOP_K + j, best / total, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # a new batch length compiles nothing
 def _router_bwd(
     logits_ptr,
     index_ptr,
@@ -116,7 +116,7 @@ def _router_bwd(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])  # a new batch length compiles nothing
 def _routing_metadata(
     ids_ptr,
     offsets_ptr,

@@ -27,21 +27,22 @@ matches its record is a replay:
   a buffer the next replay overwrites.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
-Memory: by default (`cuda_graphs=None`) a shape is captured only while the graphs' predicted keep stays within
-`graphs_memory` times the peak allocated before the first capture; `cuda_graphs=True` has no cap.
-Eager instead (the same numbers, the usual speed): inference or no grad, packed rows
-(the caller passed position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than
-fastplug's, dropout, "offload" checkpointing, a signature beyond the first `max_signatures` or beyond the
-memory cap, a layer whose
-previous replay still awaits its backward (two forwards before one backward), a capture that failed (a
-warning says why; that signature stays eager). Parameters re-pointed, frozen or unfrozen, peft adapters
-disabled, switched or merged, hooks or modules added since the capture (`_Fixed`): the graphs are dropped and
-the stack is captured afresh.
+Memory: the captured shapes' hidden states share one arena (`_Arena`); by default (`cuda_graphs=None`) a shape is
+captured only while the graphs' predicted keep stays within `graphs_memory` times the peak allocated before the
+first capture; `cuda_graphs=True` has no cap.
+Eager instead (the same numbers, the usual speed): inference or no grad, packed rows (the caller passed
+position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than fastplug's, dropout, "offload"
+checkpointing, a signature beyond the first `max_signatures` (four without a memory cap, sixteen with one) or
+beyond the memory cap, a layer whose previous replay still awaits its backward (two forwards before one
+backward), a capture that failed (a warning says why; that signature stays eager). Parameters re-pointed, frozen
+or unfrozen, peft adapters disabled, switched or merged, hooks or modules added since the capture (`_Fixed`): the
+graphs are dropped and the stack is captured afresh.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import warnings
 import weakref
@@ -87,15 +88,18 @@ def why_not(layers: list[nn.Module], placed: bool) -> str | None:
 class LayerGraphs:
     """The graphs of one decoder stack, per call signature."""
 
-    def __init__(self, layers: list[nn.Module], max_signatures: int = 4, memory_cap: float | None = None):
+    def __init__(self, layers: list[nn.Module], max_signatures: int | None = None, memory_cap: float | None = None):
         self.layers = layers
-        self.max_signatures = max_signatures
         # memory_cap: what the graphs may keep, as a fraction of the peak allocated before the first capture (None:
-        # no cap). Before each capture its cost is predicted from the earlier ones' bytes per hidden-state element.
+        # no cap). Before each capture its cost is predicted: the arena's growth and the pool's, from the earlier
+        # captures' pool bytes per hidden-state element. Without a cap, four shapes at most; with one, sixteen.
         self.memory_cap = memory_cap
+        self.max_signatures = max_signatures or (4 if memory_cap is None else 16)
         self._cap_bytes: int | None = None
-        self.kept = 0  # bytes the captures added to the graphs' memory pool
-        self._bytes_per_element = 0.0
+        self.kept = 0  # bytes the graphs keep: the arena and the memory pool
+        self._growths: list[float] = []  # each capture's pool growth per hidden-state element
+        self._arena: _Arena | None = None  # the hidden states of every captured shape, one at a time
+        self._warmed = False  # one capture ran: later ones warm up once (lazy initialisation is done)
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         # signature -> what each layer took at the signature's first sighting ({layer index: _Record})
         self.seen: dict[tuple, dict[int, _Record]] = {}
@@ -118,7 +122,7 @@ class LayerGraphs:
         self._removed = str(self)
         self._fixed.close()
         self.seen.clear()
-        self._recording = self._forward = self._last = None
+        self._recording = self._forward = self._last = self._arena = None
         for layer in self.layers:
             vars(layer).pop(_GRAPHS, None)
             if type(layer) in _SUBCLASSES.values():
@@ -202,6 +206,8 @@ class LayerGraphs:
                     return f"a batch shape beyond the first {self.max_signatures} captured"
                 if not self._capturable():
                     return "checkpointing other than plain, or hooks inside the layers"
+                if self._last is not None and any(g.awaiting_backward() for g in self._last):
+                    return "another shape's replay awaits its backward (they share the memory pool)"
                 if not self._fits(tensors[0]):
                     return "a batch shape beyond the graphs' memory cap (graphs_memory)"
                 if not self.sets:
@@ -248,34 +254,59 @@ class LayerGraphs:
     def _fits(self, hidden: torch.Tensor) -> bool:
         """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap, and within
         half of what the device has free (a default must not turn a run that fits into one that does not). Its
-        cost is predicted from the earlier captures' bytes per hidden-state element; the first is estimated as
-        every layer's output and a few more such buffers (what each capture keeps), and goes ahead if it fits
-        in the free memory."""
+        cost is the arena's growth (`_Arena`) and the pool's, predicted from the earlier captures' pool bytes per
+        hidden-state element; before any capture, estimated as one more hidden-state buffer."""
         if self.memory_cap is None:
             return True
         device = hidden.device
         if self._cap_bytes is None:
             self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
-        if self.sets:
-            cost = self._bytes_per_element * hidden.numel()
-            if self.kept + cost > self._cap_bytes:
-                return False
-        else:
-            cost = (len(self.layers) + 4) * hidden.numel() * hidden.element_size()
+        cost = self._arena_growth(hidden) + self._pool_per_element(hidden) * hidden.numel()
+        if self._warmed and self.kept + cost > self._cap_bytes:
+            return False
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return cost <= (torch.cuda.mem_get_info(device)[0] + cached) / 2
 
+    def _pool_per_element(self, hidden: torch.Tensor) -> float:
+        """The pool's predicted growth per hidden-state element: the largest of the captures after the first (the
+        first fills the pool with temporaries the later ones reuse), the first's until then, and before any one
+        hidden-state buffer's worth."""
+        if not self._growths:
+            return hidden.element_size()
+        return max(self._growths[1:] or self._growths)
+
+    def _arena_numel(self, hidden: torch.Tensor) -> int:
+        """A slot's size for an arena that must hold `hidden`: the largest hidden states of this dtype seen so far
+        (their shapes are in the signatures' keys), so that a later, larger shape does not need a new arena."""
+        seen = [math.prod(key[1][0]) for key in self.seen if key[1][2] == hidden.dtype]
+        return max([hidden.numel(), *seen])
+
+    def _arena_growth(self, hidden: torch.Tensor) -> int:
+        if self._arena is not None and self._arena.holds(hidden):
+            return 0
+        slots = _Arena.slots_for(len(self.layers))
+        new = slots * self._arena_numel(hidden) * hidden.element_size()
+        return new - (self._arena.nbytes if self._arena is not None else 0)
+
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
+        hidden = tensors[0]
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._arena is None or not self._arena.holds(hidden):
+            # the captured shapes' graphs write the old arena: they go (captured again at their next sighting)
+            self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
+            self._arena = self._last = self._forward = None
+            self._arena = _Arena(len(self.layers), self._arena_numel(hidden), hidden)
         before = _pool_bytes(self._pool)
-        graphs = self._capture_graphs(records, tensors)
-        added = max(_pool_bytes(self._pool) - before, 0)
-        self.kept += added
-        self._bytes_per_element = max(self._bytes_per_element, added / tensors[0].numel())
+        graphs = self._capture_graphs(records, tensors, self._arena)
+        after = _pool_bytes(self._pool)
+        self.kept = self._arena.nbytes + after
+        if graphs is not _FAILED:
+            self._growths.append(max(after - before, 0) / hidden.numel())
+            self._warmed = True
         return graphs
 
-    def _capture_graphs(self, records: list["_Record"], tensors: list[torch.Tensor]):
+    def _capture_graphs(self, records: list["_Record"], tensors: list[torch.Tensor], arena: "_Arena"):
         """records: each layer's inputs at the first sighting; tensors: layer 0's now."""
         pool = self._pool
         # The inputs besides the hidden states go through static buffers that the layers share, one per argument
@@ -302,15 +333,18 @@ class LayerGraphs:
         try:
             self.capturing = True
             with _no_autocast_cache():
-                hidden = tensors[0].detach().clone().requires_grad_(tensors[0].requires_grad)
+                hidden = arena.slot(0, tensors[0])
+                with torch.no_grad():
+                    hidden.copy_(tensors[0])
+                hidden.requires_grad_(tensors[0].requires_grad)
                 warm_store, store = {}, {}  # what layers store in a mapping argument for later ones (KV sharing)
                 for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture
-                    graph.warm_up(hidden, warm_store)
-                for graph in graphs:
-                    hidden = graph.capture_forward(hidden, pool, store)
+                    graph.warm_up(hidden, warm_store, 1 if self._warmed else 2)
+                for index, graph in enumerate(graphs):
+                    hidden = graph.capture_forward(hidden, pool, store, arena.slot(1 + index, hidden))
                 # Input gradients alternate between two buffers: layer k's is read by layer k-1's backward only,
                 # and layer k-2 may then overwrite it (the last layer's output gradient is copied into one).
-                buffers = [torch.empty_like(hidden), torch.empty_like(hidden)]
+                buffers = [arena.slot(len(graphs) + 1, hidden), arena.slot(len(graphs) + 2, hidden)]
                 grad = buffers[len(graphs) % 2]
                 for index in reversed(range(len(graphs))):
                     grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
@@ -341,8 +375,11 @@ class _LayerGraph:
         # belongs to the default stream, and autograd would sync with it in mid-capture (which voids it).
         self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # outputs: the captured outputs (what the backward differentiates; dropped after its capture); returned:
+        # what a replay returns, the same but for the hidden states, copied into the arena's slot
         self.outputs = self.out_spec = None
-        self.layer_outputs = 0  # how many of `outputs` are the layer's own; the rest are what it stored
+        self.returned: list[torch.Tensor] = []
+        self.layer_outputs = 0  # how many of `returned` are the layer's own; the rest are what it stored
         self.stores: list[tuple] = []  # (key, spec, count) of each entry it stored in the mapping argument
         self.read_keys: list = []  # the entries of the mapping argument it reads (another layer's stores)
         self.reads = 0  # how many of `inputs` (the last ones) are those entries' tensors
@@ -369,13 +406,13 @@ class _LayerGraph:
         wrt = [t for t in self.inputs if t.requires_grad] + [t for t in reads if t.requires_grad]
         return [o for o in outputs if o.requires_grad], wrt + list(self.aliases.values())
 
-    def warm_up(self, hidden: torch.Tensor, store: dict) -> None:
+    def warm_up(self, hidden: torch.Tensor, store: dict, iterations: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.inputs[0] = hidden
             with _checkpointing_for_capture(self.layer):
-                for _ in range(2):
+                for _ in range(iterations):
                     mapping = self._mapping(store)
                     outputs = pytree.tree_leaves(self._call(self.inputs, mapping))
                     stored = pytree.tree_leaves(mapping.stored) if mapping is not None else []
@@ -388,27 +425,35 @@ class _LayerGraph:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
-    def capture_forward(self, hidden: torch.Tensor, pool, store: dict) -> torch.Tensor:
+    def capture_forward(self, hidden: torch.Tensor, pool, store: dict, into: torch.Tensor) -> torch.Tensor:
         """store: what earlier layers' graphs stored in the mapping argument, as leaves on their output buffers;
-        this layer's reads become inputs of its graph (its backward gives their gradients) and its stores outputs."""
+        this layer's reads become inputs of its graph (its backward gives their gradients) and its stores outputs.
+        into: the arena's slot for its output hidden states, which the graph copies there; returns it (the next
+        layer's input, no further copy)."""
         self.inputs[0] = hidden
         mapping = self._mapping(store)
         with _checkpointing_for_capture(self.layer), torch.cuda.graph(self.fwd, pool=pool):
             outputs = self._call(self.inputs, mapping)
-        self.outputs, self.out_spec = pytree.tree_flatten(outputs)
+            self.outputs, self.out_spec = pytree.tree_flatten(outputs)
+            first = self.outputs[0]
+            if first.shape != into.shape or first.dtype != into.dtype:
+                raise RuntimeError(f"a layer's output {tuple(first.shape)} is not shaped as its input")
+            with torch.no_grad():
+                into.copy_(first)
+        self.returned = [into.requires_grad_(first.requires_grad), *self.outputs[1:]]
         self.layer_outputs = len(self.outputs)
         if mapping is not None:
             for key, value in mapping.stored.items():
                 leaves, spec = pytree.tree_flatten(value)
                 self.stores.append((key, spec, len(leaves)))
                 self.outputs += leaves
+                self.returned += leaves
             store.update(_aliases(mapping.stored))
             self.read_keys = list(mapping.read)
             reads = pytree.tree_leaves([store[key] for key in self.read_keys])
             self.inputs += reads
             self.reads = len(reads)
-        first = self.outputs[0]  # the next layer's input: this buffer itself, no copy
-        return first.detach().requires_grad_(first.requires_grad)
+        return into
 
     def capture_backward(self, grad_of_output: torch.Tensor, into: torch.Tensor, pool) -> torch.Tensor:
         """grad_of_output: where the output's gradient arrives (the next layer's `into`); into: where the input's
@@ -432,6 +477,10 @@ class _LayerGraph:
         it = iter(grads)
         self.grad_inputs = [next(it) if t.requires_grad else None for t in self.inputs]
         self.grad_params = list(it)
+        # the captured hidden states go back to the pool: the graphs write them there at each replay, read within
+        # it (the arena's slot keeps the copy the next layer and the backward read), and another shape may use
+        # the bytes between replays
+        self.outputs = None
         return into
 
     # -- replay
@@ -468,7 +517,7 @@ class _Replay(torch.autograd.Function):
         graph.fwd.replay()
         ctx.graph, ctx.token, ctx.shared = graph, _Token(), shared
         graph._pending = weakref.ref(ctx.token)
-        return tuple(o.detach() for o in graph.outputs)
+        return tuple(o.detach() for o in graph.returned)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -495,6 +544,33 @@ def _load_shared(graph: _LayerGraph, tensors) -> None:
             continue
         static.copy_(t)
         graph.sources[id(static)] = (weakref.ref(t), t._version)
+
+
+class _Arena:
+    """The hidden states of every captured shape: layer 0's input, each layer's output (the next one's input, and
+    what its checkpointed backward recomputes from) and the two input-gradient buffers, one slot each, sized for
+    the largest shape. Replays of two shapes never interleave (one awaits its backward when another would run),
+    so the shapes share these bytes instead of each keeping its own (Llama-1B at 4 x 4096 tokens: 1 GiB a shape,
+    most of what a capture keeps)."""
+
+    @staticmethod
+    def slots_for(layers: int) -> int:
+        return layers + 3
+
+    def __init__(self, layers: int, numel: int, like: torch.Tensor):
+        self.numel = numel
+        self.buffer = torch.empty(self.slots_for(layers) * numel, dtype=like.dtype, device=like.device)
+        self.nbytes = self.buffer.numel() * self.buffer.element_size()
+
+    def holds(self, hidden: torch.Tensor) -> bool:
+        return (
+            hidden.numel() <= self.numel and hidden.dtype == self.buffer.dtype and hidden.device == self.buffer.device
+        )
+
+    def slot(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        """Slot `index` as a contiguous tensor shaped as `like`, outside autograd (its own leaf)."""
+        start = index * self.numel
+        return self.buffer[start : start + like.numel()].view(like.shape).detach()
 
 
 def _pool_bytes(pool: tuple) -> int:

@@ -165,6 +165,31 @@ def test_default_graphs_capture_within_their_memory_cap():
         torch.testing.assert_close(torch.tensor(losses), want, rtol=2e-3, atol=2e-3, msg=key)
 
 
+def test_shapes_share_the_arena_and_a_larger_shape_replaces_it():
+    """Shapes captured one after another share one arena of hidden states, sized for the largest shape seen; a larger
+    shape later brings a new arena (the shapes captured in the old one are captured again at their next sighting),
+    and every step trains as the eager layers do, gradient accumulation included."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [128, 128, 192, 192, 128, 128, 512, 512, 128, 192, 512, 128, 192]
+    batches = [torch.randint(0, 1000, (2, n), generator=gen).cuda() for n in lengths]
+    results = {}
+    for graphs_on in (False, True):
+        model = _model("llama")
+        handle = fastplug.patch_model(model, cuda_graphs=graphs_on)
+        losses = train_losses(model, model, batches, fused=True, accumulate=1)
+        losses += train_losses(model, model, batches[:6], fused=True, accumulate=2)
+        results[graphs_on] = (losses, _adapters(model))
+        graphs, summary = handle.graphs, handle.summary()
+        handle.restore()
+        if graphs_on:
+            assert graphs.replays >= 10 * 4, summary
+            assert graphs._arena is not None and graphs._arena.numel == 2 * 512 * 512, summary
+            assert graphs.kept >= graphs._arena.nbytes, summary
+    torch.testing.assert_close(torch.tensor(results[True][0]), torch.tensor(results[False][0]), rtol=2e-3, atol=2e-3)
+    for name, want in results[False][1].items():
+        assert_close(results[True][1][name], want, torch.bfloat16, name)
+
+
 def test_a_users_cuda_graph_of_fused_lora_reads_the_adapters_at_replay():
     """Captured fused LoRA (forward and backward) caches no adapter cast: after the fp32 adapters change in place
     (as fused AdamW writes them: no version bump through .data), a replay gives the eager result of the new

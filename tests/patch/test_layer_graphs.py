@@ -147,37 +147,63 @@ def test_default_resolves_off_the_gpu_quietly():
 
 
 def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch):
-    """A shape is captured only while what the graphs keep plus its predicted share (the largest bytes per
-    hidden-state element measured so far) stays within the cap and half the free memory; the first needs only
-    the free memory for its estimate; no cap, no limit."""
+    """A shape is captured only while what the graphs keep plus its predicted cost stays within the cap and half
+    the free memory: the arena's growth (a slot per layer and three more, sized for the largest hidden states seen)
+    and the pool's, predicted from the captures after the first; the first needs only the free memory for its
+    estimate; no cap, no limit."""
     free = [10**9]
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 600)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 500)
     layers = decoder_layers(tiny_model("llama"))
+    slots = len(layers) + 3
     capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
     try:
-        hidden = torch.empty(100)  # fp32: the first capture is estimated at (layers + 4) x 400 bytes
+        assert capped.max_signatures == 16
+        hidden = torch.empty(100)  # fp32: the first capture is estimated as the arena and one more buffer
         assert capped._fits(hidden), "the first capture goes ahead when it fits in the free memory"
-        free[0] = 2 * (len(layers) + 4) * 400 - 100 - 2  # with the allocator's 100 cached bytes: 2 short
+        free[0] = 2 * (slots + 1) * 400 - 100 - 2  # with the allocator's 100 cached bytes: 2 short
         assert not capped._fits(hidden), "half the free memory bounds the first capture too"
         free[0] = 10**9
-        capped.sets[("first",)] = []
-        capped.kept, capped._bytes_per_element = 300, 2.0
-        assert capped._fits(torch.empty(100))  # 300 + 200 <= 500
-        assert not capped._fits(torch.empty(101))  # 300 + 202 > 500
+        capped._arena = layer_graphs._Arena(len(layers), 1000, hidden)
+        capped._warmed, capped._growths = True, [500.0]
+        capped.kept = capped._arena.nbytes + 300
+        room = 500_000 - capped.kept  # the cap: half the peak
+        assert room // 500 <= 1000, "the test's shapes fit in the arena"
+        assert capped._fits(torch.empty(room // 500)), "in the arena, at the first capture's pool growth"
+        assert not capped._fits(torch.empty(room // 500 + 1))
+        capped._growths.append(2.0)  # later captures reuse the first's temporaries: they predict
+        assert capped._fits(torch.empty(1000)), "within the arena, 2000 bytes of pool"
+        bigger = torch.empty(1001)  # a new arena for 1001 elements a slot, and its pool growth
+        assert capped._arena_growth(bigger) == slots * 1001 * 4 - capped._arena.nbytes
+        assert capped._fits(bigger)
+        capped.kept = 500_000 - capped._arena_growth(bigger) - 2001
+        assert not capped._fits(bigger), "the arena's growth counts against the cap"
         free[0] = 2 * 200 - 100 - 2
         assert not capped._fits(torch.empty(100)), "within the cap but not in half the free memory"
     finally:
         capped.remove()
     uncapped = layer_graphs.LayerGraphs(layers)
     try:
-        uncapped.sets[("first",)] = []
-        uncapped.kept, uncapped._bytes_per_element = 10**12, 2.0
+        assert uncapped.max_signatures == 4
+        uncapped._warmed, uncapped._growths, uncapped.kept = True, [2.0], 10**12
         assert uncapped._fits(torch.empty(10**6))
     finally:
         uncapped.remove()
+
+
+def test_the_arena_gives_each_slot_its_own_leaf_shaped_as_asked():
+    arena = layer_graphs._Arena(2, 12, torch.empty(1, dtype=torch.bfloat16))
+    assert arena.buffer.numel() == 5 * 12 and arena.nbytes == 5 * 12 * 2
+    like = torch.empty(2, 3, 2, dtype=torch.bfloat16)
+    first, last = arena.slot(0, like), arena.slot(4, like)
+    assert first.shape == like.shape and first.is_contiguous() and first._base is None
+    assert last.data_ptr() == arena.buffer.data_ptr() + 4 * 12 * 2
+    first.requires_grad_()  # a leaf of its own: the arena's buffer stays out of autograd
+    assert not arena.buffer.requires_grad
+    assert arena.holds(like) and not arena.holds(torch.empty(13, dtype=torch.bfloat16))
+    assert not arena.holds(torch.empty(2, dtype=torch.float32))
 
 
 def test_capture_mapping_keeps_the_type_takes_stores_and_records_reads():

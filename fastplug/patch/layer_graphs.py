@@ -472,7 +472,8 @@ class _LayerGraph:
                     )
                 )
                 if self.inputs[0].requires_grad:
-                    into.copy_(grads[0])
+                    with torch.no_grad():
+                        into.copy_(grads[0])
                     grads[0] = into
         it = iter(grads)
         self.grad_inputs = [next(it) if t.requires_grad else None for t in self.inputs]
@@ -568,9 +569,13 @@ class _Arena:
         )
 
     def slot(self, index: int, like: torch.Tensor) -> torch.Tensor:
-        """Slot `index` as a contiguous tensor shaped as `like`, outside autograd (its own leaf)."""
-        start = index * self.numel
-        return self.buffer[start : start + like.numel()].view(like.shape).detach()
+        """Slot `index` as a contiguous tensor shaped as `like` on the arena's storage: not a view, so autograd
+        relates no slot to another (views of one base, some made in no-grad mode by the replays' detach, would
+        make autograd refuse the captures' in-place writes to the others)."""
+        slot = torch.empty(0, dtype=self.buffer.dtype, device=self.buffer.device)
+        strides = torch.empty(like.shape, device="meta").stride()
+        with torch.no_grad():
+            return slot.set_(self.buffer.untyped_storage(), index * self.numel, like.shape, strides)
 
 
 def _pool_bytes(pool: tuple) -> int:

@@ -198,10 +198,13 @@ def test_the_arena_gives_each_slot_its_own_leaf_shaped_as_asked():
     assert arena.buffer.numel() == 5 * 12 and arena.nbytes == 5 * 12 * 2
     like = torch.empty(2, 3, 2, dtype=torch.bfloat16)
     first, last = arena.slot(0, like), arena.slot(4, like)
-    assert first.shape == like.shape and first.is_contiguous() and first._base is None
+    assert first.shape == like.shape and first.is_contiguous() and first._base is None and not first._is_view()
     assert last.data_ptr() == arena.buffer.data_ptr() + 4 * 12 * 2
     first.requires_grad_()  # a leaf of its own: the arena's buffer stays out of autograd
     assert not arena.buffer.requires_grad
+    last.copy_(torch.ones(2, 3, 2) * first)  # grad mode: autograd sees no relation between two slots
+    assert last.grad_fn is not None and first.grad_fn is None
+    assert torch.equal(arena.buffer[48:60].view(2, 3, 2), last.detach()), "slots are the arena's bytes"
     assert arena.holds(like) and not arena.holds(torch.empty(13, dtype=torch.bfloat16))
     assert not arena.holds(torch.empty(2, dtype=torch.float32))
 

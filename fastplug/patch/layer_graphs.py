@@ -97,7 +97,8 @@ class LayerGraphs:
         self.max_signatures = max_signatures or (4 if memory_cap is None else 16)
         self._cap_bytes: int | None = None
         self.kept = 0  # bytes the graphs keep: the arena and the memory pool
-        self._growths: list[float] = []  # each capture's pool growth per hidden-state element
+        self._growths: list[tuple[int, int]] = []  # (hidden-state elements, pool bytes added) per capture
+        self._held = 0  # pool bytes the first capture's graphs hold beyond their temporaries (gradient buffers)
         self._arena: _Arena | None = None  # the hidden states of every captured shape, one at a time
         self._warmed = False  # one capture ran: later ones warm up once (lazy initialisation is done)
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
@@ -254,26 +255,31 @@ class LayerGraphs:
     def _fits(self, hidden: torch.Tensor) -> bool:
         """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap, and within
         half of what the device has free (a default must not turn a run that fits into one that does not). Its
-        cost is the arena's growth (`_Arena`) and the pool's, predicted from the earlier captures' pool bytes per
-        hidden-state element; before any capture, estimated as one more hidden-state buffer."""
+        cost is the arena's growth (`_Arena`) and the pool's (`_pool_growth`)."""
         if self.memory_cap is None:
             return True
         device = hidden.device
         if self._cap_bytes is None:
             self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
-        cost = self._arena_growth(hidden) + self._pool_per_element(hidden) * hidden.numel()
+        cost = self._arena_growth(hidden) + self._pool_growth(hidden)
         if self._warmed and self.kept + cost > self._cap_bytes:
             return False
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return cost <= (torch.cuda.mem_get_info(device)[0] + cached) / 2
 
-    def _pool_per_element(self, hidden: torch.Tensor) -> float:
-        """The pool's predicted growth per hidden-state element: the largest of the captures after the first (the
-        first fills the pool with temporaries the later ones reuse), the first's until then, and before any one
-        hidden-state buffer's worth."""
+    def _pool_growth(self, hidden: torch.Tensor) -> float:
+        """The pool's predicted growth for a capture of hidden states like `hidden`. The first capture fills the
+        pool with its layers' temporaries, which are free between replays, so a shape no larger than one captured
+        reuses them and adds what its graphs hold (their gradient buffers: the largest growth of such a capture,
+        or what the first holds until one ran). A larger shape needs larger temporaries: predicted at the largest
+        growth per hidden-state element so far. Before any capture, one hidden-state buffer."""
+        numel = hidden.numel()
         if not self._growths:
-            return hidden.element_size()
-        return max(self._growths[1:] or self._growths)
+            return numel * hidden.element_size()
+        if numel > max(n for n, _ in self._growths):
+            return numel * max(added / n for n, added in self._growths)
+        later = [added for n, added in self._growths[1:] if n <= numel]
+        return max(later) if later else self._held
 
     def _arena_numel(self, hidden: torch.Tensor) -> int:
         """A slot's size for an arena that must hold `hidden`: the largest hidden states of this dtype seen so far
@@ -302,7 +308,9 @@ class LayerGraphs:
         after = _pool_bytes(self._pool)
         self.kept = self._arena.nbytes + after
         if graphs is not _FAILED:
-            self._growths.append(max(after - before, 0) / hidden.numel())
+            self._growths.append((hidden.numel(), max(after - before, 0)))
+            if not self._warmed:
+                self._held = sum(graph.held_bytes() for graph in graphs)
             self._warmed = True
         return graphs
 
@@ -375,8 +383,8 @@ class _LayerGraph:
         # belongs to the default stream, and autograd would sync with it in mid-capture (which voids it).
         self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # outputs: the captured outputs (what the backward differentiates; dropped after its capture); returned:
-        # what a replay returns, the same but for the hidden states, copied into the arena's slot
+        # outputs: what the backward differentiates (the hidden states as copied into the arena's slot; dropped
+        # after its capture); returned: what a replay returns, the same as leaves
         self.outputs = self.out_spec = None
         self.returned: list[torch.Tensor] = []
         self.layer_outputs = 0  # how many of `returned` are the layer's own; the rest are what it stored
@@ -428,19 +436,20 @@ class _LayerGraph:
     def capture_forward(self, hidden: torch.Tensor, pool, store: dict, into: torch.Tensor) -> torch.Tensor:
         """store: what earlier layers' graphs stored in the mapping argument, as leaves on their output buffers;
         this layer's reads become inputs of its graph (its backward gives their gradients) and its stores outputs.
-        into: the arena's slot for its output hidden states, which the graph copies there; returns it (the next
-        layer's input, no further copy)."""
+        into: the arena's slot for its output hidden states, which the graph copies there; returns it as a leaf
+        (the next layer's input, no further copy)."""
         self.inputs[0] = hidden
         mapping = self._mapping(store)
         with _checkpointing_for_capture(self.layer), torch.cuda.graph(self.fwd, pool=pool):
-            outputs = self._call(self.inputs, mapping)
-            self.outputs, self.out_spec = pytree.tree_flatten(outputs)
-            first = self.outputs[0]
-            if first.shape != into.shape or first.dtype != into.dtype:
-                raise RuntimeError(f"a layer's output {tuple(first.shape)} is not shaped as its input")
-            with torch.no_grad():
-                into.copy_(first)
-        self.returned = [into.requires_grad_(first.requires_grad), *self.outputs[1:]]
+            leaves, self.out_spec = pytree.tree_flatten(self._call(self.inputs, mapping))
+            if leaves[0].shape != into.shape or leaves[0].dtype != into.dtype:
+                raise RuntimeError(f"a layer's output {tuple(leaves[0].shape)} is not shaped as its input")
+            # with grad: the slot takes the output's place in the autograd graph (the backward differentiates it),
+            # and the output's own bytes go back to the pool now, for the next layer's capture
+            into.copy_(leaves[0])
+        self.outputs = [into, *leaves[1:]]
+        del leaves
+        self.returned = [into.detach().requires_grad_(into.requires_grad), *self.outputs[1:]]
         self.layer_outputs = len(self.outputs)
         if mapping is not None:
             for key, value in mapping.stored.items():
@@ -453,7 +462,7 @@ class _LayerGraph:
             reads = pytree.tree_leaves([store[key] for key in self.read_keys])
             self.inputs += reads
             self.reads = len(reads)
-        return into
+        return self.returned[0]
 
     def capture_backward(self, grad_of_output: torch.Tensor, into: torch.Tensor, pool) -> torch.Tensor:
         """grad_of_output: where the output's gradient arrives (the next layer's `into`); into: where the input's
@@ -478,11 +487,13 @@ class _LayerGraph:
         it = iter(grads)
         self.grad_inputs = [next(it) if t.requires_grad else None for t in self.inputs]
         self.grad_params = list(it)
-        # the captured hidden states go back to the pool: the graphs write them there at each replay, read within
-        # it (the arena's slot keeps the copy the next layer and the backward read), and another shape may use
-        # the bytes between replays
-        self.outputs = None
+        self.outputs = None  # the forward's autograd graph, now captured
         return into
+
+    def held_bytes(self) -> int:
+        """The bytes of the pool's tensors these graphs hold between replays: gradient buffers and stores."""
+        held = [*self.grad_params, *self.grad_inputs[1:], *self.returned[1:]]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # -- replay
     def awaiting_backward(self) -> bool:

@@ -39,12 +39,12 @@ class KernelOptions:
     memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
     # Replay each decoder layer's forward and backward as CUDA graphs once a batch shape repeats (training,
     # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
-    # Memory: the layers' output and input-gradient buffers per captured shape (fastplug/patch/layer_graphs.py).
-    # None (the default): on for a model on a CUDA device, and a shape is captured only while what the graphs
-    # keep stays within graphs_memory; True: every shape up to the limit of captured shapes; False: off.
+    # Memory: one arena of hidden-state buffers for the largest shape, and each shape's graphs' own buffers
+    # (fastplug/patch/layer_graphs.py). None (the default): on for a model on a CUDA device, and a later shape is
+    # captured only while what the graphs keep stays within graphs_memory; True: up to four shapes; False: off.
     cuda_graphs: bool | None = None
-    # cuda_graphs=None: the most memory the captured graphs may keep, as a fraction of the peak memory allocated
-    # before the first capture (the eager steps' peak: weights, optimizer state and activations).
+    # cuda_graphs=None: the most memory the captured graphs may keep beyond the first shape's, as a fraction of the
+    # peak memory allocated before the first capture (the eager steps' peak: weights, optimizer state, activations).
     graphs_memory: float = 0.5
     # Training batches padded on the right (the collator's dynamic padding) run without a mask, and their rows
     # are padded on to one of a few lengths (four per doubling) so that captured graphs serve every batch; the

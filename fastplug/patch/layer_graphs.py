@@ -90,13 +90,16 @@ class LayerGraphs:
 
     def __init__(self, layers: list[nn.Module], max_signatures: int | None = None, memory_cap: float | None = None):
         self.layers = layers
-        # memory_cap: what the graphs may keep, as a fraction of the peak allocated before the first capture (None:
-        # no cap). Before each capture its cost is predicted: the arena's growth and the pool's, from the earlier
-        # captures' pool bytes per hidden-state element. Without a cap, four shapes at most; with one, sixteen.
+        # memory_cap: what the graphs may keep beyond the first capture's, as a fraction of the peak allocated before
+        # the first capture (None: no cap). The first capture (the arena and the pool's temporaries, about what an
+        # eager step allocates) is bounded by the free memory only; each later shape adds its graphs' buffers, and
+        # their sum is what the cap bounds. Before each capture its cost is predicted (`_fits`). Without a cap,
+        # four shapes at most; with one, sixteen.
         self.memory_cap = memory_cap
         self.max_signatures = max_signatures or (4 if memory_cap is None else 16)
         self._cap_bytes: int | None = None
         self.kept = 0  # bytes the graphs keep: the arena and the memory pool
+        self._first_kept = 0  # what they kept after the first capture
         self._growths: list[tuple[int, int]] = []  # (hidden-state elements, pool bytes added) per capture
         self._held = 0  # pool bytes the first capture's graphs hold beyond their temporaries (gradient buffers)
         self._arena: _Arena | None = None  # the hidden states of every captured shape, one at a time
@@ -136,7 +139,7 @@ class LayerGraphs:
         captured = sum(1 for s in self.sets.values() if s is not _FAILED)
         failed = len(self.sets) - captured
         paths = "; ".join(f"{why}: {n}" for why, n in self.eager.most_common())
-        cap = f" of at most {self._cap_bytes / 2**30:.2f}" if self._cap_bytes is not None else ""
+        cap = f" of at most {(self._first_kept + self._cap_bytes) / 2**30:.2f}" if self._cap_bytes is not None else ""
         return (
             f"CUDA graphs of {len(self.layers)} decoder layers: {captured} call signature(s) captured"
             + (f", {failed} failed (eager)" if failed else "")
@@ -262,7 +265,7 @@ class LayerGraphs:
         if self._cap_bytes is None:
             self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
         cost = self._arena_growth(hidden) + self._pool_growth(hidden)
-        if self._warmed and self.kept + cost > self._cap_bytes:
+        if self._warmed and self.kept - self._first_kept + cost > self._cap_bytes:
             return False
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return cost <= (torch.cuda.mem_get_info(device)[0] + cached) / 2
@@ -311,6 +314,7 @@ class LayerGraphs:
             self._growths.append((hidden.numel(), max(after - before, 0)))
             if not self._warmed:
                 self._held = sum(graph.held_bytes() for graph in graphs)
+                self._first_kept = self.kept
             self._warmed = True
         return graphs
 

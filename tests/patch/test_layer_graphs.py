@@ -147,11 +147,12 @@ def test_default_resolves_off_the_gpu_quietly():
 
 
 def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch):
-    """A shape is captured only while what the graphs keep plus its predicted cost stays within the cap and half
-    the free memory: the arena's growth (a slot per layer and three more, sized for the largest hidden states seen)
-    and the pool's: a shape no larger than one captured reuses the first capture's temporaries and adds what its
-    graphs hold (what the first holds until a later capture measured it), a larger one costs the largest growth
-    per element so far; the first needs only the free memory for its estimate; no cap, no limit."""
+    """A shape is captured only while what the graphs keep beyond the first capture's, plus its predicted cost,
+    stays within the cap, and its cost within half the free memory: the arena's growth (a slot per layer and three
+    more, sized for the largest hidden states seen) and the pool's: a shape no larger than one captured reuses the
+    first capture's temporaries and adds what its graphs hold (what the first holds until a later capture measured
+    it), a larger one costs the largest growth per element so far; the first needs only the free memory for its
+    estimate; no cap, no limit."""
     free = [10**9]
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
@@ -169,22 +170,23 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
         free[0] = 10**9
         capped._arena = layer_graphs._Arena(len(layers), 2000, hidden)
         capped._warmed, capped._growths, capped._held = True, [(1000, 400_000)], 3000
-        capped.kept = capped._arena.nbytes + 400_000  # the cap: 500_000
+        capped._first_kept = 10**6  # the first capture's keep does not count against the cap
+        capped.kept = capped._first_kept + capped._arena.nbytes + 400_000  # the cap: 500_000
         assert capped._pool_growth(torch.empty(1000)) == 3000, "a smaller shape adds what the first holds"
         assert capped._fits(torch.empty(1000)) and not capped._fits(torch.empty(1001))
         assert capped._pool_growth(torch.empty(1001)) == 1001 * 400, "a larger one: the first's growth per element"
         capped._growths.append((500, 1000))  # a later capture measured what a smaller shape adds
         assert capped._pool_growth(torch.empty(800)) == 1000
-        capped.kept = 500_000 - 1000
+        capped.kept = capped._first_kept + 500_000 - 1000
         assert capped._fits(torch.empty(800))
         capped.kept += 1
         assert not capped._fits(torch.empty(800))
-        capped.kept = capped._arena.nbytes
+        capped.kept = capped._first_kept + capped._arena.nbytes
         bigger = torch.empty(2001)  # a new arena for 2001 elements a slot, and its pool growth
         assert capped._arena_growth(bigger) == slots * 2001 * 4 - capped._arena.nbytes
         assert not capped._fits(bigger), "the arena's growth and the larger shape's temporaries count"
         free[0] = 2 * 1000 - 100 - 2
-        capped.kept = 0
+        capped.kept = capped._first_kept
         assert not capped._fits(torch.empty(800)), "within the cap but not in half the free memory"
     finally:
         capped.remove()

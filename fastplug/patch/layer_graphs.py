@@ -114,7 +114,9 @@ class LayerGraphs:
         self.capturing = False  # while this stack's layers are warmed up and captured
         self.eager: Counter = Counter()  # per forward of the stack: "replayed", or why its layers ran eagerly
         # One memory pool for all signatures: what one leaves free (its layers' temporaries) another uses. Safe
-        # while no two signatures' replays interleave, i.e. one awaits its backward when another would run.
+        # while no two signatures' replays interleave, i.e. one awaits its backward when another would run. A new
+        # one once every graph of the old is dropped (`_drop_graphs`): torch frees a pool with its last graph, and
+        # a capture into a freed pool fails an allocator assertion.
         self._pool = None
         self._last = None  # the graphs that ran last
         self._fixed = _Fixed([])  # what the graphs in `sets` took as fixed when they were captured
@@ -197,7 +199,8 @@ class LayerGraphs:
         else:
             self._forward = self._recording = None
             if self.sets and not self._fixed.holds():
-                self.sets.clear()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
+                self._drop_graphs()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
+                self.sets.clear()
                 self.seen.clear()
             graphs = self.sets.get(key)
             if graphs is None:
@@ -297,15 +300,20 @@ class LayerGraphs:
         new = slots * self._arena_numel(hidden) * hidden.element_size()
         return new - (self._arena.nbytes if self._arena is not None else 0)
 
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph (failed signatures stay failed), and with them their memory pool."""
+        self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
+        self._last = self._forward = self._pool = None
+
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
         hidden = tensors[0]
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         if self._arena is None or not self._arena.holds(hidden):
             # the captured shapes' graphs write the old arena: they go (captured again at their next sighting)
-            self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
-            self._arena = self._last = self._forward = None
+            self._drop_graphs()
+            self._arena = None
             self._arena = _Arena(len(self.layers), self._arena_numel(hidden), hidden)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         before = _pool_bytes(self._pool)
         graphs = self._capture_graphs(records, tensors, self._arena)
         after = _pool_bytes(self._pool)

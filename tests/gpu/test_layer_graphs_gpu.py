@@ -5,6 +5,7 @@ and window), Gemma3 (each layer type its own rotary tables) and Gemma 4 (per-lay
 the MoE block beside the MLP; KV sharing, where later layers read the keys and values an earlier layer stored);
 two forwards before one backward fall back to eager for the second and still give the right gradients."""
 
+import gc
 import warnings
 
 import pytest
@@ -167,8 +168,9 @@ def test_default_graphs_capture_within_their_memory_cap():
 
 def test_shapes_share_the_arena_and_a_larger_shape_replaces_it():
     """Shapes captured one after another share one arena of hidden states, sized for the largest shape seen; a larger
-    shape later brings a new arena (the shapes captured in the old one are captured again at their next sighting),
-    and every step trains as the eager layers do, gradient accumulation included."""
+    shape later brings a new arena (the shapes captured in the old one are captured again at their next sighting,
+    into a new memory pool: the old one goes with its graphs, which a collection at each step frees), and every
+    step trains as the eager layers do, gradient accumulation included."""
     gen = torch.Generator().manual_seed(7)
     lengths = [128, 128, 192, 192, 128, 128, 512, 512, 128, 192, 512, 128, 192]
     batches = [torch.randint(0, 1000, (2, n), generator=gen).cuda() for n in lengths]
@@ -176,7 +178,7 @@ def test_shapes_share_the_arena_and_a_larger_shape_replaces_it():
     for graphs_on in (False, True):
         model = _model("llama")
         handle = fastplug.patch_model(model, cuda_graphs=graphs_on)
-        losses = train_losses(model, model, batches, fused=True, accumulate=1)
+        losses = train_losses(model, model, batches, fused=True, after_forward=lambda _: gc.collect())
         losses += train_losses(model, model, batches[:6], fused=True, accumulate=2)
         results[graphs_on] = (losses, _adapters(model))
         graphs, summary = handle.graphs, handle.summary()

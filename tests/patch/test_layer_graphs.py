@@ -199,6 +199,48 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
         uncapped.remove()
 
 
+def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_accounts(monkeypatch):
+    """What `_capture` does around a capture (CPU: the capture itself stubbed): the first sizes the arena for the
+    largest hidden states seen; a shape it holds reuses arena and pool; a larger one drops the captured graphs (not
+    the failed signatures), and with them the pool, which torch frees with its last graph, so the next capture
+    takes a new pool; what the graphs keep is the arena and the pool's bytes."""
+    handles = iter(range(100))
+    pool_bytes = {}
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(handles)))
+    monkeypatch.setattr(layer_graphs, "_pool_bytes", lambda pool: pool_bytes.get(pool, 0))
+
+    class Graph:
+        def held_bytes(self):
+            return 7
+
+    def capture(records, tensors, arena):
+        pool_bytes[graphs._pool] = pool_bytes.get(graphs._pool, 0) + 1000
+        return [Graph() for _ in layers]
+
+    def spec_key(shape):  # a signature's key: the spec, then the hidden states' shape, strides, dtype, grad
+        return ("spec", (torch.Size(shape), None, torch.float32, False))
+
+    layers = decoder_layers(tiny_model("llama"))
+    graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    monkeypatch.setattr(graphs, "_capture_graphs", capture)
+    try:
+        graphs.seen = {spec_key((2, 8, 4)): {}, spec_key((2, 16, 4)): {}}
+        graphs.sets[spec_key((2, 8, 4))] = graphs._capture([], [torch.empty(2, 8, 4)])
+        first_pool, arena = graphs._pool, graphs._arena
+        assert arena.numel == 2 * 16 * 4, "sized for the largest hidden states seen"
+        assert graphs.kept == arena.nbytes + 1000 == graphs._first_kept and graphs._held == 7 * len(layers)
+        graphs.sets[spec_key((2, 16, 4))] = graphs._capture([], [torch.empty(2, 16, 4)])
+        assert graphs._pool == first_pool and graphs._arena is arena and len(graphs.sets) == 2
+        assert graphs._growths == [(64, 1000), (128, 1000)] and graphs.kept == arena.nbytes + 2000
+        graphs.sets[("failed",)] = layer_graphs._FAILED
+        graphs.sets[spec_key((2, 32, 4))] = graphs._capture([], [torch.empty(2, 32, 4)])
+        assert graphs._pool != first_pool and graphs._arena is not arena and graphs._arena.numel == 2 * 32 * 4
+        assert set(graphs.sets) == {("failed",), spec_key((2, 32, 4))}, "the old arena's graphs are gone"
+        assert graphs.kept == graphs._arena.nbytes + 1000
+    finally:
+        graphs.remove()
+
+
 def test_the_arena_gives_each_slot_its_own_leaf_shaped_as_asked():
     arena = layer_graphs._Arena(2, 12, torch.empty(1, dtype=torch.bfloat16))
     assert arena.buffer.numel() == 5 * 12 and arena.nbytes == 5 * 12 * 2

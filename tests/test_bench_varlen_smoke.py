@@ -33,6 +33,7 @@ def test_varlen_tiny_lightning_rows_count_real_tokens_and_agree(monkeypatch):
     assert max(max(d) for d in docs) < 128
     for run, row in rows.items():
         assert "note" in row and "tok/s" in row, row
+        assert "measured steps by cause (median wall): repeat 2 (" in row["note"], row["note"]  # CPU: no graphs
         assert row["real tokens"] == sum(len(d) for d in docs), row
         assert row["tok/s"] > 0 and len(row["losses"]) == 3 and all(map(math.isfinite, row["losses"])), row
     fast, base = rows["lightning_fastkernels"], rows["lightning"]
@@ -40,3 +41,28 @@ def test_varlen_tiny_lightning_rows_count_real_tokens_and_agree(monkeypatch):
     assert fast["vs baseline"] > 0
     for a, b in zip(fast["losses"], base["losses"]):
         assert abs(a - b) <= 1e-3 * abs(b), (fast["losses"], base["losses"])
+
+
+def test_meter_tells_each_step_by_what_it_did_beyond_a_repeated_one():
+    """A step that timed MoE candidates, captured graphs or first saw a shape is told apart from a repeated one,
+    in that order of precedence (the counts are cumulative: a step is what changed during it)."""
+    import torch
+
+    meter = varlen._Meter(torch.device("cpu"), warmup=1, steps=4, deadline=float("inf"))
+    # (tuned, captured, first sightings) at each step's begin and end
+    begin_end = [(0, 0, 0), (0, 0, 1), (0, 0, 1), (0, 2, 1), (0, 2, 1), (3, 4, 2), (3, 4, 2), (3, 4, 2)]
+    counts = iter([*begin_end, (3, 4, 2), (3, 4, 3)])
+    meter._events = lambda: next(counts)
+
+    class Counter:
+        def take(self):
+            return 10
+
+    meter._counter = Counter()
+    for _ in range(5):
+        meter.begin_step()
+        meter.end_step()
+    assert meter.causes == ["first sighting", "capture", "MoE tuning", "repeat", "first sighting"]
+    note = meter.result("patched")["note"]
+    assert note.startswith("patched; measured steps by cause (median wall): ") and "first sighting 1" in note, note
+    assert "capture 1" in note and "MoE tuning 1" in note and "repeat 1" in note, note

@@ -19,6 +19,8 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
 tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
 the kernel time of those steps (torch.profiler's time per real token over three more steps: its tracing
 slows the host, so it is not on while the wall is taken), so wall / GPU says how far the host sets the pace.
+The note counts the measured steps by what they did beyond a repeated step (MoE autotuning, a CUDA graph capture,
+a shape the graphs saw for the first time), with each kind's median wall time: where the host time goes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
 import time
 
 from ._report import short_error, write_csv
@@ -122,8 +126,9 @@ PROFILED_STEPS = 3  # after the measured ones: the profiler's tracing slows the 
 
 class _Meter:
     """Real tokens (attention-mask ones) per step, counted lazily on the device; wall time of the measured
-    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps. The trainers' callbacks
-    (`callback()` for transformers', `lightning_callback()` for Lightning's) call begin_step, end_step and finish."""
+    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps; what each step did that
+    a repeated step does not (`_events`). The trainers' callbacks (`callback()` for transformers',
+    `lightning_callback()` for Lightning's) call begin_step, end_step and finish."""
 
     def __init__(self, device, warmup: int, steps: int, deadline: float):
         self.timer = StepTimer(device, deadline)
@@ -132,12 +137,27 @@ class _Meter:
         self._counter = None  # the FastKernels callback's counter: attention-mask ones, summed lazily
         self._profile = None
         self.kernel_ms_per_token = None
+        self._model = None
+        self._before = (0, 0, 0)
+        self.causes: list[str] = []  # per step: why it cost more host time than a repeated one, or "repeat"
 
     def attach(self, model) -> None:
         from ..integrations.hf_trainer import _TokenCounter
 
         self._counter = _TokenCounter()
         self._counter.attach(model)
+        self._model = model
+
+    def _events(self) -> tuple[int, int, int]:
+        """Counts so far of what makes a step cost the host more than a repeated one: grouped-GEMM shapes the MoE
+        autotuner timed, forwards of the layer stack inside a CUDA graph capture, first sightings of a shape."""
+        from ..patch.engine import active_handle
+        from ..patch.layer_graphs import CAPTURING, FIRST_SIGHTING
+
+        tuning = sys.modules.get("fastplug.kernels.moe.tuning")
+        handle = active_handle(self._model) if self._model is not None else None
+        eager = handle.graphs.eager if handle is not None and handle.graphs is not None else {}
+        return len(tuning.TIMINGS) if tuning else 0, eager.get(CAPTURING, 0), eager.get(FIRST_SIGHTING, 0)
 
     def begin_step(self) -> None:
         if len(self.timer.times) == self.warmup + self.steps and self.device.type == "cuda":
@@ -145,12 +165,17 @@ class _Meter:
 
             self._profile = profile(activities=[ProfilerActivity.CUDA])
             self._profile.__enter__()
+        self._before = self._events()
         self.timer.begin()
 
     def end_step(self, loss=None) -> bool:
         """True when the deadline passed (the run should stop)."""
         stop = self.timer.end(loss)
         self.tokens.append(self._counter.take())
+        tuned, captured, first = (after - before for after, before in zip(self._events(), self._before))
+        self.causes.append(
+            "MoE tuning" if tuned else "capture" if captured else "first sighting" if first else "repeat"
+        )
         return stop
 
     def finish(self) -> None:
@@ -213,6 +238,13 @@ class _Meter:
             raise RuntimeError(f"only {len(self.timer.times)} steps ran, {self.warmup} of them warm-up")
         wall_ms = 1e3 * sum(times) / len(times)
         per_token = self.kernel_ms_per_token
+        by_cause: dict[str, list[float]] = {}
+        for cause, seconds in zip(self.causes[self.warmup : end], times):
+            by_cause.setdefault(cause, []).append(seconds)
+        causes = ", ".join(
+            f"{cause} {len(t)} ({1e3 * statistics.median(t):.0f} ms)"
+            for cause, t in sorted(by_cause.items(), key=lambda item: -len(item[1]))
+        )
         return dict(
             tokens_per_s=sum(tokens) / sum(times),
             wall_ms=wall_ms,
@@ -222,7 +254,7 @@ class _Meter:
             losses=self.timer.losses[:3],
             real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
-            note=note,
+            note=f"{note}; measured steps by cause (median wall): {causes}".lstrip("; "),
         )
 
 

@@ -61,6 +61,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.fast_attention import UNPACKED
 
+# Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
+CAPTURING = "inside this stack's capture"
+FIRST_SIGHTING = "a batch shape seen for the first time (captured when it repeats)"
 _EAGER = object()
 _FAILED = object()
 _GRAPHS = "_fastplug_layer_graphs"  # the layer's instance attribute: (its LayerGraphs, its index in the stack)
@@ -165,7 +168,7 @@ class LayerGraphs:
         if not kwargs.get(UNPACKED):
             return "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
         if self.capturing:  # the warm-up and the capture call the layers: they run as they are
-            return "inside this stack's capture"
+            return CAPTURING
         if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer):
             return "hooks on a layer, or hidden states not passed first"
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -190,7 +193,7 @@ class LayerGraphs:
         if index != 0:
             if self._recording is not None:  # the stack's first sighting: each layer's own inputs, for the capture
                 self._recording[index] = _Record(key, leaves, spec, tensors)
-                return "a batch shape seen for the first time (captured when it repeats)"
+                return FIRST_SIGHTING
             graphs = self._forward
             if graphs is None:
                 return "its stack's first layer ran eagerly"
@@ -208,7 +211,7 @@ class LayerGraphs:
                 # recorded, captured next time
                 if len(self.seen.get(key, ())) != len(self.layers):
                     self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
-                    return "a batch shape seen for the first time (captured when it repeats)"
+                    return FIRST_SIGHTING
                 if len(self.sets) >= self.max_signatures:
                     return f"a batch shape beyond the first {self.max_signatures} captured"
                 if not self._capturable():

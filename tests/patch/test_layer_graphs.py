@@ -244,6 +244,7 @@ def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_
 def test_the_arena_gives_each_slot_its_own_leaf_shaped_as_asked():
     arena = layer_graphs._Arena(2, 12, torch.empty(1, dtype=torch.bfloat16))
     assert arena.buffer.numel() == 5 * 12 and arena.nbytes == 5 * 12 * 2
+    arena.buffer.normal_(generator=torch.Generator().manual_seed(0))  # torch.empty's bytes may be NaN
     like = torch.empty(2, 3, 2, dtype=torch.bfloat16)
     first, last = arena.slot(0, like), arena.slot(4, like)
     assert first.shape == like.shape and first.is_contiguous() and first._base is None and not first._is_view()

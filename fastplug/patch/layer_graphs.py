@@ -313,7 +313,7 @@ class LayerGraphs:
         if self._arena is None or not self._arena.holds(hidden):
             # the captured shapes' graphs write the old arena: they go (captured again at their next sighting)
             self._drop_graphs()
-            self._arena = None
+            self._arena = None  # the old arena's bytes go first, so the two are never held at once
             self._arena = _Arena(len(self.layers), self._arena_numel(hidden), hidden)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

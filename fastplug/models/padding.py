@@ -103,3 +103,68 @@ def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwa
     if attention_mask is not None:
         return unmaskable(attention_mask, labels, kwargs.get("ignore_index", -100))
     return None
+
+
+def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
+    """`forward` of the decoder stack with a training batch's rows padded on to a bucket length and the output
+    trimmed back, for the loss paths that are not fastplug's own (TRL's LM head, a user's loss on the hidden
+    states), where `loss_only_inputs` never sees the batch. The pads go after every token of a row and attention
+    is causal, so no token of the batch sees them: the hidden states returned are those of the batch as given,
+    and the pads' gradients are zero. Each row's mask is continued with its last value, so a row without padding
+    stays without and a right-padded one stays right-padded (the attention path is the batch's own). The tally
+    goes to `owner`'s batch paths."""
+
+    def padded_forward(*args, **kwargs):
+        if not (decoder.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        named = dict(zip(("input_ids", "attention_mask"), args), **kwargs) if len(args) <= 2 else None
+        reason = "positional arguments beyond the mask" if named is None else _decoder_reason(decoder.config, named)
+        input_ids = named.get("input_ids") if named is not None else None
+        if reason is None and bucket_length(input_ids.shape[1]) > input_ids.shape[1]:
+            tokens = input_ids.shape[1]
+            length = bucket_length(tokens)
+            _record(owner, f"decoder inputs padded on to a bucket length ({length})")
+            pad_id = getattr(decoder.config, "pad_token_id", None)
+            pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < decoder.config.vocab_size else 0
+            named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=pad_id)
+            mask = named.get("attention_mask")
+            if mask is not None:
+                named["attention_mask"] = torch.cat((mask, mask[:, -1:].expand(-1, length - tokens)), dim=1)
+            named["use_cache"] = False  # a cache would hold the pads' keys; a training step reads none
+            return _trimmed(forward(**named), tokens)
+        if reason is not None and input_ids is not None and bucket_length(input_ids.shape[1]) != input_ids.shape[1]:
+            _record(owner, f"decoder inputs as given: {reason}")
+        return forward(*args, **kwargs)
+
+    return padded_forward
+
+
+def _decoder_reason(config, named: dict) -> str | None:
+    """Why the decoder must run this batch as given (None: its rows may be padded on)."""
+    input_ids = named.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or named.get("inputs_embeds") is not None:
+        return "embeddings, not token ids"
+    if any(named.get(k) is not None for k in ("position_ids", "cu_seq_lens_q", "past_key_values", "cache_position")):
+        return "packed rows, positions or a cache passed"
+    for asked in ("output_hidden_states", "output_attentions", "output_router_logits"):
+        if named.get(asked, getattr(config, asked, False)):
+            return "hidden states, attentions or router logits asked for"
+    if getattr(config, "use_bidirectional_attention", False):  # tokens would see the pads after them
+        return "bidirectional attention"
+    mask = named.get("attention_mask")
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape):
+        return "a mask that is not one value per token"
+    rows, tokens = input_ids.shape
+    for name, value in named.items():  # token_type_ids and the like: per-token inputs fastplug would not pad
+        if name not in ("input_ids", "attention_mask") and isinstance(value, torch.Tensor) and value.dim() >= 2:
+            if value.shape[:2] == (rows, tokens):
+                return f"a per-token argument ({name})"
+    return None
+
+
+def _trimmed(output, tokens: int):
+    """The decoder's output with its hidden states cut back to the batch's `tokens`."""
+    if isinstance(output, tuple):
+        return (output[0][:, :tokens], *output[1:])
+    output.last_hidden_state = output.last_hidden_state[:, :tokens]
+    return output

@@ -21,7 +21,7 @@ from torch import nn
 from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
-from ..models.padding import batch_paths
+from ..models.padding import batch_paths, bucketed_decoder
 from ..models.peft_lora import watch_adapter_writes
 from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
 from ..options import KernelOptions
@@ -185,6 +185,21 @@ class PatchHandle:
             self.checkpointing.remove()  # its hooks would go on setting the layers' flags under the new mode
         self.checkpointing = checkpointing.enable(self.model, mode, self.options.memory_budget)
 
+    def _install_buckets(self) -> None:
+        """Rows padded on to bucket lengths at the decoder stack too, for loss paths that are not fastplug's (TRL's
+        LM head, a user's loss on the hidden states): models/padding.py."""
+        if not self.options.buckets_on() or self.decoder is None:
+            return
+        if "forward" in vars(self.decoder):
+            self.skipped.append(("bucket_lengths", "the decoder stack's forward is replaced on this instance already"))
+            return
+        self.decoder.forward = bucketed_decoder(self.model, self.decoder, self.decoder.forward)
+
+        def undo(decoder=self.decoder):
+            vars(decoder).pop("forward", None)
+
+        self._undo.append(undo)
+
     def _install_graphs(self) -> None:
         if self.graphs_off is not None:
             if self.graphs_memory is None:  # asked for (cuda_graphs=True), and cannot be: the user hears why
@@ -275,6 +290,7 @@ def patch_model(model: nn.Module, options: KernelOptions | dict | None = None, *
     handle._self_check()
     handle._enable_checkpointing()
     handle._install_graphs()
+    handle._install_buckets()
     if wanted.freeze_gc:  # last: the patch's own objects are frozen too
         handle._undo.append(host_gc.hold())
     state.acquire()  # only now: a patch that failed above holds nothing

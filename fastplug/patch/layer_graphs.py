@@ -106,7 +106,7 @@ class LayerGraphs:
         self._growths: list[tuple[int, int]] = []  # (hidden-state elements, pool bytes added) per capture
         self._held = 0  # pool bytes the first capture's graphs hold beyond their temporaries (gradient buffers)
         self._arena: _Arena | None = None  # the hidden states of every captured shape, one at a time
-        self._warmed = False  # one capture ran: later ones warm up once (lazy initialisation is done)
+        self._warmed = False  # one capture ran: later ones need no warm-up (lazy initialisation is done)
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         # signature -> what each layer took at the signature's first sighting ({layer index: _Record})
         self.seen: dict[tuple, dict[int, _Record]] = {}
@@ -218,13 +218,14 @@ class LayerGraphs:
                     return "checkpointing other than plain, or hooks inside the layers"
                 if self._last is not None and any(g.awaiting_backward() for g in self._last):
                     return "another shape's replay awaits its backward (they share the memory pool)"
-                if not self._fits(tensors[0]):
+                slot = self._arena_plan(tensors[0])
+                if slot is None:
                     return "a batch shape beyond the graphs' memory cap (graphs_memory)"
                 if not self.sets:
                     self._fixed.close()
                     self._fixed = _Fixed(self.layers)
                 records = [self.seen[key][i] for i in range(len(self.layers))]
-                graphs = self.sets[key] = self._capture(records, tensors)
+                graphs = self.sets[key] = self._capture(records, tensors, slot)
             if graphs is _FAILED:
                 return "its capture failed (warned)"
         graph = graphs[index]
@@ -261,16 +262,28 @@ class LayerGraphs:
         return True
 
     # -- capture
-    def _fits(self, hidden: torch.Tensor) -> bool:
-        """Whether capturing for hidden states like `hidden` keeps the graphs within the memory cap, and within
-        half of what the device has free (a default must not turn a run that fits into one that does not). Its
-        cost is the arena's growth (`_Arena`) and the pool's (`_pool_growth`)."""
+    def _arena_plan(self, hidden: torch.Tensor) -> int | None:
+        """The arena's slot size (elements) for a capture of hidden states like `hidden`, or None when the capture
+        would not fit (`_fits`). A new arena takes room for longer rows where that fits (each shape seen with its
+        sequence length rounded up to a power of two): a longer batch later then finds its slot, where a new arena
+        would drop every graph captured in the old one (captured again, one step each, at their next sighting)."""
+        for roomy in (True, False):
+            numel = self._arena_numel(hidden, roomy)
+            if self._fits(hidden, numel):
+                return numel
+        return None
+
+    def _fits(self, hidden: torch.Tensor, slot: int) -> bool:
+        """Whether capturing for hidden states like `hidden`, in an arena of `slot` elements a slot if it needs a
+        new one, keeps the graphs within the memory cap, and within half of what the device has free (a default
+        must not turn a run that fits into one that does not). Its cost is the arena's growth (`_Arena`) and the
+        pool's (`_pool_growth`)."""
         if self.memory_cap is None:
             return True
         device = hidden.device
         if self._cap_bytes is None:
             self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
-        cost = self._arena_growth(hidden) + self._pool_growth(hidden)
+        cost = self._arena_growth(hidden, slot) + self._pool_growth(hidden)
         if self._warmed and self.kept - self._first_kept + cost > self._cap_bytes:
             return False
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -290,17 +303,19 @@ class LayerGraphs:
         later = [added for n, added in self._growths[1:] if n <= numel]
         return max(later) if later else self._held
 
-    def _arena_numel(self, hidden: torch.Tensor) -> int:
+    def _arena_numel(self, hidden: torch.Tensor, roomy: bool = False) -> int:
         """A slot's size for an arena that must hold `hidden`: the largest hidden states of this dtype seen so far
-        (their shapes are in the signatures' keys), so that a later, larger shape does not need a new arena."""
-        seen = [math.prod(key[1][0]) for key in self.seen if key[1][2] == hidden.dtype]
-        return max([hidden.numel(), *seen])
+        (their shapes are in the signatures' keys), so that a later, larger shape does not need a new arena;
+        roomy: each with its sequence length (the second-last dimension) rounded up to a power of two."""
+        shapes = [hidden.shape, *(key[1][0] for key in self.seen if key[1][2] == hidden.dtype)]
+        return max(_slot_numel(shape, roomy) for shape in shapes)
 
-    def _arena_growth(self, hidden: torch.Tensor) -> int:
+    def _arena_growth(self, hidden: torch.Tensor, slot: int) -> int:
+        """The bytes a capture of `hidden`'s shape adds to the arena: none if it holds the shape, else a new arena
+        of `slot` elements a slot in place of the old."""
         if self._arena is not None and self._arena.holds(hidden):
             return 0
-        slots = _Arena.slots_for(len(self.layers))
-        new = slots * self._arena_numel(hidden) * hidden.element_size()
+        new = _Arena.slots_for(len(self.layers)) * slot * hidden.element_size()
         return new - (self._arena.nbytes if self._arena is not None else 0)
 
     def _drop_graphs(self) -> None:
@@ -308,13 +323,14 @@ class LayerGraphs:
         self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
         self._last = self._forward = self._pool = None
 
-    def _capture(self, records: list["_Record"], tensors: list[torch.Tensor]):
+    def _capture(self, records: list["_Record"], tensors: list[torch.Tensor], slot: int):
+        """slot: a new arena's slot size (`_arena_plan`), if this shape needs one."""
         hidden = tensors[0]
         if self._arena is None or not self._arena.holds(hidden):
             # the captured shapes' graphs write the old arena: they go (captured again at their next sighting)
             self._drop_graphs()
             self._arena = None  # the old arena's bytes go first, so the two are never held at once
-            self._arena = _Arena(len(self.layers), self._arena_numel(hidden), hidden)
+            self._arena = _Arena(len(self.layers), slot, hidden)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         before = _pool_bytes(self._pool)
@@ -361,8 +377,13 @@ class LayerGraphs:
                     hidden.copy_(tensors[0])
                 hidden.requires_grad_(tensors[0].requires_grad)
                 warm_store, store = {}, {}  # what layers store in a mapping argument for later ones (KV sharing)
-                for graph in graphs:  # warm-up on a side stream (lazy initialisation, autotuning), then capture
-                    graph.warm_up(hidden, warm_store, 1 if self._warmed else 2)
+                # The first capture warms up on a side stream (lazy initialisation of the capture's own path).
+                # A later one needs none: its shape ran eagerly at its first sighting (kernels compiled, MoE
+                # launches tuned for its rows) and the capture's path ran at the first capture; a warm-up would
+                # cost an unoverlapped eager step.
+                if not self._warmed:
+                    for graph in graphs:
+                        graph.warm_up(hidden, warm_store)
                 for index, graph in enumerate(graphs):
                     hidden = graph.capture_forward(hidden, pool, store, arena.slot(1 + index, hidden))
                 # Input gradients alternate between two buffers: layer k's is read by layer k-1's backward only,
@@ -429,13 +450,13 @@ class _LayerGraph:
         wrt = [t for t in self.inputs if t.requires_grad] + [t for t in reads if t.requires_grad]
         return [o for o in outputs if o.requires_grad], wrt + list(self.aliases.values())
 
-    def warm_up(self, hidden: torch.Tensor, store: dict, iterations: int) -> None:
+    def warm_up(self, hidden: torch.Tensor, store: dict) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.inputs[0] = hidden
             with _checkpointing_for_capture(self.layer):
-                for _ in range(iterations):
+                for _ in range(2):
                     mapping = self._mapping(store)
                     outputs = pytree.tree_leaves(self._call(self.inputs, mapping))
                     stored = pytree.tree_leaves(mapping.stored) if mapping is not None else []
@@ -602,6 +623,15 @@ class _Arena:
         strides = torch.empty(like.shape, device="meta").stride()
         with torch.no_grad():
             return slot.set_(self.buffer.untyped_storage(), index * self.numel, like.shape, strides)
+
+
+def _slot_numel(shape, roomy: bool) -> int:
+    """Elements of hidden states shaped `shape`; roomy: with the sequence length (the second-last dimension) rounded
+    up to a power of two, the longest of the bucketed lengths (models/padding.py) up to it."""
+    numel = math.prod(shape)
+    if not roomy or len(shape) < 2 or shape[-2] < 1:
+        return numel
+    return numel // shape[-2] * (1 << (shape[-2] - 1).bit_length())
 
 
 def _pool_bytes(pool: tuple) -> int:

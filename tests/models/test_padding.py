@@ -116,3 +116,71 @@ def test_summary_tallies_the_path_of_each_training_batch():
         "padded training batches (models/padding.py): no mask, rows padded on to a bucket length (64): 2; "
         "as given: padding not on the right: 1" in handle.summary()
     )
+
+
+def _layer_lengths(model):
+    """The sequence length the first decoder layer runs, per forward."""
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+    return seen, hook
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("lengths", [[13, 6, 9], [13, 13]])
+def test_a_loss_of_its_own_on_the_hidden_states_trains_on_bucketed_rows(family, lengths):
+    """A loss path that is not fastplug's (TRL's LM head, a user's loss on the hidden states) calls the decoder
+    stack itself: its rows are padded on to a bucket there and its hidden states trimmed back, so the loss and
+    gradients are those of the batch as given, with or without padding in the batch (each row's mask goes on
+    with its last value). The MoE model's router logits are not asked for (they would keep the batch as given)."""
+    reference = tiny_model(family, **({"output_router_logits": False} if family == "qwen3_moe" else {})).train()
+    model = copy.deepcopy(reference)
+    handle = patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    inputs = _padded_batch(lengths)
+    weights = torch.randn(13, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        hidden = m.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+        loss = (hidden * weights * inputs["attention_mask"][..., None]).sum()
+        loss.backward()
+        return hidden, loss, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    seen, hook = _layer_lengths(model)
+    hidden, loss, grads = step(model)
+    hook.remove()
+    assert seen == [64] and hidden.shape[1] == 13, "padded on inside, trimmed back outside"
+    ref_hidden, ref_loss, ref_grads = step(reference)
+    mask = inputs["attention_mask"].bool()
+    assert_close(hidden[mask], ref_hidden[mask], torch.float32, "hidden states of the real tokens")
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
+    assert "decoder inputs padded on to a bucket length (64): 1" in handle.summary()
+    handle.restore()
+    assert "forward" not in vars(model.model), "restore() takes the decoder's wrapper away"
+
+
+@pytest.mark.parametrize(
+    "call, reason",
+    [
+        (dict(position_ids=torch.arange(13).expand(2, 13)), "packed rows, positions or a cache passed"),
+        (dict(output_hidden_states=True), "hidden states, attentions or router logits asked for"),
+        (dict(output_router_logits=True), "hidden states, attentions or router logits asked for"),
+        (dict(inputs_embeds=torch.randn(2, 13, 64)), "embeddings, not token ids"),
+    ],
+)
+def test_the_decoder_runs_as_given_what_it_cannot_pad(call, reason):
+    model = tiny_model("llama").train()
+    handle = patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    inputs = _padded_batch([13, 13])
+    if "inputs_embeds" in call:
+        call = dict(inputs_embeds=torch.randn(2, 13, model.config.hidden_size))
+        inputs.pop("input_ids")
+    seen, hook = _layer_lengths(model)
+    model.model(**{k: v for k, v in inputs.items() if k != "labels"}, **call)
+    hook.remove()
+    assert seen == [13]
+    if "inputs_embeds" not in call:  # no token ids: no length to tally
+        assert f"decoder inputs as given: {reason}: 1" in handle.summary()
+    handle.restore()

@@ -161,40 +161,44 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
     layers = decoder_layers(tiny_model("llama"))
     slots = len(layers) + 3
     capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+
+    def fits(hidden):  # a new arena, if any, sized for the largest shape seen exactly
+        return capped._fits(hidden, capped._arena_numel(hidden))
+
     try:
         assert capped.max_signatures == 16
         hidden = torch.empty(100)  # fp32: the first capture is estimated as the arena and one more buffer
-        assert capped._fits(hidden), "the first capture goes ahead when it fits in the free memory"
+        assert fits(hidden), "the first capture goes ahead when it fits in the free memory"
         free[0] = 2 * (slots + 1) * 400 - 100 - 2  # with the allocator's 100 cached bytes: 2 short
-        assert not capped._fits(hidden), "half the free memory bounds the first capture too"
+        assert not fits(hidden), "half the free memory bounds the first capture too"
         free[0] = 10**9
         capped._arena = layer_graphs._Arena(len(layers), 2000, hidden)
         capped._warmed, capped._growths, capped._held = True, [(1000, 400_000)], 3000
         capped._first_kept = 10**6  # the first capture's keep does not count against the cap
         capped.kept = capped._first_kept + capped._arena.nbytes + 400_000  # the cap: 500_000
         assert capped._pool_growth(torch.empty(1000)) == 3000, "a smaller shape adds what the first holds"
-        assert capped._fits(torch.empty(1000)) and not capped._fits(torch.empty(1001))
+        assert fits(torch.empty(1000)) and not fits(torch.empty(1001))
         assert capped._pool_growth(torch.empty(1001)) == 1001 * 400, "a larger one: the first's growth per element"
         capped._growths.append((500, 1000))  # a later capture measured what a smaller shape adds
         assert capped._pool_growth(torch.empty(800)) == 1000
         capped.kept = capped._first_kept + 500_000 - 1000
-        assert capped._fits(torch.empty(800))
+        assert fits(torch.empty(800))
         capped.kept += 1
-        assert not capped._fits(torch.empty(800))
+        assert not fits(torch.empty(800))
         capped.kept = capped._first_kept + capped._arena.nbytes
         bigger = torch.empty(2001)  # a new arena for 2001 elements a slot, and its pool growth
-        assert capped._arena_growth(bigger) == slots * 2001 * 4 - capped._arena.nbytes
-        assert not capped._fits(bigger), "the arena's growth and the larger shape's temporaries count"
+        assert capped._arena_growth(bigger, 2001) == slots * 2001 * 4 - capped._arena.nbytes
+        assert not fits(bigger), "the arena's growth and the larger shape's temporaries count"
         free[0] = 2 * 1000 - 100 - 2
         capped.kept = capped._first_kept
-        assert not capped._fits(torch.empty(800)), "within the cap but not in half the free memory"
+        assert not fits(torch.empty(800)), "within the cap but not in half the free memory"
     finally:
         capped.remove()
     uncapped = layer_graphs.LayerGraphs(layers)
     try:
         assert uncapped.max_signatures == 4
         uncapped._warmed, uncapped._growths, uncapped.kept = True, [(10, 20)], 10**12
-        assert uncapped._fits(torch.empty(10**6))
+        assert uncapped._fits(torch.empty(10**6), 10**6)
     finally:
         uncapped.remove()
 
@@ -220,20 +224,24 @@ def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_
     def spec_key(shape):  # a signature's key: the spec, then the hidden states' shape, strides, dtype, grad
         return ("spec", (torch.Size(shape), None, torch.float32, False))
 
+    def capture_shape(shape):  # a new arena, if any, sized exactly (`_arena_plan` picks the size on the GPU)
+        hidden = torch.empty(shape)
+        return graphs._capture([], [hidden], graphs._arena_numel(hidden))
+
     layers = decoder_layers(tiny_model("llama"))
     graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
     monkeypatch.setattr(graphs, "_capture_graphs", capture)
     try:
         graphs.seen = {spec_key((2, 8, 4)): {}, spec_key((2, 16, 4)): {}}
-        graphs.sets[spec_key((2, 8, 4))] = graphs._capture([], [torch.empty(2, 8, 4)])
+        graphs.sets[spec_key((2, 8, 4))] = capture_shape((2, 8, 4))
         first_pool, arena = graphs._pool, graphs._arena
         assert arena.numel == 2 * 16 * 4, "sized for the largest hidden states seen"
         assert graphs.kept == arena.nbytes + 1000 == graphs._first_kept and graphs._held == 7 * len(layers)
-        graphs.sets[spec_key((2, 16, 4))] = graphs._capture([], [torch.empty(2, 16, 4)])
+        graphs.sets[spec_key((2, 16, 4))] = capture_shape((2, 16, 4))
         assert graphs._pool == first_pool and graphs._arena is arena and len(graphs.sets) == 2
         assert graphs._growths == [(64, 1000), (128, 1000)] and graphs.kept == arena.nbytes + 2000
         graphs.sets[("failed",)] = layer_graphs._FAILED
-        graphs.sets[spec_key((2, 32, 4))] = graphs._capture([], [torch.empty(2, 32, 4)])
+        graphs.sets[spec_key((2, 32, 4))] = capture_shape((2, 32, 4))
         assert graphs._pool != first_pool and graphs._arena is not arena and graphs._arena.numel == 2 * 32 * 4
         assert set(graphs.sets) == {("failed",), spec_key((2, 32, 4))}, "the old arena's graphs are gone"
         assert graphs.kept == graphs._arena.nbytes + 1000
@@ -303,3 +311,34 @@ def test_default_graphs_leave_a_compiled_model_whole():
                 assert_close(got.detach(), want.detach(), torch.float32, "compiled loss")
         finally:
             graphs.remove()
+
+
+def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
+    """A new arena's slots are sized for the shapes seen with their sequence length rounded up to a power of two
+    (a longer bucket later finds its slot instead of dropping every graph), where that fits; else exactly for
+    the largest shape seen; None where neither fits."""
+    free = [10**9]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    layers = decoder_layers(tiny_model("llama"))
+    slots = len(layers) + 3
+    graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    try:
+        hidden = torch.empty(2, 640, 3)  # a bucketed length (models/padding.py): room up to 1024
+        assert layer_graphs._slot_numel(hidden.shape, roomy=True) == 2 * 1024 * 3
+        assert layer_graphs._slot_numel((2, 1024, 3), roomy=True) == 2 * 1024 * 3, "a power of two stays"
+        assert layer_graphs._slot_numel((7,), roomy=True) == 7
+        assert graphs._arena_plan(hidden) == 2 * 1024 * 3
+        # a longer shape seen (not captured yet) is the one the arena makes room for
+        key = (None, ((2, 1280, 3), (3840, 3, 1), torch.float32, False))
+        graphs.seen[key] = {}
+        assert graphs._arena_plan(hidden) == 2 * 2048 * 3
+        # only the exact size fits in half the free memory (with the pool's one hidden-state buffer): no room
+        free[0] = 2 * (slots * 2 * 1280 * 3 + hidden.numel()) * 4
+        assert graphs._arena_plan(hidden) == 2 * 1280 * 3
+        free[0] -= 8
+        assert graphs._arena_plan(hidden) is None
+    finally:
+        graphs.remove()

@@ -495,3 +495,43 @@ def test_moe_experts_gpt_oss_bad_input():
     ):
         with pytest.raises(ValueError, match=match):
             moe_experts(x, gate_up, down, index, weights, **kwargs)
+
+
+def test_a_row_bucket_near_a_tuned_one_takes_its_config_untimed(tmp_path, monkeypatch):
+    """Variable-length batches bring new row buckets mid-training: one within a factor of four of a tuned bucket
+    takes that bucket's config (in memory; the disk keeps what was timed), a farther one is timed."""
+    path = tmp_path / "moe.json"
+    monkeypatch.setenv("FASTPLUG_MOE_TUNE_CACHE", str(path))
+    monkeypatch.setattr(tuning, "device_key", lambda device: "Fake GPU|triton 0")
+    monkeypatch.setattr(tuning, "shared_memory_limit", lambda device: 228 * 1024)
+    monkeypatch.setattr(tuning, "_may_time", lambda device: True)
+    timed = []
+
+    def fake_time(run, cfg):
+        timed.append(cfg)
+        return 1.0 / (cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["num_stages"]) if cfg["impl"] != "torch" else 1.0
+
+    monkeypatch.setattr(tuning, "time_config", fake_time)
+    fake = torch.device("cuda", 0)
+    tuning.set_autotune(True)
+    try:
+        tuning.reset_cache_state()
+        best = tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 65536, fake, run=lambda cfg: None, variant="g")
+        assert timed
+        for rows in (20000, 131072, 16384, 262144):  # buckets 2x and 4x either side: untimed
+            timed.clear()
+            got = tuning.config_for(
+                "fwd", torch.bfloat16, 1536, 2048, 64, rows, fake, run=lambda cfg: None, variant="g"
+            )
+            assert got == best and not timed, rows
+        saved = json.loads(path.read_text())["Fake GPU|triton 0"]
+        assert list(saved) == [tuning.shape_key("fwd", torch.bfloat16, 1536, 2048, 64, 65536, "g")], "only the timed"
+        timed.clear()
+        tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 4096, fake, run=lambda cfg: None, variant="g")
+        assert timed, "16x from the timed bucket: timed (4x from a borrowed one lends nothing)"
+        timed.clear()
+        tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 65536, fake, run=lambda cfg: None, variant="x")
+        assert timed, "another launch (variant) borrows nothing"
+    finally:
+        tuning.set_autotune(None)
+        tuning.reset_cache_state()

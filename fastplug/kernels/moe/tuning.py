@@ -13,6 +13,8 @@ and whether torch._grouped_mm may run it.
 - `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
   config and the cache is neither read nor written.
 - Under CUDA graph capture or torch.compile tracing nothing is timed: the cached or default config is used.
+- A row bucket within a factor of four of a tuned one takes that one's config instead of being timed
+  (`_neighbour`): on variable-length batches a new length would otherwise stall its training step for seconds.
 
 This module knows the candidates and the cache, never the kernels: grouped_gemm imports it, and times
 candidates through the `run` callable it passes (`grouped_gemm.sweep` times them all for the bench).
@@ -97,6 +99,7 @@ _INTERPRETER = (32, 64, 64, 1, 1, "ptr")
 _FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "impl")
 _lock = threading.RLock()  # reentrant: the glu "split" candidate tunes the fwd GEMM inside its own timing
 _memory: dict[str, dict] = {}  # key -> config, this process
+_borrowed: set[str] = set()  # keys whose config came from a neighbouring bucket (`_neighbour`), not timed
 TIMINGS: dict[str, list[tuple[float | None, dict]]] = {}  # key -> (ms or None, config) of each candidate timed
 _disk: dict | None = None  # the file's section for this device and Triton, loaded once
 _enabled_override: bool | None = None
@@ -224,6 +227,7 @@ def reset_cache_state() -> None:
     global _disk
     with _lock:
         _memory.clear()
+        _borrowed.clear()
         _disk = None
 
 
@@ -251,6 +255,23 @@ def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
         return None
 
 
+def _neighbour(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, variant: str, device) -> dict | None:
+    """The config tuned for the same launch at a row bucket within a factor of four of M's, the nearest first; None
+    if there is none. Timing a new bucket stalls a training step for seconds (every candidate of every launch of
+    the MoE block), and on variable-length batches each new length can bring one; a neighbour's winner is a config
+    that compiled and ran at nearly these rows. Kept in memory only: the disk keeps what was timed."""
+    bucket = next_power_of_2(M)
+    disk = _load_disk(device)
+    for factor in (2, 4):
+        for rows in (bucket // factor, bucket * factor):
+            if rows >= 1:
+                near = shape_key(kind, dtype, N, K, E, rows, variant)
+                cfg = disk.get(near) or (_memory.get(near) if near not in _borrowed else None)
+                if cfg is not None:  # timed there: a borrowed config is never lent on (no chains across buckets)
+                    return cfg
+    return None
+
+
 def config_for(
     kind: str,
     dtype: torch.dtype,
@@ -262,8 +283,9 @@ def config_for(
     run: Callable[[dict], None] | None = None,
     variant: str = "",
 ) -> dict:
-    """The launch config for this shape: memory, then the disk cache, then (if allowed) timing every
-    candidate with `run(config)`, which must launch the kernel without side effects the caller keeps.
+    """The launch config for this shape: memory, then the disk cache, then a neighbouring bucket's (`_neighbour`),
+    then (if allowed) timing every candidate with `run(config)`, which must launch the kernel without side
+    effects the caller keeps.
     A "t" in `variant` says torch._grouped_mm may run this launch (it is a candidate only then)."""
     if device.type != "cuda":
         return as_config(_INTERPRETER) if interpreter_enabled() else as_config(DEFAULTS[kind])
@@ -276,6 +298,10 @@ def config_for(
         return cfg
     with _lock:
         cfg = _memory.get(key) or _load_disk(device).get(key)
+        if cfg is None:
+            cfg = _neighbour(kind, dtype, N, K, E, M, variant, device)
+            if cfg is not None:
+                _borrowed.add(key)
         if cfg is None and run is not None and _may_time(device):
             timed = [
                 (time_config(run, c), c)

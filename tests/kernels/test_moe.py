@@ -498,8 +498,9 @@ def test_moe_experts_gpt_oss_bad_input():
 
 
 def test_a_row_bucket_near_a_tuned_one_takes_its_config_untimed(tmp_path, monkeypatch):
-    """Variable-length batches bring new row buckets mid-training: one within a factor of four of a tuned bucket
-    takes that bucket's config (in memory; the disk keeps what was timed), a farther one is timed."""
+    """Variable-length batches bring new row buckets mid-training: one within a factor of four of a timed bucket,
+    or smaller than one, takes that bucket's config (in memory; the disk keeps what was timed); a much larger one
+    is timed, and a borrowed config is never lent on."""
     path = tmp_path / "moe.json"
     monkeypatch.setenv("FASTPLUG_MOE_TUNE_CACHE", str(path))
     monkeypatch.setattr(tuning, "device_key", lambda device: "Fake GPU|triton 0")
@@ -511,27 +512,30 @@ def test_a_row_bucket_near_a_tuned_one_takes_its_config_untimed(tmp_path, monkey
         timed.append(cfg)
         return 1.0 / (cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["num_stages"]) if cfg["impl"] != "torch" else 1.0
 
+    def config(rows, variant="g"):
+        timed.clear()
+        return tuning.config_for(
+            "fwd", torch.bfloat16, 1536, 2048, 64, rows, fake, run=lambda cfg: None, variant=variant
+        )
+
     monkeypatch.setattr(tuning, "time_config", fake_time)
     fake = torch.device("cuda", 0)
     tuning.set_autotune(True)
     try:
         tuning.reset_cache_state()
-        best = tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 65536, fake, run=lambda cfg: None, variant="g")
+        best = config(65536)
         assert timed
-        for rows in (20000, 131072, 16384, 262144):  # buckets 2x and 4x either side: untimed
-            timed.clear()
-            got = tuning.config_for(
-                "fwd", torch.bfloat16, 1536, 2048, 64, rows, fake, run=lambda cfg: None, variant="g"
-            )
-            assert got == best and not timed, rows
+        for rows in (20000, 131072, 16384, 262144, 1024):  # 2x and 4x either side, and far smaller: untimed
+            assert config(rows) == best and not timed, rows
         saved = json.loads(path.read_text())["Fake GPU|triton 0"]
         assert list(saved) == [tuning.shape_key("fwd", torch.bfloat16, 1536, 2048, 64, 65536, "g")], "only the timed"
-        timed.clear()
-        tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 4096, fake, run=lambda cfg: None, variant="g")
-        assert timed, "16x from the timed bucket: timed (4x from a borrowed one lends nothing)"
-        timed.clear()
-        tuning.config_for("fwd", torch.bfloat16, 1536, 2048, 64, 65536, fake, run=lambda cfg: None, variant="x")
+        config(65536 * 16)
+        assert timed, "16x larger than the timed bucket: timed (4x from a borrowed one lends nothing)"
+        config(65536, variant="x")
         assert timed, "another launch (variant) borrows nothing"
+        # a new process: the disk's timed buckets lend, the nearest first
+        tuning.reset_cache_state()
+        assert config(65536 * 8) == config(65536 * 16) and not timed
     finally:
         tuning.set_autotune(None)
         tuning.reset_cache_state()

@@ -13,8 +13,9 @@ and whether torch._grouped_mm may run it.
 - `FASTPLUG_MOE_AUTOTUNE=0` (or `set_autotune(False)`) turns tuning off: every launch takes the default
   config and the cache is neither read nor written.
 - Under CUDA graph capture or torch.compile tracing nothing is timed: the cached or default config is used.
-- A row bucket within a factor of four of a tuned one takes that one's config instead of being timed
-  (`_neighbour`): on variable-length batches a new length would otherwise stall its training step for seconds.
+- A row bucket within a factor of four of a tuned one, or smaller than one, takes that one's config instead of
+  being timed (`_neighbour`): on variable-length batches a new length would otherwise stall its training step
+  for seconds.
 
 This module knows the candidates and the cache, never the kernels: grouped_gemm imports it, and times
 candidates through the `run` callable it passes (`grouped_gemm.sweep` times them all for the bench).
@@ -256,20 +257,24 @@ def time_config(run: Callable[[dict], None], cfg: dict) -> float | None:
 
 
 def _neighbour(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, variant: str, device) -> dict | None:
-    """The config tuned for the same launch at a row bucket within a factor of four of M's, the nearest first; None
-    if there is none. Timing a new bucket stalls a training step for seconds (every candidate of every launch of
-    the MoE block), and on variable-length batches each new length can bring one; a neighbour's winner is a config
-    that compiled and ran at nearly these rows. Kept in memory only: the disk keeps what was timed."""
+    """The config timed for the same launch at another row bucket: the nearest within a factor of four of M's, else
+    the nearest larger one at any distance; None if there is neither. Timing a new bucket stalls a training step
+    for seconds (every candidate of every launch of the MoE block), and on variable-length batches each new length
+    can bring one. A neighbour's winner compiled and ran at nearly these rows; a larger bucket's serves a much
+    smaller one well enough (its launches are short), but a much larger bucket is timed. Kept in memory only: the
+    disk keeps what was timed, and a borrowed config is never lent on (no chains across buckets)."""
     bucket = next_power_of_2(M)
-    disk = _load_disk(device)
-    for factor in (2, 4):
-        for rows in (bucket // factor, bucket * factor):
-            if rows >= 1:
-                near = shape_key(kind, dtype, N, K, E, rows, variant)
-                cfg = disk.get(near) or (_memory.get(near) if near not in _borrowed else None)
-                if cfg is not None:  # timed there: a borrowed config is never lent on (no chains across buckets)
-                    return cfg
-    return None
+    head, tail = shape_key(kind, dtype, N, K, E, 1, variant).split("|M1")
+    timed = {}
+    for key, cfg in [*_load_disk(device).items(), *((k, c) for k, c in _memory.items() if k not in _borrowed)]:
+        rows = key[len(head) + 2 : len(key) - len(tail)] if key.startswith(head + "|M") and key.endswith(tail) else ""
+        if rows.isdigit() and int(rows) != bucket:
+            timed.setdefault(int(rows), cfg)
+    near = [rows for rows in timed if max(rows, bucket) <= 4 * min(rows, bucket)]
+    if near:
+        return timed[min(near, key=lambda rows: (max(rows, bucket) / min(rows, bucket), rows))]
+    larger = [rows for rows in timed if rows > bucket]
+    return timed[min(larger)] if larger else None
 
 
 def config_for(

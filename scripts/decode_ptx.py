@@ -4,6 +4,7 @@ whether the kernels compile at all, before any GPU run (the CPU tests run the in
 compiler may not: Triton 3.6 refuses a str field of a constexpr tuple passed on as an argument, for one).
 
     python scripts/decode_ptx.py dump OUT [--quick]    # one PTX file a launch variant: OUT/NNN_<kernel>.ptx
+    python scripts/decode_ptx.py dump OUT --family attention [--quick]   # the training attention kernels
     python scripts/decode_ptx.py compare A B           # identical / same instructions in another order / differ
 
 `dump` stands a driver in for CUDA's (the target sm_90; nothing is launched: each launch compiles and is
@@ -12,7 +13,9 @@ launch variants of the decode step: the GEMV (fp32 and bf16, 1/3/8 rows, norm, b
 softcap; 4-bit NF4/FP4 weights as tiles and as words, shuffle lookups and inline PTX included), decode attention
 (q/k norms, softcap, window, ring, one split or several), add_rms_norm and greedy_emit. The PTX is written without
 debug lines. Needs bitsandbytes (4-bit weights) and TRITON_INTERPRET unset; to dump an older tree, put it first on
-PYTHONPATH. About 6 minutes on one core (--quick: bf16 only, fewer shapes, about 2).
+PYTHONPATH. About 6 minutes on one core (--quick: bf16 only, fewer shapes, about 2). `--family attention` compiles
+the flash attention's forward, dQ and dK/dV kernels with the H100's launch configs instead (about 40 minutes on
+one core; --quick, bf16 at head dims 64 and 128: about 5).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def _packed(out: int, k: int, nested: bool, quant_type: str):
         return w._quantize("cpu")
 
 
-def dump(out: Path, quick: bool) -> None:
+def dump(out: Path, quick: bool, family: str = "decode") -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the dump compiles for the GPU")
     out.mkdir(parents=True, exist_ok=True)
@@ -96,6 +99,11 @@ def dump(out: Path, quick: bool) -> None:
     written = _record_launches(out)
     import torch
     import triton
+
+    if family == "attention":
+        _attention_launches(quick)
+        print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
+        return
 
     import fastplug.kernels.quant.gemv as quant_gemv
     from fastplug.kernels import decode
@@ -178,6 +186,46 @@ def dump(out: Path, quick: bool) -> None:
     print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
 
 
+def _attention_launches(quick: bool) -> None:
+    """The training flash attention's forward and both backward kernels, with the H100's launch configs (TMA
+    where the tables ask for it), over the options that specialise them: causal or not, sliding window, softcap,
+    GQA, packed rows (document bounds), sinks, head dims 64, 80 (padded), 128 and 256, bf16 and fp16 (fp32: IEEE
+    dots)."""
+    import torch
+
+    from fastplug.kernels import tuning
+    from fastplug.kernels.attention import attention_config, flash_attention, packed_bounds
+
+    kernels_take_cpu_tensors()
+    cuda = torch.device("cuda", 0)
+    tuning.override("attention", lambda kernel, block_d, device, **kw: attention_config(kernel, block_d, cuda))
+    config = sys.modules["fastplug.kernels.attention.config"]
+    precision = config._precision
+    config._precision = lambda dtype, interpret: precision(dtype, False)  # the GPU's dots, not the interpreter's
+    torch.manual_seed(0)
+    dtypes = (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32)
+    dims = (64, 128) if quick else (64, 80, 128, 256)
+    for dtype in dtypes:
+        for d in dims:
+            for kw in (
+                dict(causal=True),
+                dict(causal=False),
+                dict(causal=True, sliding_window=64, softcap=50.0),
+                dict(causal=True, sinks=True),
+                dict(causal=True, packed=True),
+            ):
+                kw = dict(kw)
+                q = torch.randn(2, 4, 256, d, dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(2, 2, 256, d, dtype=dtype, requires_grad=True) for _ in range(2))
+                if kw.pop("sinks", False):
+                    kw["sinks"] = torch.randn(4, dtype=dtype, requires_grad=True)
+                if kw.pop("packed", False):
+                    position_ids = torch.cat((torch.arange(100), torch.arange(156))).expand(2, 256)
+                    kw["doc_start"], kw["doc_end"] = packed_bounds(position_ids)
+                flash_attention(q, k, v, **kw).sum().backward()
+    tuning.clear("attention")
+
+
 def _instructions(text: str) -> Counter:
     """The instructions, registers and parameter numbers left out: what a reordering keeps."""
     found = Counter()
@@ -216,12 +264,15 @@ def main() -> int:
     p_dump = sub.add_parser("dump", help="compile every launch variant, one PTX file each")
     p_dump.add_argument("out", type=Path)
     p_dump.add_argument("--quick", action="store_true", help="bf16 only, fewer shapes")
+    p_dump.add_argument(
+        "--family", choices=("decode", "attention"), default="decode", help="the decode step, or training attention"
+    )
     p_cmp = sub.add_parser("compare", help="compare two dumps")
     p_cmp.add_argument("a", type=Path)
     p_cmp.add_argument("b", type=Path)
     args = parser.parse_args()
     if args.command == "dump":
-        dump(args.out, args.quick)
+        dump(args.out, args.quick, args.family)
         return 0
     return compare(args.a, args.b)
 

@@ -12,7 +12,8 @@ kernels and no T x S matrix is ever in memory. fp32 accumulation; fp32 inputs us
 One module per stage:
     config     limits (MAX_HEAD_DIM) and the input checks, the launch config (`AttentionConfig` by
                `attention_config` from `AttentionTables`, tuned through `kernels.tuning` as "attention"), TMA or
-               pointers (`_use_tma`), the problem (`_Problem`) and the arguments every kernel takes from it
+               pointers (`_use_tma`), the problem (`_Problem`) and the structured arguments every kernel takes
+               from it (`Operand`, `Heads`, `Scores`, `Mask`, `Tile`: `_launch_args`)
     tiles      the `@triton.jit` helpers the three kernels share: which keys a query row sees (`_row_bounds`, the
                one masking rule: causal, sliding window, document bounds), the block split, tile reads, scores
     forward    the forward kernel `_attn_fwd` (sinks included) and its launcher `_flash_forward`
@@ -47,10 +48,16 @@ from .config import (  # noqa: F401
     MAX_HEAD_DIM,
     AttentionConfig,
     AttentionTables,
+    Heads,
+    Mask,
+    Operand,
+    Scores,
+    Tile,
     _bucket,
     _check_inputs,
     _config,
-    _consts,
+    _launch_args,
+    _operand,
     _Problem,
     _problem,
     _tma_alloc,

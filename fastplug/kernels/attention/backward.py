@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .._utils import cdiv
 from ..jit_helpers import dot
-from .config import LOG2E, AttentionConfig, _config, _consts, _Problem, _use_tma
+from .config import LOG2E, AttentionConfig, _config, _launch_args, _operand, _Problem, _use_tma
 from .tiles import _block_split, _key_bounds, _row_bounds, _rows_of, _scores, _tile
 
 
@@ -90,60 +90,28 @@ def _dkdv_loop(
 
 @triton.jit(do_not_specialize=["T", "S"])  # a new batch length compiles nothing
 def _attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    START,
-    END,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vs,
-    stride_vd,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dks,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvs,
-    stride_dvd,
-    n_heads,
-    n_kv_heads,
-    group,
-    T,
-    S,
-    head_dim,
-    window,
-    qk_scale,
-    cap_scale,
-    ds_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    Qs, Ks, Vs, DOs, LSE, DELTA, DKs, DVs, START, END, T, S, heads, scores, M: tl.constexpr, TILE: tl.constexpr
 ):
+    """Qs, Ks, Vs, DOs, DKs, DVs: `Operand`s (dO's tokens before its heads in memory); heads, scores: `Heads`,
+    `Scores`; M, TILE: `Mask`, `Tile`. LSE, DELTA: the forward's log-sum-exp and the dQ kernel's rowsum(dO * O)."""
+    Q, stride_qb, stride_qh, stride_qt, stride_qd = Qs
+    K, stride_kb, stride_kh, stride_ks, stride_kd = Ks
+    V, stride_vb, stride_vh, stride_vs, stride_vd = Vs
+    DO, stride_dob, stride_doh, stride_dot, stride_dod = DOs
+    DK, stride_dkb, stride_dkh, stride_dks, stride_dkd = DKs
+    DV, stride_dvb, stride_dvh, stride_dvs, stride_dvd = DVs
+    n_heads, n_kv_heads, group, head_dim = heads
+    window, qk_scale, cap_scale, ds_scale = scores
+    # constexpr fields bound by name: Triton 3.6 hands a tuple's field on as a plain value (docs/contributing.md)
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    PRECISION: tl.constexpr = TILE.PRECISION
+    TMA: tl.constexpr = TILE.TMA
+    CAUSAL: tl.constexpr = M.CAUSAL
+    HAS_WINDOW: tl.constexpr = M.HAS_WINDOW
+    HAS_SOFTCAP: tl.constexpr = M.HAS_SOFTCAP
+    VARLEN: tl.constexpr = M.VARLEN
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // n_kv_heads
@@ -363,59 +331,28 @@ def _dq_loop(
 
 @triton.jit(do_not_specialize=["T", "S"])  # a new batch length compiles nothing
 def _attn_bwd_dq(
-    Q,
-    K,
-    V,
-    O,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    START,
-    END,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vs,
-    stride_vd,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_dob,
-    stride_dot,
-    stride_doh,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqt,
-    stride_dqd,
-    n_heads,
-    group,
-    T,
-    S,
-    head_dim,
-    window,
-    qk_scale,
-    cap_scale,
-    ds_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    Qs, Ks, Vs, Os, DOs, LSE, DELTA, DQs, START, END, T, S, heads, scores, M: tl.constexpr, TILE: tl.constexpr
 ):
+    """Qs, Ks, Vs, Os, DOs, DQs: `Operand`s (O's and dO's tokens before their heads in memory); heads, scores:
+    `Heads`, `Scores`; M, TILE: `Mask`, `Tile`. Stores delta = rowsum(dO * O) into DELTA for the dK/dV kernel."""
+    Q, stride_qb, stride_qh, stride_qt, stride_qd = Qs
+    K, stride_kb, stride_kh, stride_ks, stride_kd = Ks
+    V, stride_vb, stride_vh, stride_vs, stride_vd = Vs
+    O, stride_ob, stride_oh, stride_ot, stride_od = Os
+    DO, stride_dob, stride_doh, stride_dot, stride_dod = DOs
+    DQ, stride_dqb, stride_dqh, stride_dqt, stride_dqd = DQs
+    n_heads, n_kv_heads, group, head_dim = heads
+    window, qk_scale, cap_scale, ds_scale = scores
+    # constexpr fields bound by name: Triton 3.6 hands a tuple's field on as a plain value (docs/contributing.md)
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    PRECISION: tl.constexpr = TILE.PRECISION
+    TMA: tl.constexpr = TILE.TMA
+    CAUSAL: tl.constexpr = M.CAUSAL
+    HAS_WINDOW: tl.constexpr = M.HAS_WINDOW
+    HAS_SOFTCAP: tl.constexpr = M.HAS_SOFTCAP
+    VARLEN: tl.constexpr = M.VARLEN
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest blocks first, as in the forward
     bh = tl.program_id(1)
     b = bh // n_heads
@@ -564,32 +501,18 @@ def _launch_dq(do, q, k, v, out, lse, delta, dq, p: _Problem, start, end, cfg: A
     """dQ per query block; forms delta = rowsum(dO * O) on the way and stores it for the dK/dV kernel."""
     varlen = start is not None
     _attn_bwd_dq[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
-        q,
-        k,
-        v,
-        out,
-        do,
+        _operand(q),
+        _operand(k),
+        _operand(v),
+        _operand(out, tokens_before_heads=True),
+        _operand(do, tokens_before_heads=True),
         lse,
         delta,
-        dq,
+        _operand(dq),
         *((start, end) if varlen else (lse, lse)),
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        *do.stride(),
-        *dq.stride(),
-        p.Hq,
-        p.Hq // p.Hkv,
         p.T,
         p.S,
-        p.D,
-        ds_scale=p.scale,
-        **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        VARLEN=varlen,
-        TMA=_use_tma(cfg, k, v),
+        *_launch_args(p, q, cfg, varlen, False, _use_tma(cfg, k, v)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -599,33 +522,18 @@ def _launch_dkdv(do, q, k, v, lse, delta, dk, dv, p: _Problem, start, end, cfg: 
     """dK/dV per key block, summed over the query heads of its group."""
     varlen = start is not None
     _attn_bwd_dkdv[(cdiv(p.S, cfg.block_n), p.B * p.Hkv)](
-        q,
-        k,
-        v,
-        do,
+        _operand(q),
+        _operand(k),
+        _operand(v),
+        _operand(do, tokens_before_heads=True),
         lse,
         delta,
-        dk,
-        dv,
+        _operand(dk),
+        _operand(dv),
         *((start, end) if varlen else (lse, lse)),
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *do.stride(),
-        *dk.stride(),
-        *dv.stride(),
-        p.Hq,
-        p.Hkv,
-        p.Hq // p.Hkv,
         p.T,
         p.S,
-        p.D,
-        ds_scale=p.scale,
-        **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        VARLEN=varlen,
-        TMA=_use_tma(cfg, q, do),
+        *_launch_args(p, q, cfg, varlen, False, _use_tma(cfg, q, do)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,7 +1,8 @@
 """What every attention launch shares: the limits and the input checks of the public functions, the launch
 configs (`AttentionConfig` by `attention_config`, from `AttentionTables`; tuned through `kernels.tuning` as
 "attention"), whether tiles are read through TMA descriptors (`_use_tma`), the problem's shape and options
-(`_Problem`) and the arguments every kernel takes from it (`_consts`, the dot precision included)."""
+(`_Problem`) and the structured arguments every kernel takes from it (`Operand` per tensor, `Heads`, `Scores`,
+and the constexpr `Mask` and `Tile`: `_launch_args`, the dot precision included)."""
 
 from __future__ import annotations
 
@@ -132,20 +133,73 @@ def _problem(q, k, causal, window, softcap, scale) -> _Problem:
     )
 
 
-def _consts(p: _Problem, dtype: torch.dtype, interpret: bool) -> dict:
+class Operand(NamedTuple):
+    """A tensor of (batch, heads, tokens, head dim) as the kernels read it: its pointer and its strides by meaning,
+    whatever the memory layout (`_operand`)."""
+
+    ptr: torch.Tensor
+    stride_b: int
+    stride_h: int
+    stride_t: int
+    stride_d: int
+
+
+def _operand(t: torch.Tensor, tokens_before_heads: bool = False) -> Operand:
+    """t as an `Operand`: (B, H, tokens, D) in its dims, or (B, tokens, H, D) (the output) when tokens_before_heads."""
+    b, x, y, d = t.stride()
+    return Operand(t, b, y, x, d) if tokens_before_heads else Operand(t, b, x, y, d)
+
+
+class Heads(NamedTuple):
+    n_heads: int  # query heads
+    n_kv_heads: int
+    group: int  # query heads a key/value head
+    head_dim: int
+
+
+class Scores(NamedTuple):
+    window: int  # sliding window (read with HAS_WINDOW)
+    qk_scale: float  # q.k to base-2 scores (to the softcap's argument with HAS_SOFTCAP)
+    cap_scale: float  # tanh to base-2 scores (softcap x log2 e; read with HAS_SOFTCAP)
+    ds_scale: float  # the softmax scale, on dQ and dK (the backward's)
+
+
+class Mask(NamedTuple):
+    """Constexpr: which keys a row sees, and what joins its softmax."""
+
+    CAUSAL: bool
+    HAS_WINDOW: bool
+    HAS_SOFTCAP: bool
+    VARLEN: bool  # per-token document bounds (START, END)
+    HAS_SINKS: bool
+
+
+class Tile(NamedTuple):
+    """Constexpr: the blocks, the dot precision and whether tiles are read through TMA descriptors."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_D: int
+    PRECISION: str
+    TMA: bool
+
+
+def _precision(dtype: torch.dtype, interpret: bool) -> str:
+    """IEEE dots for fp32 (no TF32); the interpreter upcasts bf16 (its dots would truncate)."""
+    return "ieee" if dtype == torch.float32 else "upcast" if interpret and dtype == torch.bfloat16 else "tf32"
+
+
+def _launch_args(p: _Problem, q: torch.Tensor, cfg: "AttentionConfig", varlen: bool, sinks: bool, tma: bool) -> tuple:
+    """(Heads, Scores, Mask, Tile) of a launch on q's device and dtype."""
     if p.softcap is not None:
         qk_scale, cap_scale = p.scale / p.softcap, p.softcap * LOG2E
     else:
         qk_scale, cap_scale = p.scale * LOG2E, 1.0
-    return dict(
-        qk_scale=qk_scale,
-        cap_scale=cap_scale,
-        window=p.window or 0,
-        BLOCK_D=p.block_d,
-        CAUSAL=p.causal,
-        HAS_WINDOW=p.window is not None,
-        HAS_SOFTCAP=p.softcap is not None,
-        PRECISION="ieee" if dtype == torch.float32 else "upcast" if interpret and dtype == torch.bfloat16 else "tf32",
+    return (
+        Heads(p.Hq, p.Hkv, p.Hq // p.Hkv, p.D),
+        Scores(p.window or 0, qk_scale, cap_scale, p.scale),
+        Mask(p.causal, p.window is not None, p.softcap is not None, varlen, sinks),
+        Tile(cfg.block_m, cfg.block_n, p.block_d, _precision(q.dtype, q.device.type != "cuda"), tma),
     )
 
 

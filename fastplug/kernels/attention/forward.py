@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .._utils import cdiv
 from ..jit_helpers import dot
-from .config import AttentionConfig, _config, _consts, _Problem, _use_tma
+from .config import AttentionConfig, _config, _launch_args, _operand, _Problem, _use_tma
 from .tiles import _block_split, _row_bounds, _rows_of, _scores, _tile
 
 
@@ -74,50 +74,27 @@ def _fwd_loop(
 
 
 @triton.jit(do_not_specialize=["T", "S"])  # a new batch length compiles nothing
-def _attn_fwd(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    START,
-    END,
-    SINKS,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_ks,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vs,
-    stride_vd,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    n_heads,
-    group,
-    T,
-    S,
-    head_dim,
-    window,
-    qk_scale,
-    cap_scale,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    VARLEN: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
-):
+def _attn_fwd(Qs, Ks, Vs, Os, LSE, START, END, SINKS, T, S, heads, scores, M: tl.constexpr, TILE: tl.constexpr):
+    """Qs, Ks, Vs, Os: `Operand`s (the output's tokens before its heads in memory); heads, scores: `Heads`, `Scores`;
+    M, TILE: `Mask`, `Tile`. START, END: per-token document bounds (read with M.VARLEN); SINKS: a logit per query
+    head (read with M.HAS_SINKS)."""
+    Q, stride_qb, stride_qh, stride_qt, stride_qd = Qs
+    K, stride_kb, stride_kh, stride_ks, stride_kd = Ks
+    V, stride_vb, stride_vh, stride_vs, stride_vd = Vs
+    O, stride_ob, stride_oh, stride_ot, stride_od = Os
+    n_heads, n_kv_heads, group, head_dim = heads
+    window, qk_scale, cap_scale, ds_scale = scores
+    # constexpr fields bound by name: Triton 3.6 hands a tuple's field on as a plain value (docs/contributing.md)
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_D: tl.constexpr = TILE.BLOCK_D
+    PRECISION: tl.constexpr = TILE.PRECISION
+    TMA: tl.constexpr = TILE.TMA
+    CAUSAL: tl.constexpr = M.CAUSAL
+    HAS_WINDOW: tl.constexpr = M.HAS_WINDOW
+    HAS_SOFTCAP: tl.constexpr = M.HAS_SOFTCAP
+    VARLEN: tl.constexpr = M.VARLEN
+    HAS_SINKS: tl.constexpr = M.HAS_SINKS
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal: the last query blocks see the most keys: run them first
     bh = tl.program_id(1)
     b = bh // n_heads
@@ -255,29 +232,17 @@ def _flash_forward(q, k, v, p: _Problem, start, end, config: AttentionConfig | N
     cfg = config or _config("fwd", p.block_d, q.device)
     varlen = start is not None
     _attn_fwd[(cdiv(p.T, cfg.block_m), p.B * p.Hq)](
-        q,
-        k,
-        v,
-        out,
+        _operand(q),
+        _operand(k),
+        _operand(v),
+        _operand(out, tokens_before_heads=True),
         lse,
         start if varlen else lse,
         end if varlen else lse,
         sinks if sinks is not None else lse,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *out.stride(),
-        p.Hq,
-        p.Hq // p.Hkv,
         p.T,
         p.S,
-        p.D,
-        **_consts(p, q.dtype, q.device.type != "cuda"),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        VARLEN=varlen,
-        HAS_SINKS=sinks is not None,
-        TMA=_use_tma(cfg, q, k, v),
+        *_launch_args(p, q, cfg, varlen, sinks is not None, _use_tma(cfg, q, k, v)),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -118,14 +118,20 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
         if not (decoder.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return forward(*args, **kwargs)
         named = dict(zip(("input_ids", "attention_mask"), args), **kwargs) if len(args) <= 2 else None
-        reason = "positional arguments beyond the mask" if named is None else _decoder_reason(decoder.config, named)
+        config = getattr(decoder, "config", None)
+        if named is None:
+            reason = "positional arguments beyond the mask"
+        elif config is None:
+            reason = "no model config"
+        else:
+            reason = _decoder_reason(config, named)
         input_ids = named.get("input_ids") if named is not None else None
         if reason is None and bucket_length(input_ids.shape[1]) > input_ids.shape[1]:
             tokens = input_ids.shape[1]
             length = bucket_length(tokens)
             _record(owner, f"decoder inputs padded on to a bucket length ({length})")
-            pad_id = getattr(decoder.config, "pad_token_id", None)
-            pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < decoder.config.vocab_size else 0
+            pad_id = getattr(config, "pad_token_id", None)
+            pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
             named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=pad_id)
             mask = named.get("attention_mask")
             if mask is not None:

@@ -168,6 +168,7 @@ def test_a_loss_of_its_own_on_the_hidden_states_trains_on_bucketed_rows(family, 
         (dict(output_hidden_states=True), "hidden states, attentions or router logits asked for"),
         (dict(output_router_logits=True), "hidden states, attentions or router logits asked for"),
         (dict(inputs_embeds=torch.randn(2, 13, 64)), "embeddings, not token ids"),
+        (dict(token_type_ids=torch.zeros(2, 13, dtype=torch.long)), "a per-token argument (token_type_ids)"),
     ],
 )
 def test_the_decoder_runs_as_given_what_it_cannot_pad(call, reason):

@@ -193,10 +193,11 @@ class PatchHandle:
         if "forward" in vars(self.decoder):
             self.skipped.append(("bucket_lengths", "the decoder stack's forward is replaced on this instance already"))
             return
-        self.decoder.forward = bucketed_decoder(self.model, self.decoder, self.decoder.forward)
+        padded = self.decoder.forward = bucketed_decoder(self.model, self.decoder, self.decoder.forward)
 
         def undo(decoder=self.decoder):
-            vars(decoder).pop("forward", None)
+            if vars(decoder).get("forward") is padded:  # as `_Installed.uninstall`: only what this patch put there
+                del decoder.forward
 
         self._undo.append(undo)
 

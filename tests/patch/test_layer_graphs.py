@@ -146,6 +146,17 @@ def test_default_resolves_off_the_gpu_quietly():
         handle.restore()
 
 
+def _fake_cuda_memory(monkeypatch, reserved: int, allocated: int) -> list:
+    """The allocator's figures the memory cap reads, on a CPU: a peak of 10**6 bytes before the first capture,
+    `reserved` and `allocated` now, and the device's free bytes in the returned list's one item (10**9; set it)."""
+    free = [10**9]
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    return free
+
+
 def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch):
     """A shape is captured only while what the graphs keep beyond the first capture's, plus its predicted cost,
     stays within the cap, and its cost within half the free memory: the arena's growth (a slot per layer and three
@@ -153,11 +164,7 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
     first capture's temporaries and adds what its graphs hold (what the first holds until a later capture measured
     it), a larger one costs the largest growth per element so far; the first needs only the free memory for its
     estimate; no cap, no limit."""
-    free = [10**9]
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 600)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 500)
+    free = _fake_cuda_memory(monkeypatch, reserved=600, allocated=500)
     layers = decoder_layers(tiny_model("llama"))
     slots = len(layers) + 3
     capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
@@ -317,11 +324,7 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
     """A new arena's slots are sized for the shapes seen with their sequence length rounded up to a power of two
     (a longer bucket later finds its slot instead of dropping every graph), where that fits; else exactly for
     the largest shape seen; None where neither fits."""
-    free = [10**9]
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 10**6)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 10**12))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    free = _fake_cuda_memory(monkeypatch, reserved=0, allocated=0)
     layers = decoder_layers(tiny_model("llama"))
     slots = len(layers) + 3
     graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)

@@ -189,7 +189,7 @@ def _precision(dtype: torch.dtype, interpret: bool) -> str:
     return "ieee" if dtype == torch.float32 else "upcast" if interpret and dtype == torch.bfloat16 else "tf32"
 
 
-def _launch_args(p: _Problem, q: torch.Tensor, cfg: "AttentionConfig", varlen: bool, sinks: bool, tma: bool) -> tuple:
+def _launch_args(p: _Problem, q: torch.Tensor, cfg: AttentionConfig, varlen: bool, sinks: bool, tma: bool) -> tuple:
     """(Heads, Scores, Mask, Tile) of a launch on q's device and dtype."""
     if p.softcap is not None:
         qk_scale, cap_scale = p.scale / p.softcap, p.softcap * LOG2E

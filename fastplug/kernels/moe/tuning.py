@@ -264,17 +264,15 @@ def _neighbour(kind: str, dtype: torch.dtype, N: int, K: int, E: int, M: int, va
     smaller one well enough (its launches are short), but a much larger bucket is timed. Kept in memory only: the
     disk keeps what was timed, and a borrowed config is never lent on (no chains across buckets)."""
     bucket = next_power_of_2(M)
-    head, tail = shape_key(kind, dtype, N, K, E, 1, variant).split("|M1")
-    timed = {}
-    for key, cfg in [*_load_disk(device).items(), *((k, c) for k, c in _memory.items() if k not in _borrowed)]:
-        rows = key[len(head) + 2 : len(key) - len(tail)] if key.startswith(head + "|M") and key.endswith(tail) else ""
-        if rows.isdigit() and int(rows) != bucket:
-            timed.setdefault(int(rows), cfg)
-    near = [rows for rows in timed if max(rows, bucket) <= 4 * min(rows, bucket)]
-    if near:
-        return timed[min(near, key=lambda rows: (max(rows, bucket) / min(rows, bucket), rows))]
-    larger = [rows for rows in timed if rows > bucket]
-    return timed[min(larger)] if larger else None
+    disk = _load_disk(device)
+
+    def timed(rows: int) -> dict | None:
+        key = shape_key(kind, dtype, N, K, E, rows, variant)
+        return disk.get(key) or (_memory.get(key) if key not in _borrowed else None)
+
+    near = [rows for factor in (2, 4) for rows in (bucket // factor, bucket * factor) if rows >= 1]
+    larger = (bucket << shift for shift in range(3, 41))  # row buckets are powers of two
+    return next((cfg for cfg in map(timed, [*near, *larger]) if cfg is not None), None)
 
 
 def config_for(

@@ -504,7 +504,10 @@ def _reduce_partials(partials: torch.Tensor | None) -> torch.Tensor | None:
     key = (partials.shape[0], partials.device)
     ones = _ONES.get(key)
     if ones is None:
-        ones = _ONES[key] = torch.ones(partials.shape[0], dtype=torch.float32, device=partials.device)
+        ones = torch.ones(partials.shape[0], dtype=torch.float32, device=partials.device)
+        # inside a CUDA graph capture the vector comes from the graph's pool, which later replays reuse: not kept
+        if not (partials.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ONES[key] = ones
     return partials.t().mv(ones)
 
 

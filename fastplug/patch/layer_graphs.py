@@ -64,6 +64,7 @@ from ..models.fast_attention import UNPACKED
 # Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
 CAPTURING = "inside this stack's capture"
 FIRST_SIGHTING = "a batch shape seen for the first time (captured when it repeats)"
+MISMATCHED = "inputs unlike those it was captured with"
 _EAGER = object()
 _FAILED = object()
 _GRAPHS = "_fastplug_layer_graphs"  # the layer's instance attribute: (its LayerGraphs, its index in the stack)
@@ -107,6 +108,11 @@ class LayerGraphs:
         self._held = 0  # pool bytes the first capture's graphs hold beyond their temporaries (gradient buffers)
         self._arena: _Arena | None = None  # the hidden states of every captured shape, one at a time
         self._warmed = False  # one capture ran: later ones need no warm-up (lazy initialisation is done)
+        # Whether a new shape may be captured at its first sighting, its layers' inputs inferred from layer 0's
+        # (`_inferred_records`); off for good once an inference was wrong or such a capture failed
+        self._infer = True
+        self._inferred: set[tuple] = set()  # signatures captured from inferred records
+        self._misfits: set[tuple] = set()  # of those, the ones a later layer's inputs did not match
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
         # signature -> what each layer took at the signature's first sighting ({layer index: _Record})
         self.seen: dict[tuple, dict[int, _Record]] = {}
@@ -198,20 +204,33 @@ class LayerGraphs:
             if graphs is None:
                 return "its stack's first layer ran eagerly"
             if graphs[index].key != key:
-                return "inputs unlike those it was captured with"
+                if graphs[0].key in self._inferred:  # the stack is not uniform after all: recorded at the next sighting
+                    self._infer = False
+                    self._misfits.add(graphs[0].key)
+                return MISMATCHED
         else:
             self._forward = self._recording = None
             if self.sets and not self._fixed.holds():
                 self._drop_graphs()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
                 self.sets.clear()
                 self.seen.clear()
+                self._inferred.clear()
+                self._misfits.clear()
+            if key in self._misfits:  # captured from wrongly inferred records: forgotten, recorded afresh
+                self._misfits.discard(key)
+                self.sets.pop(key, None)
+                self.seen.pop(key, None)
             graphs = self.sets.get(key)
             if graphs is None:
-                # first sighting (or one whose forward stopped before the last layer): eager, its layers' inputs
-                # recorded, captured next time
+                inferred = False
                 if len(self.seen.get(key, ())) != len(self.layers):
-                    self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
-                    return FIRST_SIGHTING
+                    records = self._inferred_records(key, leaves, spec, tensors)
+                    if records is None:
+                        # first sighting (or one whose forward stopped before the last layer): eager, its layers'
+                        # inputs recorded, captured next time
+                        self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
+                        return FIRST_SIGHTING
+                    self.seen[key], inferred = records, True
                 if len(self.sets) >= self.max_signatures:
                     return f"a batch shape beyond the first {self.max_signatures} captured"
                 if not self._capturable():
@@ -225,7 +244,18 @@ class LayerGraphs:
                     self._fixed.close()
                     self._fixed = _Fixed(self.layers)
                 records = [self.seen[key][i] for i in range(len(self.layers))]
-                graphs = self.sets[key] = self._capture(records, tensors, slot)
+                untimed = _untimed_moe_launches()
+                graphs = self.sets[key] = self._capture(records, tensors, slot, inferred)
+                if inferred:
+                    # A failed capture may need an eager run first (off for good: warned), and MoE launches at a row
+                    # bucket far from any tuned one took an untimed config: either way the shape runs eagerly now
+                    # (which times them) and is captured when it repeats.
+                    if graphs is _FAILED or _untimed_moe_launches() != untimed:
+                        self._infer = self._infer and graphs is not _FAILED
+                        del self.sets[key]
+                        self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
+                        return FIRST_SIGHTING
+                    self._inferred.add(key)
             if graphs is _FAILED:
                 return "its capture failed (warned)"
         graph = graphs[index]
@@ -252,6 +282,25 @@ class LayerGraphs:
         for key, value in stored.items():  # for the layers that read them, replayed or eager
             mapping[key] = value
         return output
+
+    def _inferred_records(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]) -> dict | None:
+        """Every layer's record for a shape first seen now, inferred from layer 0's: where every layer of a shape
+        captured before took inputs like layer 0's (same structure and layouts: Llama's, Qwen's, Gemma2's stacks;
+        not Gemma 4's, whose global layers take wider rotary tables) and `key` differs from that shape's only in
+        its tensors' shapes and strides. Capturing it now saves the eager step a first sighting costs. It needs
+        no warm-up: the kernels do not specialise on the batch length, and what they cache is made outside the
+        capture (`kernels.state`). A later layer whose inputs prove the inference wrong runs eagerly, and the shape
+        is recorded at its next sighting (`_misfits`). None: record it eagerly."""
+        if not (self._infer and self._warmed):
+            return None
+        for other, graphs in self.sets.items():
+            if graphs is _FAILED or other in self._misfits or not _alike(other, key):
+                continue
+            records = self.seen.get(other, {})
+            if len(records) == len(self.layers) and all(r.key == other for r in records.values()):
+                record = _Record(key, leaves, spec, tensors)
+                return dict.fromkeys(range(len(self.layers)), record)
+        return None
 
     def _capturable(self) -> bool:
         for layer in self.layers:
@@ -323,8 +372,9 @@ class LayerGraphs:
         self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
         self._last = self._forward = self._pool = None
 
-    def _capture(self, records: list["_Record"], tensors: list[torch.Tensor], slot: int):
-        """slot: a new arena's slot size (`_arena_plan`), if this shape needs one."""
+    def _capture(self, records: list["_Record"], tensors: list[torch.Tensor], slot: int, inferred: bool = False):
+        """slot: a new arena's slot size (`_arena_plan`), if this shape needs one; inferred: the records are
+        `_inferred_records`' (the shape's first sighting)."""
         hidden = tensors[0]
         if self._arena is None or not self._arena.holds(hidden):
             # the captured shapes' graphs write the old arena: they go (captured again at their next sighting)
@@ -334,7 +384,7 @@ class LayerGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         before = _pool_bytes(self._pool)
-        graphs = self._capture_graphs(records, tensors, self._arena)
+        graphs = self._capture_graphs(records, tensors, self._arena, inferred)
         after = _pool_bytes(self._pool)
         self.kept = self._arena.nbytes + after
         if graphs is not _FAILED:
@@ -345,8 +395,11 @@ class LayerGraphs:
             self._warmed = True
         return graphs
 
-    def _capture_graphs(self, records: list["_Record"], tensors: list[torch.Tensor], arena: "_Arena"):
-        """records: each layer's inputs at the first sighting; tensors: layer 0's now."""
+    def _capture_graphs(
+        self, records: list["_Record"], tensors: list[torch.Tensor], arena: "_Arena", inferred: bool = False
+    ):
+        """records: each layer's inputs at the first sighting (or inferred from layer 0's now); tensors: layer
+        0's now."""
         pool = self._pool
         # The inputs besides the hidden states go through static buffers that the layers share, one per argument
         # position and layout (Gemma 4's global layers take wider rotary tables than its sliding ones). A buffer
@@ -378,9 +431,9 @@ class LayerGraphs:
                 hidden.requires_grad_(tensors[0].requires_grad)
                 warm_store, store = {}, {}  # what layers store in a mapping argument for later ones (KV sharing)
                 # The first capture warms up on a side stream (lazy initialisation of the capture's own path).
-                # A later one needs none: its shape ran eagerly at its first sighting (kernels compiled, MoE
-                # launches tuned for its rows) and the capture's path ran at the first capture; a warm-up would
-                # cost an unoverlapped eager step.
+                # A later one needs none: the capture's path ran at the first capture, the kernels do not
+                # specialise on the batch length, and MoE launches at new rows borrow a tuned config (or ran
+                # eagerly at the shape's first sighting); a warm-up would cost an unoverlapped eager step.
                 if not self._warmed:
                     for graph in graphs:
                         graph.warm_up(hidden, warm_store)
@@ -393,9 +446,15 @@ class LayerGraphs:
                 for index in reversed(range(len(graphs))):
                     grad = graphs[index].capture_backward(grad, buffers[index % 2], pool)
         except Exception as error:  # a host sync or an unsupported op in a layer: this signature stays eager
+            if inferred:
+                what = (
+                    "at a batch shape's first sighting failed; each new shape now runs eagerly once and is "
+                    "captured when it repeats"
+                )
+            else:
+                what = "failed, running them eagerly for this batch shape"
             warnings.warn(
-                f"fastplug: CUDA graph capture of the decoder layers failed, running them eagerly "
-                f"for this batch shape: {type(error).__name__}: {error}",
+                f"fastplug: CUDA graph capture of the decoder layers {what}: {type(error).__name__}: {error}",
                 stacklevel=4,
             )
             return _FAILED
@@ -642,6 +701,23 @@ def _pool_bytes(pool: tuple) -> int:
 
 
 _TENSOR = object()  # a tensor's place among a _Record's leaves
+
+
+def _untimed_moe_launches() -> int:
+    """How many MoE launches took an untimed config so far (`kernels.moe.tuning.UNTIMED`; 0 before any MoE ran)."""
+    tuning = sys.modules.get("fastplug.kernels.moe.tuning")
+    return sum(tuning.UNTIMED.values()) if tuning is not None else 0
+
+
+def _alike(a: tuple, b: tuple) -> bool:
+    """Whether two signatures differ at most in their tensors' shapes and strides."""
+    return len(a) == len(b) and all(
+        x == y or (_is_tensor_entry(x) and _is_tensor_entry(y) and x[2:] == y[2:]) for x, y in zip(a, b)
+    )
+
+
+def _is_tensor_entry(entry) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 4 and isinstance(entry[0], torch.Size)
 
 
 def _layout(t: torch.Tensor) -> tuple:

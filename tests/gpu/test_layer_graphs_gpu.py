@@ -101,6 +101,43 @@ def test_graphed_layers_train_like_eager(family, checkpointing):
     assert "1 call signature(s) captured" in summary
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3", "gemma4"])
+def test_new_lengths_are_captured_at_their_first_sighting_and_train_like_eager(family):
+    """Batches of changing lengths, as a Trainer's dynamic padding gives them: once the first shape was captured
+    (at its second sighting), each new length of a stack whose layers take like inputs (Llama, Gemma2, Gemma3) is
+    captured at its first sighting from layer 0's inputs, with no eager step; Gemma 4's global layers take wider
+    rotary tables than its sliding ones, so each of its new lengths runs eagerly once and is captured when it
+    repeats. A longer shape also brings a new arena (the shapes captured in the old one are captured again).
+    Losses and adapters equal the eager layers'."""
+    from fastplug.patch.layer_graphs import FIRST_SIGHTING
+
+    gen = torch.Generator().manual_seed(11)
+    lengths = [128, 128, 160, 192, 160, 224, 128, 192, 224, 160]
+    batches = [torch.randint(0, 1000, (2, n), generator=gen).cuda() for n in lengths]
+    results = {}
+    for graphs_on in (False, True):
+        model = _model(family)
+        handle = fastplug.patch_model(model, cuda_graphs=graphs_on)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = train_losses(model, model, batches, fused=True, after_forward=lambda _: gc.collect())
+        results[graphs_on] = (losses, _adapters(model))
+        if graphs_on:
+            graphs, summary = handle.graphs, handle.summary()
+            failed = [str(w.message) for w in caught if "CUDA graph capture of the decoder layers" in str(w.message)]
+            first_sightings, inferred, replays = graphs.eager[FIRST_SIGHTING], len(graphs._inferred), graphs.replays
+        handle.restore()
+    assert not failed, failed
+    if family == "gemma4":
+        assert inferred == 0 and first_sightings == 4, summary
+    else:
+        assert inferred == 3 and first_sightings == 1, summary
+    assert replays >= 4 * 4, summary
+    torch.testing.assert_close(torch.tensor(results[True][0]), torch.tensor(results[False][0]), rtol=2e-3, atol=2e-3)
+    for name, want in results[False][1].items():
+        assert_close(results[True][1][name], want, torch.bfloat16, name)
+
+
 def test_two_forwards_before_backward_fall_back_to_eager():
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, 1000, (2, 128), generator=gen).cuda() for _ in range(4)]

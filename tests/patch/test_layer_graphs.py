@@ -224,7 +224,7 @@ def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_
         def held_bytes(self):
             return 7
 
-    def capture(records, tensors, arena):
+    def capture(records, tensors, arena, inferred):
         pool_bytes[graphs._pool] = pool_bytes.get(graphs._pool, 0) + 1000
         return [Graph() for _ in layers]
 
@@ -343,5 +343,48 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
         assert graphs._arena_plan(hidden) == 2 * 1280 * 3
         free[0] -= 8
         assert graphs._arena_plan(hidden) is None
+    finally:
+        graphs.remove()
+
+
+def test_a_new_shape_of_a_uniform_stack_is_captured_at_its_first_sighting_from_inferred_records():
+    """Once a shape was captured whose layers all took inputs like layer 0's, a new shape that differs from it only
+    in its tensors' shapes and strides gets every layer's record from layer 0's (captured at once, no eager step);
+    a stack whose layers took unlike inputs, a signature unlike in anything else, no capture yet, or a wrong
+    inference or failed capture before (`_infer` off) leave the shape to be recorded eagerly."""
+    layers = decoder_layers(tiny_model("llama"))
+    graphs = layer_graphs.LayerGraphs(layers)
+
+    def signature(rows: int, scalar=1.0, dtype=torch.bfloat16):
+        hidden, cos = torch.empty(2, rows, 64, dtype=dtype), torch.empty(2, rows, 16, dtype=dtype)
+        args, kwargs = (hidden,), {"position_embeddings": (cos, cos), "scaling": scalar}
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        key = [spec]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf is not hidden and leaf.requires_grad))
+            else:
+                key.append((type(leaf), leaf))
+        return tuple(key), leaves, spec, tensors
+
+    try:
+        old, *rest = signature(128)
+        records = {i: layer_graphs._Record(old, *rest) for i in range(len(layers))}
+        graphs.seen[old], graphs.sets[old] = records, [object()] * len(layers)
+        new = signature(192)
+        assert graphs._inferred_records(*new) is None, "no capture ran yet: nothing compiled the capture's path"
+        graphs._warmed = True
+        inferred = graphs._inferred_records(*new)
+        assert list(inferred) == list(range(len(layers))) and all(r.key == new[0] for r in inferred.values())
+        assert inferred[0].layouts == [((2, 192, 16), (192 * 16, 16, 1), torch.bfloat16, False)] * 2
+        assert graphs._inferred_records(*signature(192, scalar=0.5)) is None, "another scalar: not a new length"
+        assert graphs._inferred_records(*signature(192, dtype=torch.float32)) is None, "another dtype"
+        odd = signature(128, scalar=2.0)[0]
+        graphs.seen[old] = {**records, len(layers) - 1: layer_graphs._Record(odd, *signature(128, 2.0)[1:])}
+        assert graphs._inferred_records(*new) is None, "a layer took unlike inputs: the stack is not uniform"
+        graphs.seen[old] = records
+        graphs._infer = False
+        assert graphs._inferred_records(*new) is None, "off once an inference was wrong or its capture failed"
     finally:
         graphs.remove()

@@ -27,6 +27,7 @@ import json
 import os
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -102,6 +103,9 @@ _lock = threading.RLock()  # reentrant: the glu "split" candidate tunes the fwd 
 _memory: dict[str, dict] = {}  # key -> config, this process
 _borrowed: set[str] = set()  # keys whose config came from a neighbouring bucket (`_neighbour`), not timed
 TIMINGS: dict[str, list[tuple[float | None, dict]]] = {}  # key -> (ms or None, config) of each candidate timed
+# key -> calls that took the untimed default because they could not time (inside a CUDA graph capture, or while
+# compiling): a graph captured then keeps that config (the layer graphs capture such a shape again, eagerly timed)
+UNTIMED: Counter = Counter()
 _disk: dict | None = None  # the file's section for this device and Triton, loaded once
 _enabled_override: bool | None = None
 
@@ -316,6 +320,8 @@ def config_for(
                 cfg = min(timed, key=lambda t: t[0])[1]
                 _save_disk(device, key, cfg)
         if cfg is None:
+            if run is not None:
+                UNTIMED[key] += 1
             return as_config(DEFAULTS[kind])  # not remembered: a later eager call may still tune
         _memory[key] = cfg
         return cfg

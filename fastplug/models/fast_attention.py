@@ -82,6 +82,9 @@ def route(config, decoder: nn.Module) -> callable:
 # Keyword the decoder stack's pre-hook adds to a forward whose caller passed no position_ids and no cu_seq_lens:
 # transformers passes it on to every layer's attention function (its **kwargs), checkpoint recomputes included.
 UNPACKED = "fastplug_rows_unpacked"
+# Keyword of a forward whose rows fastplug packed (`padding.loss_only_inputs`): each token's document (start, end),
+# computed once before the layers, which take them as they take their other inputs (the layer graphs too).
+DOCUMENT_BOUNDS = "fastplug_document_bounds"
 
 
 def _note_unpacked_rows(module, args, kwargs):
@@ -255,6 +258,9 @@ def fastplug_attention_forward(
     extra = {k: v for k, v in named if v is not None}
     unpacked = kwargs.pop(UNPACKED, False)
     padding = _padding_bounds_of(attention_mask)
+    documents = kwargs.pop(DOCUMENT_BOUNDS, None)
+    if documents is not None:  # rows packed by fastplug: the bounds come with them, and no mask
+        padding = documents
     if attention_mask is not None and padding is None:  # the batch pads: transformers' path, its 4-D mask
         fn = _fallback_function(module, fallback_name(module.config))
         return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **extra, **kwargs)

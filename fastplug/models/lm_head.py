@@ -24,7 +24,8 @@ from torch import nn
 
 from ..kernels.cross_entropy import fused_linear_cross_entropy
 from .attention import CACHE_KEYWORDS
-from .padding import loss_only_inputs
+from .fast_attention import DOCUMENT_BOUNDS
+from .padding import loss_only_inputs, packs_rows
 from .rules import MatchContext, Patch, Skip, is_fsdp, own_class
 from .structure import other_towers
 
@@ -115,7 +116,7 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
             )
 
 
-def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divided_by: str | None = None):
+def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divided_by: str | None = None, family=None):
     def forward(
         self,
         input_ids=None,
@@ -161,10 +162,13 @@ def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divide
             router_logits_wanted = self.config.output_router_logits if requested is None else requested
             kwargs["output_router_logits"] = router_logits_wanted
         decoder_mask = attention_mask
-        if self.training and inputs_embeds is None:  # right padding needs no mask; lengths into buckets
-            padded = loss_only_inputs(self, input_ids, attention_mask, labels, position_ids, kwargs, buckets)
-            if padded is not None:
-                input_ids, labels, decoder_mask, attention_mask = padded
+        if self.training and inputs_embeds is None:  # right padding needs no mask; rows packed; lengths into buckets
+            packs = packs_rows(self, family)
+            batch = loss_only_inputs(self, input_ids, attention_mask, labels, position_ids, kwargs, buckets, packs)
+            if batch is not None:
+                input_ids, labels, decoder_mask, attention_mask = batch[:4]
+                if batch.bounds is not None:
+                    position_ids, kwargs[DOCUMENT_BOUNDS] = batch.position_ids, batch.bounds
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=decoder_mask,
@@ -241,7 +245,11 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
     return Patch(
         "lm_head_loss",
         _causal_lm_forward(
-            ctx.family.moe, _cache_field(ctx.family.moe), ctx.options.buckets_on(), ctx.family.logits_divided_by
+            ctx.family.moe,
+            _cache_field(ctx.family.moe),
+            ctx.options.buckets_on(),
+            ctx.family.logits_divided_by,
+            ctx.family,
         ),
         switch=_install_head_forward(module.lm_head),
     )

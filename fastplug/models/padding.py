@@ -7,16 +7,24 @@ mask says: dropping the mask changes the pads' own outputs only, and their gradi
 then run the plain causal path (flash attention, no 4-D mask) instead of the masked one, and a batch without
 padding takes the same path.
 
+Packing: where the batch pads and every layer attends through fastplug's attention (`packs_rows`), the real
+tokens of all rows go into one row, each row a document of its own: the pads, often most of a batch of
+varied lengths, cost nothing. Each token keeps its position in its row, a row's first token is no one's label
+(the last token of the row before it predicts nothing), and the attention gets every token's document bounds
+as an argument (`fast_attention.DOCUMENT_BOUNDS`), computed once on the device, so no token sees another row.
+
 Bucketing: the HF Trainer's collator pads each batch to its longest row, so every batch has its own length
 and a CUDA graph captured for one length rarely serves the next. Rounded up to a bucket (four per doubling, at
 most a fifth of the row wasted), a handful of lengths serve a whole dataset; the extra pads are right pads
-with ignored labels, so the loss and its gradients are those of the batch as given.
+with ignored labels (a packed row's, a document of their own), so the loss and its gradients are those of the
+batch as given.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,60 +57,131 @@ def bucket_length(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> str | None:
-    """Why this padded batch needs its mask (None: it does not), with one host sync: every row's real tokens
-    come first, and no pad predicts a label (a pad's prediction depends on the mask; a real token's does not)."""
+def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[str | None, list]:
+    """(why this padded batch needs its mask (None: it does not), each row's real tokens), with one host sync:
+    every row's real tokens come first, and no pad predicts a label (a pad's prediction depends on the mask; a
+    real token's does not)."""
     if attention_mask.dim() != 2 or labels.shape != attention_mask.shape:
-        return "a mask or labels of another shape"
+        return "a mask or labels of another shape", []
     mask = attention_mask.bool()
     right = (mask[:, 1:] <= mask[:, :-1]).all()
     predicted = nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index) != ignore_index  # label of t + 1
     no_pad_predicts = ~(predicted & ~mask).any()
-    right, no_pad_predicts = torch.stack((right, no_pad_predicts)).tolist()
+    right, no_pad_predicts, *lengths = torch.cat((torch.stack((right, no_pad_predicts)), mask.sum(1))).tolist()
     if not right:
-        return "padding not on the right"
-    return None if no_pad_predicts else "a pad predicts a label (labels not ignored at the padding)"
+        return "padding not on the right", lengths
+    return (None if no_pad_predicts else "a pad predicts a label (labels not ignored at the padding)"), lengths
 
 
-def loss_only_inputs(model: nn.Module, input_ids, attention_mask, labels, position_ids, kwargs: dict, buckets: bool):
-    """(input_ids, labels, the mask the decoder gets, the mask of the padded batch) for a loss-only training
-    forward: no mask for right padding whose pads predict nothing, and the rows right-padded to a bucket when
-    asked; None when the batch must run as given (left padding, packed rows, anything returned beyond the loss)."""
+class LossOnlyBatch(NamedTuple):
+    """A loss-only training batch as the decoder stack runs it (`loss_only_inputs`)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    decoder_mask: torch.Tensor | None  # the mask the decoder gets (None: none)
+    attention_mask: torch.Tensor | None  # which of input_ids are real tokens (the router's balance loss reads it)
+    position_ids: torch.Tensor | None  # each token's position in its row (packed rows), else None
+    bounds: tuple | None  # packed rows: each token's document (start, end), for the attention
+
+
+def packs_rows(model: nn.Module, family) -> bool:
+    """Whether `model`'s padded batches may be packed: every layer attends through fastplug's attention (which
+    takes document bounds) and mixes tokens nowhere else (no linear-attention or convolution layers), with 1-D
+    positions (not multimodal RoPE) and heads the flash kernel takes (a wider head's fallback would build a dense
+    mask over the whole packed row)."""
+    from ..kernels.attention import MAX_HEAD_DIM
+    from .fast_attention import NAME
+
+    config = model.config
+    if family is None or family.attention_left is not None or family.rope == "multimodal":
+        return False
+    if getattr(config, "_attn_implementation", None) != NAME:
+        return False
+    if any(kind not in ("full_attention", "sliding_attention") for kind in getattr(config, "layer_types", None) or ()):
+        return False
+    for name in ("head_dim", "global_head_dim"):
+        try:
+            width = getattr(config, name, None)
+        except Exception:  # transformers 5.2x: an attribute that varies by layer raises when read globally
+            return False
+        if isinstance(width, int) and width > MAX_HEAD_DIM:
+            return False
+    return True
+
+
+def loss_only_inputs(
+    model: nn.Module, input_ids, attention_mask, labels, position_ids, kwargs: dict, buckets: bool, packs: bool
+) -> LossOnlyBatch | None:
+    """A loss-only training forward's batch as the decoder should run it: right padding whose pads predict nothing
+    needs no mask; where `packs` (`packs_rows`) a padded batch's rows are packed into one; the row length is
+    rounded up to a bucket when asked. None when the batch must run as given (left padding, packed rows,
+    anything returned beyond the loss)."""
     if torch.compiler.is_compiling():  # no host sync while traced, and no tally
         return None
-    reason = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
+    reason, lengths = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
     if reason is not None:
         _record(model, f"as given: {reason}")
         return None
     tokens = input_ids.shape[1]
+    ignore_index = kwargs.get("ignore_index", -100)
+    if packs and lengths and min(lengths) < tokens:
+        return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index)
     length = bucket_length(tokens) if buckets else tokens
     _record(model, f"no mask, rows padded on to a bucket length ({length})" if length > tokens else "no mask")
     if length > tokens:
         extra = length - tokens
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        pad_id = getattr(model.config, "pad_token_id", None)
-        pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < model.config.vocab_size else 0
-        input_ids = nn.functional.pad(input_ids, (0, extra), value=pad_id)
-        labels = nn.functional.pad(labels, (0, extra), value=kwargs.get("ignore_index", -100))
+        input_ids = nn.functional.pad(input_ids, (0, extra), value=_pad_id(model.config))
+        labels = nn.functional.pad(labels, (0, extra), value=ignore_index)
         attention_mask = nn.functional.pad(attention_mask, (0, extra), value=0)
-    return input_ids, labels, None, attention_mask
+    return LossOnlyBatch(input_ids, labels, None, attention_mask, None, None)
 
 
-def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwargs: dict) -> str | None:
-    """Why this batch must run as given (None: it may drop its mask and be padded on)."""
+def _pad_id(config) -> int:
+    pad_id = getattr(config, "pad_token_id", None)
+    return pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
+
+
+def _packed(model, input_ids, labels, attention_mask, real: int, buckets: bool, ignore_index: int) -> LossOnlyBatch:
+    """The real tokens of a right-padded batch in one row (`real` of them, known from the host sync that checked the
+    padding), then pads up to its bucket as a document of their own. Device ops only."""
+    from ..kernels.attention import packed_bounds
+
+    tokens = input_ids.shape[1]
+    length = bucket_length(real) if buckets else real
+    _record(model, f"padding dropped, rows packed into one of a bucket length ({length})")
+    # right padding: the real tokens in row order, and a token's column is its position in its row
+    index = torch.nonzero_static(attention_mask.reshape(-1).bool(), size=real).squeeze(1)
+    positions = index % tokens
+    ids = nn.functional.pad(input_ids.reshape(-1)[index], (0, length - real), value=_pad_id(model.config))
+    # a row's first token is the label the row before's last token would predict: ignored, as its pads were
+    target = labels.reshape(-1)[index].masked_fill(positions == 0, ignore_index)
+    target = nn.functional.pad(target, (0, length - real), value=ignore_index)
+    positions = torch.cat((positions, torch.arange(length - real, device=positions.device)))[None]
+    mask = (torch.arange(length, device=ids.device) < real).to(attention_mask.dtype)
+    return LossOnlyBatch(ids[None], target[None], None, mask[None], positions, packed_bounds(positions))
+
+
+def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwargs: dict) -> tuple[str | None, list]:
+    """(why this batch must run as given (None: it may drop its mask and be padded on or packed), each row's real
+    tokens where it has a mask)."""
     if input_ids is None or input_ids.dim() != 2 or kwargs.get("inputs_embeds") is not None:
-        return "embeddings, not token ids"
+        return "embeddings, not token ids", []
     if position_ids is not None or any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "shift_labels")):
-        return "packed rows or shifted labels"
+        return "packed rows or shifted labels", []
     for asked in ("output_hidden_states", "output_attentions"):
         if kwargs.get(asked, getattr(config, asked, False)):
-            return "hidden states or attentions asked for"
+            return "hidden states or attentions asked for", []
     if getattr(config, "use_bidirectional_attention", False):  # real tokens would see the pads after them
-        return "bidirectional attention"
+        return "bidirectional attention", []
+    rows, tokens = input_ids.shape
+    for name, value in kwargs.items():  # token_type_ids and the like: per-token inputs fastplug would not pad
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (rows, tokens):
+            return f"a per-token argument ({name})", []
     if attention_mask is not None:
         return unmaskable(attention_mask, labels, kwargs.get("ignore_index", -100))
-    return None
+    return None, []
 
 
 def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
@@ -111,8 +190,9 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
     states), where `loss_only_inputs` never sees the batch. The pads go after every token of a row and attention
     is causal, so no token of the batch sees them: the hidden states returned are those of the batch as given,
     and the pads' gradients are zero. Each row's mask is continued with its last value, so a row without padding
-    stays without and a right-padded one stays right-padded (the attention path is the batch's own). The tally
-    goes to `owner`'s batch paths."""
+    stays without and a right-padded one stays right-padded (the attention path is the batch's own). Rows are not
+    packed here: the caller may read the pads' hidden states (a loss whose labels count the pads), which packing
+    would change. The tally goes to `owner`'s batch paths."""
 
     def padded_forward(*args, **kwargs):
         if not (decoder.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
@@ -130,9 +210,7 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
             tokens = input_ids.shape[1]
             length = bucket_length(tokens)
             _record(owner, f"decoder inputs padded on to a bucket length ({length})")
-            pad_id = getattr(config, "pad_token_id", None)
-            pad_id = pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
-            named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=pad_id)
+            named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=_pad_id(config))
             mask = named.get("attention_mask")
             if mask is not None:
                 named["attention_mask"] = torch.cat((mask, mask[:, -1:].expand(-1, length - tokens)), dim=1)

@@ -59,7 +59,7 @@ from torch.nn.modules.module import (
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..models.fast_attention import UNPACKED
+from ..models.fast_attention import DOCUMENT_BOUNDS, UNPACKED
 
 # Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
 CAPTURING = "inside this stack's capture"
@@ -171,7 +171,7 @@ class LayerGraphs:
         """The layer's output from its graphs, or why it runs eagerly."""
         if not (layer.training and torch.is_grad_enabled()):
             return "inference or no grad"
-        if not kwargs.get(UNPACKED):
+        if not kwargs.get(UNPACKED) and kwargs.get(DOCUMENT_BOUNDS) is None:
             return "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
         if self.capturing:  # the warm-up and the capture call the layers: they run as they are
             return CAPTURING

@@ -138,6 +138,49 @@ def test_new_lengths_are_captured_at_their_first_sighting_and_train_like_eager(f
         assert_close(results[True][1][name], want, torch.bfloat16, name)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_padded_rows_packed_into_one_replay_like_eager(family):
+    """A Trainer's dynamic padding (right-padded rows of varied lengths, the pads' labels ignored): the loss path
+    packs the real tokens into one row, each row a document whose bounds the layers take as one more input, and
+    the layer graphs capture and replay it (Gemma2: a sliding window shorter than some rows) with the losses and
+    adapters of the eager layers."""
+    gen = torch.Generator().manual_seed(12)
+
+    def padded(lengths):
+        ids = torch.randint(1, 1000, (len(lengths), max(lengths)), generator=gen)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        ids = ids.masked_fill(mask == 0, 0)
+        return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=ids.masked_fill(mask == 0, -100).cuda())
+
+    shapes = [[200, 90], [150, 150, 60], [200, 90], [120, 180], [150, 150, 60], [200, 90], [120, 180]]
+    batches = [padded(lengths) for lengths in shapes]  # 290, 360 and 300 real tokens: buckets of 320 and 384
+    results = {}
+    for graphs_on in (False, True):
+        model = _model(family)
+        handle = fastplug.patch_model(model, cuda_graphs=graphs_on, bucket_lengths=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        losses = []
+        model.train()
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        results[graphs_on] = (losses, _adapters(model))
+        summary = handle.summary()
+        assert "padding dropped, rows packed into one of a bucket length (320): 4" in summary, summary
+        if graphs_on:
+            assert handle.graphs.replays >= 4 * 4, summary
+        handle.restore()
+    torch.testing.assert_close(torch.tensor(results[True][0]), torch.tensor(results[False][0]), rtol=2e-3, atol=2e-3)
+    for name, want in results[False][1].items():
+        assert_close(results[True][1][name], want, torch.bfloat16, name)
+
+
 def test_two_forwards_before_backward_fall_back_to_eager():
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, 1000, (2, 128), generator=gen).cuda() for _ in range(4)]

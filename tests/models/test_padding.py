@@ -45,31 +45,33 @@ def _step(model, inputs):
 
 
 def _decoder_inputs(model):
-    """What the decoder stack is called with: (its input length, whether it got a mask), per forward."""
+    """What the decoder stack is called with: (its rows, their length, whether it got a mask), per forward."""
     seen = []
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
-        seen.append((ids.shape[1], kwargs.get("attention_mask") is not None))
+        seen.append((*ids.shape, kwargs.get("attention_mask") is not None))
 
     return seen, model.model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 @pytest.mark.parametrize(
-    "family, buckets, right, expected",
+    "family, buckets, right, lengths, expected",
     [
-        ("llama", True, True, (64, False)),  # right padding: no mask, rounded up to its bucket (the smallest)
-        ("llama", False, False, (13, True)),  # left padding: the mask, as given
-        ("gemma2", False, True, (13, False)),  # softcap and a window shorter than the pads: no mask either
-        ("qwen3_moe", True, True, (64, False)),  # the router's balance loss still sees only real tokens
+        # right padding: the 28 real tokens packed into one row, no mask, rounded up to its bucket (the smallest)
+        ("llama", True, True, [13, 6, 9], (1, 64, False)),
+        ("llama", True, True, [13, 13], (2, 64, False)),  # no padding: nothing to pack, rows padded on to a bucket
+        ("llama", False, False, [13, 6, 9], (3, 13, True)),  # left padding: the mask, as given
+        ("gemma2", False, True, [13, 6, 9], (1, 28, False)),  # softcap and a window: packed rows all the same
+        ("qwen3_moe", True, True, [13, 6, 9], (1, 64, False)),  # the router's balance loss sees only real tokens
     ],
 )
-def test_padded_batches_train_like_transformers(family, buckets, right, expected):
+def test_padded_batches_train_like_transformers(family, buckets, right, lengths, expected):
     reference = tiny_model(family).train()
     model = copy.deepcopy(reference)
     # the self-check runs on the first case (its batch is padded to a bucket too); the others save its time
     patch_model(model, gradient_checkpointing=False, bucket_lengths=buckets, self_check=family == "llama")
-    inputs = _padded_batch([13, 6, 9], right=right)
+    inputs = _padded_batch(lengths, right=right)
     seen, hook = _decoder_inputs(model)
     out, grads = _step(model, inputs)
     hook.remove()
@@ -94,7 +96,7 @@ def test_pads_that_predict_a_label_keep_the_mask():
     seen, hook = _decoder_inputs(model)
     out, _ = _step(model, inputs)
     hook.remove()
-    assert seen == [(13, True)]
+    assert seen == [(2, 13, True)]
     assert_close(out.loss, _step(reference, inputs)[0].loss, torch.float32, "loss")
 
 
@@ -104,7 +106,7 @@ def test_hidden_states_asked_for_keep_the_batch_as_given():
     seen, hook = _decoder_inputs(model)
     model(**_padded_batch([13, 6]), output_hidden_states=True)
     hook.remove()
-    assert seen == [(13, True)]
+    assert seen == [(2, 13, True)]
 
 
 def test_summary_tallies_the_path_of_each_training_batch():
@@ -113,7 +115,8 @@ def test_summary_tallies_the_path_of_each_training_batch():
     for right in (True, True, False):
         model(**_padded_batch([13, 6], right=right))
     assert (
-        "padded training batches (models/padding.py): no mask, rows padded on to a bucket length (64): 2; "
+        "padded training batches (models/padding.py): padding dropped, rows packed into one of a bucket length (64): "
+        "2; "
         "as given: padding not on the right: 1" in handle.summary()
     )
 
@@ -131,7 +134,8 @@ def test_a_loss_of_its_own_on_the_hidden_states_trains_on_bucketed_rows(family, 
     """A loss path that is not fastplug's (TRL's LM head, a user's loss on the hidden states) calls the decoder
     stack itself: its rows are padded on to a bucket there and its hidden states trimmed back, so the loss and
     gradients are those of the batch as given, with or without padding in the batch (each row's mask goes on
-    with its last value). The MoE model's router logits are not asked for (they would keep the batch as given)."""
+    with its last value). The rows are not packed: the caller may read the pads' hidden states. The MoE model's
+    router logits are not asked for (they would keep the batch as given)."""
     reference = tiny_model(family, **({"output_router_logits": False} if family == "qwen3_moe" else {})).train()
     model = copy.deepcopy(reference)
     handle = patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)

@@ -166,7 +166,10 @@ class TrainerCheckpointing:
     def __init__(self, model: nn.Module, mode, memory_budget: float = 0.9):
         self.model, self.mode = model, mode
         self._snapshot = snapshot(model)
-        self.auto = AutoCheckpointing(model, memory_budget) if mode == "auto" else None
+        # a plan FastModel made ("auto" too) serves the run, keeps what it measured and outlives the run
+        existing = vars(model).get(_AUTO) if mode == "auto" else None
+        self._owns_auto = existing is None
+        self.auto = existing or (AutoCheckpointing(model, memory_budget) if mode == "auto" else None)
         self.reapply()
 
     def reapply(self) -> None:
@@ -179,7 +182,7 @@ class TrainerCheckpointing:
         return str(self.auto) if self.auto is not None else self._words
 
     def undo(self) -> None:
-        if self.auto is not None:
+        if self.auto is not None and self._owns_auto:
             self.auto.remove()
         restore(self._snapshot)
 

@@ -154,3 +154,21 @@ def test_recompute_reuses_the_views_of_its_forward(monkeypatch, reference_pass):
     for name, grad in grads.items():
         assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
     handle.restore()
+
+
+def test_a_run_in_auto_mode_takes_the_models_own_auto_plan_and_leaves_it():
+    """FastModel's "auto" plan on the model (one AutoCheckpointing, its hooks) serves a trainer run in "auto" mode
+    too: no second plan (two sets of hooks would both set the layers' flags), and the run's undo leaves it."""
+    model = tiny_model("llama")
+    own = checkpointing.enable(model, "auto")
+    hooks = list(own._hooks)
+    run = checkpointing.TrainerCheckpointing(model, "auto")
+    assert run.auto is own and vars(model)[checkpointing._AUTO] is own
+    run.undo()
+    assert vars(model)[checkpointing._AUTO] is own and own._hooks == hooks, "the model's plan outlives the run"
+    alone = tiny_model("llama")
+    run = checkpointing.TrainerCheckpointing(alone, "auto")
+    assert vars(alone)[checkpointing._AUTO] is run.auto
+    run.undo()
+    assert checkpointing._AUTO not in vars(alone), "a plan the run made goes with it"
+    own.remove()

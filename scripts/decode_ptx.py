@@ -5,6 +5,7 @@ compiler may not: Triton 3.6 refuses a str field of a constexpr tuple passed on 
 
     python scripts/decode_ptx.py dump OUT [--quick]    # one PTX file a launch variant: OUT/NNN_<kernel>.ptx
     python scripts/decode_ptx.py dump OUT --family attention [--quick]   # the training attention kernels
+    python scripts/decode_ptx.py dump OUT --family rope|moe [--quick]    # RoPE; the MoE grouped GEMMs
     python scripts/decode_ptx.py compare A B           # identical / same instructions in another order / differ
 
 `dump` stands a driver in for CUDA's (the target sm_90; nothing is launched: each launch compiles and is
@@ -15,12 +16,15 @@ softcap; 4-bit NF4/FP4 weights as tiles and as words, shuffle lookups and inline
 debug lines. Needs bitsandbytes (4-bit weights) and TRITON_INTERPRET unset; to dump an older tree, put it first on
 PYTHONPATH. About 6 minutes on one core (--quick: bf16 only, fewer shapes, about 2). `--family attention` compiles
 the flash attention's forward, dQ and dK/dV kernels with the H100's launch configs instead (about 40 minutes on
-one core; --quick, bf16 at head dims 64 and 128: about 5).
+one core; --quick, bf16 at head dims 64 and 128: about 5). `--family rope` compiles RoPE's kernel, forward and
+backward (under a minute); `--family moe` the grouped GEMMs of the experts MLP and of `grouped_gemm`, forward and
+backward, with pointer loads and with tensor descriptors (about 5 minutes on one core; --quick: bf16 only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -100,8 +104,8 @@ def dump(out: Path, quick: bool, family: str = "decode") -> None:
     import torch
     import triton
 
-    if family == "attention":
-        _attention_launches(quick)
+    if family != "decode":
+        {"attention": _attention_launches, "rope": _rope_launches, "moe": _moe_launches}[family](quick)
         print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
         return
 
@@ -226,6 +230,107 @@ def _attention_launches(quick: bool) -> None:
     tuning.clear("attention")
 
 
+def _rope_launches(quick: bool) -> None:
+    """RoPE's one kernel, forward and backward (autograd), in place and into given rows (`rope_projections`), over
+    the options that specialise it: partial rotary dims, GQA head counts, cos/sin per batch or broadcast, one
+    program per head block or one walking every head, bf16 and fp32 (fp32 cos/sin with bf16 q and k: fp32 out)."""
+    import torch
+
+    from fastplug.kernels import tuning
+    from fastplug.kernels.rope import rope, rope_config, rope_projections
+
+    kernels_take_cpu_tensors()
+    torch.manual_seed(0)
+    for split in (True,) if quick else (True, False):
+        tuning.override("rope", lambda *a, **kw: dataclasses.replace(rope_config(*a, **kw), split_heads=split))
+        for dtype, cs_dtype in (
+            ((torch.bfloat16, torch.bfloat16),)
+            if quick
+            else (
+                (torch.bfloat16, torch.bfloat16),
+                (torch.bfloat16, torch.float32),
+                (torch.float32, torch.float32),
+            )
+        ):
+            for hq, hk, d, rot, per_batch in ((8, 2, 128, 128, False), (4, 4, 64, 32, True), (6, 1, 80, 80, False)):
+                q = torch.randn(2, 48, hq, d, dtype=dtype).transpose(1, 2).requires_grad_()
+                k = torch.randn(2, 48, hk, d, dtype=dtype).transpose(1, 2).requires_grad_()
+                cos, sin = (torch.randn(2 if per_batch else 1, 48, rot, dtype=cs_dtype) for _ in range(2))
+                q_rot, k_rot = rope(q, k, cos, sin)
+                (q_rot.sum() + k_rot.sum()).backward()
+                if cs_dtype == dtype and not quick:  # in place on fresh projections, then into column blocks
+                    q2, k2 = (t.detach().clone().requires_grad_() * 1 for t in (q, k))
+                    sum(t.sum() for t in rope(q2, k2, cos, sin, inplace=True)).backward()
+                    yq, yk = torch.randn(96, hq * d, dtype=dtype), torch.randn(96, hk * d, dtype=dtype)
+                    out = torch.empty(96, (hq + hk) * d, dtype=dtype)
+                    rope_projections(yq, yk, cos, sin, 2, d, out=(out[:, : hq * d], out[:, hq * d :]))
+                    rope_projections(yq, yk, cos, sin, 2, d, backward=True, inplace=True)
+    tuning.clear("rope")
+
+
+# The H100 launch configs the MoE dump takes (tuning's candidates): its defaults (pointer loads), and one tensor
+# descriptor config per kernel.
+_MOE_CONFIGS = {
+    "ptr": {"fwd": (128, 128, 64, 8, 3, "ptr"), "dw": (64, 128, 128, 8, 3, "ptr"), "glu": (128, 64, 64, 4, 4, "ptr")},
+    "tma": {"fwd": (128, 128, 64, 8, 4, "tma"), "dw": (64, 128, 128, 8, 3, "tma"), "glu": (128, 128, 64, 8, 3, "tma")},
+}
+
+
+def _moe_launches(quick: bool) -> None:
+    """The MoE grouped GEMMs (`_grouped_mm`, `_grouped_mm_glu`, `_grouped_mm_dw`) through the experts MLP and the
+    grouped GEMM, forward and backward, with the H100's configs (`_MOE_CONFIGS`: pointer loads, and tensor
+    descriptors where the strides allow them), over the options that specialise them: LoRA on gate_up and down,
+    biases, routing weights, gathered and scattered rows, the GLU's activations and layouts (gu stored or not),
+    the dW kernels, bf16 and fp32. Nothing is timed: the configs stand in for the autotuner's."""
+    import torch
+
+    from fastplug.kernels.moe import ExpertLoRA, grouped_gemm, moe_experts, routing_metadata_reference, tuning
+
+    kernels_take_cpu_tensors()
+    gemm, experts = (sys.modules[f"fastplug.kernels.moe.{name}"] for name in ("grouped_gemm", "experts"))
+    precision, config_for, metadata = gemm._precision, tuning.config_for, experts.routing_metadata
+    gemm._precision = lambda dtype, device: precision(dtype, torch.device("cuda", 0))  # the GPU's dots
+    # the routing's own kernel is compiled, not run: the GEMMs' launchers index with what the reference gives
+    experts.routing_metadata = routing_metadata_reference
+    torch.manual_seed(0)
+    T, H, I, E, k, r = 64, 256, 128, 4, 2, 8
+    for impl in ("ptr", "tma"):
+        tuning.config_for = lambda kind, *args, **kw: tuning.as_config(_MOE_CONFIGS[impl][kind])
+        for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float32):
+
+            def rand(*shape, grad=True):
+                return (torch.randn(*shape, dtype=dtype) / 8).requires_grad_(grad)
+
+            index = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+            cases = (
+                dict(lora=True, biases=True),
+                dict(biases=True, activation="clamped_swiglu", interleaved=True, swiglu_alpha=1.7, swiglu_limit=7.0),
+                dict(),  # down trained: one node; gu stored
+                dict(frozen_down=True),  # the split path (ExpertsUp, ExpertsDown)
+                dict(frozen_down=True, lora=True, activation="gelu_tanh"),
+            )
+            for kw in cases[:2] if dtype == torch.float32 else cases:  # fp32: the launches that differ in dtype
+                kw = dict(kw)
+                x, weights = rand(T, H), torch.rand(T, k, dtype=dtype, requires_grad=True)
+                gate_up, down = rand(E, 2 * I, H), rand(E, H, I, grad=not kw.pop("frozen_down", False))
+                if kw.pop("lora", False):
+                    kw["gate_up_lora"] = ExpertLoRA(rand(E, r, H), rand(E, 2 * I, r), 2.0)
+                    if down.requires_grad:
+                        kw["down_lora"] = ExpertLoRA(rand(E, r, I), rand(E, H, r), 0.5)
+                if kw.pop("biases", False):
+                    kw["gate_up_bias"], kw["down_bias"] = rand(E, 2 * I), rand(E, H)
+                moe_experts(x, gate_up, down, index, weights, **kw).sum().backward()
+            offsets = torch.tensor([40, 40, 100, 128], dtype=torch.int32)  # an empty expert
+            gather, scatter = torch.randint(0, T, (128,)), torch.randperm(128)
+            x, w, rw = rand(T, H), rand(E, I, H), rand(128)
+            grouped_gemm(x, w, offsets, gather_index=gather, scatter_index=scatter, row_weights=rw).sum().backward()
+            if dtype != torch.float32:
+                grouped_gemm(rand(128, H), w, offsets).sum().backward()
+                with torch.no_grad():  # gu not stored
+                    moe_experts(x, gate_up, down, index, weights)
+    tuning.config_for, gemm._precision, experts.routing_metadata = config_for, precision, metadata
+
+
 def _instructions(text: str) -> Counter:
     """The instructions, registers and parameter numbers left out: what a reordering keeps."""
     found = Counter()
@@ -265,7 +370,10 @@ def main() -> int:
     p_dump.add_argument("out", type=Path)
     p_dump.add_argument("--quick", action="store_true", help="bf16 only, fewer shapes")
     p_dump.add_argument(
-        "--family", choices=("decode", "attention"), default="decode", help="the decode step, or training attention"
+        "--family",
+        choices=("decode", "attention", "rope", "moe"),
+        default="decode",
+        help="the decode step, or the training kernels: attention, rope, moe",
     )
     p_cmp = sub.add_parser("compare", help="compare two dumps")
     p_cmp.add_argument("a", type=Path)

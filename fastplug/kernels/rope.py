@@ -14,6 +14,7 @@ dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1, i.e. the sine multipliers swap hal
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -89,101 +90,107 @@ def rope_config(
     return RopeConfig(block_t, block_hq, block_hk, half_block, tune.split_heads, tune.num_warps)
 
 
+class Operand(NamedTuple):
+    """q, k or an output [B, H, T, D] as the kernel reads or writes it: its pointer and its batch, head and token
+    strides (the head dim's is 1)."""
+
+    ptr: torch.Tensor
+    stride_b: int
+    stride_h: int
+    stride_t: int
+
+
+class Angles(NamedTuple):
+    """cos and sin [B or 1, T, Dr], read with one pair of strides (stride_b 0: one table for every sequence)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    stride_b: int
+    stride_t: int
+
+
+class HeadDims(NamedTuple):
+    """Constexpr: the dims of a head, the first ROT_DIM rotating in two halves of HALF, the rest copied; HALF_BLOCK
+    and PASS_BLOCK are those two widths padded to powers of two."""
+
+    HALF: int
+    ROT_DIM: int
+    HEAD_DIM: int
+    HALF_BLOCK: int
+    PASS_BLOCK: int
+
+
+class Tile(NamedTuple):
+    """Constexpr: tokens a program, q and k heads a step, and whether each head block has its own program."""
+
+    BLOCK_T: int
+    BLOCK_HQ: int
+    BLOCK_HK: int
+    SPLIT_HEADS: bool
+
+
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _rotate_heads(
-    x_ptr,
-    y_ptr,
-    stride_xb,
-    stride_xh,
-    stride_xt,
-    stride_yb,
-    stride_yh,
-    stride_yt,
-    b,
-    t,
-    t_mask,
-    h_start,
-    h_end,
-    c1,
-    c2,
-    m1,
-    m2,
-    HALF: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    HALF_BLOCK: tl.constexpr,
-    PASS_BLOCK: tl.constexpr,
-):
-    """y = rotate(x) for heads [h_start, h_end) of one tensor at tokens t [BLOCK_T, 1, 1]; c*/m* are
-    [BLOCK_T, 1, HALF_BLOCK]."""
+def _rotate_heads(X, Y, b, t, t_mask, h_start, h_end, c1, c2, m1, m2, DIMS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Y = rotate(X) (`Operand`s) for heads [h_start, h_end) at tokens t [BLOCK_T, 1, 1]; c*/m* are
+    [BLOCK_T, 1, HALF_BLOCK]; DIMS: `HeadDims`."""
+    HALF: tl.constexpr = DIMS.HALF
+    ROT_DIM: tl.constexpr = DIMS.ROT_DIM
+    HEAD_DIM: tl.constexpr = DIMS.HEAD_DIM
+    HALF_BLOCK: tl.constexpr = DIMS.HALF_BLOCK
+    PASS_BLOCK: tl.constexpr = DIMS.PASS_BLOCK
     d = tl.arange(0, HALF_BLOCK)[None, None, :]
-    x_base = x_ptr + b * stride_xb + t * stride_xt
-    y_base = y_ptr + b * stride_yb + t * stride_yt
+    x_base = X.ptr + b * X.stride_b + t * X.stride_t
+    y_base = Y.ptr + b * Y.stride_b + t * Y.stride_t
     for h0 in range(h_start, h_end, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
         row_mask = t_mask & (h < h_end)
-        x_row = x_base + h * stride_xh
-        y_row = y_base + h * stride_yh
+        x_row = x_base + h * X.stride_h
+        y_row = y_base + h * Y.stride_h
         mask = row_mask & (d < HALF)
         x1 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + d, (x1 * c1 + x2 * m1).to(y_ptr.dtype.element_ty), mask=mask)
-        tl.store(y_row + HALF + d, (x2 * c2 + x1 * m2).to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + d, (x1 * c1 + x2 * m1).to(Y.ptr.dtype.element_ty), mask=mask)
+        tl.store(y_row + HALF + d, (x2 * c2 + x1 * m2).to(Y.ptr.dtype.element_ty), mask=mask)
         if ROT_DIM < HEAD_DIM:  # dims past the rotary ones are copied unchanged
             p = ROT_DIM + tl.arange(0, PASS_BLOCK)[None, None, :]
             pass_mask = row_mask & (p < HEAD_DIM)
             x_pass = tl.load(x_row + p, mask=pass_mask, other=0.0)
-            tl.store(y_row + p, x_pass.to(y_ptr.dtype.element_ty), mask=pass_mask)
+            tl.store(y_row + p, x_pass.to(Y.ptr.dtype.element_ty), mask=pass_mask)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])  # a new batch length compiles nothing
 def _rope_kernel(
-    q_ptr,
-    k_ptr,
-    q_out_ptr,
-    k_out_ptr,
-    cos_ptr,
-    sin_ptr,
+    Q,
+    K,
+    Q_OUT,
+    K_OUT,
+    CS,
     n_tokens,
     n_heads_q,
     n_heads_k,
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_qob,
-    stride_qoh,
-    stride_qot,
-    stride_kob,
-    stride_koh,
-    stride_kot,
-    stride_cb,
-    stride_ct,
-    HALF: tl.constexpr,
-    ROT_DIM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    DIMS: tl.constexpr,
+    TILE: tl.constexpr,
     BACKWARD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr,
-    PASS_BLOCK: tl.constexpr,
-    SPLIT_HEADS: tl.constexpr,
 ):
+    """Q, K, Q_OUT, K_OUT: `Operand`s; CS: `Angles`; DIMS, TILE: `HeadDims`, `Tile`. BACKWARD: the transpose (the
+    sine multipliers swap halves and change sign)."""
+    # constexpr fields bound by name: Triton 3.6 hands a tuple's field on as a plain value (docs/contributing.md)
+    HALF: tl.constexpr = DIMS.HALF
+    HALF_BLOCK: tl.constexpr = DIMS.HALF_BLOCK
+    BLOCK_T: tl.constexpr = TILE.BLOCK_T
+    BLOCK_HQ: tl.constexpr = TILE.BLOCK_HQ
+    BLOCK_HK: tl.constexpr = TILE.BLOCK_HK
     b = tl.program_id(1).to(tl.int64)
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)[:, None, None]
     t_mask = t < n_tokens
     d = tl.arange(0, HALF_BLOCK)[None, None, :]
     cs_mask = t_mask & (d < HALF)
-    cs_offset = b * stride_cb + t * stride_ct + d
-    c1 = tl.load(cos_ptr + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    cs_offset = b * CS.stride_b + t * CS.stride_t + d
+    c1 = tl.load(CS.cos + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(CS.cos + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(CS.sin + cs_offset, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(CS.sin + cs_offset + HALF, mask=cs_mask, other=0.0).to(tl.float32)
     if BACKWARD:
         m1 = s2
         m2 = -s1
@@ -195,63 +202,15 @@ def _rope_kernel(
     q_end = n_heads_q
     k_start = 0
     k_end = n_heads_k
-    if SPLIT_HEADS:
+    if TILE.SPLIT_HEADS:
         block = tl.program_id(2)
         n_blocks_q = tl.cdiv(n_heads_q, BLOCK_HQ)
         q_start = tl.minimum(block * BLOCK_HQ, n_heads_q)
         q_end = tl.minimum(q_start + BLOCK_HQ, n_heads_q)
         k_start = tl.maximum(block - n_blocks_q, 0) * BLOCK_HK
         k_end = tl.where(block >= n_blocks_q, tl.minimum(k_start + BLOCK_HK, n_heads_k), 0)
-    _rotate_heads(
-        q_ptr,
-        q_out_ptr,
-        stride_qb,
-        stride_qh,
-        stride_qt,
-        stride_qob,
-        stride_qoh,
-        stride_qot,
-        b,
-        t,
-        t_mask,
-        q_start,
-        q_end,
-        c1,
-        c2,
-        m1,
-        m2,
-        HALF,
-        ROT_DIM,
-        HEAD_DIM,
-        BLOCK_HQ,
-        HALF_BLOCK,
-        PASS_BLOCK,
-    )
-    _rotate_heads(
-        k_ptr,
-        k_out_ptr,
-        stride_kb,
-        stride_kh,
-        stride_kt,
-        stride_kob,
-        stride_koh,
-        stride_kot,
-        b,
-        t,
-        t_mask,
-        k_start,
-        k_end,
-        c1,
-        c2,
-        m1,
-        m2,
-        HALF,
-        ROT_DIM,
-        HEAD_DIM,
-        BLOCK_HK,
-        HALF_BLOCK,
-        PASS_BLOCK,
-    )
+    _rotate_heads(Q, Q_OUT, b, t, t_mask, q_start, q_end, c1, c2, m1, m2, DIMS, BLOCK_HQ)
+    _rotate_heads(K, K_OUT, b, t, t_mask, k_start, k_end, c1, c2, m1, m2, DIMS, BLOCK_HK)
 
 
 # --------------------------------------------------------------------------------------------- launchers
@@ -298,11 +257,24 @@ def _empty_in_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.permute([order.index(i) for i in range(4)])
 
 
-def _cos_sin_strides(cos: torch.Tensor) -> tuple[int, int]:
-    """(batch stride, token stride) of cos; 0 for the batch of a [T, Dr] or [1, T, Dr] table (broadcast)."""
+def _operand(x: torch.Tensor) -> Operand:
+    return Operand(x, x.stride(0), x.stride(1), x.stride(2))
+
+
+def _angles(cos: torch.Tensor, sin: torch.Tensor) -> Angles:
+    """cos and sin with cos's strides (sin's are the same); batch stride 0 for a [T, Dr] or [1, T, Dr] table."""
     if cos.dim() == 2 or cos.shape[0] == 1:
-        return 0, cos.stride(-2)
-    return cos.stride(0), cos.stride(1)
+        return Angles(cos, sin, 0, cos.stride(-2))
+    return Angles(cos, sin, cos.stride(0), cos.stride(1))
+
+
+def _launch_args(head_dim: int, rot_dim: int, cfg: RopeConfig, backward: bool) -> dict:
+    """The constexprs of a launch over heads of head_dim dims, the first rot_dim rotating: DIMS, TILE, BACKWARD."""
+    return dict(
+        DIMS=HeadDims(rot_dim // 2, rot_dim, head_dim, cfg.half_block, next_power_of_2(max(head_dim - rot_dim, 1))),
+        TILE=Tile(cfg.block_t, cfg.block_hq, cfg.block_hk, cfg.split_heads),
+        BACKWARD=backward,
+    )
 
 
 def _rope_launch(
@@ -326,45 +298,19 @@ def _rope_launch(
         return q_out, k_out
     rot_dim = cos.shape[-1]
     cfg = config or tuning.pick("rope", rope_config, n_heads_q, n_heads_k, tokens, rot_dim, q.dtype)
-    block_t, block_hq, block_hk, half_block = cfg.block_t, cfg.block_hq, cfg.block_hk, cfg.half_block
-    stride_cb, stride_ct = _cos_sin_strides(cos)
-    grid = (cdiv(tokens, block_t), batch)
+    grid = (cdiv(tokens, cfg.block_t), batch)
     if cfg.split_heads:
-        grid += (cdiv(n_heads_q, block_hq) + cdiv(n_heads_k, block_hk),)
+        grid += (cdiv(n_heads_q, cfg.block_hq) + cdiv(n_heads_k, cfg.block_hk),)
     _rope_kernel[grid](
-        q,
-        k,
-        q_out,
-        k_out,
-        cos,
-        sin,
+        _operand(q),
+        _operand(k),
+        _operand(q_out),
+        _operand(k_out),
+        _angles(cos, sin),
         tokens,
         n_heads_q,
         n_heads_k,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        q_out.stride(0),
-        q_out.stride(1),
-        q_out.stride(2),
-        k_out.stride(0),
-        k_out.stride(1),
-        k_out.stride(2),
-        stride_cb,
-        stride_ct,
-        HALF=rot_dim // 2,
-        ROT_DIM=rot_dim,
-        HEAD_DIM=head_dim,
-        BACKWARD=backward,
-        BLOCK_T=block_t,
-        BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk,
-        HALF_BLOCK=half_block,
-        PASS_BLOCK=next_power_of_2(max(head_dim - rot_dim, 1)),
-        SPLIT_HEADS=cfg.split_heads,
+        **_launch_args(head_dim, rot_dim, cfg, backward),
         num_warps=cfg.num_warps,
     )
     return q_out, k_out

@@ -40,6 +40,7 @@ import triton.language as tl
 from .._utils import cdiv, check_dtype, check_same_device, next_power_of_2, use_triton
 from ..jit_helpers import dot_acc
 from . import tuning
+from .args import Bias, DwSpec, Experts, GluMmSpec, GluOut, LoRA, MmSpec, Rows, Tile
 from .glu import GluSpec, glu_columns, glu_rows_forward, glu_terms
 
 try:
@@ -95,221 +96,174 @@ def _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX: tl.constexpr, BL
 
 @triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm(
-    a_ptr,
-    a_index_ptr,
-    w_ptr,
-    out_ptr,
-    out_index_ptr,
-    rw_ptr,
-    offsets_ptr,
-    t_ptr,
-    b_ptr,
-    bias_ptr,
-    M,
-    N,
-    K,
-    E,
-    R,
-    stride_am,
-    stride_ak,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_om,
-    stride_on,
-    stride_tm,
-    stride_tr,
-    stride_be,
-    stride_bn,
-    stride_br,
-    stride_bias_e,
-    stride_bias_n,
-    HAS_A_INDEX: tl.constexpr,
-    HAS_OUT_INDEX: tl.constexpr,
-    HAS_RW: tl.constexpr,
-    HAS_LORA: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    A_TMA: tl.constexpr,
-    W_TMA: tl.constexpr,
-    W_KMAJOR: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    A, W, a_desc, w_desc, OUT, LORA, BIAS, rw_ptr, offsets_ptr, M, N, K, E, F: tl.constexpr, TILE: tl.constexpr
 ):
-    """A_TMA: a_ptr is a tensor descriptor over a [rows, K] (block [BLOCK_M, BLOCK_K]); a tile may run into
-    the next expert's rows, whose products are not stored. W_TMA: w_ptr is a descriptor over the weights
-    flattened to 2-D: [E * N, K] (W_KMAJOR, block [BLOCK_N, BLOCK_K]; a tile past N reads the next
-    expert's rows, whose columns are not stored) or [E * K, N] (block [BLOCK_K, BLOCK_N]; the launcher
-    takes this only when BLOCK_K divides K, so no tile reads another expert's rows into the sum)."""
+    """A, OUT: `Rows` (a's rows gathered, out's scattered); W: `Experts`; LORA, BIAS: `LoRA`, `Bias`; F, TILE:
+    `MmSpec`, `Tile`. A_TMA: a's rows are read through a_desc, a tensor descriptor over a [rows, K] (block
+    [BLOCK_M, BLOCK_K]); a tile may run into the next expert's rows, whose products are not stored. W_TMA: the
+    weights are read through w_desc, a descriptor over them
+    flattened to 2-D: [E * N, K] (W_KMAJOR, block [BLOCK_N, BLOCK_K]; a tile past N reads the next expert's rows,
+    whose columns are not stored) or [E * K, N] (block [BLOCK_K, BLOCK_N]; the launcher takes this only when
+    BLOCK_K divides K, so no tile reads another expert's rows into the sum)."""
+    # constexpr fields bound by name: Triton 3.6 hands a tuple's field on as a plain value (docs/contributing.md)
+    HAS_A_INDEX: tl.constexpr = F.HAS_A_INDEX
+    HAS_OUT_INDEX: tl.constexpr = F.HAS_OUT_INDEX
+    HAS_RW: tl.constexpr = F.HAS_RW
+    HAS_LORA: tl.constexpr = F.HAS_LORA
+    HAS_BIAS: tl.constexpr = F.HAS_BIAS
+    BLOCK_R: tl.constexpr = F.BLOCK_R
+    A_TMA: tl.constexpr = F.A_TMA
+    W_TMA: tl.constexpr = F.W_TMA
+    W_KMAJOR: tl.constexpr = F.W_KMAJOR
+    BLOCK_E: tl.constexpr = F.BLOCK_E
+    GROUP_M: tl.constexpr = F.GROUP_M
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
+    PRECISION: tl.constexpr = TILE.PRECISION
     expert, row_start, row_end, col_tile = _expert_tile(
         offsets_ptr, tl.program_id(0), tl.cdiv(N, BLOCK_N), E, BLOCK_E, BLOCK_M, GROUP_M
     )
     if expert >= E:
         return
-    rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
+    rm, mask_m, src = _tile_rows(A.index, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
     col0 = col_tile * BLOCK_N
     rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < N
     rk = tl.arange(0, BLOCK_K)
     if not A_TMA:
-        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+        a_ptrs = A.ptr + src[:, None] * A.stride_row + rk[None, :] * A.stride_col
     if not W_TMA:
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rn[None, :] * stride_wn + rk[:, None] * stride_wk
+        w_ptrs = W.ptr + expert.to(tl.int64) * W.stride_e + rn[None, :] * W.stride_n + rk[:, None] * W.stride_k
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if A_TMA:
-            a = a_ptr.load([row_start, k0])
+            a = a_desc.load([row_start, k0])
         else:
             k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
-            a_ptrs += BLOCK_K * stride_ak
+            a_ptrs += BLOCK_K * A.stride_col
         if W_TMA:
             if W_KMAJOR:
-                w = tl.trans(w_ptr.load([expert * N + col0, k0]))
+                w = tl.trans(w_desc.load([expert * N + col0, k0]))
             else:
-                w = w_ptr.load([expert * K + k0, col0])
+                w = w_desc.load([expert * K + k0, col0])
         else:
             k_ok = rk < K - k0
             w = tl.load(w_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
-            w_ptrs += BLOCK_K * stride_wk
+            w_ptrs += BLOCK_K * W.stride_k
         acc = dot_acc(a, w, acc, PRECISION)
     if HAS_LORA:
         rr = tl.arange(0, BLOCK_R)
         t = tl.load(
-            t_ptr + rm[:, None] * stride_tm + rr[None, :] * stride_tr,
-            mask=mask_m[:, None] & (rr[None, :] < R),
+            LORA.t + rm[:, None] * LORA.stride_tm + rr[None, :] * LORA.stride_tr,
+            mask=mask_m[:, None] & (rr[None, :] < LORA.rank),
             other=0.0,
         )
         b = tl.load(
-            b_ptr + expert.to(tl.int64) * stride_be + rn[None, :] * stride_bn + rr[:, None] * stride_br,
-            mask=(rr[:, None] < R) & mask_n[None, :],
+            LORA.b + expert.to(tl.int64) * LORA.stride_be + rn[None, :] * LORA.stride_bn + rr[:, None] * LORA.stride_br,
+            mask=(rr[:, None] < LORA.rank) & mask_n[None, :],
             other=0.0,
         )
         acc = dot_acc(t, b, acc, PRECISION)  # into acc: a second [BLOCK_M, BLOCK_N] accumulator would spill
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias_e + rn * stride_bias_n, mask=mask_n, other=0.0)
+        bias = tl.load(BIAS.ptr + expert.to(tl.int64) * BIAS.stride_e + rn * BIAS.stride_n, mask=mask_n, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     if HAS_RW:
         acc *= tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)[:, None]
     if HAS_OUT_INDEX:
-        dst = tl.load(out_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+        dst = tl.load(OUT.index + rm, mask=mask_m, other=0).to(tl.int64)
     else:
         dst = rm.to(tl.int64)
     tl.store(
-        out_ptr + dst[:, None] * stride_om + rn[None, :] * stride_on,
-        acc.to(out_ptr.dtype.element_ty),
+        OUT.ptr + dst[:, None] * OUT.stride_row + rn[None, :] * OUT.stride_col,
+        acc.to(OUT.ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
 
 
 @triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm_glu(
-    a_ptr,
-    a_index_ptr,
-    w_ptr,
-    gu_ptr,
-    h_ptr,
-    offsets_ptr,
-    bias_ptr,
-    M,
-    I,
-    K,
-    E,
-    stride_am,
-    stride_ak,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    stride_gm,
-    stride_hm,
-    stride_bias_e,
-    stride_bias_n,
-    alpha,
-    limit,
-    HAS_A_INDEX: tl.constexpr,
-    A_TMA: tl.constexpr,
-    W_TMA: tl.constexpr,
-    STORE_GU: tl.constexpr,
-    ACT: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    A, W, a_desc, w_desc, OUT, BIAS, offsets_ptr, M, I, K, E, alpha, limit, F: tl.constexpr, TILE: tl.constexpr
 ):
-    """The gate_up GEMM with the gated activation in its epilogue: w [E, 2I, K] ([gate; up] halves, or gate and
+    """The gate_up GEMM with the gated activation in its epilogue: W [E, 2I, K] ([gate; up] halves, or gate and
     up rows interleaved: INTERLEAVED); a program owns BLOCK_N columns of gate and the same columns of up (two
-    accumulators), adds the bias (HAS_BIAS, [E, 2I] in w's row order), rounds both to the output dtype (as a
+    accumulators), adds the bias (HAS_BIAS, [E, 2I] in W's row order), rounds both to the output dtype (as a
     separate activation pass would read them), and stores h = act(gate) * up [M, I] (glu.glu_terms: ACT, alpha,
-    limit) and, with STORE_GU, the [gate, up] rows [M, 2I] in w's row order for the backward. W_TMA (halves only):
-    w_ptr is a descriptor over w as [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA as in _grouped_mm."""
+    limit) and, with STORE_GU, the [gate, up] rows [M, 2I] in W's row order for the backward. A: `Rows`; W:
+    `Experts`; OUT: `GluOut`; BIAS: `Bias`; F, TILE: `GluMmSpec`, `Tile`. W_TMA (halves only): w_desc is a
+    descriptor over W as [E * 2I, K] (block [BLOCK_N, BLOCK_K]); A_TMA, a_desc as in _grouped_mm."""
+    HAS_A_INDEX: tl.constexpr = F.HAS_A_INDEX
+    HAS_BIAS: tl.constexpr = F.HAS_BIAS
+    STORE_GU: tl.constexpr = F.STORE_GU
+    ACT: tl.constexpr = F.ACT
+    INTERLEAVED: tl.constexpr = F.INTERLEAVED
+    A_TMA: tl.constexpr = F.A_TMA
+    W_TMA: tl.constexpr = F.W_TMA
+    BLOCK_E: tl.constexpr = F.BLOCK_E
+    GROUP_M: tl.constexpr = F.GROUP_M
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
+    PRECISION: tl.constexpr = TILE.PRECISION
     expert, row_start, row_end, col_tile = _expert_tile(
         offsets_ptr, tl.program_id(0), tl.cdiv(I, BLOCK_N), E, BLOCK_E, BLOCK_M, GROUP_M
     )
     if expert >= E:
         return
-    rm, mask_m, src = _tile_rows(a_index_ptr, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
+    rm, mask_m, src = _tile_rows(A.index, row_start, row_end, M, HAS_A_INDEX, BLOCK_M)
     col0 = col_tile * BLOCK_N
     rn = col0 + tl.arange(0, BLOCK_N)
     mask_n = rn < I
     rk = tl.arange(0, BLOCK_K)
-    gate_row, up_row = glu_columns(rn, I, INTERLEAVED)  # rows of w (and columns of the bias and of gu)
+    gate_row, up_row = glu_columns(rn, I, INTERLEAVED)  # rows of W (and columns of the bias and of gu)
     if not A_TMA:
-        a_ptrs = a_ptr + src[:, None] * stride_am + rk[None, :] * stride_ak
+        a_ptrs = A.ptr + src[:, None] * A.stride_row + rk[None, :] * A.stride_col
     if not W_TMA:
-        w_e = w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
-        g_ptrs = w_e + gate_row[None, :] * stride_wn
-        u_ptrs = w_e + up_row[None, :] * stride_wn
+        w_e = W.ptr + expert.to(tl.int64) * W.stride_e + rk[:, None] * W.stride_k
+        g_ptrs = w_e + gate_row[None, :] * W.stride_n
+        u_ptrs = w_e + up_row[None, :] * W.stride_n
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if A_TMA:
-            a = a_ptr.load([row_start, k0])
+            a = a_desc.load([row_start, k0])
         else:
             k_ok = rk < K - k0
             a = tl.load(a_ptrs, mask=mask_m[:, None] & k_ok[None, :], other=0.0)
-            a_ptrs += BLOCK_K * stride_ak
+            a_ptrs += BLOCK_K * A.stride_col
         if W_TMA:
-            wg = tl.trans(w_ptr.load([expert * 2 * I + col0, k0]))
-            wu = tl.trans(w_ptr.load([expert * 2 * I + I + col0, k0]))
+            wg = tl.trans(w_desc.load([expert * 2 * I + col0, k0]))
+            wu = tl.trans(w_desc.load([expert * 2 * I + I + col0, k0]))
         else:
             k_ok = rk < K - k0
             wg = tl.load(g_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok[:, None] & mask_n[None, :], other=0.0)
-            g_ptrs += BLOCK_K * stride_wk
-            u_ptrs += BLOCK_K * stride_wk
+            g_ptrs += BLOCK_K * W.stride_k
+            u_ptrs += BLOCK_K * W.stride_k
         acc_g = dot_acc(a, wg, acc_g, PRECISION)
         acc_u = dot_acc(a, wu, acc_u, PRECISION)
     if HAS_BIAS:
-        bias_e = bias_ptr + expert.to(tl.int64) * stride_bias_e
-        acc_g += tl.load(bias_e + gate_row * stride_bias_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(bias_e + up_row * stride_bias_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        bias_e = BIAS.ptr + expert.to(tl.int64) * BIAS.stride_e
+        acc_g += tl.load(bias_e + gate_row * BIAS.stride_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_e + up_row * BIAS.stride_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     rows = rm.to(tl.int64)[:, None]
-    gate = acc_g.to(h_ptr.dtype.element_ty)
-    up = acc_u.to(h_ptr.dtype.element_ty)
+    gate = acc_g.to(OUT.h.dtype.element_ty)
+    up = acc_u.to(OUT.h.dtype.element_ty)
     if STORE_GU:
-        tl.store(gu_ptr + rows * stride_gm + gate_row[None, :], gate, mask=mask)
-        tl.store(gu_ptr + rows * stride_gm + up_row[None, :], up, mask=mask)
+        tl.store(OUT.gu + rows * OUT.stride_gu + gate_row[None, :], gate, mask=mask)
+        tl.store(OUT.gu + rows * OUT.stride_gu + up_row[None, :], up, mask=mask)
     h, _, _ = glu_terms(gate.to(tl.float32), up.to(tl.float32), ACT, alpha, limit)
-    tl.store(h_ptr + rows * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(OUT.h + rows * OUT.stride_h + rn[None, :], h.to(OUT.h.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _dw_step(
-    dy_ptr,
+    DY,
+    X,
     dy_desc,
-    dy_index_ptr,
-    x_ptr,
     x_desc,
-    x_index_ptr,
     rw_ptr,
     m0,
     row_end,
@@ -320,51 +274,49 @@ def _dw_step(
     mask_n,
     mask_k,
     acc,
-    stride_dym,
-    stride_dyn,
-    stride_xm,
-    stride_xk,
-    HAS_DY_INDEX: tl.constexpr,
-    HAS_X_INDEX: tl.constexpr,
-    HAS_RW: tl.constexpr,
-    DY_TMA: tl.constexpr,
-    X_TMA: tl.constexpr,
+    F: tl.constexpr,
     FULL: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """acc += (rw * dy)[m0:m0+BLOCK_M, rn]^T x[m0:m0+BLOCK_M, rk]. FULL: every row of the block is the
-    expert's (no row mask). The last, partial block has FULL and the TMA flags off: rows past the expert's
-    end must be masked, which bulk copies cannot do."""
+    """acc += (rw * dy)[m0:m0+BLOCK_M, rn]^T x[m0:m0+BLOCK_M, rk] (DY, X: `Rows`; F: `DwSpec`). FULL: every row of
+    the block is the expert's: no row mask, and dy and x are read through their descriptors where F says so. The
+    last, partial block (not FULL) reads through pointers: rows past the expert's end must be masked, which bulk
+    copies cannot do."""
+    HAS_DY_INDEX: tl.constexpr = F.HAS_DY_INDEX
+    HAS_X_INDEX: tl.constexpr = F.HAS_X_INDEX
+    HAS_RW: tl.constexpr = F.HAS_RW
+    DY_TMA: tl.constexpr = F.DY_TMA
+    X_TMA: tl.constexpr = F.X_TMA
     rm = m0 + tl.arange(0, BLOCK_M)
     if FULL:
         mask_m = tl.full((BLOCK_M,), 1, tl.int1)
     else:
         mask_m = rm < row_end
-    if DY_TMA:
+    if FULL and DY_TMA:
         dy = tl.trans(dy_desc.load([m0, n0]))
     else:
         if HAS_DY_INDEX:
-            dy_rows = tl.load(dy_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+            dy_rows = tl.load(DY.index + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             dy_rows = rm.to(tl.int64)
         dy = tl.load(
-            dy_ptr + dy_rows[None, :] * stride_dym + rn[:, None] * stride_dyn,
+            DY.ptr + dy_rows[None, :] * DY.stride_row + rn[:, None] * DY.stride_col,
             mask=mask_n[:, None] & mask_m[None, :],
             other=0.0,
         )
     if HAS_RW:
         rw = tl.load(rw_ptr + rm, mask=mask_m, other=0.0).to(tl.float32)
-        dy = (dy.to(tl.float32) * rw[None, :]).to(dy_ptr.dtype.element_ty)
-    if X_TMA:
+        dy = (dy.to(tl.float32) * rw[None, :]).to(DY.ptr.dtype.element_ty)
+    if FULL and X_TMA:
         x = x_desc.load([m0, k0])
     else:
         if HAS_X_INDEX:
-            x_rows = tl.load(x_index_ptr + rm, mask=mask_m, other=0).to(tl.int64)
+            x_rows = tl.load(X.index + rm, mask=mask_m, other=0).to(tl.int64)
         else:
             x_rows = rm.to(tl.int64)
         x = tl.load(
-            x_ptr + x_rows[:, None] * stride_xm + rk[None, :] * stride_xk,
+            X.ptr + x_rows[:, None] * X.stride_row + rk[None, :] * X.stride_col,
             mask=mask_m[:, None] & mask_k[None, :],
             other=0.0,
         )
@@ -373,38 +325,16 @@ def _dw_step(
 
 @triton.jit(do_not_specialize=["M"])  # a new batch length compiles nothing
 def _grouped_mm_dw(
-    dy_ptr,
-    dy_desc,
-    dy_index_ptr,
-    x_ptr,
-    x_desc,
-    x_index_ptr,
-    rw_ptr,
-    offsets_ptr,
-    dw_ptr,
-    scale,
-    M,
-    N,
-    K,
-    stride_dym,
-    stride_dyn,
-    stride_xm,
-    stride_xk,
-    stride_we,
-    stride_wn,
-    stride_wk,
-    HAS_DY_INDEX: tl.constexpr,
-    HAS_X_INDEX: tl.constexpr,
-    HAS_RW: tl.constexpr,
-    DY_TMA: tl.constexpr,
-    X_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    DY, X, dy_desc, x_desc, rw_ptr, offsets_ptr, DW, scale, M, N, K, F: tl.constexpr, TILE: tl.constexpr
 ):
-    """DY_TMA / X_TMA: dy_desc / x_desc are tensor descriptors over dy [rows, N] (block [BLOCK_M, BLOCK_N])
-    and x [rows, K] (block [BLOCK_M, BLOCK_K]), used for the expert's whole BLOCK_M blocks of rows."""
+    """DY, X: `Rows` (dy [rows, N], x [rows, K], gathered with F's HAS_*_INDEX); DW: `Experts`; F, TILE: `DwSpec`,
+    `Tile`. dy_desc / x_desc: tensor descriptors over dy (block [BLOCK_M, BLOCK_N]) and x (block [BLOCK_M, BLOCK_K])
+    where F.DY_TMA / F.X_TMA, used for the expert's whole BLOCK_M blocks of rows (the last, partial block reads
+    through the pointers)."""
+    BLOCK_M: tl.constexpr = TILE.BLOCK_M
+    BLOCK_N: tl.constexpr = TILE.BLOCK_N
+    BLOCK_K: tl.constexpr = TILE.BLOCK_K
+    PRECISION: tl.constexpr = TILE.PRECISION
     pid = tl.program_id(0)
     expert = tl.program_id(1)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -421,12 +351,10 @@ def _grouped_mm_dw(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m0 in range(row_start, full_end, BLOCK_M):
         acc = _dw_step(
-            dy_ptr,
+            DY,
+            X,
             dy_desc,
-            dy_index_ptr,
-            x_ptr,
             x_desc,
-            x_index_ptr,
             rw_ptr,
             m0,
             row_end,
@@ -437,27 +365,17 @@ def _grouped_mm_dw(
             mask_n,
             mask_k,
             acc,
-            stride_dym,
-            stride_dyn,
-            stride_xm,
-            stride_xk,
-            HAS_DY_INDEX,
-            HAS_X_INDEX,
-            HAS_RW,
-            DY_TMA,
-            X_TMA,
+            F,
             True,
             PRECISION,
             BLOCK_M,
         )
     if full_end < row_end:
         acc = _dw_step(
-            dy_ptr,
+            DY,
+            X,
             dy_desc,
-            dy_index_ptr,
-            x_ptr,
             x_desc,
-            x_index_ptr,
             rw_ptr,
             full_end,
             row_end,
@@ -468,23 +386,15 @@ def _grouped_mm_dw(
             mask_n,
             mask_k,
             acc,
-            stride_dym,
-            stride_dyn,
-            stride_xm,
-            stride_xk,
-            HAS_DY_INDEX,
-            HAS_X_INDEX,
-            HAS_RW,
-            False,
-            False,
+            F,
             False,
             PRECISION,
             BLOCK_M,
         )
     acc *= scale
     tl.store(
-        dw_ptr + expert.to(tl.int64) * stride_we + rn[:, None] * stride_wn + rk[None, :] * stride_wk,
-        acc.to(dw_ptr.dtype.element_ty),
+        DW.ptr + expert.to(tl.int64) * DW.stride_e + rn[:, None] * DW.stride_n + rk[None, :] * DW.stride_k,
+        acc.to(DW.ptr.dtype.element_ty),
         mask=mask_n[:, None] & mask_k[None, :],
     )
 
@@ -524,6 +434,32 @@ def _precision(dtype: torch.dtype, device: torch.device) -> str:
     if device.type != "cuda":
         return "upcast"
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tile(cfg: dict, t: torch.Tensor) -> Tile:
+    """The blocks of a launch config, and the precision of dots on t's dtype and device."""
+    return Tile(cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], _precision(t.dtype, t.device))
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor | None, dummy: torch.Tensor) -> Rows:
+    """t [rows, columns] as `Rows`; dummy stands in for no index."""
+    return Rows(t, index if index is not None else dummy, t.stride(0), t.stride(1))
+
+
+def _lora(lora: tuple | None, dummy: torch.Tensor) -> LoRA:
+    """(t [M, r], b [E, N, r]) as `LoRA`; dummies and rank 0 without one."""
+    if lora is None:
+        return LoRA(dummy, dummy, 0, 0, 0, 0, 0, 0)
+    t, b = lora
+    return LoRA(t, b, t.shape[1], *t.stride(), *b.stride())
+
+
+def _bias(bias: torch.Tensor | None, dummy: torch.Tensor) -> Bias:
+    return Bias(bias, *bias.stride()) if bias is not None else Bias(dummy, 0, 0)
+
+
+def _block_e(E: int) -> int:
+    return max(next_power_of_2(E), 2)
 
 
 def _descriptor_ok(t: torch.Tensor, rows_stride: int) -> bool:
@@ -624,9 +560,8 @@ def grouped_mm_rows(
         return out
     if K == 0:
         return out.zero_()  # the product of empty rows; nothing for the kernel to accumulate
-    t, b = lora if lora is not None else (None, None)
-    R = t.shape[1] if lora is not None else 0
     dummy = offsets  # a valid pointer for arguments that a constexpr flag switches off
+    lora_args = _lora(lora, dummy)
     tma_device = _tma_capable(a.device)
     torch_ok = lora is None and bias is None and _torch_grouped_ok(a, w)
 
@@ -636,57 +571,45 @@ def grouped_mm_rows(
             if not torch_ok:
                 raise RuntimeError("torch._grouped_mm path: bf16 tensors without LoRA or bias only")
             return _rows_torch(a, w, offsets, a_index, out, out_index, row_weights, out_given)
-        a_arg, w_arg, a_tma, w_tma, w_kmajor = a, w, False, False, True
+        a_desc, w_desc, a_tma, w_tma, w_kmajor = dummy, dummy, False, False, True
         if impl == "tma" and tma_device:
             wd = _weight_descriptor(w, cfg["BLOCK_N"], cfg["BLOCK_K"])
             if wd is not None:
-                w_arg, w_kmajor = wd
+                w_desc, w_kmajor = wd
                 w_tma = True
             if a_index is None and a.stride(1) == 1 and _descriptor_ok(a, a.stride(0)):
-                a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+                a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
                 a_tma = True
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(N, cfg["BLOCK_N"]),)
+        spec = MmSpec(
+            a_index is not None,
+            out_index is not None,
+            row_weights is not None,
+            lora is not None,
+            bias is not None,
+            max(16, next_power_of_2(lora_args.rank)),
+            a_tma,
+            w_tma,
+            w_kmajor,
+            _block_e(E),
+            _GROUP_M,
+        )
         _grouped_mm[grid](
-            a_arg,
-            a_index if a_index is not None else dummy,
-            w_arg,
-            out,
-            out_index if out_index is not None else dummy,
+            _rows(a, a_index, dummy),
+            Experts(w, *w.stride()),
+            a_desc,
+            w_desc,
+            _rows(out, out_index, dummy),
+            lora_args,
+            _bias(bias, dummy),
             row_weights if row_weights is not None else dummy,
             offsets,
-            t if t is not None else dummy,
-            b if b is not None else dummy,
-            bias if bias is not None else dummy,
             M,
             N,
             K,
             E,
-            R,
-            a.stride(0),
-            a.stride(1),
-            w.stride(0),
-            w.stride(1),
-            w.stride(2),
-            out.stride(0),
-            out.stride(1),
-            *(t.stride() if t is not None else (0, 0)),
-            *(b.stride() if b is not None else (0, 0, 0)),
-            *(bias.stride() if bias is not None else (0, 0)),
-            HAS_A_INDEX=a_index is not None,
-            HAS_OUT_INDEX=out_index is not None,
-            HAS_RW=row_weights is not None,
-            HAS_LORA=lora is not None,
-            HAS_BIAS=bias is not None,
-            A_TMA=a_tma,
-            W_TMA=w_tma,
-            W_KMAJOR=w_kmajor,
-            PRECISION=_precision(a.dtype, a.device),
-            BLOCK_E=max(next_power_of_2(E), 2),
-            BLOCK_R=max(16, next_power_of_2(R)),
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"],
-            GROUP_M=_GROUP_M,
+            spec,
+            _tile(cfg, a),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
@@ -737,51 +660,43 @@ def grouped_mm_glu(
         if cfg.get("impl") == "split":  # the tuned GEMM into gu, then the activation pass
             full = grouped_mm_rows(a, w, offsets, a_index=a_index, out=gu, bias=bias)
             return gu, glu_rows_forward(full, glu)
-        a_arg, w_arg, a_tma, w_tma = a, w, False, False
+        a_desc, w_desc, a_tma, w_tma = dummy, dummy, False, False
         if cfg.get("impl") == "tma" and tma_device:
             halves = not glu.interleaved  # a descriptor's block of rows is all gate or all up only in halves
             if halves and w.stride(2) == 1 and w.stride(0) == two_i * w.stride(1) and _descriptor_ok(w, w.stride(1)):
-                w_arg = TensorDescriptor(w, [E * two_i, K], [w.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+                w_desc = TensorDescriptor(w, [E * two_i, K], [w.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
                 w_tma = True
             if a_index is None and a.stride(1) == 1 and _descriptor_ok(a, a.stride(0)):
-                a_arg = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+                a_desc = TensorDescriptor(a, [a.shape[0], K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
                 a_tma = True
         grid = ((cdiv(M, cfg["BLOCK_M"]) + E) * cdiv(I, cfg["BLOCK_N"]),)
+        spec = GluMmSpec(
+            a_index is not None,
+            bias is not None,
+            gu is not None,
+            glu.act,
+            glu.interleaved,
+            a_tma,
+            w_tma,
+            _block_e(E),
+            _GROUP_M,
+        )
         _grouped_mm_glu[grid](
-            a_arg,
-            a_index if a_index is not None else dummy,
-            w_arg,
-            gu if gu is not None else h,
-            h,
+            _rows(a, a_index, dummy),
+            Experts(w, *w.stride()),
+            a_desc,
+            w_desc,
+            GluOut(gu if gu is not None else h, h, gu.stride(0) if gu is not None else 0, h.stride(0)),
+            _bias(bias, dummy),
             offsets,
-            bias if bias is not None else dummy,
             M,
             I,
             K,
             E,
-            a.stride(0),
-            a.stride(1),
-            w.stride(0),
-            w.stride(1),
-            w.stride(2),
-            gu.stride(0) if gu is not None else 0,
-            h.stride(0),
-            *(bias.stride() if bias is not None else (0, 0)),
             glu.alpha,
             glu.limit,
-            HAS_A_INDEX=a_index is not None,
-            A_TMA=a_tma,
-            W_TMA=w_tma,
-            STORE_GU=gu is not None,
-            ACT=glu.act,
-            INTERLEAVED=glu.interleaved,
-            HAS_BIAS=bias is not None,
-            PRECISION=_precision(a.dtype, a.device),
-            BLOCK_E=max(next_power_of_2(E), 2),
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"],
-            GROUP_M=_GROUP_M,
+            spec,
+            _tile(cfg, a),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )
@@ -850,35 +765,19 @@ def grouped_mm_dw(
             x_desc = TensorDescriptor(x, [x.shape[0], K], [x.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         grid = (cdiv(N, cfg["BLOCK_N"]) * cdiv(K, cfg["BLOCK_K"]), num_experts)
         _grouped_mm_dw[grid](
-            dy,
+            _rows(dy, dy_index, dummy),
+            _rows(x, x_index, dummy),
             dy_desc,
-            dy_index if dy_index is not None else dummy,
-            x,
             x_desc,
-            x_index if x_index is not None else dummy,
             row_weights if row_weights is not None else dummy,
             offsets,
-            dw,
+            Experts(dw, *dw.stride()),
             float(scale),
             M,
             N,
             K,
-            dy.stride(0),
-            dy.stride(1),
-            x.stride(0),
-            x.stride(1),
-            dw.stride(0),
-            dw.stride(1),
-            dw.stride(2),
-            HAS_DY_INDEX=dy_index is not None,
-            HAS_X_INDEX=x_index is not None,
-            HAS_RW=row_weights is not None,
-            DY_TMA=dy_tma,
-            X_TMA=x_tma,
-            PRECISION=_precision(x.dtype, x.device),
-            BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"],
+            DwSpec(dy_index is not None, x_index is not None, row_weights is not None, dy_tma, x_tma),
+            _tile(cfg, x),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
         )

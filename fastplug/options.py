@@ -11,6 +11,12 @@ CheckpointingMode = Union[bool, Literal["offload", "auto"]]
 CHECKPOINTING_OPTIONS = frozenset({"gradient_checkpointing", "memory_budget"})
 
 
+def check_checkpointing_mode(value, name: str = "gradient_checkpointing") -> None:
+    """Raise unless `value` is True, False, "offload" or "auto" (1 and 0 are not taken for booleans)."""
+    if value is not True and value is not False and not (isinstance(value, str) and value in ("offload", "auto")):
+        raise ValueError(f"{name} must be True, False, 'offload' or 'auto'; got {value!r}")
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)  # True is an int, not a fraction
 
@@ -88,10 +94,7 @@ class KernelOptions:
             raise ValueError(
                 f"graphs_memory must be a positive fraction of the peak memory; got {self.graphs_memory!r}"
             )
-        if self.gradient_checkpointing not in (True, False, "offload", "auto"):
-            raise ValueError(
-                f"gradient_checkpointing must be True, False, 'offload' or 'auto', got {self.gradient_checkpointing!r}"
-            )
+        check_checkpointing_mode(self.gradient_checkpointing)
 
     def buckets_on(self) -> bool:
         """Whether training rows are padded on to bucket lengths; cuda_graphs=None must be resolved first (the

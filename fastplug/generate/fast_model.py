@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..models.structure import unwrap
-from ..options import KernelOptions
+from ..options import KernelOptions, check_checkpointing_mode
 from ..patch import checkpointing
 from ..patch.engine import active_handle, patch_model
 from .api import fast_generate
@@ -35,8 +35,8 @@ _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
 }
-_CHECKPOINTING_CHOICES = (True, False, "offload", "auto")
 _MODE = "_fastplug_checkpointing"  # the checkpointing mode for_training() turns back on
+_BUDGET = "_fastplug_memory_budget"  # the options' memory_budget, for "auto" once the patch was restored
 
 
 def _dtype_of(dtype):
@@ -164,6 +164,7 @@ class FastModel:
         if max_seq_length is not None:
             vars(model)["_fastplug_max_seq_length"] = int(max_seq_length)
         vars(model)[_MODE] = handle.options.gradient_checkpointing
+        vars(model)[_BUDGET] = handle.options.memory_budget
         _attach_generate(model)
         return model, tokenizer
 
@@ -196,14 +197,7 @@ class FastModel:
             raise ValueError(f"lora_dropout must be in [0, 1); got {lora_dropout!r}")
         if bias not in ("none", "all", "lora_only"):
             raise ValueError(f"bias must be 'none', 'all' or 'lora_only'; got {bias!r}")
-        if not any(
-            use_gradient_checkpointing is c or use_gradient_checkpointing == c and isinstance(c, str)
-            for c in _CHECKPOINTING_CHOICES
-        ):
-            raise ValueError(
-                "use_gradient_checkpointing must be True, False, 'offload' or 'auto'; "
-                f"got {use_gradient_checkpointing!r}"
-            )
+        check_checkpointing_mode(use_gradient_checkpointing, "use_gradient_checkpointing")
         off = []
         if lora_dropout > 0:
             off.append(f"lora_dropout={lora_dropout}")
@@ -296,7 +290,7 @@ def _enable_checkpointing(model: nn.Module, mode) -> None:
     if handle is not None:
         handle.enable_checkpointing(mode)
     else:
-        checkpointing.enable(model, mode, KernelOptions.memory_budget)
+        checkpointing.enable(model, mode, vars(model).get(_BUDGET, KernelOptions.memory_budget))
 
 
 def _disable_checkpointing(model: nn.Module) -> None:

@@ -157,6 +157,9 @@ def test_auto_checkpointing_plans_against_the_options_memory_budget(llama_path):
         peft_model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="auto")
         FastModel.for_training(FastModel.for_inference(peft_model))
         assert vars(model)[checkpointing._AUTO].fraction == 0.5
+    active_handle(peft_model).restore()  # without the patch, FastModel still plans against the options' budget
+    FastModel.for_training(FastModel.for_inference(peft_model))
+    assert vars(model)[checkpointing._AUTO].fraction == 0.5
 
 
 @pytest.mark.torch_reference  # the Trainer's plumbing around the patch, not the kernels' numbers

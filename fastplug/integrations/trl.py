@@ -17,12 +17,16 @@ from __future__ import annotations
 import sys
 import warnings
 
+import torch
+
 from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 
 try:
     from trl import DPOTrainer, SFTTrainer
 except ImportError as err:
     raise ImportError(f'fastplug.integrations.trl needs TRL: pip install "fastplug[trl]" ({err})') from err
+from ..models.fast_attention import DOCUMENT_BOUNDS
+from ..models.padding import packed_batch
 from ..models.structure import unwrap
 from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
@@ -66,8 +70,13 @@ class TRLFastKernelsMixin:
         self._patch_fast_kernels()
         self.add_callback(self._checkpointing)
 
+    # Whether this trainer's loss reads only the real tokens' outputs of TRL's fused LM head (SFT): its padded
+    # batches may then run packed (`_packed_fused_head`)
+    packs_fused_head = False
+
     def train(self, *args, **kwargs):
         self._patch_fast_kernels()  # again when an earlier train() has restored the model
+        self._unpack_head = self._pack_fused_head() if self.packs_fused_head else None
         if self.is_world_process_zero():
             print(self.fast_kernels_summary)
         try:
@@ -75,9 +84,28 @@ class TRLFastKernelsMixin:
         finally:
             self.restore_fast_kernels()
 
+    def _pack_fused_head(self):
+        """Wrap TRL's fused-LM-head forward of the trained model so that its padded batches run packed; returns
+        the undo (None where there is no such head or no active patch)."""
+        model = unwrap(self.accelerator.unwrap_model(self.model))
+        trl_forward = vars(model).get("forward")
+        handle = self.fast_kernel_handles[0] if self.fast_kernel_handles else None
+        if trl_forward is None or handle is None or not handle.is_active:
+            return None
+        packed = model.forward = _packed_fused_head(model, trl_forward, handle.family, handle.options.buckets_on())
+
+        def undo():
+            if vars(model).get("forward") is packed:
+                model.forward = trl_forward
+
+        return undo
+
     def restore_fast_kernels(self) -> None:
         """Restore the patches this trainer made (a patch made before stays) and the checkpointing settings
         (harmless when already restored)."""
+        if getattr(self, "_unpack_head", None) is not None:
+            self._unpack_head()
+            self._unpack_head = None
         for handle in self._own_handles:
             handle.restore()
         self.fast_kernel_handles, self._own_handles = [], []
@@ -148,8 +176,49 @@ def _loss_path(model) -> str:
     return "the model's own forward (fastplug's fused linear cross-entropy where the LM head is patched)"
 
 
+def _packed_fused_head(model, forward, family, buckets: bool):
+    """TRL's fused-LM-head forward (the model's instance `forward`) with a right-padded training batch whose pads
+    predict nothing run packed into one row (`models.padding.packed_batch`: each row a document, the pads gone).
+    SFT reads the per-token outputs (log-probs, label mask, entropy, top-1) at the real tokens' predictions only,
+    and sums them; each comes back in the batch's shape, zeros at the pads, so every use of them is unchanged.
+    Anything else (router logits asked, pre-shifted labels, positions passed) runs as given."""
+
+    def packed_forward(*args, fused_lm_head=False, **kwargs):
+        input_ids = kwargs.get("input_ids")
+        if (
+            not fused_lm_head
+            or args
+            or input_ids is None
+            or not (model.training and torch.is_grad_enabled())
+            or any(kwargs.get(k) is not None for k in ("shift_labels", "position_ids"))
+            or kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False))
+        ):
+            return forward(*args, fused_lm_head=fused_lm_head, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
+        mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
+        batch = packed_batch(model, input_ids, mask, labels, rest, buckets, family)
+        if batch is None:
+            return forward(fused_lm_head=True, **kwargs)
+        rest[DOCUMENT_BOUNDS] = batch.bounds
+        output = forward(
+            input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, fused_lm_head=True, **rest
+        )
+        rows, tokens = input_ids.shape
+        length = batch.input_ids.shape[1]
+        for name, value in list(output.items()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1:
+                if value.shape[1] in (length, length - 1):  # per token (shifted: one position shorter)
+                    output[name] = batch.unpacked(value, rows, tokens)[:, : tokens - (length - value.shape[1])]
+        return output
+
+    return packed_forward
+
+
 class FastSFTTrainer(TRLFastKernelsMixin, SFTTrainer):
-    """TRL's SFTTrainer with fastplug's kernels; takes `options=KernelOptions(...)`."""
+    """TRL's SFTTrainer with fastplug's kernels; takes `options=KernelOptions(...)`. A right-padded batch runs
+    packed into one row through TRL's fused LM head (`_packed_fused_head`)."""
+
+    packs_fused_head = True
 
 
 class FastDPOTrainer(TRLFastKernelsMixin, DPOTrainer):

@@ -82,6 +82,17 @@ class LossOnlyBatch(NamedTuple):
     attention_mask: torch.Tensor | None  # which of input_ids are real tokens (the router's balance loss reads it)
     position_ids: torch.Tensor | None  # each token's position in its row (packed rows), else None
     bounds: tuple | None  # packed rows: each token's document (start, end), for the attention
+    index: torch.Tensor | None = None  # packed rows: each real token's place in the flattened batch
+
+    def unpacked(self, value: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
+        """A per-token output of the packed row (1, n, ...) as the batch's (rows, tokens, ...), zeros at its pads:
+        position i of the packed row is real token i (the pads after them dropped; missing ones zeros)."""
+        real = self.index.numel()
+        flat = value[0, :real]
+        if flat.shape[0] < real:  # a shifted output is a position shorter
+            flat = torch.cat((flat, flat.new_zeros((real - flat.shape[0], *flat.shape[1:]))))
+        out = value.new_zeros((rows * tokens, *value.shape[2:])).index_copy(0, self.index, flat)
+        return out.view(rows, tokens, *value.shape[2:])
 
 
 def packs_rows(model: nn.Module, family) -> bool:
@@ -138,6 +149,21 @@ def loss_only_inputs(
     return LossOnlyBatch(input_ids, labels, None, attention_mask, None, None)
 
 
+def packed_batch(model: nn.Module, input_ids, attention_mask, labels, kwargs: dict, buckets: bool, family):
+    """The batch packed into one row (`LossOnlyBatch`, its `index` set) where `loss_only_inputs` would pack it, for a
+    loss path that is not fastplug's own but reads the real tokens' predictions only (TRL's fused LM head); None:
+    run it as given (nothing is tallied then)."""
+    if torch.compiler.is_compiling() or not isinstance(attention_mask, torch.Tensor) or labels is None:
+        return None
+    if not packs_rows(model, family):
+        return None
+    reason, lengths = _reason_to_keep(model.config, input_ids, attention_mask, labels, None, kwargs)
+    if reason is not None or not lengths or min(lengths) == input_ids.shape[1]:
+        return None
+    ignore_index = kwargs.get("ignore_index", -100)
+    return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index)
+
+
 def _pad_id(config) -> int:
     pad_id = getattr(config, "pad_token_id", None)
     return pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
@@ -160,7 +186,7 @@ def _packed(model, input_ids, labels, attention_mask, real: int, buckets: bool, 
     target = nn.functional.pad(target, (0, length - real), value=ignore_index)
     positions = torch.cat((positions, torch.arange(length - real, device=positions.device)))[None]
     mask = (torch.arange(length, device=ids.device) < real).to(attention_mask.dtype)
-    return LossOnlyBatch(ids[None], target[None], None, mask[None], positions, packed_bounds(positions))
+    return LossOnlyBatch(ids[None], target[None], None, mask[None], positions, packed_bounds(positions), index)
 
 
 def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwargs: dict) -> tuple[str | None, list]:

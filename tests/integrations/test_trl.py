@@ -16,6 +16,7 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from fastplug import KernelOptions  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
+from fastplug.models.padding import batch_paths  # noqa: E402
 from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.patch.engine import active_handle, patch_model  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
@@ -125,6 +126,25 @@ def test_sft_matches_trl_and_restores(tmp_path):
     assert active_handle(model) is None
     assert module_state(model, trl_head=model) == before
     assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head was never replaced"
+
+
+def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_path):
+    """Rows of different lengths (the collator pads each batch on the right, the pads' labels ignored): TRL's fused
+    LM head runs them packed into one row, and the losses are TRL's own; the wrapper goes with the run."""
+    texts = [f"{i} is " + "very " * i + ("even." if i % 2 == 0 else "odd.") for i in range(8)]
+    dataset = datasets.Dataset.from_dict({"text": texts})
+    reference = SFTTrainer(model=tiny_llama(), args=SFTConfig(**common_args(tmp_path)), train_dataset=dataset,
+                           processing_class=TOKENIZER)  # fmt: skip
+    reference.train()
+    model = tiny_llama()
+    trainer = FastSFTTrainer(
+        model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=dataset, processing_class=TOKENIZER
+    )
+    trl_forward = vars(model)["forward"].__func__
+    trainer.train()
+    assert "padding dropped, rows packed into one" in batch_paths(model), batch_paths(model)
+    assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
+    assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head is back after the run"
 
 
 def test_sft_peft_restores_after_exception(tmp_path):

@@ -183,22 +183,22 @@ def _packed_fused_head(model, forward, family, buckets: bool):
     and sums them; each comes back in the batch's shape, zeros at the pads, so every use of them is unchanged.
     Anything else (router logits asked, pre-shifted labels, positions passed) runs as given."""
 
-    def packed_forward(*args, fused_lm_head=False, **kwargs):
+    def packed_forward(*args, **kwargs):
         input_ids = kwargs.get("input_ids")
         if (
-            not fused_lm_head
+            not kwargs.get("fused_lm_head")  # passed on only where given: an older TRL's forward has no such keyword
             or args
             or input_ids is None
             or not (model.training and torch.is_grad_enabled())
             or any(kwargs.get(k) is not None for k in ("shift_labels", "position_ids"))
             or kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False))
         ):
-            return forward(*args, fused_lm_head=fused_lm_head, **kwargs)
-        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels")}
+            return forward(*args, **kwargs)
+        rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels", "fused_lm_head")}
         mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
         batch = packed_batch(model, input_ids, mask, labels, rest, buckets, family)
         if batch is None:
-            return forward(fused_lm_head=True, **kwargs)
+            return forward(**kwargs)
         rest[DOCUMENT_BOUNDS] = batch.bounds
         output = forward(
             input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, fused_lm_head=True, **rest

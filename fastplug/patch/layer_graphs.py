@@ -64,7 +64,6 @@ from ..models.fast_attention import DOCUMENT_BOUNDS, UNPACKED
 # Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
 CAPTURING = "inside this stack's capture"
 FIRST_SIGHTING = "a batch shape seen for the first time (captured when it repeats)"
-MISMATCHED = "inputs unlike those it was captured with"
 _EAGER = object()
 _FAILED = object()
 _GRAPHS = "_fastplug_layer_graphs"  # the layer's instance attribute: (its LayerGraphs, its index in the stack)
@@ -137,6 +136,8 @@ class LayerGraphs:
         self._removed = str(self)
         self._fixed.close()
         self.seen.clear()
+        self._inferred.clear()
+        self._misfits.clear()
         self._recording = self._forward = self._last = self._arena = None
         for layer in self.layers:
             vars(layer).pop(_GRAPHS, None)
@@ -207,7 +208,7 @@ class LayerGraphs:
                 if graphs[0].key in self._inferred:  # the stack is not uniform after all: recorded at the next sighting
                     self._infer = False
                     self._misfits.add(graphs[0].key)
-                return MISMATCHED
+                return "inputs unlike those it was captured with"
         else:
             self._forward = self._recording = None
             if self.sets and not self._fixed.holds():

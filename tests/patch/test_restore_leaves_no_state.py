@@ -35,7 +35,7 @@ _GLOBAL_HOOKS = (
 )
 _CONFIG_ATTRIBUTES = ("_attn_implementation", "_experts_implementation")
 # FastModel's own record of how it loaded the model (for_training reads it), not a patch: kept by design
-_FAST_MODEL_ATTRIBUTES = {"_fastplug_checkpointing", "_fastplug_max_seq_length"}
+_FAST_MODEL_ATTRIBUTES = {"_fastplug_checkpointing", "_fastplug_memory_budget", "_fastplug_max_seq_length"}
 
 
 def _fastplug_names(module) -> set[str]:

@@ -235,7 +235,7 @@ class FastModel:
             if "_require_grads_hook" not in vars(base):  # frozen embeddings: checkpointed layers need grad inputs
                 base.enable_input_require_grads()
         else:
-            _disable_checkpointing(base)
+            checkpointing.disable(base)
         if vars(base).get("fast_generate") is not None:
             _attach_generate(peft_model)
         return peft_model
@@ -245,7 +245,7 @@ class FastModel:
         """Eval mode, KV cache on, gradient checkpointing off; the patches stay (for_training undoes it)."""
         base = unwrap(model)
         model.eval()
-        _disable_checkpointing(base)
+        checkpointing.disable(base)
         base.config.use_cache = True
         return model
 
@@ -293,9 +293,3 @@ def _enable_checkpointing(model: nn.Module, mode) -> None:
         checkpointing.enable(model, mode, vars(model).get(_BUDGET, KernelOptions.memory_budget))
 
 
-def _disable_checkpointing(model: nn.Module) -> None:
-    if not checkpointing.is_enabled(model):
-        return
-    # transformers 5.23 name first (the older one warns there), then 5.17's
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-    disable()

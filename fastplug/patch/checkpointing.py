@@ -102,6 +102,19 @@ def is_enabled(model: nn.Module) -> bool:
     return any(getattr(m, _FLAG, False) is True for m in model.modules())
 
 
+def disable(model: nn.Module) -> None:
+    """Turn checkpointing off, an "auto" plan included: its hooks would set the layers' flags again at the next
+    training forward."""
+    plan = vars(model).get(_AUTO)
+    if plan is not None:
+        plan.remove()
+    elif not is_enabled(model):
+        return
+    # transformers 5.23 name first (the older one warns there), then 5.17's
+    off = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    off()
+
+
 def enable_native(model: nn.Module) -> None:
     """The model's own non-reentrant checkpointing (transformers 5.23 name first, then 5.17's)."""
     if hasattr(model, "activation_checkpointing_enable"):

@@ -162,6 +162,21 @@ def test_auto_checkpointing_plans_against_the_options_memory_budget(llama_path):
     assert vars(model)[checkpointing._AUTO].fraction == 0.5
 
 
+def test_checkpointing_turned_off_stays_off_under_an_auto_plan(llama_path):
+    """for_inference turns "auto" checkpointing off for good: its plan no longer sets the layers' flags at the
+    next training forward (a plan measured on a GPU would); for_training plans afresh."""
+    model, _ = FastModel.from_pretrained(llama_path)
+    peft_model = FastModel.get_peft_model(model, r=4, use_gradient_checkpointing="auto")
+    plan = vars(model)[checkpointing._AUTO]
+    plan.bytes_per_token, plan.room = 1.0, -1.0  # as measured on a GPU without room: every layer but the last
+    data = batch(batch_size=2, tokens=8)
+    FastModel.for_inference(peft_model).train()
+    peft_model(**data).loss.backward()
+    assert not checkpointing.is_enabled(peft_model) and checkpointing._AUTO not in vars(model)
+    FastModel.for_training(peft_model)
+    assert checkpointing.is_enabled(peft_model) and vars(model)[checkpointing._AUTO] is not plan
+
+
 @pytest.mark.torch_reference  # the Trainer's plumbing around the patch, not the kernels' numbers
 def test_fast_model_patch_outlives_a_fastkernels_run(llama_path, tmp_path):
     """FastKernels trains on the patch FastModel made and leaves it in place: for_training/for_inference and

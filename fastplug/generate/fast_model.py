@@ -291,5 +291,3 @@ def _enable_checkpointing(model: nn.Module, mode) -> None:
         handle.enable_checkpointing(mode)
     else:
         checkpointing.enable(model, mode, vars(model).get(_BUDGET, KernelOptions.memory_budget))
-
-

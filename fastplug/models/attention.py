@@ -248,11 +248,11 @@ def _attention_route(module: nn.Module, ctx: MatchContext):
     current = config._attn_implementation
     if not ctx.options.attention:
         return None, f"transformers' {current or 'eager'} attention (attention=False)"
-    if current == fast_attention.NAME:  # switched by an earlier module, or loaded as "fastplug"
+    if fast_attention.routed(config):  # by an earlier module
         return None, fast_attention.describe(module, ctx.family, fast_attention.fallback_name(config))
-    if current not in (None, "eager", "sdpa"):
+    if current not in (None, "eager", "sdpa", fast_attention.NAME):
         return None, f"transformers' {current} attention, as loaded (fastplug replaces eager and sdpa)"
+    # a model loaded as "fastplug" is routed too: its decoder stack then tells unpacked rows to the attention
+    fallback = fast_attention.fallback_name(config) if current == fast_attention.NAME else current or "eager"
     decoder = ctx.decoder
-    return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(
-        module, ctx.family, current or "eager"
-    )
+    return (lambda: fast_attention.route(config, decoder)), fast_attention.describe(module, ctx.family, fallback)

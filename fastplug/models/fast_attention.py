@@ -55,6 +55,12 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, fastplug_mask)
 
 
+def routed(config) -> bool:
+    """Whether a patch switched `config` to fastplug's attention (`route`) already."""
+    hit = _FALLBACK.get(id(config))
+    return hit is not None and hit[0]() is config
+
+
 def fallback_name(config) -> str:
     hit = _FALLBACK.get(id(config))
     if hit is not None and hit[0]() is config:
@@ -63,11 +69,12 @@ def fallback_name(config) -> str:
 
 
 def route(config, decoder: nn.Module) -> callable:
-    """Switch this model's config to "fastplug" and let `decoder` (the stack of layers whose attention reads
-    it) tell unpacked rows; returns the function that undoes both."""
+    """Switch this model's config to "fastplug" (a model loaded as "fastplug" has it already) and let `decoder`
+    (the stack of layers whose attention reads it) tell unpacked rows; returns the function that undoes both."""
     register()
     previous = config._attn_implementation
-    _FALLBACK[id(config)] = (weakref.ref(config), previous or "eager")
+    fallback = fallback_name(config) if previous == NAME else previous or "eager"
+    _FALLBACK[id(config)] = (weakref.ref(config), fallback)
     config._attn_implementation = NAME
     hook = decoder.register_forward_pre_hook(_note_unpacked_rows, with_kwargs=True)
 
@@ -87,11 +94,15 @@ UNPACKED = "fastplug_rows_unpacked"
 DOCUMENT_BOUNDS = "fastplug_document_bounds"
 
 
+def rows_unpacked(args: tuple, kwargs: dict) -> bool:
+    """Whether a decoder stack called with `args`, `kwargs` takes rows that are not packed: its caller passed no
+    position_ids (the stack's third positional argument: input_ids, attention_mask, position_ids, ...) and no
+    cu_seq_lens, so transformers numbers every row from 0."""
+    return len(args) < 3 and kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is None
+
+
 def _note_unpacked_rows(module, args, kwargs):
-    # The stack's third positional argument is position_ids (input_ids, attention_mask, position_ids, ...)
-    if len(args) < 3 and kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is None:
-        return args, {**kwargs, UNPACKED: True}
-    return None
+    return (args, {**kwargs, UNPACKED: True}) if rows_unpacked(args, kwargs) else None
 
 
 # id(config) -> weakref to it: configs whose model composes masks beyond causality that the config does not show

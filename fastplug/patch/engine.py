@@ -80,7 +80,9 @@ class PatchHandle:
         # cuda_graphs=None resolved here, before the rules run (bucketed lengths go with the graphs), so that these
         # options say what runs; the memory cap is the default's only
         wanted = options.cuda_graphs
-        self.graphs_off = None if wanted is False else layer_graphs.why_not(self.layers, placed=wanted is None)
+        self.graphs_off = (
+            None if wanted is False else layer_graphs.why_not(self.decoder, self.layers, placed=wanted is None)
+        )
         self.graphs_memory = options.graphs_memory if wanted is None else None
         if wanted is None:
             options = dataclasses.replace(options, cuda_graphs=self.graphs_off is None)
@@ -208,7 +210,7 @@ class PatchHandle:
             return
         if not self.options.cuda_graphs:
             return
-        self.graphs = layer_graphs.LayerGraphs(self.layers, memory_cap=self.graphs_memory)
+        self.graphs = layer_graphs.LayerGraphs(self.decoder, self.layers, memory_cap=self.graphs_memory)
         self._undo.append(self.graphs.remove)
 
     # -- undoing

@@ -59,7 +59,7 @@ from torch.nn.modules.module import (
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..models.fast_attention import DOCUMENT_BOUNDS, UNPACKED
+from ..models.fast_attention import DOCUMENT_BOUNDS, rows_unpacked
 
 # Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
 CAPTURING = "inside this stack's capture"
@@ -72,10 +72,11 @@ _SCALARS = (bool, int, float, str, type(None), torch.dtype)
 _FUNC, _MISSING = "_gradient_checkpointing_func", object()
 
 
-def why_not(layers: list[nn.Module], placed: bool) -> str | None:
-    """Why `layers` (a decoder stack's, in call order) cannot run through CUDA graphs; None: they can. placed:
-    the layers must be on a CUDA device already (the default's test; asked for, the graphs wait for a move)."""
-    if not layers:
+def why_not(decoder: nn.Module | None, layers: list[nn.Module], placed: bool) -> str | None:
+    """Why `layers` (the decoder stack `decoder`'s, in call order) cannot run through CUDA graphs; None: they can.
+    placed: the layers must be on a CUDA device already (the default's test; asked for, the graphs wait for a
+    move)."""
+    if decoder is None or not layers:
         return "no decoder layers"
     if not torch.cuda.is_available():
         return "needs a CUDA device"
@@ -91,7 +92,13 @@ def why_not(layers: list[nn.Module], placed: bool) -> str | None:
 class LayerGraphs:
     """The graphs of one decoder stack, per call signature."""
 
-    def __init__(self, layers: list[nn.Module], max_signatures: int | None = None, memory_cap: float | None = None):
+    def __init__(
+        self,
+        decoder: nn.Module,
+        layers: list[nn.Module],
+        max_signatures: int | None = None,
+        memory_cap: float | None = None,
+    ):
         self.layers = layers
         # memory_cap: what the graphs may keep beyond the first capture's, as a fraction of the peak allocated before
         # the first capture (None: no cap). The first capture (the arena and the pool's temporaries, about what an
@@ -117,6 +124,11 @@ class LayerGraphs:
         self.seen: dict[tuple, dict[int, _Record]] = {}
         self._recording: dict[int, _Record] | None = None  # the records of this forward, a first sighting
         self._forward = None  # the graphs layer 0 replayed in this forward: the later layers replay theirs
+        # Whether the rows of the decoder stack's forward now running are known to need no host work to tell
+        # their documents apart (set by its pre-hook, taken by layer 0): not packed, or packed by fastplug with
+        # their document bounds. Rows a caller packed (position_ids, cu_seq_lens) cost the attention a host sync.
+        self._rows_known: bool | None = None
+        self._decoder_hook = decoder.register_forward_pre_hook(self._note_rows, with_kwargs=True)
         self._removed: str | None = None  # what __str__ said when remove() freed the graphs
         self.replays = 0
         self.capturing = False  # while this stack's layers are warmed up and captured
@@ -134,6 +146,7 @@ class LayerGraphs:
 
     def remove(self) -> None:
         self._removed = str(self)
+        self._decoder_hook.remove()
         self._fixed.close()
         self.seen.clear()
         self._inferred.clear()
@@ -161,6 +174,9 @@ class LayerGraphs:
         )
 
     # -- routing
+    def _note_rows(self, decoder, args, kwargs) -> None:
+        self._rows_known = kwargs.get(DOCUMENT_BOUNDS) is not None or rows_unpacked(args, kwargs)
+
     def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
         """The layer's output from its graphs, or _EAGER (the first layer's reason tallied in `eager`)."""
         graphs = self._route(layer, index, args, kwargs)
@@ -170,12 +186,15 @@ class LayerGraphs:
 
     def _route(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
         """The layer's output from its graphs, or why it runs eagerly."""
+        rows_known = None
+        if index == 0:
+            rows_known, self._rows_known = self._rows_known, None
         if not (layer.training and torch.is_grad_enabled()):
             return "inference or no grad"
-        if not kwargs.get(UNPACKED) and kwargs.get(DOCUMENT_BOUNDS) is None:
-            return "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
         if self.capturing:  # the warm-up and the capture call the layers: they run as they are
             return CAPTURING
+        if index == 0 and not rows_known:
+            return "rows the caller may have packed (position_ids or cu_seq_lens passed)"
         if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer):
             return "hooks on a layer, or hidden states not passed first"
         leaves, spec = pytree.tree_flatten((args, kwargs))

@@ -165,12 +165,15 @@ def test_attention_option_off_and_loading_as_fastplug():
         )
 
 
-def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
+@pytest.mark.parametrize("loaded_as", ["sdpa", "fastplug"])
+def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch, loaded_as):
     """No position_ids from the caller: rows are not packed, so the kernel gets no document bounds (SDPA where
-    it suits, no host sync), in the checkpoint recompute and under torch.compile too; packed position_ids still
-    give bounds; restore removes the decoder stack's hook."""
+    it suits, no host sync), in the checkpoint recompute and under torch.compile too, on a model loaded as
+    "fastplug" too; packed position_ids still give bounds; restore removes the decoder stack's hook and leaves
+    the implementation the model was loaded with."""
     kernels = sys.modules["fastplug.kernels.attention"]  # (the package's `attention` is the function)
-    model = tiny_model("llama").to(DEVICE)
+    fast_attention.register()
+    model = tiny_model("llama", attn_implementation=loaded_as).to(DEVICE)
     decoder = model.get_decoder()
     hooks_before = len(decoder._forward_pre_hooks)
     bounded = []
@@ -195,4 +198,4 @@ def test_rows_the_caller_did_not_pack_need_no_document_bounds(monkeypatch):
         with torch.no_grad():
             assert_close(compiled(**plain).logits, model(**plain).logits, torch.float32, "compiled logits")
         assert bounded and not any(bounded)
-    assert len(decoder._forward_pre_hooks) == hooks_before
+    assert len(decoder._forward_pre_hooks) == hooks_before and model.config._attn_implementation == loaded_as

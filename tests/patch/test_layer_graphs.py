@@ -8,7 +8,7 @@ import torch
 import fastplug
 from fastplug.kernels import lora
 from fastplug.kernels.lora import casts as lora_casts
-from fastplug.models.structure import decoder_layers
+from fastplug.models.structure import decoder_layers, decoder_stack
 from fastplug.patch import layer_graphs
 from fastplug.patch.checkpointing import enable_native
 from tests.helpers import assert_close
@@ -39,7 +39,9 @@ def test_routing_is_per_instance_exact_and_undone():
         enable_native(model)
     layers = decoder_layers(routed)
     original = type(layers[0])
-    graphs = layer_graphs.LayerGraphs(layers, max_signatures=2)  # the patch installs none without CUDA
+    graphs = layer_graphs.LayerGraphs(
+        decoder_stack(routed), layers, max_signatures=2
+    )  # the patch installs none without CUDA
     assert type(layers[0]) is not original and isinstance(layers[0], original)
     assert type(decoder_layers(reference)[0]) is original, "another model's layers keep their class"
     results = []
@@ -53,9 +55,8 @@ def test_routing_is_per_instance_exact_and_undone():
     for got, want in zip(got_grads, want_grads):
         assert torch.equal(got, want)
     assert graphs.replays == 0 and not graphs.sets, "CPU tensors always run eagerly"
-    why = "rows that may be packed (position_ids or cu_seq_lens passed, or fastplug's attention off)"
-    assert list(graphs.eager.items()) == [(why, 1)], "and the stack's forward says why"
-    assert "forwards by path: rows that may be packed" in str(graphs)
+    assert list(graphs.eager.items()) == [("a tensor off the GPU", 1)], "and the stack's forward says why"
+    assert "forwards by path: a tensor off the GPU" in str(graphs)
     torch._dynamo.reset()
     compiled_loss = torch.compile(routed, backend="eager")(**ids).loss  # the layers are graph breaks
     assert_close(compiled_loss.detach(), want_loss, torch.float32, "compiled loss")
@@ -165,9 +166,10 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
     it), a larger one costs the largest growth per element so far; the first needs only the free memory for its
     estimate; no cap, no limit."""
     free = _fake_cuda_memory(monkeypatch, reserved=600, allocated=500)
-    layers = decoder_layers(tiny_model("llama"))
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
     slots = len(layers) + 3
-    capped = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    capped = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
 
     def fits(hidden):  # a new arena, if any, sized for the largest shape seen exactly
         return capped._fits(hidden, capped._arena_numel(hidden))
@@ -201,7 +203,7 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
         assert not fits(torch.empty(800)), "within the cap but not in half the free memory"
     finally:
         capped.remove()
-    uncapped = layer_graphs.LayerGraphs(layers)
+    uncapped = layer_graphs.LayerGraphs(decoder_stack(model), layers)
     try:
         assert uncapped.max_signatures == 4
         uncapped._warmed, uncapped._growths, uncapped.kept = True, [(10, 20)], 10**12
@@ -235,8 +237,9 @@ def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_
         hidden = torch.empty(shape)
         return graphs._capture([], [hidden], graphs._arena_numel(hidden))
 
-    layers = decoder_layers(tiny_model("llama"))
-    graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
+    graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
     monkeypatch.setattr(graphs, "_capture_graphs", capture)
     try:
         graphs.seen = {spec_key((2, 8, 4)): {}, spec_key((2, 16, 4)): {}}
@@ -307,7 +310,7 @@ def test_default_graphs_leave_a_compiled_model_whole():
     want = tiny_model("llama").train()(**ids).loss
     for cap in (0.5, None):
         model = tiny_model("llama").train()
-        graphs = layer_graphs.LayerGraphs(decoder_layers(model), memory_cap=cap)
+        graphs = layer_graphs.LayerGraphs(decoder_stack(model), decoder_layers(model), memory_cap=cap)
         try:
             torch._dynamo.reset()
             breaks = torch._dynamo.explain(model)(**ids).graph_break_count
@@ -325,9 +328,10 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
     (a longer bucket later finds its slot instead of dropping every graph), where that fits; else exactly for
     the largest shape seen; None where neither fits."""
     free = _fake_cuda_memory(monkeypatch, reserved=0, allocated=0)
-    layers = decoder_layers(tiny_model("llama"))
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
     slots = len(layers) + 3
-    graphs = layer_graphs.LayerGraphs(layers, memory_cap=0.5)
+    graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
     try:
         hidden = torch.empty(2, 640, 3)  # a bucketed length (models/padding.py): room up to 1024
         assert layer_graphs._slot_numel(hidden.shape, roomy=True) == 2 * 1024 * 3
@@ -352,8 +356,9 @@ def test_a_new_shape_of_a_uniform_stack_is_captured_at_its_first_sighting_from_i
     in its tensors' shapes and strides gets every layer's record from layer 0's (captured at once, no eager step);
     a stack whose layers took unlike inputs, a signature unlike in anything else, no capture yet, or a wrong
     inference or failed capture before (`_infer` off) leave the shape to be recorded eagerly."""
-    layers = decoder_layers(tiny_model("llama"))
-    graphs = layer_graphs.LayerGraphs(layers)
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
+    graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers)
 
     def signature(rows: int, scalar=1.0, dtype=torch.bfloat16):
         hidden, cos = torch.empty(2, rows, 64, dtype=dtype), torch.empty(2, rows, 16, dtype=dtype)

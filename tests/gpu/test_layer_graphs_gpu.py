@@ -64,24 +64,26 @@ def _adapters(model):
 
 @pytest.mark.parametrize(
     "family, checkpointing",
-    [("llama", True), ("llama", False), ("gemma2", True), ("llama-fp8", True), ("gemma3", True), ("gemma3", False),
-     ("gemma4", True), ("gemma4_moe", True), ("gemma4_kv_shared", True)],
+    [("llama", True), ("llama", False), ("gemma2", True), ("llama-fp8", True), ("llama-sdpa", True), ("gemma3", True),
+     ("gemma3", False), ("gemma4", True), ("gemma4_moe", True), ("gemma4_kv_shared", True)],
 )  # fmt: skip
 def test_graphed_layers_train_like_eager(family, checkpointing):
     """llama-fp8: fp8=True too (cuBLAS's block-scaled GEMM where the shapes allow, the Triton GEMM and the
-    dequantized dX elsewhere; the transposed-weight buffer inside the graphs). Gemma 4's layers store their keys
-    and values in a mapping argument; with KV sharing later layers read them: the storing layer's graph outputs
-    them, the readers' graphs take them as inputs and give their gradients back."""
+    dequantized dX elsewhere; the transposed-weight buffer inside the graphs). llama-sdpa: attention=False
+    (transformers' SDPA inside the graphs). Gemma 4's layers store their keys and values in a mapping argument;
+    with KV sharing later layers read them: the storing layer's graph outputs them, the readers' graphs take them
+    as inputs and give their gradients back."""
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 1000, (2, 256), generator=gen).cuda() for _ in range(12)]
     results, summary, failed = {}, "", []
     for graphs in (False, True):
-        model = _model(family.removesuffix("-fp8"))
+        model = _model(family.removesuffix("-fp8").removesuffix("-sdpa"))
         layer = model.get_base_model().model.layers[0]
         original = type(layer)
         handle = fastplug.patch_model(
-            model, gradient_checkpointing=checkpointing, cuda_graphs=graphs, fp8=family.endswith("-fp8")
-        )
+            model, gradient_checkpointing=checkpointing, cuda_graphs=graphs, fp8=family.endswith("-fp8"),
+            attention=not family.endswith("-sdpa"),
+        )  # fmt: skip
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results[graphs] = (train_losses(model, model, batches, fused=True, accumulate=2), _adapters(model))

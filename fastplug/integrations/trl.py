@@ -92,7 +92,9 @@ class TRLFastKernelsMixin:
         handle = self.fast_kernel_handles[0] if self.fast_kernel_handles else None
         if trl_forward is None or handle is None or not handle.is_active:
             return None
-        packed = model.forward = _packed_fused_head(model, trl_forward, handle.family, handle.options.buckets_on())
+        packed = model.forward = _packed_fused_head(
+            model, trl_forward, handle.family, handle.options.buckets_on(), handle.batch_paths
+        )
 
         def undo():
             if vars(model).get("forward") is packed:
@@ -176,7 +178,7 @@ def _loss_path(model) -> str:
     return "the model's own forward (fastplug's fused linear cross-entropy where the LM head is patched)"
 
 
-def _packed_fused_head(model, forward, family, buckets: bool):
+def _packed_fused_head(model, forward, family, buckets: bool, paths):
     """TRL's fused-LM-head forward (the model's instance `forward`) with a right-padded training batch whose pads
     predict nothing run packed into one row (`models.padding.packed_batch`: each row a document, the pads gone).
     SFT reads the per-token outputs (log-probs, label mask, entropy, top-1) at the real tokens' predictions only,
@@ -196,7 +198,7 @@ def _packed_fused_head(model, forward, family, buckets: bool):
             return forward(*args, **kwargs)
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels", "fused_lm_head")}
         mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
-        batch = packed_batch(model, input_ids, mask, labels, rest, buckets, family)
+        batch = packed_batch(model, input_ids, mask, labels, rest, buckets, family, paths)
         if batch is None:
             return forward(**kwargs)
         rest[DOCUMENT_BOUNDS] = batch.bounds

@@ -116,7 +116,9 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
             )
 
 
-def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divided_by: str | None = None, family=None):
+def _causal_lm_forward(
+    moe: bool, cache_field: str, buckets: bool, batch_paths, logits_divided_by: str | None = None, family=None
+):
     def forward(
         self,
         input_ids=None,
@@ -164,7 +166,9 @@ def _causal_lm_forward(moe: bool, cache_field: str, buckets: bool, logits_divide
         decoder_mask = attention_mask
         if self.training and inputs_embeds is None:  # right padding needs no mask; rows packed; lengths into buckets
             packs = packs_rows(self, family)
-            batch = loss_only_inputs(self, input_ids, attention_mask, labels, position_ids, kwargs, buckets, packs)
+            batch = loss_only_inputs(
+                self, input_ids, attention_mask, labels, position_ids, kwargs, buckets, packs, batch_paths
+            )
             if batch is not None:
                 input_ids, labels, decoder_mask, attention_mask = batch[:4]
                 if batch.bounds is not None:
@@ -248,6 +252,7 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
             ctx.family.moe,
             _cache_field(ctx.family.moe),
             ctx.options.buckets_on(),
+            ctx.batch_paths,
             ctx.family.logits_divided_by,
             ctx.family,
         ),

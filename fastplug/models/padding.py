@@ -22,7 +22,6 @@ batch as given.
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from typing import NamedTuple
 
@@ -30,22 +29,14 @@ import torch
 from torch import nn
 
 _SMALLEST_BUCKET = 64
-# model -> how many training forwards took which path (PatchHandle.summary() prints it)
-_PATHS: "weakref.WeakKeyDictionary[nn.Module, Counter]" = weakref.WeakKeyDictionary()
 
 
-def _record(model: nn.Module, path: str) -> None:
-    _PATHS.setdefault(model, Counter())[path] += 1
+class BatchPaths(Counter):
+    """One patch's training forwards by the path their batch took (the patch's handle owns it and its summary()
+    prints it); str: most frequent first, "" before the first."""
 
-
-def forget_batch_paths(model: nn.Module) -> None:
-    _PATHS.pop(model, None)
-
-
-def batch_paths(model: nn.Module) -> str:
-    """The loss-only training forwards of `model` by path, most frequent first ("" before the first)."""
-    paths = _PATHS.get(model)
-    return "; ".join(f"{path}: {n}" for path, n in paths.most_common()) if paths else ""
+    def __str__(self) -> str:
+        return "; ".join(f"{path}: {n}" for path, n in self.most_common())
 
 
 def bucket_length(tokens: int) -> int:
@@ -121,24 +112,32 @@ def packs_rows(model: nn.Module, family) -> bool:
 
 
 def loss_only_inputs(
-    model: nn.Module, input_ids, attention_mask, labels, position_ids, kwargs: dict, buckets: bool, packs: bool
+    model: nn.Module,
+    input_ids,
+    attention_mask,
+    labels,
+    position_ids,
+    kwargs: dict,
+    buckets: bool,
+    packs: bool,
+    paths: BatchPaths,
 ) -> LossOnlyBatch | None:
     """A loss-only training forward's batch as the decoder should run it: right padding whose pads predict nothing
     needs no mask; where `packs` (`packs_rows`) a padded batch's rows are packed into one; the row length is
     rounded up to a bucket when asked. None when the batch must run as given (left padding, packed rows,
-    anything returned beyond the loss)."""
+    anything returned beyond the loss). The path taken is tallied in `paths`."""
     if torch.compiler.is_compiling():  # no host sync while traced, and no tally
         return None
     reason, lengths = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
     if reason is not None:
-        _record(model, f"as given: {reason}")
+        paths[f"as given: {reason}"] += 1
         return None
     tokens = input_ids.shape[1]
     ignore_index = kwargs.get("ignore_index", -100)
     if packs and lengths and min(lengths) < tokens:
-        return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index)
+        return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index, paths)
     length = bucket_length(tokens) if buckets else tokens
-    _record(model, f"no mask, rows padded on to a bucket length ({length})" if length > tokens else "no mask")
+    paths[f"no mask, rows padded on to a bucket length ({length})" if length > tokens else "no mask"] += 1
     if length > tokens:
         extra = length - tokens
         if attention_mask is None:
@@ -149,7 +148,9 @@ def loss_only_inputs(
     return LossOnlyBatch(input_ids, labels, None, attention_mask, None, None)
 
 
-def packed_batch(model: nn.Module, input_ids, attention_mask, labels, kwargs: dict, buckets: bool, family):
+def packed_batch(
+    model: nn.Module, input_ids, attention_mask, labels, kwargs: dict, buckets: bool, family, paths: BatchPaths
+):
     """The batch packed into one row (`LossOnlyBatch`, its `index` set) where `loss_only_inputs` would pack it, for a
     loss path that is not fastplug's own but reads the real tokens' predictions only (TRL's fused LM head); None:
     run it as given (nothing is tallied then)."""
@@ -161,7 +162,7 @@ def packed_batch(model: nn.Module, input_ids, attention_mask, labels, kwargs: di
     if reason is not None or not lengths or min(lengths) == input_ids.shape[1]:
         return None
     ignore_index = kwargs.get("ignore_index", -100)
-    return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index)
+    return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index, paths)
 
 
 def _pad_id(config) -> int:
@@ -169,14 +170,16 @@ def _pad_id(config) -> int:
     return pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
 
 
-def _packed(model, input_ids, labels, attention_mask, real: int, buckets: bool, ignore_index: int) -> LossOnlyBatch:
+def _packed(
+    model, input_ids, labels, attention_mask, real: int, buckets: bool, ignore_index: int, paths: BatchPaths
+) -> LossOnlyBatch:
     """The real tokens of a right-padded batch in one row (`real` of them, known from the host sync that checked the
     padding), then pads up to its bucket as a document of their own. Device ops only."""
     from ..kernels.attention import packed_bounds
 
     tokens = input_ids.shape[1]
     length = bucket_length(real) if buckets else real
-    _record(model, f"padding dropped, rows packed into one of a bucket length ({length})")
+    paths[f"padding dropped, rows packed into one of a bucket length ({length})"] += 1
     # right padding: the real tokens in row order, and a token's column is its position in its row
     index = torch.nonzero_static(attention_mask.reshape(-1).bool(), size=real).squeeze(1)
     positions = index % tokens
@@ -210,7 +213,7 @@ def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwa
     return None, []
 
 
-def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
+def bucketed_decoder(decoder: nn.Module, forward, paths: BatchPaths):
     """`forward` of the decoder stack with a training batch's rows padded on to a bucket length and the output
     trimmed back, for the loss paths that are not fastplug's own (TRL's LM head, a user's loss on the hidden
     states), where `loss_only_inputs` never sees the batch. The pads go after every token of a row and attention
@@ -218,7 +221,7 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
     and the pads' gradients are zero. Each row's mask is continued with its last value, so a row without padding
     stays without and a right-padded one stays right-padded (the attention path is the batch's own). Rows are not
     packed here: the caller may read the pads' hidden states (a loss whose labels count the pads), which packing
-    would change. The tally goes to `owner`'s batch paths."""
+    would change. The path taken is tallied in `paths`."""
 
     def padded_forward(*args, **kwargs):
         if not (decoder.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
@@ -235,7 +238,7 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
         if reason is None and bucket_length(input_ids.shape[1]) > input_ids.shape[1]:
             tokens = input_ids.shape[1]
             length = bucket_length(tokens)
-            _record(owner, f"decoder inputs padded on to a bucket length ({length})")
+            paths[f"decoder inputs padded on to a bucket length ({length})"] += 1
             named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=_pad_id(config))
             mask = named.get("attention_mask")
             if mask is not None:
@@ -243,7 +246,7 @@ def bucketed_decoder(owner: nn.Module, decoder: nn.Module, forward):
             named["use_cache"] = False  # a cache would hold the pads' keys; a training step reads none
             return _trimmed(forward(**named), tokens)
         if reason is not None and input_ids is not None and bucket_length(input_ids.shape[1]) != input_ids.shape[1]:
-            _record(owner, f"decoder inputs as given: {reason}")
+            paths[f"decoder inputs as given: {reason}"] += 1
         return forward(*args, **kwargs)
 
     return padded_forward

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -67,6 +68,7 @@ class MatchContext:
     decoder: nn.Module  # its decoder stack (structure.decoder_stack), derived once per patch
     family: Family | None  # None: unknown model type, structural rules only
     options: KernelOptions
+    batch_paths: Counter  # the patch's tally of training batches by path (models/padding.BatchPaths)
 
 
 Rule = Callable[[nn.Module, MatchContext], "Patch | Skip | None"]

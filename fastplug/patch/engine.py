@@ -21,7 +21,7 @@ from torch import nn
 from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
-from ..models.padding import batch_paths, bucketed_decoder
+from ..models.padding import BatchPaths, bucketed_decoder
 from ..models.peft_lora import watch_adapter_writes
 from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
 from ..options import KernelOptions
@@ -97,6 +97,7 @@ class PatchHandle:
         self._adapter_watch = None  # the forward pre-hook that keeps fused LoRA's adapter copies current
         self.fp8: str | None = None  # what the fp8 option did, for the summary
         self.graphs: layer_graphs.LayerGraphs | None = None
+        self.batch_paths = BatchPaths()  # training forwards by the path their batch took (models/padding.py)
         self._fp8_layers = 0
         self.check: self_check.Report | None = None
         self.is_active = False
@@ -136,7 +137,7 @@ class PatchHandle:
         self.skipped += conversion.skipped
 
     def _patch_modules(self, outer: nn.Module) -> None:
-        ctx = MatchContext(root=self.model, decoder=self.decoder, family=self.family, options=self.options)
+        ctx = MatchContext(self.model, self.decoder, self.family, self.options, self.batch_paths)
         # a multimodal model's vision tower and projector stay as they are
         outside = other_towers(self.model, self.decoder)
         self.skipped += [(path, "not the language model: left as it is") for path in outside]
@@ -167,6 +168,7 @@ class PatchHandle:
         self.check = verify(self.model, self.layers, self._records, self.options, self.family is not None)
         for kind, why in self.check.declined:
             self.skipped.append((kind, f"declined by the self-check: {why}"))
+        self.batch_paths.clear()  # the check's own forwards are not the user's batches
         self._tally()
 
     def _enable_checkpointing(self) -> None:
@@ -195,7 +197,7 @@ class PatchHandle:
         if "forward" in vars(self.decoder):
             self.skipped.append(("bucket_lengths", "the decoder stack's forward is replaced on this instance already"))
             return
-        padded = self.decoder.forward = bucketed_decoder(self.model, self.decoder, self.decoder.forward)
+        padded = self.decoder.forward = bucketed_decoder(self.decoder, self.decoder.forward, self.batch_paths)
 
         def undo(decoder=self.decoder):
             if vars(decoder).get("forward") is padded:  # as `_Installed.uninstall`: only what this patch put there
@@ -252,7 +254,7 @@ class PatchHandle:
             lines.append(f"  {self.graphs}")
         elif self.graphs_off is not None:
             lines.append(f"  CUDA graphs of the decoder layers: off ({self.graphs_off})")
-        paths = batch_paths(self.model)
+        paths = str(self.batch_paths)
         if paths:
             lines.append(f"  padded training batches (models/padding.py): {paths}")
         if self.check is not None:

@@ -481,8 +481,6 @@ def verify(model: nn.Module, layers: list[nn.Module], records: list, options, kn
     kind that disagrees."""
     import warnings
 
-    from ..models.padding import forget_batch_paths
-
     if not records:
         return Report(ran=False, reason="nothing patched")
     if not options.self_check:
@@ -566,7 +564,6 @@ def verify(model: nn.Module, layers: list[nn.Module], records: list, options, kn
         return verdict
 
     verdict = agreement()
-    forget_batch_paths(model)  # the check's own forwards are not the user's batches
     report = Report(
         ran=True,
         bound=bound,

@@ -16,7 +16,6 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from fastplug import KernelOptions  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
-from fastplug.models.padding import batch_paths  # noqa: E402
 from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.patch.engine import active_handle, patch_model  # noqa: E402
 from tests.helpers import rel_err  # noqa: E402
@@ -141,8 +140,15 @@ def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_p
         model=model, args=SFTConfig(**common_args(tmp_path)), train_dataset=dataset, processing_class=TOKENIZER
     )
     trl_forward = vars(model)["forward"].__func__
+    paths = []
+
+    class BatchPathsAtTheEnd(TrainerCallback):
+        def on_train_end(self, *args, **kwargs):
+            paths.append(str(trainer.fast_kernel_handles[0].batch_paths))
+
+    trainer.add_callback(BatchPathsAtTheEnd())
     trainer.train()
-    assert "padding dropped, rows packed into one" in batch_paths(model), batch_paths(model)
+    assert "padding dropped, rows packed into one" in paths[0], paths
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
     assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head is back after the run"
 

@@ -3,7 +3,7 @@ host memory.
 
 `snapshot(model)` / `restore(snapshot)` put a model's checkpointing state back exactly, so patching stays
 reversible. `enable(model, mode)` turns checkpointing on; with "offload" every decoder layer's
-`_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes `offload_checkpoint`;
+`_gradient_checkpointing_func` (an instance attribute transformers itself sets) becomes an `OffloadCheckpoint`;
 with "auto" an `AutoCheckpointing` leaves as many layers unchecked as the GPU's memory holds.
 
 In every mode the last decoder layer runs unchecked (`leave_last_layer_unchecked`): its recompute would be
@@ -124,7 +124,7 @@ def enable_native(model: nn.Module) -> None:
 
 
 def install_offload(model: nn.Module) -> int:
-    """Make every checkpointed layer use `offload_checkpoint`; returns how many. Needs CUDA, else 0 + warning."""
+    """Make every checkpointed layer use one `OffloadCheckpoint`; returns how many. Needs CUDA, else 0 + warning."""
     if not torch.cuda.is_available():
         warnings.warn(
             "fastplug: gradient_checkpointing='offload' needs a CUDA device; using plain checkpointing instead",
@@ -132,8 +132,9 @@ def install_offload(model: nn.Module) -> int:
         )
         return 0
     layers = [m for m in model.modules() if getattr(m, _FLAG, False) is True and hasattr(m, _FUNC)]
+    offload = OffloadCheckpoint()
     for layer in layers:
-        setattr(layer, _FUNC, offload_checkpoint)
+        setattr(layer, _FUNC, offload)
     return len(layers)
 
 
@@ -326,56 +327,78 @@ def _first_device(module: nn.Module):
 
 # ---------------------------------------------------------------------------------------------- offload
 class _Stash:
-    """One layer input parked on the host, and its way back."""
+    """One layer input parked on the host, and its way back (on the side stream that parked it)."""
 
-    __slots__ = ("host", "device", "stored", "fetched", "previous", "__weakref__")
-
-
-_side_streams: dict[int, Any] = {}
+    __slots__ = ("host", "device", "stream", "stored", "fetched", "previous", "__weakref__")
 
 
 def _no_stash() -> None:
     return None
 
 
-_last_stash = _no_stash  # weakref to the stash of the layer that ran before (the next prefetch target)
+class OffloadCheckpoint:
+    """The `_gradient_checkpointing_func` of one model's offloaded layers (`install_offload`): a drop-in for
+    transformers' checkpoint that keeps each layer's input in pinned host memory. Its state is its own and goes
+    with the layers' function when checkpointing is restored: a side stream per device for the copies, and the
+    input the layer before parked (the next backward's prefetch)."""
 
+    def __init__(self):
+        self._streams: dict[int, Any] = {}
+        self._last = _no_stash  # weakref to the stash of the layer that ran before
+        self._force_grad = torch.empty(0, requires_grad=True)  # outputs need a grad_fn even when no input does
 
-def _side_stream(device: torch.device):
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
+    def __call__(self, function, *args, **kwargs):
+        hidden = args[0] if args else None
+        if (
+            kwargs
+            or not torch.is_grad_enabled()
+            or not isinstance(hidden, torch.Tensor)
+            or not hidden.is_floating_point()
+        ):
+            return checkpoint(function, *args, use_reentrant=False, **kwargs)
+        spec: dict = {}
+        tensors = _OffloadedCheckpoint.apply(
+            function, spec, self, self._force_grad, len(args) - 1, *args, *_trainable_parameters(function)
+        )
+        outputs = [None] * spec["n"]
+        for i, t in zip(spec["tensor_at"], tensors):
+            outputs[i] = t
+        for i, o in spec["others"].items():
+            outputs[i] = o
+        return tuple(outputs) if spec["tuple"] else outputs[0]
 
+    def _side_stream(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
 
-def _park(x: torch.Tensor) -> _Stash:
-    global _last_stash
-    stash = _Stash()
-    stash.device, stash.fetched, stash.stored = x.device, None, None
-    if x.is_cuda:
-        stream = _side_stream(x.device)
-        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before the copy reads it
-        with torch.cuda.stream(stream):
-            stash.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stash.host.copy_(x, non_blocking=True)
-            stash.stored = torch.cuda.Event()
-            stash.stored.record(stream)
-        x.record_stream(stream)  # the allocator must not reuse x's memory before the copy is done
-    else:  # CPU tensors (tests): nothing to move, a copy keeps the semantics
-        stash.host = x.detach().clone()
-    stash.previous, _last_stash = _last_stash, weakref.ref(stash)
-    return stash
+    def park(self, x: torch.Tensor) -> _Stash:
+        stash = _Stash()
+        stash.device, stash.stream, stash.fetched, stash.stored = x.device, None, None, None
+        if x.is_cuda:
+            stream = stash.stream = self._side_stream(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))  # x is complete before the copy reads it
+            with torch.cuda.stream(stream):
+                stash.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                stash.host.copy_(x, non_blocking=True)
+                stash.stored = torch.cuda.Event()
+                stash.stored.record(stream)
+            x.record_stream(stream)  # the allocator must not reuse x's memory before the copy is done
+        else:  # CPU tensors (tests): nothing to move, a copy keeps the semantics
+            stash.host = x.detach().clone()
+        stash.previous, self._last = self._last, weakref.ref(stash)
+        return stash
 
 
 def _prefetch(stash: _Stash) -> None:
     if stash.fetched is not None or not stash.device.type == "cuda":
         return
-    stream = _side_stream(stash.device)
-    with torch.cuda.stream(stream):
-        stream.wait_event(stash.stored)
+    with torch.cuda.stream(stash.stream):
+        stash.stream.wait_event(stash.stored)
         gpu = stash.host.to(stash.device, non_blocking=True)
         arrived = torch.cuda.Event()
-        arrived.record(stream)
+        arrived.record(stash.stream)
     stash.fetched = (gpu, arrived)
 
 
@@ -395,7 +418,7 @@ def _fetch(stash: _Stash) -> torch.Tensor:
 
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run, spec, _force_grad, n_args, hidden, *args_and_params):
+    def forward(ctx, run, spec, offload, force_grad, n_args, hidden, *args_and_params):
         device_type = hidden.device.type
         args, ctx.params = args_and_params[:n_args], args_and_params[n_args:]
         ctx.run, ctx.args = run, args
@@ -404,7 +427,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
         with torch.no_grad():
             outputs = run(hidden, *args)
-        ctx.stash = _park(hidden)
+        ctx.stash = offload.park(hidden)
         spec["tuple"] = isinstance(outputs, tuple)
         outputs = outputs if spec["tuple"] else (outputs,)
         spec["tensor_at"] = [i for i, o in enumerate(outputs) if isinstance(o, torch.Tensor)]
@@ -414,11 +437,11 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden = _fetch(ctx.stash).detach().requires_grad_(ctx.needs_input_grad[4])
+        hidden = _fetch(ctx.stash).detach().requires_grad_(ctx.needs_input_grad[5])
         ctx.stash = None
         args = [
             a.detach().requires_grad_(needs) if isinstance(a, torch.Tensor) else a
-            for a, needs in zip(ctx.args, ctx.needs_input_grad[5:])
+            for a, needs in zip(ctx.args, ctx.needs_input_grad[6:])
         ]
         device_type, autocast_on, autocast_dtype = ctx.autocast
         devices = [hidden.device] if ctx.cuda_rng is not None else []
@@ -447,10 +470,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         def grad(t):
             return found.get(id(t)) if isinstance(t, torch.Tensor) else None
 
-        return (None, None, None, None, grad(hidden), *map(grad, args), *map(grad, ctx.params))
-
-
-_force_grad = None  # a leaf that requires grad: outputs need a grad_fn even when no input requires grad
+        return (None, None, None, None, None, grad(hidden), *map(grad, args), *map(grad, ctx.params))
 
 
 def _trainable_parameters(function) -> list:
@@ -463,23 +483,3 @@ def _trainable_parameters(function) -> list:
     params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
     # the recompute then gathers other tensors than these: its backward accumulates into those itself
     return params if all(type(p.data) is torch.Tensor for p in params) else []
-
-
-def offload_checkpoint(function, *args, **kwargs):
-    """A drop-in `_gradient_checkpointing_func` that keeps the layer input in pinned host memory."""
-    global _force_grad
-    hidden = args[0] if args else None
-    if kwargs or not torch.is_grad_enabled() or not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point():
-        return checkpoint(function, *args, use_reentrant=False, **kwargs)
-    if _force_grad is None:
-        _force_grad = torch.empty(0, requires_grad=True)
-    spec: dict = {}
-    tensors = _OffloadedCheckpoint.apply(
-        function, spec, _force_grad, len(args) - 1, *args, *_trainable_parameters(function)
-    )
-    outputs = [None] * spec["n"]
-    for i, t in zip(spec["tensor_at"], tensors):
-        outputs[i] = t
-    for i, o in spec["others"].items():
-        outputs[i] = o
-    return tuple(outputs) if spec["tuple"] else outputs[0]

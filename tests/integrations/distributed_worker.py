@@ -285,8 +285,9 @@ def _offload_on_cpu(model) -> None:
     """What checkpointing "offload" installs (it needs CUDA; its autograd function runs on CPU tensors too)."""
     from fastplug.patch import checkpointing
 
+    offload = checkpointing.OffloadCheckpoint()
     for layer in checkpointing.decoder_layers(model):
-        layer._gradient_checkpointing_func = checkpointing.offload_checkpoint
+        layer._gradient_checkpointing_func = offload
 
 
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:

@@ -90,7 +90,7 @@ def test_offload_function_matches_plain_checkpointing(lora):
     if lora:  # layer inputs then carry no grad: the offload function must still reach the LoRA weights
         model.get_base_model().disable_input_require_grads()
     reference = copy.deepcopy(model)
-    _install(model, checkpointing.offload_checkpoint)
+    _install(model, checkpointing.OffloadCheckpoint())
     inputs = batch()
     loss, grads = _step(model, inputs)
     ref_loss, ref_grads = _step(reference, inputs)

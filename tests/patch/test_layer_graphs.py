@@ -60,8 +60,17 @@ def test_routing_is_per_instance_exact_and_undone():
     torch._dynamo.reset()
     compiled_loss = torch.compile(routed, backend="eager")(**ids).loss  # the layers are graph breaks
     assert_close(compiled_loss.detach(), want_loss, torch.float32, "compiled loss")
+    graphs.eager.clear()
+    positions = torch.arange(ids["input_ids"].shape[1]).expand_as(ids["input_ids"])
+    routed(**ids, position_ids=positions).loss.backward()  # rows a caller may have packed: their own reason
+    hidden = torch.randn(1, 3, layers[0].hidden_size)
+    rotary = decoder_stack(routed).rotary_emb(hidden, torch.arange(3)[None])
+    layers[0](hidden, position_embeddings=rotary)  # called outside its stack: its rows unknown
+    assert list(graphs.eager.items()) == [("rows the caller may have packed (position_ids or cu_seq_lens passed)", 2)]
+    hooks = len(decoder_stack(routed)._forward_pre_hooks)
     graphs.remove()
     assert all(type(layer) is original and layer_graphs._GRAPHS not in vars(layer) for layer in layers)
+    assert len(decoder_stack(routed)._forward_pre_hooks) == hooks - 1, "the graphs' pre-hook goes with them"
 
 
 def test_fused_lora_without_adapter_caches_computes_the_same(monkeypatch):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks
 
+from ..kernels import state
 from ..kernels.lora import LoRAProjection
 from .peft_lora import lora_projection, unfused_reason
 
@@ -27,8 +28,17 @@ def fused_projections(*modules: nn.Module) -> list[LoRAProjection] | None:
     return projs
 
 
-# first projection module -> (adapter state, its group's views) of the last forward that recorded autograd
-_STEP_VIEWS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+# first projection module -> (adapter state, its group's views) of the last forward that recorded autograd; the
+# views hold the module's tensors: its patch's restore forgets them (`forget_step_views`)
+_STEP_VIEWS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = state.register_cache(
+    "models.step_views", weakref.WeakKeyDictionary()
+)
+
+
+def forget_step_views(model: nn.Module) -> None:
+    """Drop the views the forwards of `model`'s projections recorded (`step_projections`)."""
+    for module in model.modules():
+        _STEP_VIEWS.pop(module, None)
 
 
 def _adapter_state(modules) -> tuple:

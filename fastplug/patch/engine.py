@@ -23,6 +23,7 @@ from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, famil
 from ..models.fp8 import convert_to_fp8
 from ..models.padding import BatchPaths, bucketed_decoder
 from ..models.peft_lora import watch_adapter_writes
+from ..models.projections import forget_step_views
 from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
 from ..options import KernelOptions
 from ..versions import warn_untested_versions
@@ -113,6 +114,7 @@ class PatchHandle:
     def _uninstall_all(self) -> None:
         for record in reversed(self._records):
             record.uninstall()
+        forget_step_views(self.model)  # the patched forwards' views of the projections hold their tensors
 
     def _tally(self) -> None:
         """counts, paths and the fused-LoRA count from the patches in place now."""

@@ -3,6 +3,7 @@ global hook tables, no instance attribute, the config as it was, Python's gc not
 container of fastplug's holding a tensor or the model. Through `patch_model` and through `FastModel`."""
 
 import sys
+import weakref
 
 import pytest
 import torch
@@ -64,9 +65,14 @@ def _global_hooks() -> dict:
     return {name: _hook_names(getattr(torch_module, name, {})) for name in _GLOBAL_HOOKS}
 
 
+_MAPPINGS = (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+_CONTAINERS = (*_MAPPINGS, list, set, tuple, weakref.WeakSet)
+
+
 def _holds(container, model, tensors: bool) -> bool:
-    """The model (or one of its modules), or with `tensors` any tensor, in `container`, one level deep."""
-    values = list(container.items()) if isinstance(container, dict) else list(container)
+    """The model (or one of its modules), or with `tensors` any tensor, in `container` (keys and values of a
+    mapping, weak ones included), one level deep."""
+    values = list(container.items()) if isinstance(container, _MAPPINGS) else list(container)
     flat = [x for v in values for x in (v if isinstance(v, tuple) else (v,))]
     modules = {id(m) for m in model.modules()}
     return any((tensors and isinstance(x, torch.Tensor)) or id(x) in modules for x in flat)
@@ -78,7 +84,7 @@ def _module_containers_holding(model, tensors: bool = True) -> list[str]:
         if not name.startswith("fastplug") or mod is None:
             continue
         for attr, value in list(vars(mod).items()):
-            if isinstance(value, (dict, list, set, tuple)) and _holds(value, model, tensors):
+            if isinstance(value, _CONTAINERS) and _holds(value, model, tensors):
                 found.append(f"{name}.{attr}")
     return found
 
@@ -86,7 +92,12 @@ def _module_containers_holding(model, tensors: bool = True) -> list[str]:
 def _train_step(model) -> None:
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model(**batch()).loss.backward()
+    padded = batch()  # and a right-padded batch: the padding paths keep their tally
+    padded["attention_mask"] = torch.ones_like(padded["attention_mask"])
+    padded["attention_mask"][1, -3:] = 0
+    padded["labels"][1, -3:] = -100
+    for inputs in (batch(), padded):
+        model(**inputs).loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 

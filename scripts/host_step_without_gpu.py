@@ -15,16 +15,19 @@ size or dtype. `--top N` prints the N functions with the most host time of one s
 
 `--lengths 64-700` asks what a new batch length costs the host: each timed step takes two rows of a random length
 in that range, the second right-padded (the collator's dynamic padding, its pads' labels ignored). The table then
-gives the median host ms of the steps that compiled nothing and the number of Triton compiles the new lengths
-caused (a new integer specialisation of a kernel: about a second each on a GPU host, the first time). The first step
-compiles the kernels (cached by Triton for later rounds). Prints a table: median host ms per step per tree, Python
-function calls per step, Triton launches per step. The calls and launches are exact; the ms are as noisy as the
-machine is busy (CPU matmuls run for real).
+gives the median host ms of the steps that compiled nothing and the Triton compiles the new lengths caused, by
+kernel (a new specialisation: about a second each on a GPU host, the first time). The warm-up steps, one of them
+padded, compile the kernels first (cached by Triton for later rounds). `--buckets` pads the rows on to bucket
+lengths, as the default does on a GPU (there with the layer graphs, which a CPU cannot run).
+
+Prints a table: median host ms per step per tree, Python function calls per step, Triton launches per step. The
+calls and launches are exact; the ms are as noisy as the machine is busy (CPU matmuls run for real).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -54,24 +57,27 @@ def _stand_in_h100() -> dict:
 
 
 def _count_compiles() -> list:
-    """A one-element list counting Triton compiles from now on: JITFunction's in-memory cache misses (`_do_compile`,
-    Triton 3.4 on), else calls of `triton.compiler.compile`."""
+    """A list of the kernels Triton compiles from now on, by name: JITFunction's in-memory cache misses
+    (`_do_compile`, Triton 3.4 on), else calls of `triton.compiler.compile` ("?": no name at hand)."""
     import triton.compiler
     from triton.runtime.jit import JITFunction
 
-    count = [0]
+    compiled = []
     owner, name = (JITFunction, "_do_compile") if hasattr(JITFunction, "_do_compile") else (triton.compiler, "compile")
     original = getattr(owner, name)
 
     def counted(*args, **kwargs):
-        count[0] += 1
+        fn = getattr(args[0], "fn", None) if args else None
+        compiled.append(getattr(fn, "__name__", "?"))
         return original(*args, **kwargs)
 
     setattr(owner, name, counted)
-    return count
+    return compiled
 
 
-def measure(steps: int, model_name: str, layers: int | None, top: int = 0, lengths: str = "") -> dict:
+def measure(
+    steps: int, model_name: str, layers: int | None, top: int = 0, lengths: str = "", buckets: bool = False
+) -> dict:
     import cProfile
     import inspect
     import pstats
@@ -109,6 +115,8 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0, lengt
     )  # fmt: skip
     model = get_peft_model(model, lora)
     options = dict(freeze_gc=True, stack_projections=True)  # as the trainer adapters patch
+    if buckets:
+        options["bucket_lengths"] = True
     if "self_check" in inspect.signature(fastplug.KernelOptions).parameters:
         options["self_check"] = False  # its comparisons would read the skipped kernels' empty outputs
     fastplug.patch_model(model, **options)
@@ -126,16 +134,16 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0, lengt
         optimizer.zero_grad(set_to_none=True)
 
     step()  # compiles
-    step()
+    step(64, 8)  # and a padded batch's path
     launches.clear()
     compiles = _count_compiles()
     lo, hi = map(int, lengths.split("-")) if lengths else (64, 64)
     times, compiled = [], []
     for _ in range(steps):
         length = rng.randint(lo, hi)
-        before, start = compiles[0], time.perf_counter()
+        before, start = len(compiles), time.perf_counter()
         step(length, rng.randint(1, length // 2) if lengths else 0)
-        (compiled if compiles[0] > before else times).append(time.perf_counter() - start)
+        (compiled if len(compiles) > before else times).append(time.perf_counter() - start)
     launched = sum(launches.values()) / steps
     profiler = cProfile.Profile()
     profiler.enable()
@@ -150,7 +158,8 @@ def measure(steps: int, model_name: str, layers: int | None, top: int = 0, lengt
         "launches": launched,
     }
     if lengths:
-        result.update(compiles=compiles[0], compile_steps=len(compiled))
+        by_kernel = sorted(collections.Counter(compiles).items())
+        result.update(compiles=", ".join(f"{k} {n}" for k, n in by_kernel) or "none", compile_steps=len(compiled))
     return result
 
 
@@ -163,10 +172,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's full count)")
     parser.add_argument("--top", type=int, default=0, help="print the N functions with the most host time")
     parser.add_argument("--lengths", default="", help="MIN-MAX: random batch lengths, right-padded (see above)")
+    parser.add_argument("--buckets", action="store_true", help="rows padded on to bucket lengths (see above)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.steps, args.model, args.layers, args.top, args.lengths)))
+        print(json.dumps(measure(args.steps, args.model, args.layers, args.top, args.lengths, args.buckets)))
         return 0
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the kernels are compiled for the GPU, not interpreted")
@@ -178,6 +188,7 @@ def main() -> int:
             command += ["--layers", str(args.layers)] if args.layers else []
             command += ["--top", str(args.top)] if args.top and round_ == 0 else []
             command += ["--lengths", args.lengths] if args.lengths else []
+            command += ["--buckets"] if args.buckets else []
             out = subprocess.run(command, env=env, capture_output=True, text=True, cwd="/")
             if out.returncode:
                 sys.exit(f"{tree}: worker failed\n{out.stderr[-3000:]}")
@@ -186,7 +197,7 @@ def main() -> int:
             result = json.loads(out.stdout.strip().splitlines()[-1])
             results[tree].append(result)
             print(f"round {round_}  {tree:<12} host {result['host_ms']:.1f} ms", flush=True)
-    varlen = " | steps that compiled | Triton compiles" if args.lengths else ""
+    varlen = " | steps that compiled | Triton compiles (kernel, count)" if args.lengths else ""
     header = "host ms per step (median of rounds; each round's) | Python calls per step | Triton launches"
     print(f"\n| tree | {header}{varlen} |")
     print("|---|---|---|---|" + ("---|---|" if args.lengths else ""))

@@ -187,8 +187,11 @@ class LayerGraphs:
     def _route(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
         """The layer's output from its graphs, or why it runs eagerly."""
         rows_known = None
-        if index == 0:
+        if index == 0 and not self.capturing:
+            # a new forward of the stack: what the last one recorded or replayed is not this one's, whichever
+            # reason stops layer 0 below (the later layers follow layer 0's graphs or records only)
             rows_known, self._rows_known = self._rows_known, None
+            self._forward = self._recording = None
         if not (layer.training and torch.is_grad_enabled()):
             return "inference or no grad"
         if self.capturing:  # the warm-up and the capture call the layers: they run as they are
@@ -229,7 +232,6 @@ class LayerGraphs:
                     self._misfits.add(graphs[0].key)
                 return "inputs unlike those it was captured with"
         else:
-            self._forward = self._recording = None
             if self.sets and not self._fixed.holds():
                 self._drop_graphs()  # parameters re-pointed, (un)frozen, adapters switched, hooks added: capture afresh
                 self.sets.clear()

@@ -61,8 +61,10 @@ def test_routing_is_per_instance_exact_and_undone():
     compiled_loss = torch.compile(routed, backend="eager")(**ids).loss  # the layers are graph breaks
     assert_close(compiled_loss.detach(), want_loss, torch.float32, "compiled loss")
     graphs.eager.clear()
+    graphs._recording, graphs._forward = {}, []  # as a forward that recorded or replayed leaves them
     positions = torch.arange(ids["input_ids"].shape[1]).expand_as(ids["input_ids"])
     routed(**ids, position_ids=positions).loss.backward()  # rows a caller may have packed: their own reason
+    assert graphs._recording is None and graphs._forward is None, "the later layers never follow an older forward"
     hidden = torch.randn(1, 3, layers[0].hidden_size)
     rotary = decoder_stack(routed).rotary_emb(hidden, torch.arange(3)[None])
     layers[0](hidden, position_embeddings=rotary)  # called outside its stack: its rows unknown

@@ -38,6 +38,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..kernels import state
 from .rules import off_the_gpu
 
 NAME = "fastplug"
@@ -201,11 +202,15 @@ def _document_bounds(source: torch.Tensor, batch: int, tokens: int, device: torc
 
 class _BoundsCache:
     """The document bounds of the last packed batch: every layer of a forward (and the recompute under
-    checkpointing) passes the same position_ids / cu_seq_lens tensor, so they are computed once."""
+    checkpointing) passes the same position_ids / cu_seq_lens tensor, so they are computed once. Registered with
+    `kernels.state`: the last restore() empties it (it holds device tensors)."""
 
     def __init__(self):
         self.key = None
         self.value = None
+
+    def clear(self) -> None:
+        self.key = self.value = None
 
     def get(self, source: torch.Tensor, batch: int, tokens: int, device: torch.device, need_packed: bool):
         """(start, end, packed) from TRL's cu_seq_lens_q (int32, n + 1) or position_ids (B or 1, T); `packed`
@@ -224,7 +229,7 @@ class _BoundsCache:
         return start, end, packed
 
 
-_BOUNDS = _BoundsCache()
+_BOUNDS = state.register_cache("attention.document_bounds", _BoundsCache())
 
 
 def _dense_mask(query, key, causal, window, start, end) -> torch.Tensor:

@@ -84,6 +84,8 @@ def _module_containers_holding(model, tensors: bool = True) -> list[str]:
         if not name.startswith("fastplug") or mod is None:
             continue
         for attr, value in list(vars(mod).items()):
+            if type(value).__module__.startswith("fastplug") and hasattr(value, "__dict__"):
+                value = vars(value)  # an object of fastplug's own (a cache): its fields
             if isinstance(value, _CONTAINERS) and _holds(value, model, tensors):
                 found.append(f"{name}.{attr}")
     return found

@@ -6,6 +6,7 @@ compiler may not: Triton 3.6 refuses a str field of a constexpr tuple passed on 
     python scripts/decode_ptx.py dump OUT [--quick]    # one PTX file a launch variant: OUT/NNN_<kernel>.ptx
     python scripts/decode_ptx.py dump OUT --family attention [--quick]   # the training attention kernels
     python scripts/decode_ptx.py dump OUT --family rope|moe [--quick]    # RoPE; the MoE grouped GEMMs
+    python scripts/decode_ptx.py dump OUT --family gemv4bit [--quick]    # gemv_4bit (the GEMV on one weight)
     python scripts/decode_ptx.py compare A B           # identical / same instructions in another order / differ
 
 `dump` stands a driver in for CUDA's (the target sm_90; nothing is launched: each launch compiles and is
@@ -104,24 +105,28 @@ def dump(out: Path, quick: bool, family: str = "decode") -> None:
     import torch
     import triton
 
-    if family != "decode":
+    if family not in ("decode", "gemv4bit"):
         {"attention": _attention_launches, "rope": _rope_launches, "moe": _moe_launches}[family](quick)
         print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
         return
 
-    import fastplug.kernels.quant.gemv as quant_gemv
+    import fastplug.kernels.quant.gemv_tile as tile
     from fastplug.kernels import decode
 
     kernels_take_cpu_tensors()
-    quant_gemv.num_sms = lambda device: 132
-    cuda_config = quant_gemv.gemv_config  # the word-wise tile a GPU gets (shuffle lookups, inline PTX)
+    tile.num_sms = lambda device: 132
+    cuda_config = tile.default_gemv_config.__wrapped__  # the word-wise tile a GPU gets (shuffle lookups, inline PTX)
 
-    def gemv_config(m, n, k, blocksize, device, **override):
-        return cuda_config(m, n, k, blocksize, torch.device("cuda", 0), **override)
+    def gemv_config(m, n, k, blocksize, device):
+        return cuda_config(m, n, k, blocksize, torch.device("cuda", 0))
 
     for name, module in list(sys.modules.items()):
-        if name.startswith("fastplug.kernels.decode") and hasattr(module, "gemv_config"):
-            module.gemv_config = gemv_config
+        if name.startswith("fastplug.kernels.decode") and hasattr(module, "default_gemv_config"):
+            module.default_gemv_config = gemv_config
+    if family == "gemv4bit":
+        _gemv_4bit_launches(quick, tile)
+        print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
+        return
 
     torch.manual_seed(0)
     gemv = decode.gemv
@@ -188,6 +193,23 @@ def dump(out: Path, quick: bool, family: str = "decode") -> None:
         torch.zeros(b, dtype=long),
     )
     print(f"{len(written)} launch variants compiled for sm_90 by triton {triton.__version__}: {out}")
+
+
+def _gemv_4bit_launches(quick: bool, tile) -> None:
+    """gemv_4bit (the decode GEMV on one 4-bit weight) at 1, 2, 3 and 8 rows of x, at Llama-1B's projection shapes
+    and one that splits K, NF4 with double quantization and FP4 without, with the tile a GPU gets."""
+    import torch
+
+    from fastplug.kernels.quant import gemv_4bit
+
+    cuda = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    shapes = ((2048, 2048), (512, 2048)) if quick else ((2048, 2048), (512, 2048), (8192, 2048), (2048, 8192))
+    for m in (1, 3) if quick else (1, 2, 3, 8):
+        for n, k in shapes:
+            for nested, quant_type in ((True, "nf4"),) if quick else ((True, "nf4"), (False, "fp4")):
+                w, x = _packed(n, k, nested, quant_type), torch.randn(m, k, dtype=torch.bfloat16)
+                gemv_4bit(x, w, tile.gemv_config(m, n, k, 64, cuda))
 
 
 def _attention_launches(quick: bool) -> None:
@@ -341,8 +363,26 @@ def _instructions(text: str) -> Counter:
     return found
 
 
+def _registers(path: Path) -> int | None:
+    """The registers ptxas gives the kernel for sm_90a: Triton's own ptxas-blackwell (it reads the PTX versions Triton
+    3.9 writes) or ptxas; None where neither runs."""
+    import subprocess
+
+    import triton
+
+    for name in ("ptxas-blackwell", "ptxas"):
+        exe = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if exe.exists():
+            done = subprocess.run([exe, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
+            used = re.search(r"Used (\d+) registers", done.stderr)
+            if used:
+                return int(used.group(1))
+    return None
+
+
 def compare(a: Path, b: Path) -> int:
-    """0 when every variant of A has the same instructions in B (reordered or not), else 1."""
+    """0 when every variant of A has the same instructions in B (reordered or not), else 1. Registers that differ
+    are printed too (a kernel's occupancy follows them)."""
     files_a, files_b = sorted(a.glob("*.ptx")), sorted(b.glob("*.ptx"))
     if [f.name for f in files_a] != [f.name for f in files_b]:
         print(f"different launch variants: {len(files_a)} in {a}, {len(files_b)} in {b}")
@@ -359,6 +399,8 @@ def compare(a: Path, b: Path) -> int:
         else:
             counts["different instructions"] += 1
             print(f"  DIFFERENT  {fa.name}")
+        if ta != tb and (ra := _registers(fa)) != (rb := _registers(fb)):
+            print(f"  registers  {fa.name}: {ra} -> {rb}")
     print(", ".join(f"{n} {what}" for what, n in counts.items()), f"(of {len(files_a)})")
     return 1 if counts["different instructions"] else 0
 
@@ -371,9 +413,9 @@ def main() -> int:
     p_dump.add_argument("--quick", action="store_true", help="bf16 only, fewer shapes")
     p_dump.add_argument(
         "--family",
-        choices=("decode", "attention", "rope", "moe"),
+        choices=("decode", "gemv4bit", "attention", "rope", "moe"),
         default="decode",
-        help="the decode step, or the training kernels: attention, rope, moe",
+        help="the decode step, gemv_4bit alone, or the training kernels: attention, rope, moe",
     )
     p_cmp = sub.add_parser("compare", help="compare two dumps")
     p_cmp.add_argument("a", type=Path)

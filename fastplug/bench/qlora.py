@@ -267,7 +267,7 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     dequantize + matmul. `ms`: a CUDA graph of calls over enough copies of the weight to miss the L2 cache
     (device time); the note adds triton's do_bench (L2 flushed, launched from Python: the host shows where it is
     slower than the kernel) and the host microseconds a call. rel err against x @ W^T in fp32 (W unrounded).
-    `sweep`: the tiles of `_SWEEP_ROWS` (one row of x) and `_SWEEP_DOT` (any)."""
+    `sweep`: the word-wise loop's tiles of `_SWEEP`."""
     import bitsandbytes as bnb
 
     from ..kernels.quant import dequantize_4bit, dequantize_4bit_reference, gemv_4bit, gemv_config
@@ -318,7 +318,7 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
             if ref_row.get("ms") and fast.get("ms"):
                 fast["note"] = f"{ref_row['ms'] / fast['ms']:.2f}x bnb; " + fast["note"]
             if sweep:
-                for over in (_SWEEP_ROWS if m == 1 else []) + _SWEEP_DOT:
+                for over in _SWEEP:
                     try:
                         c = gemv_config(m, out_f, in_f, p.quant_state.blocksize, device, **over)
                     except ValueError as error:
@@ -329,21 +329,13 @@ def gemv_rows(device, quick: bool, sweep: bool = False) -> list[dict]:
     return rows
 
 
-_SWEEP_ROWS = [
-    dict(dot=False, block_n=bn, chunk=ch, num_warps=nw, lookup=lookup, words=words)
+_SWEEP = [
+    dict(block_n=bn, chunk=ch, num_warps=nw, lookup=lookup)
     for bn in (2, 4, 8, 16)
     for ch in (256, 512, 1024)
     for nw in (1, 2, 4, 8)
     for lookup in ("gather", "shfl")
-    for words in (False, True)
     if 16 <= bn * ch // (32 * nw) <= 64
-]
-_SWEEP_DOT = [
-    dict(dot=True, block_n=bn, chunk=ch, num_warps=nw)
-    for bn in (16, 32)
-    for ch in (64, 128, 256, 512)
-    for nw in (4, 8)
-    if 8 <= bn * ch // (32 * nw) <= 64
 ]
 
 

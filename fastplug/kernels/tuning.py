@@ -11,7 +11,7 @@ as an argument, built by one heuristic function from the problem's shape and dty
     "rope"         RopeConfig       rope.rope_config(n_heads_q, n_heads_k, tokens, rot_dim, dtype)
     "attention"    AttentionConfig  attention.attention_config(kernel, block_d, device)
     "fp8_gemm"     Fp8GemmConfig    fp8.fp8_gemm_config(M, device)
-    "gemv_4bit"    GemvConfig       quant.gemv_config(m, n, k, blocksize, device)  (gemv_4bit's default tile)
+    "gemv_4bit"    GemvConfig       quant.gemv_config(m, n, k, blocksize, device)  (the 4-bit word-wise loop's tile)
     "decode_gemv"  DecodeGemvConfig decode.decode_gemv_config(m, n, k, glu, itemsize)
     MoE grouped GEMMs: measured per shape by the MoE's disk-cached autotuner (fastplug/kernels/moe/tuning.py),
     the one kernel family where tuning per shape paid; no other kernel has an autotuner.

@@ -242,22 +242,16 @@ def load_4bit(path, lora: bool):
     [(False, False), (True, False), (True, True)],
     ids=["4bit", "4bit_lora", "4bit_lora_decode_kernels"],
 )
-def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, request, lora, kernels):
+def test_4bit_bases_decode_from_packed_weights(tmp_path, monkeypatch, lora, kernels):
     """QLoRA: a tiny Llama in 4 bits (with unmerged LoRA on every projection) generates transformers' greedy
     tokens, its projections run through fastplug's 4-bit kernels (no Linear4bit module call): gemv_4bit in
     the per-op step, the decode kernels' GEMV reading the packed weights otherwise."""
     pytest.importorskip("bitsandbytes")
     import fastplug.generate.plan as plan
-    from fastplug.kernels import quant, tuning
+    from fastplug.kernels import quant
 
     if kernels:
         decode_kernels_on_cpu(monkeypatch)
-
-    # the interpreter's cost is per program: one program per weight (the tiles are tested in tests/kernels)
-    one_program = tuning.override(
-        "gemv_4bit", lambda m, n, k, blocksize, device: quant.gemv_config(m, n, k, blocksize, device, block_n=128)
-    )
-    request.addfinalizer(one_program.undo)
     rows_seen = []
 
     def counted(x, weight):

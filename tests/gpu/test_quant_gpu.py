@@ -70,18 +70,16 @@ def test_gemv_cuda(rows, shape, blocksize):
 @pytest.mark.parametrize(
     "tile",
     [
-        dict(dot=False),
-        dict(dot=False, lookup="gather"),
-        dict(dot=False, lookup="load"),
-        dict(dot=False, words=False),
-        dict(dot=True),
+        dict(),
+        dict(lookup="gather"),
+        dict(lookup="load"),
+        dict(split=2),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_tiles_cuda(rows, tile, dtype):
-    """Every kernel variant at up to GEMV_MAX_ROWS rows (explicit tiles; dot=False is the word-wise kernel where K
-    allows, words=False the byte-wise one), split-K included (512 rows). The default lookup is the warp shuffle: a
-    layout conversion of its per-lane table would show here."""
+    """The word-wise loop at up to GEMV_MAX_ROWS rows (explicit tiles), split-K included (512 rows). The default
+    lookup is the warp shuffle: a layout conversion of its per-lane table would show here."""
     for shape in ((4096, 14336), (512, 2048)):
         p = quantized(*shape)
         x = torch.randn(rows, shape[1], dtype=dtype, device="cuda")
@@ -111,7 +109,7 @@ def test_gemv_words_cuda(tile, dtype):
             p = quantized(*shape)
             x = torch.randn(1, shape[1], dtype=dtype, device="cuda")
             ref = x.double() @ dequantize_4bit_reference(p, torch.float64).t()
-            cfg = gemv_config(1, *shape, 64, x.device, dot=False, words=True, **tile)
+            cfg = gemv_config(1, *shape, 64, x.device, **tile)
             assert_close(gemv_4bit(x, p, cfg), ref, dtype, f"gemv words {cfg}")
 
 

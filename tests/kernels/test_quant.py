@@ -195,48 +195,12 @@ def test_fastplug_never_imports_bitsandbytes():
 )
 def test_gemv_matches_reference(rows, quant_type, double_quant, shape, blocksize):
     p = quantized(*shape, quant_type, double_quant, blocksize)
-    w = dequantize_float64(p)  # the values unrounded (the GEMV never rounds them to the weight's dtype)
+    w = dequantize_float64(p)  # the values unrounded (one row of 16-bit x takes them rounded to x's dtype)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(rows, shape[1], dtype=dtype)
         assert_close(gemv_4bit(x, p), x.double() @ w.t(), dtype, f"gemv rows={rows} {dtype}")
     x3 = torch.randn(2, 1, shape[1], dtype=torch.bfloat16)  # leading dims, like a decode step's [B, 1, H]
     assert gemv_4bit(x3, p).shape == (2, 1, shape[0])
-
-
-@pytest.mark.parametrize(
-    "quant_type,double_quant,shape,blocksize",
-    [
-        ("nf4", True, (11, 256), 64),
-        ("fp4", True, (6, 300), 128),
-        ("nf4", False, (9, 512), 256),
-        ("fp4", False, (4, 96), 32),
-    ],
-)
-@pytest.mark.parametrize(
-    "override",
-    [
-        dict(dot=False, x_split=False),
-        dict(dot=False, split=3),
-        dict(dot=False, split=2, block_n=2, chunk=32),
-        dict(dot=False, block_n=1, chunk=64),
-        dict(dot=False, lookup="gather", split=2),
-        dict(dot=True),
-        dict(dot=True, split=2, chunk=16, block_n=32),
-    ],
-)
-def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
-    """Every tile of both kernels (CUDA cores: x loaded whole and split in registers or strided, the table
-    read by tl.gather or by loads; tensor cores; split-K with its second pass; narrow tiles) gives the same
-    product; the packing: element 2i in the high nibble."""
-    p = quantized(*shape, quant_type, double_quant, blocksize)
-    w = dequantize_float64(p)
-    for rows in (1, 5):
-        x = torch.randn(rows, shape[1])
-        cfg = gemv_config(rows, shape[0], shape[1], blocksize, x.device, **override)
-        assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv {override} rows={rows}")
-    assert gemv_config(1, shape[0], shape[1] + 1, blocksize, x.device) is None  # odd K: the general kernel
-    with pytest.raises(ValueError, match="unknown gemv_config override"):
-        gemv_config(1, *shape, blocksize, x.device, block_m=2)
 
 
 @pytest.mark.parametrize(
@@ -250,21 +214,38 @@ def test_gemv_tiles(quant_type, double_quant, shape, blocksize, override):
         ("nf4", True, (16, 512), 64),
     ],
 )
-@pytest.mark.parametrize("override", [dict(), dict(lookup="gather", split=2, block_n=2), dict(chunk=32, split=3)])
+@pytest.mark.parametrize(
+    "override",
+    [
+        dict(),
+        dict(lookup="gather", split=2, block_n=2),
+        dict(chunk=32, split=3),
+        dict(block_n=1, chunk=64, num_warps=1),
+    ],
+)
 def test_gemv_words(quant_type, double_quant, shape, blocksize, override):
-    """The word-wise kernel (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
+    """The word-wise loop (the packed weight read as int32, eight nibbles shifted out of each, little-endian)
     gives the product of one row of x and of several (each nibble looked up once for all), with tiles that fill
-    the weight (no masks: 16 x 512) or not; it refuses more than GEMV_MAX_ROWS rows or a K that is not a multiple
-    of 8."""
+    the weight (no masks: 16 x 512) or not, and K split over programs (fp32 sums added by a second launch)."""
     p = quantized(*shape, quant_type, double_quant, blocksize)
     w = dequantize_float64(p)
-    for m in (1, 3):
+    for m in (1, 3, GEMV_MAX_ROWS):
         x = torch.randn(m, shape[1])
-        cfg = gemv_config(m, shape[0], shape[1], blocksize, x.device, dot=False, words=True, **override)
+        cfg = gemv_config(m, shape[0], shape[1], blocksize, x.device, **override)
         assert_close(gemv_4bit(x, p, cfg), x.double() @ w.t(), torch.float32, f"gemv words {m} rows {override}")
-    for m, k in ((GEMV_MAX_ROWS + 1, shape[1]), (1, 300)):
-        with pytest.raises(ValueError, match="words=True takes at most"):
-            gemv_config(m, shape[0], k, blocksize, x.device, words=True)
+
+
+def test_gemv_config_errors():
+    """The tile refuses more rows than the loop takes and unknown overrides; where the loop cannot read the weight
+    (K not a multiple of 8, blocksize under 8) there is none, and the product takes the other paths."""
+    with pytest.raises(ValueError, match="takes 1 to 8 rows"):
+        gemv_config(GEMV_MAX_ROWS + 1, 11, 256, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown gemv_config override"):
+        gemv_config(1, 11, 256, 64, torch.device("cpu"), block_m=2)
+    assert gemv_config(1, 11, 300, 64, torch.device("cpu")) is None
+    p = quantized(11, 300)
+    x = torch.randn(1, 300)
+    assert_close(gemv_4bit(x, p), x.double() @ dequantize_float64(p).t(), torch.float32, "gemv, K = 300")
 
 
 def test_gemv_shuffle_lookup_needs_compiled_cuda():
@@ -335,15 +316,15 @@ def test_pack4_layout_check():
 
 
 def test_gemv_words_on_bytes_off_a_word_boundary():
-    """Packed bytes that do not start at a 4-byte boundary (a view into a larger buffer) take the byte-wise
-    kernel, with the same product."""
+    """Packed bytes that do not start at a 4-byte boundary (a view into a larger buffer) take the other paths
+    even with a word-wise tile given, with the same product."""
     p = quantized(11, 256)
     buf = torch.empty(p.data.numel() + 1, dtype=torch.uint8)
     buf[1:] = p.data.reshape(-1)
     shifted = bnb.nn.Params4bit(buf[1:], requires_grad=False, quant_state=p.quant_state, bnb_quantized=True)
     assert shifted.data_ptr() % 4
     x = torch.randn(1, 256)
-    cfg = gemv_config(1, 11, 256, 64, x.device, words=True)
+    cfg = gemv_config(1, 11, 256, 64, x.device)
     w = dequantize_float64(p)
     assert_close(gemv_4bit(x, shifted, cfg), x.double() @ w.t(), torch.float32, "gemv off a word boundary")
 

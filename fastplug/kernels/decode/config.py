@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from .._utils import interpreter_enabled, next_power_of_2
-from ..quant import GEMV_MAX_ROWS
+from ..quant.gemv_tile import GEMV_MAX_ROWS
 
 ACTIVATIONS = {None: -1, "silu": 0, "gelu_tanh": 1, "gelu": 2}  # gemv's `activation` -> jit_helpers.gate_factor's ACT
 MAX_SEGMENTS = 3  # weights one GEMV launch reads (q, k, v)

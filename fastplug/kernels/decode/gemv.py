@@ -1,6 +1,7 @@
 """The decode GEMV's launcher: `gemv` checks its operands, picks the path (tile or word-wise 4-bit loop) and the
 tile, and launches `gemv_kernels._gemv_kernel` with its argument tuples; `gemv_reference` is the same maths in
-torch, `packed_reason` says which 4-bit weights one launch can read."""
+torch, `packed_reason` says which 4-bit weights one launch can read. It imports quant's modules, not its package:
+`quant.gemv_4bit` launches this module's `gemv`."""
 
 from __future__ import annotations
 
@@ -8,15 +9,10 @@ import torch
 
 from .. import state, tuning
 from .._utils import cdiv, check_dtype, interpreter_enabled, next_power_of_2, use_triton
-from ..quant import (
-    LOOKUPS,
-    _unpacked,
-    dequantize_4bit,
-    dequantize_4bit_reference,
-    gemv_config,
-    is_4bit,
-    launch_checked,
-)
+from ..quant.dequant import dequantize_4bit, dequantize_4bit_reference
+from ..quant.formats import _unpacked, is_4bit
+from ..quant.gemv_kernels import LOOKUPS
+from ..quant.gemv_tile import GemvConfig, default_gemv_config, launch_checked
 from .config import (
     ACTIVATIONS,
     MAX_ROWS,
@@ -38,6 +34,7 @@ from .gemv_kernels import (
     Segment,
     WordsLoop,
     _gemv_kernel,
+    _sum_splits_kernel,
 )
 from .step import launch_rms_norm
 
@@ -56,6 +53,7 @@ def gemv(
     softcap: float | None = None,
     config: DecodeGemvConfig | tuple | None = None,
     words: bool | None = None,
+    words_tile: GemvConfig | None = None,
 ) -> torch.Tensor:
     """y = [x W0^T | x W1^T | x W2^T] for x [M, K] (M <= 16) and up to three weights [N_i, K], in one launch.
 
@@ -74,7 +72,10 @@ def gemv(
     and a warp-shuffle table, each nibble looked up once for all rows, where the decoded tile takes a byte load,
     a table load and a scale per element (an order of magnitude faster, and ahead of bitsandbytes' GEMV:
     docs/benchmarks/kernels.md, "decode GEMV"). More rows, or weights the loop cannot read, are dequantized and
-    read dense.
+    read dense. `words_tile`: the word-wise loop's tile (a `quant.GemvConfig`; it implies words=True); by default
+    `quant.gemv_config`'s, picked through `kernels.tuning` as "gemv_4bit". A plain product (one weight, nothing
+    fused) splits K over more programs where its tile says so (`GemvConfig.split`), the splits' fp32 sums added
+    by one more launch.
     """
     weights = list(weights)
     entries, ns, dtype = _check_operands(x, weights)
@@ -124,7 +125,7 @@ def gemv(
             softcap=softcap,
         )
         return out.copy_(reference)
-    tile = _words_tile(x, entries, ns, k, act >= 0, words)
+    tile = _words_tile(x, entries, ns, k, act >= 0, words, words_tile)
     if entries and tile is None and m > 1:
         # Dequantized (into new buffers, one launch a weight) and read dense: much faster at 2-8 rows than decoding
         # the 4-bit tiles (docs/benchmarks/kernels.md, "decode GEMV") (whose per-element table and scale loads the
@@ -139,19 +140,33 @@ def gemv(
         # normalised once, by one more launch: fused, every program of the word-wise loop would redo the norm's
         # conversions for its rows (2.5x the product alone: docs/benchmarks/kernels.md, "decode GEMV")
         x, norm = launch_rms_norm(torch.empty_like(x), x, norm, add=False), None
-    q4, words_loop, lookup = Q4_DENSE, WORDS_OFF, {}
+    q4, words_loop, lookup, split_words, y = Q4_DENSE, WORDS_OFF, {}, 0, out
     if entries:  # the kernel reads the packed bytes; the rest of each weight's fields through one table
-        seg_w, strides, q4_table = [e.packed.data for e in entries], [0] * len(entries), _packed_table(entries)
-        q4 = Q4Format(**entries[0].consts)
+        seg_w, strides = [e.packed.data for e in entries], [0] * len(entries)
+        # the word-wise loop on one weight takes its fields as kernel parameters (absmax, code, absmax2, code2,
+        # offset) and compiles that one segment only: registers as in a kernel of its own (on the tile paths the
+        # same change added registers: scripts/decode_ptx.py)
+        one = len(entries) == 1 and tile is not None
+        q4_table = tuple(entries[0].args[1:]) if one else _packed_table(entries)
+        q4 = Q4Format(**entries[0].consts, FIELDS_AS_ARGS=one)
         if tile is not None:
             seg_w, block_n, use_dot = [e.words for e in entries], tile.block_n, False
             block_m, warps = next_power_of_2(m), tile.num_warps
             aligned = x.data_ptr() % 16 == 0 and (m == 1 or x.stride(0) % 8 == 0)
             even = all(n % block_n == 0 for n in ns) and k // 8 % (tile.nb * tile.sub) == 0
-            words_loop = WordsLoop(tile.nb, tile.sub, even)
             lookup = dict(
                 LOOKUP=LOOKUPS[tile.lookup], PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned
             )
+            # whole chunks a split; the splits that leaves (a row's words: one)
+            chunk = tile.nb * tile.sub
+            split_words = cdiv(cdiv(k // 8, chunk), tile.split) * chunk
+            splits = cdiv(k // 8, split_words)
+            plain = len(ns) == 1 and biases is None and lora is None and residual is None and softcap is None
+            if splits > 1 and plain and out_dtype == dtype:
+                y = torch.empty(splits * m, n_out, device=x.device, dtype=torch.float32)
+            else:
+                split_words, splits = k // 8, 1
+            words_loop = WordsLoop(tile.nb, tile.sub, even, SPLIT=splits > 1)
     else:
         seg_w, strides, q4_table = weights, [w.stride(0) for w in weights], x
     unused = MAX_SEGMENTS - len(ns)  # segments past the weights: n = 0, their pointers unread
@@ -169,9 +184,11 @@ def gemv(
         q4_table=q4_table,
         lora_x=rows_of(xa),
         residual=rows_of(residual if residual is not None else out),
-        y=rows_of(out),
+        y=rows_of(y),
         M=m,
         K=k,
+        row_words=k // 8,
+        split_words=split_words,
         blocks=(blocks[0], blocks[1]),
         softcap=float(softcap or 1.0),
     )
@@ -183,12 +200,16 @@ def gemv(
         ACT=act,
         HAS_RES=residual is not None,
         SOFTCAP=softcap is not None,
+        ONE_SEGMENT=q4.FIELDS_AS_ARGS,
     )
     ranks = [a[1] for a in adapters]
     tile_c = GemvTile(use_dot, precision(dtype), block_m, block_n, block_k, max(16, next_power_of_2(max(ranks))))
     consts = dict(F=flags, Q4=q4, TILE=tile_c, WORDS=words_loop, **lookup, num_warps=warps)
-    grid = (blocks[0] if act >= 0 else sum(blocks),)
+    grid = (blocks[0] if act >= 0 else sum(blocks), y.shape[0] // m)
     launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
+    if y is not out:
+        block = 1024
+        _sum_splits_kernel[(cdiv(m * n_out, block),)](y, out, m * n_out, SPLIT=grid[1], BLOCK=block, num_warps=4)
     return out
 
 
@@ -257,24 +278,27 @@ def _adapters(lora, x, ns, dtype) -> tuple:
     return xa, adapters
 
 
-def _words_tile(x, entries, ns, k, glu: bool, words: bool | None):
+def _words_tile(x, entries, ns, k, glu: bool, words: bool | None, words_tile: GemvConfig | None):
     """The word-wise tile (a quant.GemvConfig) for up to WORDS_MAX_ROWS rows of x on 4-bit weights, or None.
     `words`: None where compiled on CUDA and the weights allow, True asks for it (an error where they do not),
-    False never."""
+    False never. `words_tile`, a tile given, asks for it where the weights allow (elsewhere the other paths)."""
     if words is False or entries is None or x.shape[0] > WORDS_MAX_ROWS:
         if words:
             raise ValueError(f"words=True takes at most {WORDS_MAX_ROWS} rows of x and 4-bit weights")
         return None
-    if words is None and not (x.is_cuda and not interpreter_enabled()):
+    if words is None and words_tile is None and not (x.is_cuda and not interpreter_enabled()):
         return None
     blocksize = entries[0].packed.blocksize
     if k % 8 or blocksize < 8 or any(e.words is None for e in entries):
         if words:
             raise ValueError("words=True takes K a multiple of 8, blocksize >= 8 and word-aligned packed bytes")
         return None
+    if words_tile is not None:
+        return words_tile
     # as many programs as row blocks (gate/up: one per block of both)
-    tile = gemv_config(x.shape[0], ns[0] if glu else sum(ns), k, blocksize, x.device, words=True)
-    if glu and x.shape[0] == 1:  # a program holds rows of both weights: half the words a step, the same registers
+    m = x.shape[0]
+    tile = tuning.pick("gemv_4bit", default_gemv_config, m, ns[0] if glu else sum(ns), k, blocksize, x.device)
+    if glu and m == 1:  # a program holds rows of both weights: half the words a step, the same registers
         tile = tile._replace(nb=max(1, tile.nb // 2))
     return tile
 

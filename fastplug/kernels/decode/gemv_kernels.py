@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from ..jit_helpers import dot, gate_factor, rms_weight, tanh
-from ..quant import block_scale, words_row_sums
+from ..quant.dequant import block_scale
+from ..quant.gemv_kernels import words_row_sums
 from .config import Norm, Rows
 
 # ------------------------------------------------------------------------------------------- arguments
@@ -47,12 +48,15 @@ class GemvArgs(NamedTuple):
     x: Rows
     norm: Norm  # x itself and zeros without a norm
     segments: tuple  # MAX_SEGMENTS Segments
-    q4_table: torch.Tensor  # int64 [segments, Q4_FIELDS] (`gemv._packed_table`); x for dense weights
+    q4_table: torch.Tensor | tuple  # int64 [segments, Q4_FIELDS] (`gemv._packed_table`), or one weight's fields
+    # (Q4Format.FIELDS_AS_ARGS); x for dense weights
     lora_x: Rows  # xa = x A^T of every adapter
     residual: Rows  # out itself without one
     y: Rows
     M: int
     K: int
+    row_words: int  # K // 8: a 4-bit row's 32-bit words (as an argument, Triton knows its divisibility)
+    split_words: int  # the word-wise loop's words of a row a program reads: all of them, or one split of K
     blocks: tuple  # programs of segments 0 and 1
     softcap: float
 
@@ -67,14 +71,19 @@ class GemvFlags(NamedTuple):
     ACT: int  # -1: none; else config.ACTIVATIONS' index (gate and up, y = act(g) * u)
     HAS_RES: bool
     SOFTCAP: bool
+    # one weight: the kernel holds one segment's code (three copies of the word-wise loop cost registers)
+    ONE_SEGMENT: bool = False
 
 
 class Q4Format(NamedTuple):
-    """Constexpr: the 4-bit weights' format (quant's `consts`); BLOCKSIZE_LOG2 0: dense weights."""
+    """Constexpr: the 4-bit weights' format (quant's `consts`); BLOCKSIZE_LOG2 0: dense weights. FIELDS_AS_ARGS: the
+    one weight's fields come as a tuple of tensors (absmax, code, absmax2, code2, offset) in place of the table
+    (kernel parameters, not loads: the one-row loop keeps its registers)."""
 
     BLOCKSIZE_LOG2: int
     BLOCKSIZE2_LOG2: int
     NESTED: bool
+    FIELDS_AS_ARGS: bool = False
 
 
 Q4_DENSE = Q4Format(0, 0, False)
@@ -98,16 +107,20 @@ class WordsLoop(NamedTuple):
     NB: int
     SUBW: int
     EVEN: bool  # every weight's rows fill whole blocks, and K whole chunks
+    # K split over program_id(1), each program's fp32 sums written unrounded to its slice of y (summed by
+    # `_sum_splits_kernel`); only a plain product (nothing fused), where few row blocks leave SMs idle
+    SPLIT: bool = False
 
 
 WORDS_OFF = WordsLoop(0, 0, False)
 
 
 class XRows(NamedTuple):
-    """A program's rows of x, inside the kernel: x, its K columns, the row indices and their mask, 1/rms of each
-    row (zeros without a norm) and the norm."""
+    """A program's rows of x, inside the kernel: x, its M rows of K columns, the row indices and their mask, 1/rms
+    of each row (zeros without a norm) and the norm."""
 
     x: Rows
+    M: int
     K: int
     rows: tl.tensor
     m_mask: tl.tensor
@@ -150,22 +163,30 @@ Q4_FIELDS = tl.constexpr(5)  # columns a row
 
 
 @triton.jit
-def _q4_row(q4_table, segment):
-    """The row of `_packed_table` that describes segment `segment`'s 4-bit weight."""
-    return q4_table + segment * Q4_FIELDS
+def _q4_row(q4_table, segment, Q4: tl.constexpr):
+    """The row of `_packed_table` that describes segment `segment`'s 4-bit weight (the fields themselves where
+    Q4.FIELDS_AS_ARGS)."""
+    row = q4_table
+    if not Q4.FIELDS_AS_ARGS:
+        row = q4_table + segment * Q4_FIELDS
+    return row
 
 
 @triton.jit
-def _w4_fields(q4_row, NESTED: tl.constexpr):
-    """absmax, code, absmax2, code2 and offset of a 4-bit weight, from its int64 row of `_packed_table`."""
-    if NESTED:
-        absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.uint8))
+def _w4_fields(q4_row, Q4: tl.constexpr):
+    """absmax, code, absmax2, code2 and offset of a 4-bit weight, from its int64 row of `_packed_table`, or the
+    fields themselves (Q4.FIELDS_AS_ARGS)."""
+    if Q4.FIELDS_AS_ARGS:
+        absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = q4_row
     else:
-        absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.float32))
-    code_ptr = tl.load(q4_row + Q4_CODE).to(tl.pointer_type(tl.float32))
-    absmax2_ptr = tl.load(q4_row + Q4_ABSMAX2).to(tl.pointer_type(tl.float32))
-    code2_ptr = tl.load(q4_row + Q4_CODE2).to(tl.pointer_type(tl.float32))
-    offset_ptr = tl.load(q4_row + Q4_OFFSET).to(tl.pointer_type(tl.float32))
+        if Q4.NESTED:
+            absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.uint8))
+        else:
+            absmax_ptr = tl.load(q4_row + Q4_ABSMAX).to(tl.pointer_type(tl.float32))
+        code_ptr = tl.load(q4_row + Q4_CODE).to(tl.pointer_type(tl.float32))
+        absmax2_ptr = tl.load(q4_row + Q4_ABSMAX2).to(tl.pointer_type(tl.float32))
+        code2_ptr = tl.load(q4_row + Q4_CODE2).to(tl.pointer_type(tl.float32))
+        offset_ptr = tl.load(q4_row + Q4_OFFSET).to(tl.pointer_type(tl.float32))
     return absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr
 
 
@@ -173,7 +194,7 @@ def _w4_fields(q4_row, NESTED: tl.constexpr):
 def _w4_tile(wb, k, k_mask, K, Q4: tl.constexpr):
     """W[n, k] of a bitsandbytes 4-bit weight (fp32; zero outside the masks), decoded from its packed bytes:
     element e = n K + k is the high nibble of byte e // 2 when e is even, scaled by its block's absmax."""
-    absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(wb.q4_row, Q4.NESTED)
+    absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(wb.q4_row, Q4)
     mask = wb.n_mask[:, None] & k_mask[None, :]
     elem = wb.n.to(tl.int64)[:, None] * K + k[None, :]
     packed = tl.load(wb.w + (elem >> 1), mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
@@ -205,16 +226,27 @@ def _w_x_block(xr, wb, k0, F: tl.constexpr, Q4: tl.constexpr, BLOCK_K: tl.conste
 # ------------------------------------------------------------------------------------------ accumulators
 @triton.jit
 def _gemv_acc_words(
-    xr, wb, Q4: tl.constexpr, WORDS: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, BLOCK_M: tl.constexpr
+    xr,
+    wb,
+    row_words,
+    split_words,
+    Q4: tl.constexpr,
+    WORDS: tl.constexpr,
+    LOOKUP: tl.constexpr,
+    PTX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant.words_row_sums`: the GEMV's word-wise loop,
-    table by warp shuffle where compiled, each nibble looked up once for all rows): fp32 [BLOCK_M, BLOCK_N]. The
-    weight is not rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
-    M = tl.sum(xr.m_mask.to(tl.int32), axis=0)
-    absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(wb.q4_row, Q4.NESTED)
-    kw = xr.K // 8
+    table by warp shuffle where compiled, each nibble looked up once for all rows), over the words of this
+    program's split of K (`row_words` a row, `split_words` a split): fp32 [BLOCK_M, BLOCK_N]. The weight is not
+    rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
+    absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(wb.q4_row, Q4)
+    kw = row_words
     if WORDS.EVEN:  # whole chunks of 128 words or more a row: the 16-byte word loads are aligned (Triton cannot see it)
         kw = tl.multiple_of(kw, 16)
+    # the loop's start a run-time value even without a split, and the words a row an argument (not K // 8): either
+    # way round, the one-row loop took more registers (scripts/decode_ptx.py --family gemv4bit)
+    start = tl.program_id(1) * split_words
     total = words_row_sums(
         xr.x.ptr,
         wb.w,
@@ -225,8 +257,8 @@ def _gemv_acc_words(
         offset_ptr,
         wb.n.to(tl.int64) * kw,
         wb.n_mask,
-        0,
-        kw,
+        start,
+        tl.minimum(start + split_words, kw),
         Q4.BLOCKSIZE_LOG2,
         Q4.BLOCKSIZE2_LOG2,
         Q4.NESTED,
@@ -235,7 +267,7 @@ def _gemv_acc_words(
         LOOKUP,
         PTX,
         WORDS.EVEN,
-        M,
+        xr.M,
         xr.x.stride,
         BLOCK_M,
     )
@@ -308,6 +340,8 @@ def _gemv_segment(
     n,
     N,
     lora_x,
+    row_words,
+    split_words,
     F: tl.constexpr,
     Q4: tl.constexpr,
     TILE: tl.constexpr,
@@ -318,15 +352,17 @@ def _gemv_segment(
     """One projection's output block at rows n (< N) of segment `seg`, fp32, rounded as the unfused layer rounds
     (base, then + LoRA); the constexprs are `_gemv_kernel`'s. q4_row: the segment's row of `_packed_table` (4-bit
     weights). WORDS.NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words` (seg.w: the packed bytes as
-    int32 words)."""
+    int32 words, `row_words` a row and `split_words` of them a program along K)."""
     wb = WBlock(seg.w, seg.stride_w, q4_row, n, n < N)
     if WORDS.NB > 0:
         tl.static_assert(not F.HAS_NORM, "the word-wise path takes x normalised already")
-        acc = _gemv_acc_words(xr, wb, Q4, WORDS, LOOKUP, PTX, TILE.BLOCK_M)
+        acc = _gemv_acc_words(xr, wb, row_words, split_words, Q4, WORDS, LOOKUP, PTX, TILE.BLOCK_M)
     elif TILE.USE_DOT:
         acc = _gemv_acc_dot(xr, wb, F, Q4, TILE)
     else:
         acc = _gemv_acc_fma(xr, wb, F, Q4, TILE)
+    if WORDS.SPLIT:  # a split's partial sums: rounded once, when the splits are summed
+        return acc
     dt = xr.x.ptr.dtype.element_ty
     if F.HAS_BIAS:
         acc += tl.load(seg.bias + n, mask=wb.n_mask, other=0.0).to(tl.float32)[None, :]
@@ -361,6 +397,8 @@ def _gemv_kernel(
     y,
     M,
     K,
+    row_words,
+    split_words,
     blocks,
     softcap,
     F: tl.constexpr,
@@ -370,9 +408,10 @@ def _gemv_kernel(
     LOOKUP: tl.constexpr = 0,
     PTX: tl.constexpr = False,
 ):
-    """y = [x W0^T | x W1^T | x W2^T] (or act(x W0^T) * x W1^T with F.ACT), see `gemv`: the runtime arguments are
-    `GemvArgs`' fields, segments three `Segment`s (unused ones n = 0); F, Q4, TILE, WORDS: `GemvFlags`, `Q4Format`,
-    `GemvTile`, `WordsLoop`; LOOKUP, PTX: the word-wise loop's table lookup (`quant.LOOKUPS`) and inline PTX."""
+    """y = [x W0^T | x W1^T | x W2^T] (or act(x W0^T) * x W1^T with F.ACT), see `gemv`, or with WORDS.SPLIT one
+    split of K's fp32 sums of x W0^T into y's slice program_id(1). The runtime arguments are `GemvArgs`' fields,
+    segments three `Segment`s (unused ones n = 0); F, Q4, TILE, WORDS: `GemvFlags`, `Q4Format`, `GemvTile`,
+    `WordsLoop`; LOOKUP, PTX: the word-wise loop's table lookup (`quant.LOOKUPS`) and inline PTX."""
     n0 = segments[0].n
     n1 = segments[1].n
     n2 = segments[2].n
@@ -383,47 +422,156 @@ def _gemv_kernel(
     rstd = tl.full([TILE.BLOCK_M], 0.0, dtype=tl.float32)
     if F.HAS_NORM:
         rstd = _row_rstd(x, K, rows, m_mask, norm.eps, TILE.BLOCK_M, TILE.BLOCK_K)
-    xr = XRows(x, K, rows, m_mask, rstd, norm)
+    xr = XRows(x, M, K, rows, m_mask, rstd, norm)
     if F.ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
         n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-        g = _gemv_segment(xr, segments[0], _q4_row(q4_table, 0), n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
+        g = _gemv_segment(
+            xr,
+            segments[0],
+            _q4_row(q4_table, 0, Q4),
+            n,
+            n0,
+            lora_x,
+            row_words,
+            split_words,
+            F,
+            Q4,
+            TILE,
+            WORDS,
+            LOOKUP,
+            PTX,
+        )
         # up: segment 1, gate's shape
-        u = _gemv_segment(xr, segments[1], _q4_row(q4_table, 1), n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
+        u = _gemv_segment(
+            xr,
+            segments[1],
+            _q4_row(q4_table, 1, Q4),
+            n,
+            n0,
+            lora_x,
+            row_words,
+            split_words,
+            F,
+            Q4,
+            TILE,
+            WORDS,
+            LOOKUP,
+            PTX,
+        )
         p, _ = gate_factor(g, F.ACT)
         out = g * p * u
         cols = n
         n_mask = n < n0
+    elif F.ONE_SEGMENT:
+        n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
+        out = _gemv_segment(
+            xr,
+            segments[0],
+            _q4_row(q4_table, 0, Q4),
+            n,
+            n0,
+            lora_x,
+            row_words,
+            split_words,
+            F,
+            Q4,
+            TILE,
+            WORDS,
+            LOOKUP,
+            PTX,
+        )
+        n_mask = n < n0
+        cols = n
     else:
         if pid < nb0:
             n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(xr, segments[0], _q4_row(q4_table, 0), n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
+            out = _gemv_segment(
+                xr,
+                segments[0],
+                _q4_row(q4_table, 0, Q4),
+                n,
+                n0,
+                lora_x,
+                row_words,
+                split_words,
+                F,
+                Q4,
+                TILE,
+                WORDS,
+                LOOKUP,
+                PTX,
+            )
             n_mask = n < n0
             cols = n
         elif pid < nb0 + nb1:
             n = (pid - nb0) * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(xr, segments[1], _q4_row(q4_table, 1), n, n1, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
+            out = _gemv_segment(
+                xr,
+                segments[1],
+                _q4_row(q4_table, 1, Q4),
+                n,
+                n1,
+                lora_x,
+                row_words,
+                split_words,
+                F,
+                Q4,
+                TILE,
+                WORDS,
+                LOOKUP,
+                PTX,
+            )
             n_mask = n < n1
             cols = n0 + n
         else:
             n = (pid - nb0 - nb1) * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(xr, segments[2], _q4_row(q4_table, 2), n, n2, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
+            out = _gemv_segment(
+                xr,
+                segments[2],
+                _q4_row(q4_table, 2, Q4),
+                n,
+                n2,
+                lora_x,
+                row_words,
+                split_words,
+                F,
+                Q4,
+                TILE,
+                WORDS,
+                LOOKUP,
+                PTX,
+            )
             n_mask = n < n2
             cols = n0 + n1 + n
-    dt = x.ptr.dtype.element_ty
-    out = out.to(dt).to(tl.float32)
-    if F.HAS_RES:
-        r = tl.load(
-            residual.ptr + rows[:, None] * residual.stride + cols[None, :],
-            mask=m_mask[:, None] & n_mask[None, :],
-            other=0.0,
+    y_at = y.ptr + rows[:, None] * y.stride + cols[None, :]
+    if WORDS.SPLIT:  # this split's fp32 sums, unrounded, into its [M, N] slice of y (fp32)
+        tl.static_assert(
+            not (F.HAS_BIAS or F.HAS_LORA or F.ACT >= 0 or F.HAS_RES or F.SOFTCAP), "a split fuses nothing"
         )
-        out = (r.to(tl.float32) + out).to(dt).to(tl.float32)
-    if F.SOFTCAP:  # transformers' order, each op rounded: tanh(logits / cap) * cap
-        out = (out / softcap).to(dt).to(tl.float32)
-        out = tanh(out, CLAMP=True).to(dt).to(tl.float32)
-        out = (out * softcap).to(dt).to(tl.float32)
-    tl.store(
-        y.ptr + rows[:, None] * y.stride + cols[None, :],
-        out.to(y.ptr.dtype.element_ty),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+        y_at += tl.program_id(1) * M * y.stride
+    else:
+        dt = x.ptr.dtype.element_ty
+        out = out.to(dt).to(tl.float32)
+        if F.HAS_RES:
+            r = tl.load(
+                residual.ptr + rows[:, None] * residual.stride + cols[None, :],
+                mask=m_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
+            out = (r.to(tl.float32) + out).to(dt).to(tl.float32)
+        if F.SOFTCAP:  # transformers' order, each op rounded: tanh(logits / cap) * cap
+            out = (out / softcap).to(dt).to(tl.float32)
+            out = tanh(out, CLAMP=True).to(dt).to(tl.float32)
+            out = (out * softcap).to(dt).to(tl.float32)
+    tl.store(y_at, out.to(y.ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum_s part[s, i] in fp32, rounded once to out's dtype (the word-wise loop's splits of K)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -6,10 +6,12 @@ One module per stage:
     formats        the format, and what the kernels read of a weight (`unpack`, cached per weight), including the
                    CPU inference layout of bitsandbytes >= 0.49 read back into the standard one
     dequant        `dequantize_4bit`, `dequantize_4bit_scratch`, `dequantize_4bit_stacked` (QLoRA training)
-    gemv_kernels   the GEMV's `@triton.jit` kernels (byte-wise, word-wise, tensor-core, any-shape)
-    gemv           its tile (`GemvConfig` by `gemv_config`, tuned through `kernels.tuning` as "gemv_4bit"),
-                   the launchers and `gemv_4bit` (decode: a few rows of x times the packed weight)
-The inline PTX of the GEMVs is in `fastplug.kernels.ptx`. Every name below stays importable from here.
+    gemv_kernels   the GEMV's word-wise loop as `@triton.jit` functions (`words_row_sums`), which the one GEMV
+                   kernel, the decode GEMV's (`fastplug.kernels.decode`), runs on 4-bit weights
+    gemv_tile      its tile (`GemvConfig` by `gemv_config`, tuned through `kernels.tuning` as "gemv_4bit") and
+                   `launch_checked`
+    gemv           `gemv_4bit` (decode: a few rows of x times the packed weight, by the decode GEMV)
+The inline PTX of the GEMV is in `fastplug.kernels.ptx`. Every name below stays importable from here.
 """
 
 from __future__ import annotations
@@ -35,17 +37,9 @@ from .formats import (  # noqa: F401 (_unpack, _unpacked: for decode and older c
     shape_4bit,
     unpack,
 )
-from .gemv import (  # noqa: F401 (_default_config: the cached heuristic)
-    GEMV_KERNEL_ROWS,
-    GEMV_MAX_ROWS,
-    GemvConfig,
-    _default_config,
-    gemv_4bit,
-    gemv_4bit_reference,
-    gemv_config,
-    launch_checked,
-)
+from .gemv import gemv_4bit, gemv_4bit_reference
 from .gemv_kernels import LOOKUP_GATHER, LOOKUP_LOAD, LOOKUP_SHFL, LOOKUPS, words_row_sums
+from .gemv_tile import GEMV_MAX_ROWS, GemvConfig, default_gemv_config, gemv_config, launch_checked
 
 # the names decode.py imported before the split
 _block_scale = block_scale
@@ -53,7 +47,6 @@ _words_row_sums = words_row_sums
 
 __all__ = [
     "DEQUANT_BLOCK",
-    "GEMV_KERNEL_ROWS",
     "GEMV_MAX_ROWS",
     "GROUP_MAX",
     "INSTALL_HINT",
@@ -64,6 +57,7 @@ __all__ = [
     "GemvConfig",
     "Packed4bit",
     "block_scale",
+    "default_gemv_config",
     "dequantize_4bit",
     "dequantize_4bit_reference",
     "dequantize_4bit_scratch",

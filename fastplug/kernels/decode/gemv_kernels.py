@@ -117,7 +117,8 @@ WORDS_OFF = WordsLoop(0, 0, False)
 
 class XRows(NamedTuple):
     """A program's rows of x, inside the kernel: x, its M rows of K columns, the row indices and their mask, 1/rms
-    of each row (zeros without a norm) and the norm."""
+    of each row (zeros without a norm), the norm, and for the word-wise loop the 32-bit words of a weight row and
+    of this program's split of K."""
 
     x: Rows
     M: int
@@ -126,6 +127,8 @@ class XRows(NamedTuple):
     m_mask: tl.tensor
     rstd: tl.tensor
     norm: Norm
+    row_words: int
+    split_words: int
 
 
 class WBlock(NamedTuple):
@@ -226,27 +229,19 @@ def _w_x_block(xr, wb, k0, F: tl.constexpr, Q4: tl.constexpr, BLOCK_K: tl.conste
 # ------------------------------------------------------------------------------------------ accumulators
 @triton.jit
 def _gemv_acc_words(
-    xr,
-    wb,
-    row_words,
-    split_words,
-    Q4: tl.constexpr,
-    WORDS: tl.constexpr,
-    LOOKUP: tl.constexpr,
-    PTX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    xr, wb, Q4: tl.constexpr, WORDS: tl.constexpr, LOOKUP: tl.constexpr, PTX: tl.constexpr, BLOCK_M: tl.constexpr
 ):
     """x[rows] W[n]^T on a 4-bit weight read as 32-bit words (`quant.words_row_sums`: the GEMV's word-wise loop,
     table by warp shuffle where compiled, each nibble looked up once for all rows), over the words of this
-    program's split of K (`row_words` a row, `split_words` a split): fp32 [BLOCK_M, BLOCK_N]. The weight is not
+    program's split of K (`xr.row_words` a row, `xr.split_words` a split): fp32 [BLOCK_M, BLOCK_N]. The weight is not
     rounded to x's dtype first (the tile path rounds it, as a dequantization would)."""
     absmax_ptr, code_ptr, absmax2_ptr, code2_ptr, offset_ptr = _w4_fields(wb.q4_row, Q4)
-    kw = row_words
+    kw = xr.row_words
     if WORDS.EVEN:  # whole chunks of 128 words or more a row: the 16-byte word loads are aligned (Triton cannot see it)
         kw = tl.multiple_of(kw, 16)
     # the loop's start a run-time value even without a split, and the words a row an argument (not K // 8): either
     # way round, the one-row loop took more registers (scripts/decode_ptx.py --family gemv4bit)
-    start = tl.program_id(1) * split_words
+    start = tl.program_id(1) * xr.split_words
     total = words_row_sums(
         xr.x.ptr,
         wb.w,
@@ -258,7 +253,7 @@ def _gemv_acc_words(
         wb.n.to(tl.int64) * kw,
         wb.n_mask,
         start,
-        tl.minimum(start + split_words, kw),
+        tl.minimum(start + xr.split_words, kw),
         Q4.BLOCKSIZE_LOG2,
         Q4.BLOCKSIZE2_LOG2,
         Q4.NESTED,
@@ -336,12 +331,11 @@ def _lora_term(acc, xr, lora_x, seg, wb, BLOCK_R: tl.constexpr):
 def _gemv_segment(
     xr,
     seg,
-    q4_row,
+    q4_table,
+    index,
     n,
     N,
     lora_x,
-    row_words,
-    split_words,
     F: tl.constexpr,
     Q4: tl.constexpr,
     TILE: tl.constexpr,
@@ -349,14 +343,14 @@ def _gemv_segment(
     LOOKUP: tl.constexpr,
     PTX: tl.constexpr,
 ):
-    """One projection's output block at rows n (< N) of segment `seg`, fp32, rounded as the unfused layer rounds
-    (base, then + LoRA); the constexprs are `_gemv_kernel`'s. q4_row: the segment's row of `_packed_table` (4-bit
-    weights). WORDS.NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words` (seg.w: the packed bytes as
-    int32 words, `row_words` a row and `split_words` of them a program along K)."""
-    wb = WBlock(seg.w, seg.stride_w, q4_row, n, n < N)
+    """One projection's output block at rows n (< N) of segment `seg` (number `index`), fp32, rounded as the
+    unfused layer rounds (base, then + LoRA); the constexprs are `_gemv_kernel`'s. q4_table: `_packed_table`, or
+    the one 4-bit weight's fields (`_q4_row`). WORDS.NB > 0: 1-8 rows of x on 4-bit weights, by `_gemv_acc_words`
+    (seg.w: the packed bytes as int32 words)."""
+    wb = WBlock(seg.w, seg.stride_w, _q4_row(q4_table, index, Q4), n, n < N)
     if WORDS.NB > 0:
         tl.static_assert(not F.HAS_NORM, "the word-wise path takes x normalised already")
-        acc = _gemv_acc_words(xr, wb, row_words, split_words, Q4, WORDS, LOOKUP, PTX, TILE.BLOCK_M)
+        acc = _gemv_acc_words(xr, wb, Q4, WORDS, LOOKUP, PTX, TILE.BLOCK_M)
     elif TILE.USE_DOT:
         acc = _gemv_acc_dot(xr, wb, F, Q4, TILE)
     else:
@@ -422,125 +416,35 @@ def _gemv_kernel(
     rstd = tl.full([TILE.BLOCK_M], 0.0, dtype=tl.float32)
     if F.HAS_NORM:
         rstd = _row_rstd(x, K, rows, m_mask, norm.eps, TILE.BLOCK_M, TILE.BLOCK_K)
-    xr = XRows(x, M, K, rows, m_mask, rstd, norm)
+    xr = XRows(x, M, K, rows, m_mask, rstd, norm, row_words, split_words)
     if F.ACT >= 0:  # gate (segment 0) and up (segment 1) of the same hidden columns; the output is act(g) * u
         n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-        g = _gemv_segment(
-            xr,
-            segments[0],
-            _q4_row(q4_table, 0, Q4),
-            n,
-            n0,
-            lora_x,
-            row_words,
-            split_words,
-            F,
-            Q4,
-            TILE,
-            WORDS,
-            LOOKUP,
-            PTX,
-        )
+        g = _gemv_segment(xr, segments[0], q4_table, 0, n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
         # up: segment 1, gate's shape
-        u = _gemv_segment(
-            xr,
-            segments[1],
-            _q4_row(q4_table, 1, Q4),
-            n,
-            n0,
-            lora_x,
-            row_words,
-            split_words,
-            F,
-            Q4,
-            TILE,
-            WORDS,
-            LOOKUP,
-            PTX,
-        )
+        u = _gemv_segment(xr, segments[1], q4_table, 1, n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
         p, _ = gate_factor(g, F.ACT)
         out = g * p * u
         cols = n
         n_mask = n < n0
     elif F.ONE_SEGMENT:
         n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-        out = _gemv_segment(
-            xr,
-            segments[0],
-            _q4_row(q4_table, 0, Q4),
-            n,
-            n0,
-            lora_x,
-            row_words,
-            split_words,
-            F,
-            Q4,
-            TILE,
-            WORDS,
-            LOOKUP,
-            PTX,
-        )
+        out = _gemv_segment(xr, segments[0], q4_table, 0, n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
         n_mask = n < n0
         cols = n
     else:
         if pid < nb0:
             n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(
-                xr,
-                segments[0],
-                _q4_row(q4_table, 0, Q4),
-                n,
-                n0,
-                lora_x,
-                row_words,
-                split_words,
-                F,
-                Q4,
-                TILE,
-                WORDS,
-                LOOKUP,
-                PTX,
-            )
+            out = _gemv_segment(xr, segments[0], q4_table, 0, n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
             n_mask = n < n0
             cols = n
         elif pid < nb0 + nb1:
             n = (pid - nb0) * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(
-                xr,
-                segments[1],
-                _q4_row(q4_table, 1, Q4),
-                n,
-                n1,
-                lora_x,
-                row_words,
-                split_words,
-                F,
-                Q4,
-                TILE,
-                WORDS,
-                LOOKUP,
-                PTX,
-            )
+            out = _gemv_segment(xr, segments[1], q4_table, 1, n, n1, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
             n_mask = n < n1
             cols = n0 + n
         else:
             n = (pid - nb0 - nb1) * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
-            out = _gemv_segment(
-                xr,
-                segments[2],
-                _q4_row(q4_table, 2, Q4),
-                n,
-                n2,
-                lora_x,
-                row_words,
-                split_words,
-                F,
-                Q4,
-                TILE,
-                WORDS,
-                LOOKUP,
-                PTX,
-            )
+            out = _gemv_segment(xr, segments[2], q4_table, 2, n, n2, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
             n_mask = n < n2
             cols = n0 + n1 + n
     y_at = y.ptr + rows[:, None] * y.stride + cols[None, :]

@@ -63,9 +63,8 @@ def routed(config) -> bool:
 
 
 def fallback_name(config) -> str:
-    hit = _FALLBACK.get(id(config))
-    if hit is not None and hit[0]() is config:
-        return hit[1]
+    if routed(config):
+        return _FALLBACK[id(config)][1]
     return "eager" if getattr(config, "attn_logit_softcapping", None) is not None else "sdpa"
 
 

@@ -139,7 +139,13 @@ class PatchHandle:
         self.skipped += conversion.skipped
 
     def _patch_modules(self, outer: nn.Module) -> None:
-        ctx = MatchContext(self.model, self.decoder, self.family, self.options, self.batch_paths)
+        ctx = MatchContext(
+            root=self.model,
+            decoder=self.decoder,
+            family=self.family,
+            options=self.options,
+            batch_paths=self.batch_paths,
+        )
         # a multimodal model's vision tower and projector stay as they are
         outside = other_towers(self.model, self.decoder)
         self.skipped += [(path, "not the language model: left as it is") for path in outside]

@@ -140,7 +140,8 @@ def gemv(
         # normalised once, by one more launch: fused, every program of the word-wise loop would redo the norm's
         # conversions for its rows (2.5x the product alone: docs/benchmarks/kernels.md, "decode GEMV")
         x, norm = launch_rms_norm(torch.empty_like(x), x, norm, add=False), None
-    q4, words_loop, lookup, split_words, y = Q4_DENSE, WORDS_OFF, {}, 0, out
+    q4, words_loop, lookup, y = Q4_DENSE, WORDS_OFF, {}, out
+    split_words, splits = k // 8, 1  # the word-wise loop's words a program reads along K: a whole row
     if entries:  # the kernel reads the packed bytes; the rest of each weight's fields through one table
         seg_w, strides = [e.packed.data for e in entries], [0] * len(entries)
         # the word-wise loop on one weight takes its fields as kernel parameters (absmax, code, absmax2, code2,
@@ -157,15 +158,13 @@ def gemv(
             lookup = dict(
                 LOOKUP=LOOKUPS[tile.lookup], PTX=tile.lookup == "shfl" and x.dtype == torch.bfloat16 and aligned
             )
-            # whole chunks a split; the splits that leaves (a row's words: one)
-            chunk = tile.nb * tile.sub
-            split_words = cdiv(cdiv(k // 8, chunk), tile.split) * chunk
-            splits = cdiv(k // 8, split_words)
             plain = len(ns) == 1 and biases is None and lora is None and residual is None and softcap is None
-            if splits > 1 and plain and out_dtype == dtype:
+            if tile.split > 1 and plain and out_dtype == dtype:  # whole chunks a split
+                chunk = tile.nb * tile.sub
+                split_words = cdiv(cdiv(k // 8, chunk), tile.split) * chunk
+                splits = cdiv(k // 8, split_words)
+            if splits > 1:
                 y = torch.empty(splits * m, n_out, device=x.device, dtype=torch.float32)
-            else:
-                split_words, splits = k // 8, 1
             words_loop = WordsLoop(tile.nb, tile.sub, even, SPLIT=splits > 1)
     else:
         seg_w, strides, q4_table = weights, [w.stride(0) for w in weights], x
@@ -200,16 +199,15 @@ def gemv(
         ACT=act,
         HAS_RES=residual is not None,
         SOFTCAP=softcap is not None,
-        ONE_SEGMENT=q4.FIELDS_AS_ARGS,
     )
     ranks = [a[1] for a in adapters]
     tile_c = GemvTile(use_dot, precision(dtype), block_m, block_n, block_k, max(16, next_power_of_2(max(ranks))))
     consts = dict(F=flags, Q4=q4, TILE=tile_c, WORDS=words_loop, **lookup, num_warps=warps)
-    grid = (blocks[0] if act >= 0 else sum(blocks), y.shape[0] // m)
+    grid = (blocks[0] if act >= 0 else sum(blocks), splits)
     launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
-    if y is not out:
+    if splits > 1:
         block = 1024
-        _sum_splits_kernel[(cdiv(m * n_out, block),)](y, out, m * n_out, SPLIT=grid[1], BLOCK=block, num_warps=4)
+        _sum_splits_kernel[(cdiv(m * n_out, block),)](y, out, m * n_out, SPLIT=splits, BLOCK=block, num_warps=4)
     return out
 
 

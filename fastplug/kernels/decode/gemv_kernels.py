@@ -71,8 +71,6 @@ class GemvFlags(NamedTuple):
     ACT: int  # -1: none; else config.ACTIVATIONS' index (gate and up, y = act(g) * u)
     HAS_RES: bool
     SOFTCAP: bool
-    # one weight: the kernel holds one segment's code (three copies of the word-wise loop cost registers)
-    ONE_SEGMENT: bool = False
 
 
 class Q4Format(NamedTuple):
@@ -426,7 +424,7 @@ def _gemv_kernel(
         out = g * p * u
         cols = n
         n_mask = n < n0
-    elif F.ONE_SEGMENT:
+    elif Q4.FIELDS_AS_ARGS:  # one weight: one segment's code (three copies of the word-wise loop cost registers)
         n = pid * TILE.BLOCK_N + tl.arange(0, TILE.BLOCK_N)
         out = _gemv_segment(xr, segments[0], q4_table, 0, n, n0, lora_x, F, Q4, TILE, WORDS, LOOKUP, PTX)
         n_mask = n < n0

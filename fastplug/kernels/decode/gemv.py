@@ -204,7 +204,10 @@ def gemv(
     tile_c = GemvTile(use_dot, precision(dtype), block_m, block_n, block_k, max(16, next_power_of_2(max(ranks))))
     consts = dict(F=flags, Q4=q4, TILE=tile_c, WORDS=words_loop, **lookup, num_warps=warps)
     grid = (blocks[0] if act >= 0 else sum(blocks), splits)
-    launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False))
+    # the dtypes the compiled kernel depends on beyond its constexprs (biases and adapters have x's, checked above)
+    absmax = entries[0].packed.absmax.dtype if entries else None
+    dtypes = (x.dtype, nw.dtype, seg_w[0].dtype, (residual if residual is not None else out).dtype, y.dtype, absmax)
+    launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False), dtypes)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(cdiv(m * n_out, block),)](y, out, m * n_out, SPLIT=splits, BLOCK=block, num_warps=4)

@@ -103,21 +103,15 @@ def default_gemv_config(m: int, n: int, k: int, blocksize: int, device: torch.de
 _LAUNCH_CHECKED: dict[tuple, bool] = state.register_cache("quant.launch_checked", {})
 
 
-def _flat(args):
-    for a in args:
-        if isinstance(a, tuple):
-            yield from _flat(a)
-        else:
-            yield a
-
-
-def launch_checked(kernel, grid, args, consts: dict, fallback: dict) -> None:
+def launch_checked(kernel, grid, args, consts: dict, fallback: dict, dtypes: tuple) -> None:
     """kernel[grid](*args, **consts); a shuffle-lookup kernel (LOOKUP_SHFL) is first compiled by `kernel.warmup`
-    and checked by `layouts_agree`, once per kernel, constexprs and argument dtypes, and launched with
-    `fallback` merged into its constexprs (tl.gather lookups) where it fails: checked before the launch, since a
-    kernel that adds into its output in place (the decode step's residual) cannot be launched again."""
+    and checked by `layouts_agree`, once per kernel, constexprs and `dtypes`, and launched with `fallback` merged
+    into its constexprs (tl.gather lookups) where it fails: checked before the launch, since a kernel that adds
+    into its output in place (the decode step's residual) cannot be launched again. `dtypes`: the dtypes of the
+    arguments the compiled kernel depends on, named by the caller (reading them off every nested argument on each
+    call cost the host as much as the launch itself)."""
     if consts.get("LOOKUP") == LOOKUP_SHFL:
-        key = (kernel, tuple(sorted(consts.items())), *(a.dtype for a in _flat(args) if torch.is_tensor(a)))
+        key = (kernel, tuple(sorted(consts.items())), dtypes)
         if key not in _LAUNCH_CHECKED:
             _LAUNCH_CHECKED[key] = layouts_agree(kernel.warmup(*args, grid=grid, **consts))
         if not _LAUNCH_CHECKED[key]:

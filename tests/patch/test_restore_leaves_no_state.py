@@ -1,12 +1,14 @@
 """After `restore()` nothing of fastplug stays in the process: no hook on any module of the model or in torch's
-global hook tables, no instance attribute, the config as it was, Python's gc not frozen, and no module-level
-container of fastplug's holding a tensor or the model. Through `patch_model` and through `FastModel`."""
+global hook tables (modules' and optimizers'), no instance attribute, the config as it was, Python's gc not
+frozen, and no module-level container of fastplug's holding a tensor or the model. Through `patch_model` and
+through `FastModel`."""
 
 import sys
 import weakref
 
 import pytest
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch.nn.modules import module as torch_module
 
 import fastplug
@@ -34,6 +36,7 @@ _GLOBAL_HOOKS = (
     "_global_parameter_registration_hooks",
     "_global_buffer_registration_hooks",
 )
+_OPTIMIZER_HOOKS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 _CONFIG_ATTRIBUTES = ("_attn_implementation", "_experts_implementation")
 # FastModel's own record of how it loaded the model (for_training reads it), not a patch: kept by design
 _FAST_MODEL_ATTRIBUTES = {"_fastplug_checkpointing", "_fastplug_memory_budget", "_fastplug_max_seq_length"}
@@ -62,7 +65,10 @@ def _state_of(model) -> dict:
 
 
 def _global_hooks() -> dict:
-    return {name: _hook_names(getattr(torch_module, name, {})) for name in _GLOBAL_HOOKS}
+    """torch's process-wide hook tables: modules' and optimizers' (fastplug's optimizer-step hook among them)."""
+    tables = {name: getattr(torch_module, name, {}) for name in _GLOBAL_HOOKS}
+    tables.update({name: getattr(torch_optimizer, name) for name in _OPTIMIZER_HOOKS})
+    return {name: _hook_names(table) for name, table in tables.items()}
 
 
 _MAPPINGS = (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)

@@ -176,13 +176,14 @@ def gemv(
     segments = tuple(Segment(seg_w[i], strides[i], seg_bias[i], *adapters[i], seg_n[i]) for i in range(MAX_SEGMENTS))
     blocks = [cdiv(n, block_n) for n in seg_n]
     nw, eps, offset = norm if norm is not None else (x, 0.0, 0.0)  # x: an unread pointer
+    res = residual if residual is not None else out  # out: an unread pointer without a residual
     args = GemvArgs(
         x=rows_of(x),
         norm=Norm(nw, float(eps), float(offset)),
         segments=segments,
         q4_table=q4_table,
         lora_x=rows_of(xa),
-        residual=rows_of(residual if residual is not None else out),
+        residual=rows_of(res),
         y=rows_of(y),
         M=m,
         K=k,
@@ -206,7 +207,7 @@ def gemv(
     grid = (blocks[0] if act >= 0 else sum(blocks), splits)
     # the dtypes the compiled kernel depends on beyond its constexprs (biases and adapters have x's, checked above)
     absmax = entries[0].packed.absmax.dtype if entries else None
-    dtypes = (x.dtype, nw.dtype, seg_w[0].dtype, (residual if residual is not None else out).dtype, y.dtype, absmax)
+    dtypes = (x.dtype, nw.dtype, seg_w[0].dtype, res.dtype, y.dtype, absmax)
     launch_checked(_gemv_kernel, grid, args, consts, dict(LOOKUP=LOOKUPS["gather"], PTX=False), dtypes)
     if splits > 1:
         block = 1024

@@ -26,11 +26,9 @@ from .dequant import (
     dequantize_4bit_scratch,
     dequantize_4bit_stacked,
 )
-from .formats import (  # noqa: F401 (_unpack, _unpacked: for decode and older callers)
+from .formats import (
     INSTALL_HINT,
     Packed4bit,
-    _unpack,
-    _unpacked,
     is_4bit,
     layout_reason,
     require_bitsandbytes,
@@ -40,10 +38,6 @@ from .formats import (  # noqa: F401 (_unpack, _unpacked: for decode and older c
 from .gemv import gemv_4bit, gemv_4bit_reference
 from .gemv_kernels import LOOKUP_GATHER, LOOKUP_LOAD, LOOKUP_SHFL, LOOKUPS, words_row_sums
 from .gemv_tile import GEMV_MAX_ROWS, GemvConfig, default_gemv_config, gemv_config, launch_checked
-
-# the names decode.py imported before the split
-_block_scale = block_scale
-_words_row_sums = words_row_sums
 
 __all__ = [
     "DEQUANT_BLOCK",

@@ -93,7 +93,7 @@ class TRLFastKernelsMixin:
         if trl_forward is None or handle is None or not handle.is_active:
             return None
         packed = model.forward = _packed_fused_head(
-            model, trl_forward, handle.family, handle.options.buckets_on(), handle.batch_paths
+            model, trl_forward, handle.family, handle.row_lengths, handle.batch_paths
         )
 
         def undo():
@@ -178,7 +178,7 @@ def _loss_path(model) -> str:
     return "the model's own forward (fastplug's fused linear cross-entropy where the LM head is patched)"
 
 
-def _packed_fused_head(model, forward, family, buckets: bool, paths):
+def _packed_fused_head(model, forward, family, row_lengths, paths):
     """TRL's fused-LM-head forward (the model's instance `forward`) with a right-padded training batch whose pads
     predict nothing run packed into one row (`models.padding.packed_batch`: each row a document, the pads gone).
     SFT reads the per-token outputs (log-probs, label mask, entropy, top-1) at the real tokens' predictions only,
@@ -198,7 +198,7 @@ def _packed_fused_head(model, forward, family, buckets: bool, paths):
             return forward(*args, **kwargs)
         rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "labels", "fused_lm_head")}
         mask, labels = kwargs.get("attention_mask"), kwargs.get("labels")
-        batch = packed_batch(model, input_ids, mask, labels, rest, buckets, family, paths)
+        batch = packed_batch(model, input_ids, mask, labels, rest, row_lengths, family, paths)
         if batch is None:
             return forward(**kwargs)
         rest[DOCUMENT_BOUNDS] = batch.bounds

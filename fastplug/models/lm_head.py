@@ -117,7 +117,7 @@ def _check_tokens(input_ids, inputs_embeds) -> None:
 
 
 def _causal_lm_forward(
-    moe: bool, cache_field: str, buckets: bool, batch_paths, logits_divided_by: str | None = None, family=None
+    moe: bool, cache_field: str, row_lengths, batch_paths, logits_divided_by: str | None = None, family=None
 ):
     def forward(
         self,
@@ -163,11 +163,11 @@ def _causal_lm_forward(
             requested = kwargs.pop("output_router_logits", None)
             router_logits_wanted = self.config.output_router_logits if requested is None else requested
             kwargs["output_router_logits"] = router_logits_wanted
-        decoder_mask = attention_mask
+        decoder_mask, batch = attention_mask, None
         if self.training and inputs_embeds is None:  # right padding needs no mask; rows packed; lengths into buckets
             packs = packs_rows(self, family)
             batch = loss_only_inputs(
-                self, input_ids, attention_mask, labels, position_ids, kwargs, buckets, packs, batch_paths
+                self, input_ids, attention_mask, labels, position_ids, kwargs, row_lengths, packs, batch_paths
             )
             if batch is not None:
                 input_ids, labels, decoder_mask, attention_mask = batch[:4]
@@ -182,6 +182,9 @@ def _causal_lm_forward(
             **kwargs,
         )
         hidden = outputs.last_hidden_state
+        if batch is not None and batch.index is not None:  # a packed row: its pads come last and predict nothing
+            real = batch.index.numel()
+            hidden, labels = hidden[:, :real], labels[:, :real]
         ignore_index = kwargs.get("ignore_index", -100)
         shift_labels = kwargs.get("shift_labels")
         if shift_labels is None:  # tokens < n predict token n (transformers' ForCausalLMLoss)
@@ -251,7 +254,7 @@ def match_lm_head(module: nn.Module, ctx: MatchContext):
         _causal_lm_forward(
             ctx.family.moe,
             _cache_field(ctx.family.moe),
-            ctx.options.buckets_on(),
+            ctx.row_lengths,
             ctx.batch_paths,
             ctx.family.logits_divided_by,
             ctx.family,

@@ -16,8 +16,10 @@ as an argument (`fast_attention.DOCUMENT_BOUNDS`), computed once on the device, 
 Bucketing: the HF Trainer's collator pads each batch to its longest row, so every batch has its own length
 and a CUDA graph captured for one length rarely serves the next. Rounded up to a bucket (four per doubling, at
 most a fifth of the row wasted), a handful of lengths serve a whole dataset; the extra pads are right pads
-with ignored labels (a packed row's, a document of their own), so the loss and its gradients are those of the
-batch as given.
+with ignored labels (in a packed row, documents of their own), so the loss and its gradients are those of the
+batch as given. Where the layer graphs already replay a longer length, a batch is padded on to that one instead
+of having its bucket captured (`RowLengths`): a capture costs the host about three to four repeated steps, padding
+a few thousand tokens costs the device a fraction of one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,15 @@ import torch
 from torch import nn
 
 _SMALLEST_BUCKET = 64
+# A packed row's pads form documents of this many tokens: attention then costs them a few tiles each, where
+# one long pad document would cost what a real document of its length does
+_PAD_DOCUMENT = 64
+# RowLengths: a batch goes to a longer captured length that at most doubles its bucket or adds this many tokens
+# (on a 1-2B model a few ms of device time, against a capture's hundreds of ms of host time) ...
+_PAD_SLACK = 2048
+# ... and its own bucket is captured once it has been served that way this many times (rent or buy: by then the
+# padding has cost the device about what a capture costs the host)
+_SERVED_BEFORE_CAPTURE = 8
 
 
 class BatchPaths(Counter):
@@ -46,6 +57,34 @@ def bucket_length(tokens: int) -> int:
         return _SMALLEST_BUCKET
     step = max(1 << ((tokens - 1).bit_length() - 3), 1)  # a quarter of the power of two below
     return -(-tokens // step) * step
+
+
+class RowLengths:
+    """The length a training batch's rows are padded on to: their bucket (`bucket_length`), or a longer length the
+    layer graphs replay already (`graphs`, the patch's LayerGraphs once installed) when that is at most twice the
+    bucket or _PAD_SLACK tokens more. A bucket served that way _SERVED_BEFORE_CAPTURE times gets its own length
+    (captured then) while the graphs may capture more shapes; after that the graphs' cap holds it, and it goes on
+    being padded on rather than running eagerly."""
+
+    def __init__(self):
+        self.graphs = None  # set by the patch once its layer graphs are installed; None: buckets only
+        self._served: Counter = Counter()  # (rows, bucket) -> batches padded on to a longer captured length
+
+    def fit(self, rows: int, tokens: int) -> int:
+        """The length for `rows` rows of `tokens` tokens (the longest row's, or a packed row's)."""
+        length = bucket_length(tokens)
+        if self.graphs is None:
+            return length
+        captured = self.graphs.replayed_lengths(rows)
+        if length in captured:
+            return length
+        longer = [n for n in captured if length < n <= length + max(length, _PAD_SLACK)]
+        if not longer:
+            return length
+        if self._served[rows, length] >= _SERVED_BEFORE_CAPTURE and self.graphs.may_capture():
+            return length
+        self._served[rows, length] += 1
+        return min(longer)
 
 
 def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[str | None, list]:
@@ -118,26 +157,26 @@ def loss_only_inputs(
     labels,
     position_ids,
     kwargs: dict,
-    buckets: bool,
+    lengths: RowLengths | None,
     packs: bool,
     paths: BatchPaths,
 ) -> LossOnlyBatch | None:
     """A loss-only training forward's batch as the decoder should run it: right padding whose pads predict nothing
-    needs no mask; where `packs` (`packs_rows`) a padded batch's rows are packed into one; the row length is
-    rounded up to a bucket when asked. None when the batch must run as given (left padding, packed rows,
-    anything returned beyond the loss). The path taken is tallied in `paths`."""
+    needs no mask; where `packs` (`packs_rows`) a padded batch's rows are packed into one; the rows are padded on
+    to the length `lengths` fits (None: as they are). None when the batch must run as given (left padding, packed
+    rows, anything returned beyond the loss). The path taken is tallied in `paths`."""
     if torch.compiler.is_compiling():  # no host sync while traced, and no tally
         return None
-    reason, lengths = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
+    reason, real = _reason_to_keep(model.config, input_ids, attention_mask, labels, position_ids, kwargs)
     if reason is not None:
         paths[f"as given: {reason}"] += 1
         return None
-    tokens = input_ids.shape[1]
+    rows, tokens = input_ids.shape
     ignore_index = kwargs.get("ignore_index", -100)
-    if packs and lengths and min(lengths) < tokens:
-        return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index, paths)
-    length = bucket_length(tokens) if buckets else tokens
-    paths[f"no mask, rows padded on to a bucket length ({length})" if length > tokens else "no mask"] += 1
+    if packs and real and min(real) < tokens:
+        return _packed(model, input_ids, labels, attention_mask, sum(real), lengths, ignore_index, paths)
+    length = lengths.fit(rows, tokens) if lengths is not None else tokens
+    paths[f"no mask, rows padded on to {_described(length, tokens)}" if length > tokens else "no mask"] += 1
     if length > tokens:
         extra = length - tokens
         if attention_mask is None:
@@ -149,7 +188,7 @@ def loss_only_inputs(
 
 
 def packed_batch(
-    model: nn.Module, input_ids, attention_mask, labels, kwargs: dict, buckets: bool, family, paths: BatchPaths
+    model: nn.Module, input_ids, attention_mask, labels, kwargs: dict, lengths: RowLengths | None, family, paths
 ):
     """The batch packed into one row (`LossOnlyBatch`, its `index` set) where `loss_only_inputs` would pack it, for a
     loss path that is not fastplug's own but reads the real tokens' predictions only (TRL's fused LM head); None:
@@ -158,11 +197,18 @@ def packed_batch(
         return None
     if not packs_rows(model, family):
         return None
-    reason, lengths = _reason_to_keep(model.config, input_ids, attention_mask, labels, None, kwargs)
-    if reason is not None or not lengths or min(lengths) == input_ids.shape[1]:
+    reason, real = _reason_to_keep(model.config, input_ids, attention_mask, labels, None, kwargs)
+    if reason is not None or not real or min(real) == input_ids.shape[1]:
         return None
     ignore_index = kwargs.get("ignore_index", -100)
-    return _packed(model, input_ids, labels, attention_mask, sum(lengths), buckets, ignore_index, paths)
+    return _packed(model, input_ids, labels, attention_mask, sum(real), lengths, ignore_index, paths)
+
+
+def _described(length: int, tokens: int) -> str:
+    """Which length `tokens` tokens were padded on to, for the tally."""
+    if length == bucket_length(tokens):
+        return f"a bucket length ({length})"
+    return f"its own length ({length})" if length == tokens else f"a longer length the graphs replay ({length})"
 
 
 def _pad_id(config) -> int:
@@ -171,15 +217,15 @@ def _pad_id(config) -> int:
 
 
 def _packed(
-    model, input_ids, labels, attention_mask, real: int, buckets: bool, ignore_index: int, paths: BatchPaths
+    model, input_ids, labels, attention_mask, real: int, lengths: RowLengths | None, ignore_index: int, paths
 ) -> LossOnlyBatch:
     """The real tokens of a right-padded batch in one row (`real` of them, known from the host sync that checked the
-    padding), then pads up to its bucket as a document of their own. Device ops only."""
+    padding), then pads up to the length `lengths` fits it to, as short documents of their own. Device ops only."""
     from ..kernels.attention import packed_bounds
 
     tokens = input_ids.shape[1]
-    length = bucket_length(real) if buckets else real
-    paths[f"padding dropped, rows packed into one of a bucket length ({length})"] += 1
+    length = lengths.fit(1, real) if lengths is not None else real
+    paths[f"padding dropped, rows packed into one of {_described(length, real)}"] += 1
     # right padding: the real tokens in row order, and a token's column is its position in its row
     index = torch.nonzero_static(attention_mask.reshape(-1).bool(), size=real).squeeze(1)
     positions = index % tokens
@@ -187,7 +233,8 @@ def _packed(
     # a row's first token is the label the row before's last token would predict: ignored, as its pads were
     target = labels.reshape(-1)[index].masked_fill(positions == 0, ignore_index)
     target = nn.functional.pad(target, (0, length - real), value=ignore_index)
-    positions = torch.cat((positions, torch.arange(length - real, device=positions.device)))[None]
+    pads = torch.arange(length - real, device=positions.device) % _PAD_DOCUMENT
+    positions = torch.cat((positions, pads))[None]
     mask = (torch.arange(length, device=ids.device) < real).to(attention_mask.dtype)
     return LossOnlyBatch(ids[None], target[None], None, mask[None], positions, packed_bounds(positions), index)
 
@@ -213,9 +260,9 @@ def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwa
     return None, []
 
 
-def bucketed_decoder(decoder: nn.Module, forward, paths: BatchPaths):
-    """`forward` of the decoder stack with a training batch's rows padded on to a bucket length and the output
-    trimmed back, for the loss paths that are not fastplug's own (TRL's LM head, a user's loss on the hidden
+def bucketed_decoder(decoder: nn.Module, forward, lengths: RowLengths, paths: BatchPaths):
+    """`forward` of the decoder stack with a training batch's rows padded on to the length `lengths` fits and the
+    output trimmed back, for the loss paths that are not fastplug's own (TRL's LM head, a user's loss on the hidden
     states), where `loss_only_inputs` never sees the batch. The pads go after every token of a row and attention
     is causal, so no token of the batch sees them: the hidden states returned are those of the batch as given,
     and the pads' gradients are zero. Each row's mask is continued with its last value, so a row without padding
@@ -235,10 +282,10 @@ def bucketed_decoder(decoder: nn.Module, forward, paths: BatchPaths):
         else:
             reason = _decoder_reason(config, named)
         input_ids = named.get("input_ids") if named is not None else None
-        if reason is None and bucket_length(input_ids.shape[1]) > input_ids.shape[1]:
+        length = lengths.fit(*input_ids.shape) if reason is None else None
+        if reason is None and length > input_ids.shape[1]:
             tokens = input_ids.shape[1]
-            length = bucket_length(tokens)
-            paths[f"decoder inputs padded on to a bucket length ({length})"] += 1
+            paths[f"decoder inputs padded on to {_described(length, tokens)}"] += 1
             named["input_ids"] = nn.functional.pad(input_ids, (0, length - tokens), value=_pad_id(config))
             mask = named.get("attention_mask")
             if mask is not None:

@@ -13,6 +13,7 @@ from torch import nn
 from ..kernels._utils import kernel_path, triton_available
 from ..options import KernelOptions
 from .families import Family
+from .padding import RowLengths
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class MatchContext:
     family: Family | None  # None: unknown model type, structural rules only
     options: KernelOptions
     batch_paths: Counter  # the patch's tally of training batches by path (models/padding.BatchPaths)
+    row_lengths: RowLengths | None  # what training rows are padded on to (models/padding.py); None: as they are
 
 
 Rule = Callable[[nn.Module, MatchContext], "Patch | Skip | None"]

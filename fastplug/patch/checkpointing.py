@@ -138,13 +138,18 @@ def install_offload(model: nn.Module) -> int:
     return len(layers)
 
 
+def last_decoder_layer(model: nn.Module) -> nn.Module | None:
+    layers = decoder_layers(decoder_stack(model)) or decoder_layers(model)
+    return layers[-1] if layers else None
+
+
 def leave_last_layer_unchecked(model: nn.Module) -> bool:
     """Turn checkpointing off on the last decoder layer (see the module docstring); False when the model has
     none. Call it after whatever turned checkpointing on (the Trainer enables it on every layer)."""
-    layers = decoder_layers(decoder_stack(model)) or decoder_layers(model)
-    if layers:
-        setattr(layers[-1], _FLAG, False)
-    return bool(layers)
+    last = last_decoder_layer(model)
+    if last is not None:
+        setattr(last, _FLAG, False)
+    return last is not None
 
 
 def apply_mode(model: nn.Module, mode) -> str:
@@ -184,13 +189,20 @@ class TrainerCheckpointing:
         existing = vars(model).get(_AUTO) if mode == "auto" else None
         self._owns_auto = existing is None
         self.auto = existing or (AutoCheckpointing(model, memory_budget) if mode == "auto" else None)
-        self.reapply()
-
-    def reapply(self) -> None:
+        self._words = apply_mode(model, mode) if self.auto is None else None
+        self._last = last_decoder_layer(model) if self.auto is None else None
         if self.auto is not None:
             self.auto.reapply()
-        else:
-            self._words = apply_mode(self.model, self.mode)
+
+    def reapply(self) -> None:
+        """Called at every training step: the plain mode's flag is set on the layer found once, since walking a
+        peft model's thousands of modules costs milliseconds of a step the GPU waits for."""
+        if self.auto is not None:
+            self.auto.reapply()
+        elif self.mode == "offload":
+            apply_mode(self.model, self.mode)
+        elif self._last is not None:
+            setattr(self._last, _FLAG, False)
 
     def __str__(self) -> str:
         return str(self.auto) if self.auto is not None else self._words

@@ -14,6 +14,7 @@ import types
 import warnings
 from collections import Counter
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from torch import nn
 from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
-from ..models.padding import BatchPaths, bucketed_decoder
+from ..models.padding import BatchPaths, RowLengths, bucketed_decoder
 from ..models.peft_lora import watch_adapter_writes
 from ..models.projections import forget_step_views
 from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
@@ -99,6 +100,8 @@ class PatchHandle:
         self.fp8: str | None = None  # what the fp8 option did, for the summary
         self.graphs: layer_graphs.LayerGraphs | None = None
         self.batch_paths = BatchPaths()  # training forwards by the path their batch took (models/padding.py)
+        # what training rows are padded on to (models/padding.py): buckets, and lengths the layer graphs replay
+        self.row_lengths = RowLengths() if options.buckets_on() else None
         self._fp8_layers = 0
         self.check: self_check.Report | None = None
         self.is_active = False
@@ -145,6 +148,7 @@ class PatchHandle:
             family=self.family,
             options=self.options,
             batch_paths=self.batch_paths,
+            row_lengths=self.row_lengths,
         )
         # a multimodal model's vision tower and projector stay as they are
         outside = other_towers(self.model, self.decoder)
@@ -200,12 +204,14 @@ class PatchHandle:
     def _install_buckets(self) -> None:
         """Rows padded on to bucket lengths at the decoder stack too, for loss paths that are not fastplug's (TRL's
         LM head, a user's loss on the hidden states): models/padding.py."""
-        if not self.options.buckets_on() or self.decoder is None:
+        if self.row_lengths is None or self.decoder is None:
             return
         if "forward" in vars(self.decoder):
             self.skipped.append(("bucket_lengths", "the decoder stack's forward is replaced on this instance already"))
             return
-        padded = self.decoder.forward = bucketed_decoder(self.decoder, self.decoder.forward, self.batch_paths)
+        padded = self.decoder.forward = bucketed_decoder(
+            self.decoder, self.decoder.forward, self.row_lengths, self.batch_paths
+        )
 
         def undo(decoder=self.decoder):
             if vars(decoder).get("forward") is padded:  # as `_Installed.uninstall`: only what this patch put there
@@ -222,6 +228,9 @@ class PatchHandle:
             return
         self.graphs = layer_graphs.LayerGraphs(self.decoder, self.layers, memory_cap=self.graphs_memory)
         self._undo.append(self.graphs.remove)
+        if self.row_lengths is not None:  # batches may be padded on to a longer length the graphs replay
+            self.row_lengths.graphs = self.graphs
+            self._undo.append(partial(setattr, self.row_lengths, "graphs", None))
 
     # -- undoing
     def restore(self) -> None:

@@ -117,6 +117,7 @@ class LayerGraphs:
         # Whether a new shape may be captured at its first sighting, its layers' inputs inferred from layer 0's
         # (`_inferred_records`); off for good once an inference was wrong or such a capture failed
         self._infer = True
+        self._refused = False  # a shape was refused for memory (`_fits`) since the graphs were last dropped
         self._inferred: set[tuple] = set()  # signatures captured from inferred records
         self._misfits: set[tuple] = set()  # of those, the ones a later layer's inputs did not match
         self.sets: dict[tuple, list | object] = {}  # signature -> [_LayerGraph per layer] or _FAILED
@@ -172,6 +173,18 @@ class LayerGraphs:
             + f", {self.replays} layer calls replayed"
             + (f"; forwards by path: {paths}" if paths else "")
         )
+
+    # -- what a batch may be padded on to (models/padding.RowLengths)
+    def replayed_lengths(self, rows: int) -> set[int]:
+        """The sequence lengths of the captured shapes of `rows` rows (their hidden states, the first layer's first
+        argument: rows x length x width)."""
+        shapes = (key[1][0] for key, graphs in self.sets.items() if graphs is not _FAILED)
+        return {shape[1] for shape in shapes if len(shape) == 3 and shape[0] == rows}
+
+    def may_capture(self) -> bool:
+        """Whether a new shape may still be captured: fewer than `max_signatures`, and none refused for memory since
+        the graphs were last dropped."""
+        return len(self.sets) < self.max_signatures and not self._refused
 
     # -- routing
     def _note_rows(self, decoder, args, kwargs) -> None:
@@ -261,6 +274,7 @@ class LayerGraphs:
                     return "another shape's replay awaits its backward (they share the memory pool)"
                 slot = self._arena_plan(tensors[0])
                 if slot is None:
+                    self._refused = True
                     return "a batch shape beyond the graphs' memory cap (graphs_memory)"
                 if not self.sets:
                     self._fixed.close()
@@ -393,6 +407,7 @@ class LayerGraphs:
         """Forget every captured graph (failed signatures stay failed), and with them their memory pool."""
         self.sets = {key: graphs for key, graphs in self.sets.items() if graphs is _FAILED}
         self._last = self._forward = self._pool = None
+        self._refused = False
 
     def _capture(self, records: list["_Record"], tensors: list[torch.Tensor], slot: int, inferred: bool = False):
         """slot: a new arena's slot size (`_arena_plan`), if this shape needs one; inferred: the records are

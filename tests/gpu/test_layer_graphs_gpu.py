@@ -183,6 +183,51 @@ def test_padded_rows_packed_into_one_replay_like_eager(family):
         assert_close(results[True][1][name], want, torch.bfloat16, name)
 
 
+def test_a_shorter_batch_replays_a_longer_captured_length_like_eager():
+    """Packed rows whose bucket is not captured, within reach of a longer length that is (models/padding.RowLengths):
+    padded on to that length and replayed, with no capture of their own, and the losses and adapters of eager
+    layers running each batch at its own bucket."""
+    gen = torch.Generator().manual_seed(13)
+
+    def padded(lengths):
+        ids = torch.randint(1, 1000, (len(lengths), max(lengths)), generator=gen)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        ids = ids.masked_fill(mask == 0, 0)
+        return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=ids.masked_fill(mask == 0, -100).cuda())
+
+    # 900 real tokens (bucket 1024) seen and captured, then 290 and 500 (buckets 320 and 512) replay at 1024
+    shapes = [[600, 300], [500, 400], [200, 90], [300, 200], [700, 200], [200, 90]]
+    batches = [padded(lengths) for lengths in shapes]
+    results = {}
+    for graphs_on in (False, True):
+        model = _model("llama")
+        handle = fastplug.patch_model(model, cuda_graphs=graphs_on, bucket_lengths=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        losses = []
+        model.train()
+        for batch in batches:
+            loss = model(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        results[graphs_on] = (losses, _adapters(model))
+        summary = handle.summary()
+        if graphs_on:
+            assert "rows packed into one of a longer length the graphs replay (1024): 3" in summary, summary
+            assert handle.graphs.replayed_lengths(1) == {1024}, summary
+            assert handle.graphs.replays >= 4 * 4, summary
+        else:
+            assert "rows packed into one of a bucket length (320): 2" in summary, summary
+        handle.restore()
+    torch.testing.assert_close(torch.tensor(results[True][0]), torch.tensor(results[False][0]), rtol=2e-3, atol=2e-3)
+    for name, want in results[False][1].items():
+        assert_close(results[True][1][name], want, torch.bfloat16, name)
+
+
 def test_two_forwards_before_backward_fall_back_to_eager():
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, 1000, (2, 128), generator=gen).cuda() for _ in range(4)]

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from fastplug.models.padding import bucket_length
+from fastplug.models.padding import RowLengths, bucket_length
 from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
 from tests.models.tiny import VOCAB, tiny_model
@@ -188,4 +188,72 @@ def test_the_decoder_runs_as_given_what_it_cannot_pad(call, reason):
     assert seen == [13]
     if "inputs_embeds" not in call:  # no token ids: no length to tally
         assert f"decoder inputs as given: {reason}: 1" in handle.summary()
+    handle.restore()
+
+
+class _Replayed:
+    """A stand-in for the patch's layer graphs as `RowLengths` asks them: the lengths they replay per row count,
+    and whether they may capture another shape."""
+
+    def __init__(self, lengths: dict, may_capture: bool = True):
+        self.lengths, self.capture = lengths, may_capture
+
+    def replayed_lengths(self, rows):
+        return self.lengths.get(rows, set())
+
+    def may_capture(self):
+        return self.capture
+
+
+def test_row_lengths_pad_on_to_a_longer_length_the_graphs_replay_until_its_own_bucket_pays():
+    lengths = RowLengths()
+    assert lengths.fit(1, 290) == 320, "no graphs: the bucket"
+    lengths.graphs = _Replayed({1: {1024, 8192}, 4: {600}})
+    assert lengths.fit(1, 1024) == 1024, "captured itself"
+    assert lengths.fit(1, 290) == 1024, "the bucket (320) is not captured: within the slack of a replayed length"
+    assert lengths.fit(1, 3000) == 3072, "the next replayed length (8192) is more than twice its bucket away"
+    assert lengths.fit(4, 290) == 600 and lengths.fit(2, 290) == 320, "lengths are per row count"
+    assert lengths.fit(1, 5000) == 8192, "within twice the bucket (5120)"
+    served = [lengths.fit(1, 700) for _ in range(12)]
+    # 768 served at 1024 seven more times (eight in all), then its own bucket, to be captured
+    assert served == [1024] * 8 + [768] * 4, served
+    full = RowLengths()
+    full.graphs = _Replayed({1: {1024}}, may_capture=False)
+    assert {full.fit(1, 700) for _ in range(20)} == {1024}, "beyond the graphs' cap: padded on, never eager"
+
+
+def test_a_batch_padded_on_to_a_replayed_length_trains_like_transformers(monkeypatch):
+    """Rows packed into one row and padded on to a longer length the layer graphs replay (stood in for here: a CPU
+    has no graphs): the pads are short documents of their own, the LM head sees only the real tokens, and the
+    loss and gradients are transformers'."""
+    from fastplug.models import lm_head
+    from fastplug.models.fast_attention import DOCUMENT_BOUNDS
+
+    reference = tiny_model("llama").train()
+    model = copy.deepcopy(reference)
+    handle = patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    handle.row_lengths.graphs = _Replayed({1: {256}})
+    inputs = _padded_batch([13, 6, 9])
+    bounds, head_rows = [], []
+    bounds_hook = model.model.register_forward_pre_hook(
+        lambda m, args, kwargs: bounds.append(kwargs[DOCUMENT_BOUNDS]), with_kwargs=True
+    )
+    fused = lm_head.fused_linear_cross_entropy
+    monkeypatch.setattr(
+        lm_head, "fused_linear_cross_entropy", lambda x, *a, **k: head_rows.append(len(x)) or fused(x, *a, **k)
+    )
+    seen, hook = _decoder_inputs(model)
+    out, grads = _step(model, inputs)
+    hook.remove()
+    bounds_hook.remove()
+    assert seen == [(1, 256, False)]
+    assert head_rows == [28], "the head's rows: the real tokens only"
+    start, end = (b[0].long() for b in bounds[0])
+    assert ((end - start)[28:] <= 64).all() and (start[28:] >= 28).all(), "pads: short documents after the real ones"
+    assert "rows packed into one of a longer length the graphs replay (256): 1" in handle.summary()
+    ref, ref_grads = _step(reference, inputs)
+    assert_close(out.loss, ref.loss, torch.float32, "loss")
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], torch.float32, f"grad of {name}")
     handle.restore()

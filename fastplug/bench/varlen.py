@@ -245,6 +245,14 @@ class _Meter:
             f"{cause} {len(t)} ({1e3 * statistics.median(t):.0f} ms)"
             for cause, t in sorted(by_cause.items(), key=lambda item: -len(item[1]))
         )
+        # the steps far slower than a typical one, by their real tokens and what they did (small batches pay the
+        # step's fixed host time on few tokens)
+        per_step = [n / t for n, t in zip(tokens, times)]
+        half = statistics.median(per_step) / 2
+        slow = [(n, cause) for n, rate, cause in zip(tokens, per_step, self.causes[self.warmup : end]) if rate < half]
+        slow_note = f"{len(slow)} steps below half the median step's tok/s" + (
+            " (real tokens, cause: " + ", ".join(f"{n} {cause}" for n, cause in slow) + ")" if slow else ""
+        )
         return dict(
             tokens_per_s=sum(tokens) / sum(times),
             wall_ms=wall_ms,
@@ -254,7 +262,7 @@ class _Meter:
             losses=self.timer.losses[:3],
             real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
-            note=f"{note}; measured steps by cause (median wall): {causes}".lstrip("; "),
+            note=f"{note}; measured steps by cause (median wall): {causes}; {slow_note}".lstrip("; "),
         )
 
 

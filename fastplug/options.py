@@ -53,9 +53,9 @@ class KernelOptions:
     # peak memory allocated before the first capture (the eager steps' peak: weights, optimizer state, activations).
     graphs_memory: float = 0.5
     # Training batches padded on the right (the collator's dynamic padding) run without a mask, and their rows
-    # are padded on to one of a few lengths (four per doubling) so that captured graphs serve every batch; the
-    # pads' labels are ignored, so losses and gradients are unchanged (models/padding.py). None: with the graphs
-    # (on where they are installed).
+    # are padded on to one of a few lengths (four per doubling), or on to a longer length the graphs replay, so
+    # that captured graphs serve every batch; the pads' labels are ignored, so losses and gradients are unchanged
+    # (models/padding.py). None: with the graphs (on where they are installed).
     bucket_lengths: bool | None = None
     # FP8 block-scaled bases: the frozen linears of the decoder layers quantized once at patch time (128x128
     # blocks, the bf16 copies freed from the GPU) and run on the FP8 GEMM; layers already in FP8 (transformers'

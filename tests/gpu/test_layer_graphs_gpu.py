@@ -140,6 +140,30 @@ def test_new_lengths_are_captured_at_their_first_sighting_and_train_like_eager(f
         assert_close(results[True][1][name], want, torch.bfloat16, name)
 
 
+def _right_padded(gen: torch.Generator, lengths: list[int]) -> dict:
+    """A collator's right-padded batch of rows of these lengths on the GPU, the pads' labels ignored."""
+    ids = torch.randint(1, 1000, (len(lengths), max(lengths)), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=ids.masked_fill(mask == 0, -100).cuda())
+
+
+def _train(model, batches) -> list[float]:
+    """One fused-AdamW step per batch; the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, fused=True)
+    losses = []
+    model.train()
+    for batch in batches:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_padded_rows_packed_into_one_replay_like_eager(family):
     """A Trainer's dynamic padding (right-padded rows of varied lengths, the pads' labels ignored): the loss path
@@ -147,32 +171,13 @@ def test_padded_rows_packed_into_one_replay_like_eager(family):
     the layer graphs capture and replay it (Gemma2: a sliding window shorter than some rows) with the losses and
     adapters of the eager layers."""
     gen = torch.Generator().manual_seed(12)
-
-    def padded(lengths):
-        ids = torch.randint(1, 1000, (len(lengths), max(lengths)), generator=gen)
-        mask = torch.zeros_like(ids)
-        for row, n in enumerate(lengths):
-            mask[row, :n] = 1
-        ids = ids.masked_fill(mask == 0, 0)
-        return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=ids.masked_fill(mask == 0, -100).cuda())
-
     shapes = [[200, 90], [150, 150, 60], [200, 90], [120, 180], [150, 150, 60], [200, 90], [120, 180]]
-    batches = [padded(lengths) for lengths in shapes]  # 290, 360 and 300 real tokens: buckets of 320 and 384
+    batches = [_right_padded(gen, lengths) for lengths in shapes]  # 290, 360, 300 real tokens: buckets 320, 384
     results = {}
     for graphs_on in (False, True):
         model = _model(family)
         handle = fastplug.patch_model(model, cuda_graphs=graphs_on, bucket_lengths=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-        losses = []
-        model.train()
-        for batch in batches:
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        results[graphs_on] = (losses, _adapters(model))
+        results[graphs_on] = (_train(model, batches), _adapters(model))
         summary = handle.summary()
         assert "padding dropped, rows packed into one of a bucket length (320): 5" in summary, summary
         if graphs_on:
@@ -188,33 +193,14 @@ def test_a_shorter_batch_replays_a_longer_captured_length_like_eager():
     padded on to that length and replayed, with no capture of their own, and the losses and adapters of eager
     layers running each batch at its own bucket."""
     gen = torch.Generator().manual_seed(13)
-
-    def padded(lengths):
-        ids = torch.randint(1, 1000, (len(lengths), max(lengths)), generator=gen)
-        mask = torch.zeros_like(ids)
-        for row, n in enumerate(lengths):
-            mask[row, :n] = 1
-        ids = ids.masked_fill(mask == 0, 0)
-        return dict(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=ids.masked_fill(mask == 0, -100).cuda())
-
     # 900 real tokens (bucket 1024) seen and captured, then 290 and 500 (buckets 320 and 512) replay at 1024
     shapes = [[600, 300], [500, 400], [200, 90], [300, 200], [700, 200], [200, 90]]
-    batches = [padded(lengths) for lengths in shapes]
+    batches = [_right_padded(gen, lengths) for lengths in shapes]
     results = {}
     for graphs_on in (False, True):
         model = _model("llama")
         handle = fastplug.patch_model(model, cuda_graphs=graphs_on, bucket_lengths=True)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
-        losses = []
-        model.train()
-        for batch in batches:
-            loss = model(**batch).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        results[graphs_on] = (losses, _adapters(model))
+        results[graphs_on] = (_train(model, batches), _adapters(model))
         summary = handle.summary()
         if graphs_on:
             assert "rows packed into one of a longer length the graphs replay (1024): 3" in summary, summary

@@ -125,6 +125,21 @@ def test_trainer_puts_the_checkpointing_mode_back_after_something_reenables_it(t
     assert not checkpointing_on(model)
 
 
+def test_the_steps_do_not_walk_the_model_to_keep_the_checkpointing_mode(tmp_path, monkeypatch):
+    """The mode is put back at each step's begin from the layer found once: walking a peft model's thousands of
+    modules there would cost each step milliseconds the GPU waits for. A run of four steps finds the decoder
+    layers as often as a run of one."""
+    found = []
+    walk = checkpointing.decoder_layers
+    monkeypatch.setattr(checkpointing, "decoder_layers", lambda model: found.append(1) or walk(model))
+    walks = {}
+    for steps in (1, 4):
+        found.clear()
+        _run(tmp_path, [FastKernels()], model=tiny_model("llama"), args=_args(tmp_path, max_steps=steps))
+        walks[steps] = len(found)
+    assert walks[4] == walks[1], walks
+
+
 def test_trainer_auto_checkpointing_plans_the_layers_and_is_undone(tmp_path):
     """FastKernels(gradient_checkpointing="auto") runs AutoCheckpointing on the layers the Trainer turned
     checkpointing on for (on CPU: every layer but the last stays checkpointed), reports the count in the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -13,7 +13,9 @@ from torch import nn
 from ..kernels._utils import kernel_path, triton_available
 from ..options import KernelOptions
 from .families import Family
-from .padding import RowLengths
+
+if TYPE_CHECKING:  # padding imports fast_attention, which imports this module
+    from .padding import RowLengths
 
 
 @dataclass(frozen=True)

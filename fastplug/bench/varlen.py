@@ -238,8 +238,9 @@ class _Meter:
             raise RuntimeError(f"only {len(self.timer.times)} steps ran, {self.warmup} of them warm-up")
         wall_ms = 1e3 * sum(times) / len(times)
         per_token = self.kernel_ms_per_token
+        causes_measured = self.causes[self.warmup : end]
         by_cause: dict[str, list[float]] = {}
-        for cause, seconds in zip(self.causes[self.warmup : end], times):
+        for cause, seconds in zip(causes_measured, times):
             by_cause.setdefault(cause, []).append(seconds)
         causes = ", ".join(
             f"{cause} {len(t)} ({1e3 * statistics.median(t):.0f} ms)"
@@ -249,7 +250,7 @@ class _Meter:
         # step's fixed host time on few tokens)
         per_step = [n / t for n, t in zip(tokens, times)]
         half = statistics.median(per_step) / 2
-        slow = [(n, cause) for n, rate, cause in zip(tokens, per_step, self.causes[self.warmup : end]) if rate < half]
+        slow = [(n, cause) for n, rate, cause in zip(tokens, per_step, causes_measured) if rate < half]
         slow_note = f"{len(slow)} steps below half the median step's tok/s" + (
             " (real tokens, cause: " + ", ".join(f"{n} {cause}" for n, cause in slow) + ")" if slow else ""
         )

@@ -215,7 +215,7 @@ def test_row_lengths_pad_on_to_a_longer_length_the_graphs_replay_until_its_own_b
     assert lengths.fit(4, 290) == 600 and lengths.fit(2, 290) == 320, "lengths are per row count"
     assert lengths.fit(1, 5000) == 8192, "within twice the bucket (5120)"
     served = [lengths.fit(1, 700) for _ in range(12)]
-    # 768 served at 1024 seven more times (eight in all), then its own bucket, to be captured
+    # the bucket 768 is served at 1024 eight times, then gets its own length, to be captured
     assert served == [1024] * 8 + [768] * 4, served
     full = RowLengths()
     full.graphs = _Replayed({1: {1024}}, may_capture=False)

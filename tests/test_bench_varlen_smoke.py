@@ -35,7 +35,8 @@ def test_varlen_tiny_lightning_rows_count_real_tokens_and_agree(monkeypatch):
         assert "note" in row and "tok/s" in row, row
         assert "measured steps by cause (median wall): repeat 2 (" in row["note"], row["note"]  # CPU: no graphs
         assert row["real tokens"] == sum(len(d) for d in docs), row
-        assert row["tok/s"] > 0 and len(row["losses"]) == 3 and all(map(math.isfinite, row["losses"])), row
+        steps = args.warmup + args.steps + varlen.PROFILED_STEPS
+        assert row["tok/s"] > 0 and len(row["losses"]) == steps and all(map(math.isfinite, row["losses"])), row
     fast, base = rows["lightning_fastkernels"], rows["lightning"]
     assert fast["note"].startswith("patched "), fast["note"]
     assert fast["vs baseline"] > 0
@@ -55,8 +56,8 @@ def test_meter_tells_each_step_by_what_it_did_beyond_a_repeated_one():
     meter._events = lambda: next(counts)
 
     class Counter:
-        def take(self):
-            return 10
+        def take_lazy(self):
+            return torch.tensor(10)
 
     meter._counter = Counter()
     for _ in range(5):

@@ -34,7 +34,7 @@ import time
 
 from ._report import short_error, write_csv
 from .e2e import build_model, default_device, parse_list, print_table, run_worker, worker_deadline
-from .frameworks import StepTimer, _counts_note, _reset_peak, _train, _training_args
+from .frameworks import _counts_note, _reset_peak, _training_args
 from .presets import MODELS
 
 RUNS = (
@@ -125,28 +125,46 @@ PROFILED_STEPS = 3  # after the measured ones: the profiler's tracing slows the 
 
 
 class _Meter:
-    """Real tokens (attention-mask ones) per step, counted lazily on the device; wall time of the measured
+    """Real tokens (attention-mask ones) and the loss of each step, kept on the device; wall time of the measured
     steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps; what each step did that
     a repeated step does not (`_events`). The trainers' callbacks (`callback()` for transformers',
-    `lightning_callback()` for Lightning's) call begin_step, end_step and finish."""
+    `lightning_callback()` for Lightning's) call begin_step, end_step and finish.
+
+    The wall is taken as a user's run has it: the device is synchronised only where the measured steps begin and
+    end, not at every step, which would idle the GPU while the host runs the step's edges (the Trainer's walks of
+    the model, the next batch). A step's wall is the host's time from its begin to the next step's begin; they add
+    up to the synchronised total, and a run that syncs once a step (the Trainer's loss filter, fastplug's row
+    lengths) keeps the host within a step of the device."""
 
     def __init__(self, device, warmup: int, steps: int, deadline: float):
-        self.timer = StepTimer(device, deadline)
-        self.device, self.warmup, self.steps = device, warmup, steps
-        self.tokens: list = []  # real tokens per step
+        self.device, self.warmup, self.steps, self.deadline = device, warmup, steps, deadline
+        self.starts: list[float] = []  # each step's begin, host clock
+        self.window_end = None  # the measured steps' end, after a sync
+        self.tokens: list = []  # real tokens per step (device tensors until result())
+        self.losses: list = []  # the model's loss per step (device tensors until result())
         self._counter = None  # the FastKernels callback's counter: attention-mask ones, summed lazily
         self._profile = None
         self.kernel_ms_per_token = None
         self._model = None
         self._before = (0, 0, 0)
         self.causes: list[str] = []  # per step: why it cost more host time than a repeated one, or "repeat"
+        self._step_loss = None
 
     def attach(self, model) -> None:
+        """Count the real tokens of `model`'s training forwards and keep the loss of the last one."""
         from ..integrations.hf_trainer import _TokenCounter
 
         self._counter = _TokenCounter()
         self._counter.attach(model)
         self._model = model
+        import torch
+
+        def keep_loss(module, args, output):
+            loss = getattr(output, "loss", None) if module.training else None
+            if isinstance(loss, torch.Tensor):
+                self._step_loss = loss.detach()
+
+        model.register_forward_hook(keep_loss)
 
     def _events(self) -> tuple[int, int, int]:
         """Counts so far of what makes a step cost the host more than a repeated one: grouped-GEMM shapes the MoE
@@ -160,30 +178,43 @@ class _Meter:
         return len(tuning.TIMINGS) if tuning else 0, eager.get(CAPTURING, 0), eager.get(FIRST_SIGHTING, 0)
 
     def begin_step(self) -> None:
-        if len(self.timer.times) == self.warmup + self.steps and self.device.type == "cuda":
+        from .e2e import sync_device
+
+        step = len(self.starts)
+        if step == self.warmup:
+            sync_device(self.device)  # the measured steps start on an idle device
+        if step == self.warmup + self.steps and self.device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
             self._profile = profile(activities=[ProfilerActivity.CUDA])
             self._profile.__enter__()
         self._before = self._events()
-        self.timer.begin()
+        self._step_loss = None
+        self.starts.append(time.perf_counter())
 
     def end_step(self, loss=None) -> bool:
-        """True when the deadline passed (the run should stop)."""
-        stop = self.timer.end(loss)
-        self.tokens.append(self._counter.take())
+        """Records the step (`loss`: the step's, where the trainer hands it over); True when the deadline passed
+        (the run should stop)."""
+        from .e2e import sync_device
+
+        late = time.perf_counter() > self.deadline  # keep what was measured rather than lose it to the hard limit
+        if self.window_end is None and (len(self.starts) == self.warmup + self.steps or late):
+            sync_device(self.device)
+            self.window_end = time.perf_counter()
+        self.tokens.append(self._counter.take_lazy())
+        self.losses.append(loss.detach() if loss is not None else self._step_loss)
         tuned, captured, first = (after - before for after, before in zip(self._events(), self._before))
         self.causes.append(
             "MoE tuning" if tuned else "capture" if captured else "first sighting" if first else "repeat"
         )
-        return stop
+        return late
 
     def finish(self) -> None:
         if self._profile is not None:
             self._profile.__exit__(None, None, None)
             events = self._profile.key_averages()
             kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-            profiled_tokens = sum(self.tokens[self.warmup + self.steps :])
+            profiled_tokens = sum(int(n) for n in self.tokens[self.warmup + self.steps :])
             self.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
 
     def callback(self):
@@ -232,10 +263,13 @@ class _Meter:
     def result(self, note: str) -> dict:
         import torch
 
-        end = self.warmup + self.steps
-        times, tokens = self.timer.times[self.warmup : end], self.tokens[self.warmup : end]
-        if not times:
-            raise RuntimeError(f"only {len(self.timer.times)} steps ran, {self.warmup} of them warm-up")
+        end = min(self.warmup + self.steps, len(self.starts))
+        if self.window_end is None or end <= self.warmup:
+            raise RuntimeError(f"only {len(self.starts)} steps ran, {self.warmup} of them warm-up")
+        edges = [*self.starts[self.warmup + 1 : end], self.window_end]
+        times = [after - before for after, before in zip(edges, self.starts[self.warmup : end])]
+        self.tokens = [int(n) for n in self.tokens]
+        tokens = self.tokens[self.warmup : end]
         wall_ms = 1e3 * sum(times) / len(times)
         per_token = self.kernel_ms_per_token
         causes_measured = self.causes[self.warmup : end]
@@ -260,11 +294,21 @@ class _Meter:
             # the measured steps' kernel time, from the profiled steps' time per real token
             gpu_ms=per_token * sum(tokens) / len(tokens) if per_token else None,
             measured_steps=len(times),
-            losses=self.timer.losses[:3],
+            losses=[None if loss is None else float(loss) for loss in self.losses],  # every step's
             real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
             note=f"{note}; measured steps by cause (median wall): {causes}; {slow_note}".lstrip("; "),
         )
+
+
+def _run_args(spec: dict, device, run: str) -> dict:
+    """The Trainer's (and SFTConfig's) arguments: the frameworks bench's, for the profiled steps too, logging at
+    the trainer's default interval (transformers' 500 steps, TRL's 10): a log reads the running loss on the host,
+    a sync, and the meter keeps every step's loss without one."""
+    args = _training_args(spec, device, run)
+    args["max_steps"] += PROFILED_STEPS
+    del args["logging_steps"]
+    return args
 
 
 def _dataset(spec, tokenizer, paths):
@@ -294,8 +338,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
 
         graphs = True if run.endswith("_graphs") else False if run.endswith("_eager") else None
         callbacks.append(FastKernels(cuda_graphs=graphs))
-    args = _training_args(spec, device, run)
-    args["max_steps"] += PROFILED_STEPS
+    args = _run_args(spec, device, run)
     trainer = Trainer(
         model=model,
         args=TrainingArguments(**args, use_liger_kernel=run == "trainer_liger"),
@@ -303,7 +346,7 @@ def run_trainer(spec: dict, device, tokenizer, paths, run: str) -> dict:
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         callbacks=callbacks,
     )
-    _train(trainer, meter.timer)
+    trainer.train()
     note = _counts_note([callbacks[-1].handle]) if "fastkernels" in run else ""
     if "fastkernels" in run and callbacks[-1].handle is not None and callbacks[-1].handle.graphs is not None:
         note += f"; {callbacks[-1].handle.graphs}"
@@ -365,8 +408,7 @@ def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> d
     meter = _Meter(device, spec["warmup"], spec["steps"], worker_deadline(spec))
     meter.attach(model)
     lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, target_modules=MODELS[spec["model"]]["lora"])
-    args = _training_args(spec, device, "sft")
-    args["max_steps"] += PROFILED_STEPS
+    args = _run_args(spec, device, "sft")
     config = SFTConfig(**args, packing=packed, max_length=spec["max_len"])
     kwargs = dict(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
     if fast:
@@ -377,7 +419,7 @@ def run_sft(spec: dict, device, tokenizer, paths, fast: bool, packed: bool) -> d
     else:
         trainer = SFTTrainer(**kwargs, callbacks=[meter.callback()])
         note = ""
-    _train(trainer, meter.timer)
+    trainer.train()
     return meter.result(note)
 
 

@@ -14,7 +14,9 @@
 
 The Trainer has no event for a `train()` that raises, so `FastKernels` wraps the `train` of the Trainer that
 constructed it (found on the call stack of `on_init_end`): an exception restores the model as `on_train_end`
-does, and a later `train()` patches it again.
+does, and a later `train()` patches it again. The same wrapper runs the Trainer's NaN/inf loss filter on the
+device for the run (`loss_filter.SyncFreeLossFilter`): the filter's per-step sync would idle the GPU while the
+host does the rest of the step.
 
 Under accelerate's FSDP2 a peft model is sharded per decoder layer (`peft_units_for_accelerate`), as the
 model without peft is.
@@ -38,6 +40,7 @@ from ..models.structure import unwrap
 from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
+from .loss_filter import SyncFreeLossFilter
 from .trainer_checkpointing import RunCheckpointing, checkpointing_in
 
 LIGER_CONFLICT = (
@@ -75,10 +78,14 @@ class _TokenCounter:
         elif isinstance(ids, torch.Tensor):
             self.tokens += ids.numel()
 
-    def take(self) -> int:
+    def take_lazy(self) -> torch.Tensor | int:
+        """The count since the last take, as a device tensor while masks were counted (no sync)."""
         pending, self._pending = self._pending, []
-        total, self.tokens = self.tokens + sum(int(t.item()) for t in pending), 0
+        total, self.tokens = self.tokens + sum(pending), 0
         return total
+
+    def take(self) -> int:
+        return int(self.take_lazy())
 
 
 class FastKernels(TrainerCallback):
@@ -115,7 +122,8 @@ class FastKernels(TrainerCallback):
             model, self.options.scoped_to_run(), self._set_by_user, gradient_checkpointing=False
         )
 
-    def _restore_when_train_raises(self) -> None:
+    def _wrap_train(self) -> None:
+        """The constructing Trainer's `train` filters its losses without a sync and restores on an exception."""
         trainer = self._calling_trainer()
         if trainer is None or getattr(trainer.train, "_fastplug_restores", False):
             return
@@ -124,7 +132,8 @@ class FastKernels(TrainerCallback):
         @functools.wraps(train)
         def train_then_restore_on_error(*args, **kwargs):
             try:
-                return train(*args, **kwargs)
+                with SyncFreeLossFilter(trainer):
+                    return train(*args, **kwargs)
             except BaseException:
                 self.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)
                 # a retry starts as the first run
@@ -146,7 +155,7 @@ class FastKernels(TrainerCallback):
         return None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._restore_when_train_raises()
+        self._wrap_train()
         if getattr(args, "use_liger_kernel", False):
             self._liger = True
             warnings.warn(LIGER_CONFLICT, stacklevel=2)

@@ -1,0 +1,94 @@
+"""The HF Trainer's `logging_nan_inf_filter`, done on the device instead of with a sync per step.
+
+With the filter on (the default), the Trainer's loop (transformers 5.7-5.24) tests each step's loss on the host,
+`torch.isnan(loss) or torch.isinf(loss)`, and adds a non-finite one to its running loss as
+`_tr_loss / (1 + global_step - _globalstep_last_logged)` instead. That `bool()` waits for the device, and the GPU
+then idles while the host runs the rest of the step: clipping, the optimizer, `zero_grad`, the next batch,
+`model.train()` and the FLOP count, walks of every module (36 ms of a Gemma2 LoRA step). When fastplug replays the
+layers, the host is otherwise ahead of the device, so this one sync is most of the wall time beyond device time.
+
+`SyncFreeLossFilter` gives the Trainer's loop, for one `train()`, a `training_step` that returns the loss where it
+is finite and the Trainer's replacement where it is not (`torch.where`, no sync), and turns the flag off from
+there until the step's next callback (`on_pre_optimizer_step`, or `on_substep_end` between accumulated
+micro-batches) turns it back on, before anything else reads it (evaluation filters its losses with it too). The
+logged losses are the Trainer's own. Where the trainer lacks that state (another transformers) or the loss is not
+a 0-d tensor on the running loss's device, the flag stays as the user set it and the Trainer filters, syncing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import TrainerCallback
+
+
+class SyncFreeLossFilter(TrainerCallback):
+    """`with SyncFreeLossFilter(trainer): trainer.train()`: the loss filter without its sync (module docstring)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.requested = False  # the user's logging_nan_inf_filter, read at __enter__
+        self._wrapper = None  # the training_step set on the trainer, while it is set
+        self._instance_step = None  # a training_step the trainer instance carried before, put back after
+
+    def __enter__(self) -> SyncFreeLossFilter:
+        trainer = self.trainer
+        self.requested = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
+        if not self.requested:
+            return self
+        self._instance_step = vars(trainer).get("training_step")
+        step = trainer.training_step
+
+        @functools.wraps(step)
+        def training_step_filtered_on_device(*args, **kwargs):
+            return self._filtered(step(*args, **kwargs))
+
+        trainer.training_step = self._wrapper = training_step_filtered_on_device
+        # first, so that no other callback of the step sees the flag off
+        trainer.callback_handler.callbacks.insert(0, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._wrapper is None:
+            return
+        trainer = self.trainer
+        if vars(trainer).get("training_step") is self._wrapper:
+            if self._instance_step is not None:
+                trainer.training_step = self._instance_step
+            else:
+                del trainer.training_step
+        self._wrapper = self._instance_step = None
+        if self in trainer.callback_handler.callbacks:
+            trainer.callback_handler.callbacks.remove(self)
+        self._put_flag_back()
+
+    def _filtered(self, loss):
+        """The loss the Trainer's filter would add to its running loss, computed without a sync, or `loss` as it
+        came (the Trainer then filters it) where this trainer's state is not the one the filter reads."""
+        trainer = self.trainer
+        running = getattr(trainer, "_tr_loss", None)
+        last_logged = getattr(trainer, "_globalstep_last_logged", None)
+        if (
+            not isinstance(running, torch.Tensor)
+            or not isinstance(last_logged, int)
+            or not isinstance(loss, torch.Tensor)
+            or loss.dim() != 0
+            or loss.device != running.device
+            or loss.device.type == "xla"  # the Trainer does not filter there
+        ):
+            self._put_flag_back()
+            return loss
+        trainer.args.logging_nan_inf_filter = False
+        replacement = running / (1 + trainer.state.global_step - last_logged)
+        return torch.where(torch.isfinite(loss), loss, replacement)
+
+    def _put_flag_back(self) -> None:
+        self.trainer.args.logging_nan_inf_filter = self.requested
+
+    # The loop's next callbacks after it read the flag: one of them runs before anything else of the step.
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._put_flag_back()
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._put_flag_back()

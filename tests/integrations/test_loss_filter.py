@@ -1,0 +1,115 @@
+"""The Trainer's NaN/inf loss filter, done on the device (`SyncFreeLossFilter`): the Trainer logs the losses it
+logs with its own filter, the loop never tests a loss on the host, and the flag is the user's wherever anything
+else reads it."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback
+
+from fastplug import FastKernels
+from fastplug.integrations.loss_filter import SyncFreeLossFilter
+from tests.integrations.test_hf_trainer import _args, _dataset, _run
+from tests.models.tiny import tiny_model
+
+pytestmark = pytest.mark.torch_reference
+
+
+def _loss_not_finite_on_call(bad_call: int, value: float):
+    """A compute_loss_func whose `bad_call`-th loss is `value` (NaN or inf) plus the loss: its gradient is the
+    loss's, so the model trains the same, and only the logged loss sees it."""
+    calls = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        calls.append(1)
+        logits = outputs.logits[:, :-1].float().flatten(0, 1)
+        loss = F.cross_entropy(logits, labels[:, 1:].flatten(), ignore_index=-100)
+        return loss + value if len(calls) == bad_call else loss
+
+    return loss_func
+
+
+class _FlagSeen(TrainerCallback):
+    """The logging_nan_inf_filter value other callbacks see: at every event after the loop read it."""
+
+    def __init__(self):
+        self.seen = []
+
+    def _record(self, args, *_, **__):
+        self.seen.append(args.logging_nan_inf_filter)
+
+    on_pre_optimizer_step = on_optimizer_step = on_substep_end = on_step_end = on_evaluate = on_log = _record
+
+
+def _train(tmp_path, value, filtered: bool, callbacks=()):
+    """The tiny Llama trained 3 steps (accumulation 2, evaluation at step 2) with a non-finite loss on the third
+    micro-batch, by the plain Trainer or inside SyncFreeLossFilter as FastKernels' train() runs it."""
+    trainer = Trainer(
+        model=tiny_model("llama"),
+        args=_args(tmp_path, max_steps=3, eval_steps=2),
+        train_dataset=_dataset(),
+        eval_dataset=_dataset(4, 10),
+        callbacks=list(callbacks),
+        compute_loss_func=_loss_not_finite_on_call(3, value),
+    )
+    with SyncFreeLossFilter(trainer) if filtered else contextlib.nullcontext():
+        trainer.train()
+    history = trainer.state.log_history
+    logged = {key: torch.tensor([h[key] for h in history if key in h]) for key in ("loss", "eval_loss")}
+    return trainer, logged
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_the_logged_losses_are_the_trainers_own_filters(tmp_path, value):
+    """Through the device filter the run logs the losses the Trainer's own filter logs (the non-finite one
+    replaced by the window's mean so far); the flag is on wherever a callback looks, and the trainer is as it was
+    after train()."""
+    _, reference = _train(tmp_path, value, filtered=False)
+    flags = _FlagSeen()
+    trainer, logged = _train(tmp_path, value, filtered=True, callbacks=[flags])
+    assert len(reference["loss"]) == 3 and torch.isfinite(reference["loss"]).all()
+    assert torch.equal(logged["loss"], reference["loss"]), (logged, reference)
+    assert torch.equal(logged["eval_loss"], reference["eval_loss"])
+    assert flags.seen and all(flags.seen), flags.seen
+    assert trainer.args.logging_nan_inf_filter is True
+    assert "training_step" not in vars(trainer)
+    assert not any(isinstance(cb, SyncFreeLossFilter) for cb in trainer.callback_handler.callbacks)
+
+
+def test_the_trainer_loop_does_not_test_the_loss_on_the_host(tmp_path, monkeypatch):
+    """With FastKernels the loop's `torch.isnan(loss) or torch.isinf(loss)` (a device sync per micro-batch) does
+    not run; without it, it runs once per micro-batch."""
+    tested = []
+    isnan = torch.isnan
+
+    def counting_isnan(tensor, *args, **kwargs):
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+            tested.append(1)
+        return isnan(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "isnan", counting_isnan)
+    counts = {}
+    for fast in (False, True):
+        tested.clear()
+        _run(tmp_path, [FastKernels()] if fast else [], model=tiny_model("llama"), args=_args(tmp_path, max_steps=2))
+        counts[fast] = len(tested)
+    assert counts == {False: 4, True: 0}, counts
+
+
+def test_a_trainer_without_the_filters_state_keeps_its_own_filter():
+    """A trainer without `_tr_loss` (another transformers): the loss comes back as it was and the flag stays on,
+    so the Trainer filters it, syncing."""
+    loss = torch.tensor(float("nan"))
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(logging_nan_inf_filter=True),
+        training_step=lambda *a, **k: loss,
+        callback_handler=SimpleNamespace(callbacks=[]),
+        state=SimpleNamespace(global_step=0),
+    )
+    with SyncFreeLossFilter(trainer):
+        assert trainer.training_step() is loss
+        assert trainer.args.logging_nan_inf_filter is True
+    assert trainer.args.logging_nan_inf_filter is True and trainer.callback_handler.callbacks == []

@@ -3,18 +3,21 @@ phase of `Trainer._inner_training_loop` timed on the host (perf_counter, no adde
 
     python scripts/trainer_step_phases.py --model gemma2 --run trainer_fastkernels
 
-The Trainer synchronises once a step, right after `training_step` returns (`logging_nan_inf_filter`, on by
-default, tests the loss with a host `bool()`): that wait is the device finishing the step's forward and
-backward. Everything after it until the next step's layers run (the gradient clipping, the optimizer, zero_grad,
-the FLOP count, logging, the next batch, `model.train()`, the loss path's batch preparation) is host time with
-the GPU idle or nearly so, unless the optimizer's kernels outlast it. So a step's wall is roughly the wait plus
-the host phases outside it, and the table says which of them set the pace beyond the device's.
+The plain Trainer synchronises once a step, right after `training_step` returns (`logging_nan_inf_filter`, on by
+default, tests the loss with a host `bool()`; FastKernels runs that filter on the device instead): the GPU then
+idles while the host runs the rest of the step (the gradient clipping, the optimizer, zero_grad, the FLOP count,
+the next batch, `model.train()`, the loss path's batch preparation), unless the queued kernels outlast it.
 
 Prints, for the measured steps that captured nothing (the bench's "repeat" steps), the median host ms of each
-phase, of the step as the bench times it (from the step-begin callback to the step-end one, both synchronised)
-and of the whole cycle (logging and fetching the next batch included). Phases nest as listed (training_step holds
-model.train, the forward and the backward); the step-begin callbacks include the bench's own synchronise. Run it
-on a GPU host (the device's numbers are the point); `--tiny` runs the CPU smoke version.
+phase, of the step from the step-begin callback to the step-end one and of the whole cycle (logging and fetching
+the next batch included). Phases nest as listed (training_step holds model.train, the forward and the backward).
+A phase that waits for the device holds that wait. Run it on a GPU host (the device's numbers are the point);
+`--tiny` runs the CPU smoke version.
+
+`--timeline N` also traces N measured steps with torch.profiler (host ops and device kernels, the phases as
+ranges) and prints where the GPU was idle: kernel-busy ms against the span, and the idle ms by the host phase
+that ran meanwhile, with the host calls that waited for the device (synchronisations, blocking copies). That
+tells a step the host sets the pace of from one the device does.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ PHASES = (
     "  forward (loss)",
     "    fastplug: batch padded/packed (one host sync)",
     "  backward (issue)",
-    "loss sync (waits for the device)",
+    LOSS_FILTER := "bool() of a tensor (the loss filter: waits for the device)",
     "FLOP count (model.num_parameters)",
     "gradient clipping",
     "optimizer.step",
@@ -52,12 +55,15 @@ class PhaseClock:
         self.current: dict[str, float] = {}
 
     def timed(self, phase: str, fn):
+        from torch.profiler import record_function
+
         clock = self
 
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with record_function(phase):  # a range in --timeline's trace (next to nothing otherwise)
+                    return fn(*args, **kwargs)
             finally:
                 clock.current[phase] = clock.current.get(phase, 0.0) + time.perf_counter() - start
 
@@ -122,9 +128,65 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
     stack.enter_context(_patched(torch.nn.Module, "train", outer_train))
     stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed("model.zero_grad", fn)))
     # the one host sync of a step outside the loss path: `torch.isnan(loss) or torch.isinf(loss)`
-    stack.enter_context(
-        _patched(torch.Tensor, "__bool__", lambda fn: clock.timed("loss sync (waits for the device)", fn))
+    stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(LOSS_FILTER, fn)))
+
+
+WAITING_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+    "cudaMemcpyAsync",
+)
+
+
+def _innermost(ranges: list[tuple[float, float, str]], t: float) -> str:
+    """The shortest phase range holding host time t ("outside the phases" if none)."""
+    holding = [(end - start, name) for start, end, name in ranges if start <= t < end]
+    return min(holding)[1] if holding else "outside the phases"
+
+
+def idle_report(trace_path: str, steps: int) -> None:
+    """GPU idle time of a torch.profiler chrome trace by the host phase running meanwhile (module docstring)."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    device = sorted(
+        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     )
+    phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e["name"] in PHASES]
+    if not device or not phases:
+        print("the trace holds no kernels or no phases")
+        return
+    busy, gaps, (run_start, run_end) = 0.0, [], device[0]
+    for start, end in device[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            gaps.append((run_end, start))
+            run_start = start
+        run_end = max(run_end, end)
+    busy += run_end - run_start
+    span = device[-1][1] - device[0][0]
+    per_step = steps * 1e3
+    print(f"\ntimeline of {steps} steps: GPU busy {busy / per_step:.1f} ms a step of a {span / per_step:.1f} ms span")
+    idle: dict[str, float] = {}
+    for start, end in gaps:  # each idle gap, split at 0.1 ms grains by the innermost phase the host was in
+        t = start
+        while t < end:
+            grain = min(100.0, end - t)
+            phase = _innermost(phases, t)
+            idle[phase] = idle.get(phase, 0.0) + grain
+            t += grain
+    print("| host phase while the GPU idled | idle ms a step |\n|---|---|")
+    for phase, us in sorted(idle.items(), key=lambda item: -item[1]):
+        if us / steps >= 50:
+            print(f"| {phase} | {us / 1e3 / steps:.1f} |")
+    waits: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e["name"] in WAITING_CALLS and e["dur"] >= 200:
+            waits.setdefault(f"{e['name']} in {_innermost(phases, e['ts'])}", []).append(e["dur"])
+    print("| host call that waited >= 0.2 ms | calls a step | ms a step |\n|---|---|---|")
+    for where, durations in sorted(waits.items(), key=lambda item: -sum(item[1])):
+        print(f"| {where} | {len(durations) / steps:.1f} | {sum(durations) / 1e3 / steps:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -134,7 +196,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="e2e's tiny model on CPU (a smoke run)")
+    parser.add_argument("--timeline", type=int, default=0, help="trace this many measured steps (docstring)")
     args = parser.parse_args(argv)
+    if args.timeline >= args.steps:
+        parser.error("--timeline must be below --steps (the bench profiles the steps after the measured ones)")
 
     from fastplug.bench import varlen
     from fastplug.bench.presets import MODELS
@@ -150,8 +215,23 @@ def main(argv=None) -> int:
     begin, end, result = varlen._Meter.begin_step, varlen._Meter.end_step, varlen._Meter.result
     starts = []
 
+    trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None}
+
     def begin_step(meter):
-        begin(meter)  # synchronises: the GPU is idle from here
+        if args.timeline and len(starts) == args.warmup + args.timeline:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            trace["profile"].__exit__(None, None, None)
+            trace["profile"].export_chrome_trace(trace["path"])
+            trace["profile"] = None
+        begin(meter)  # synchronises where the measured steps begin
+        if args.timeline and len(starts) == args.warmup:
+            from torch.profiler import ProfilerActivity, profile
+
+            trace["profile"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            trace["profile"].__enter__()
         starts.append(time.perf_counter())
         if len(starts) > 1:  # a cycle runs from one step's begin to the next's (logging and the next batch in it)
             cycles.append(starts[-1] - starts[-2])
@@ -187,11 +267,13 @@ def main(argv=None) -> int:
         values = [clock.steps[i].get(phase, 0.0) for i in repeats]
         print(f"| {phase} | {1e3 * statistics.median(values):.1f} |")
     print(
-        f"| the step as the bench times it (step begin to step end, synchronised) | "
+        f"| the step, from its begin callback to its end callback | "
         f"{1e3 * statistics.median(walls[i] for i in repeats):.1f} |"
     )
     print(f"| the whole cycle (to the next step's begin) | {1e3 * statistics.median(cycles[i] for i in repeats):.1f} |")
     print(f"GPU ms per step (profiler, all measured steps' mean): {outcome.get('gpu_ms') or 0:.1f}")
+    if args.timeline:
+        idle_report(trace["path"], args.timeline)
     return 0
 
 

@@ -14,9 +14,9 @@
 
 The Trainer has no event for a `train()` that raises, so `FastKernels` wraps the `train` of the Trainer that
 constructed it (found on the call stack of `on_init_end`): an exception restores the model as `on_train_end`
-does, and a later `train()` patches it again. The same wrapper runs the Trainer's NaN/inf loss filter on the
-device for the run (`loss_filter.SyncFreeLossFilter`): the filter's per-step sync would idle the GPU while the
-host does the rest of the step.
+does, and a later `train()` patches it again. The same wrapper removes the Trainer's per-step waits for the
+device for the run (`trainer_syncs.SyncFreeSteps`: the loss filter runs on the device, pinned batches are copied
+non-blocking): each would idle the GPU while the host does the rest of the step.
 
 Under accelerate's FSDP2 a peft model is sharded per decoder layer (`peft_units_for_accelerate`), as the
 model without peft is.
@@ -40,8 +40,8 @@ from ..models.structure import unwrap
 from ..options import CHECKPOINTING_OPTIONS, KernelOptions
 from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
-from .loss_filter import SyncFreeLossFilter
 from .trainer_checkpointing import RunCheckpointing, checkpointing_in
+from .trainer_syncs import SyncFreeSteps
 
 LIGER_CONFLICT = (
     "fastplug: FastKernels and use_liger_kernel=True both replace the model's modules and conflict. "
@@ -123,7 +123,8 @@ class FastKernels(TrainerCallback):
         )
 
     def _wrap_train(self) -> None:
-        """The constructing Trainer's `train` filters its losses without a sync and restores on an exception."""
+        """The constructing Trainer's `train` runs its steps without waiting for the device (SyncFreeSteps) and
+        restores the model on an exception."""
         trainer = self._calling_trainer()
         if trainer is None or getattr(trainer.train, "_fastplug_restores", False):
             return
@@ -132,7 +133,7 @@ class FastKernels(TrainerCallback):
         @functools.wraps(train)
         def train_then_restore_on_error(*args, **kwargs):
             try:
-                with SyncFreeLossFilter(trainer):
+                with SyncFreeSteps(trainer):
                     return train(*args, **kwargs)
             except BaseException:
                 self.on_train_end(trainer.args, trainer.state, trainer.control, model=trainer.model)

@@ -31,8 +31,8 @@ from ..models.structure import unwrap
 from ..patch.engine import kernel_path_of, patch_for_run
 from .fsdp import accelerate_fsdp2_plugin, peft_units_for_accelerate
 from .hf_trainer import LIGER_CONFLICT
-from .loss_filter import SyncFreeLossFilter
 from .trainer_checkpointing import RunCheckpointing
+from .trainer_syncs import SyncFreeSteps
 
 __all__ = [
     "FastDPOTrainer",
@@ -81,7 +81,7 @@ class TRLFastKernelsMixin:
         if self.is_world_process_zero():
             print(self.fast_kernels_summary)
         try:
-            with SyncFreeLossFilter(self):  # the Trainer's NaN/inf loss filter, without its per-step sync
+            with SyncFreeSteps(self):  # the Trainer's steps without their waits for the device
                 return super().train(*args, **kwargs)
         finally:
             self.restore_fast_kernels()

@@ -1,6 +1,6 @@
-"""The Trainer's NaN/inf loss filter, done on the device (`SyncFreeLossFilter`): the Trainer logs the losses it
-logs with its own filter, the loop never tests a loss on the host, and the flag is the user's wherever anything
-else reads it."""
+"""The Trainer's steps without their waits for the device (`SyncFreeSteps`): the NaN/inf loss filter done on
+the device logs the losses the Trainer's own filter logs, the loop never tests a loss on the host, and the flag is
+the user's wherever anything else reads it; pinned batches are copied to the device non-blocking for the run."""
 
 import contextlib
 from types import SimpleNamespace
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback
 
 from fastplug import FastKernels
-from fastplug.integrations.loss_filter import SyncFreeLossFilter
+from fastplug.integrations.trainer_syncs import SyncFreeSteps
 from tests.integrations.test_hf_trainer import _args, _dataset, _run
 from tests.models.tiny import tiny_model
 
@@ -46,7 +46,7 @@ class _FlagSeen(TrainerCallback):
 
 def _train(tmp_path, value, filtered: bool, callbacks=()):
     """The tiny Llama trained 3 steps (accumulation 2, evaluation at step 2) with a non-finite loss on the third
-    micro-batch, by the plain Trainer or inside SyncFreeLossFilter as FastKernels' train() runs it."""
+    micro-batch, by the plain Trainer or inside SyncFreeSteps as FastKernels' train() runs it."""
     trainer = Trainer(
         model=tiny_model("llama"),
         args=_args(tmp_path, max_steps=3, eval_steps=2),
@@ -55,7 +55,7 @@ def _train(tmp_path, value, filtered: bool, callbacks=()):
         callbacks=list(callbacks),
         compute_loss_func=_loss_not_finite_on_call(3, value),
     )
-    with SyncFreeLossFilter(trainer) if filtered else contextlib.nullcontext():
+    with SyncFreeSteps(trainer) if filtered else contextlib.nullcontext():
         trainer.train()
     history = trainer.state.log_history
     logged = {key: torch.tensor([h[key] for h in history if key in h]) for key in ("loss", "eval_loss")}
@@ -76,7 +76,7 @@ def test_the_logged_losses_are_the_trainers_own_filters(tmp_path, value):
     assert flags.seen and all(flags.seen), flags.seen
     assert trainer.args.logging_nan_inf_filter is True
     assert "training_step" not in vars(trainer)
-    assert not any(isinstance(cb, SyncFreeLossFilter) for cb in trainer.callback_handler.callbacks)
+    assert not any(isinstance(cb, SyncFreeSteps) for cb in trainer.callback_handler.callbacks)
 
 
 def test_the_trainer_loop_does_not_test_the_loss_on_the_host(tmp_path, monkeypatch):
@@ -109,7 +109,24 @@ def test_a_trainer_without_the_filters_state_keeps_its_own_filter():
         callback_handler=SimpleNamespace(callbacks=[]),
         state=SimpleNamespace(global_step=0),
     )
-    with SyncFreeLossFilter(trainer):
+    with SyncFreeSteps(trainer):
         assert trainer.training_step() is loss
         assert trainer.args.logging_nan_inf_filter is True
     assert trainer.args.logging_nan_inf_filter is True and trainer.callback_handler.callbacks == []
+
+
+class _LoaderSeen(TrainerCallback):
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        self.non_blocking = train_dataloader._non_blocking
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pinned_batches_are_copied_non_blocking_for_the_run(tmp_path, pinned):
+    """With the DataLoader pinning its batches (the default), accelerate copies them without waiting for the
+    device during the run, and its setting is the user's again after it; unpinned batches are left alone."""
+    seen = _LoaderSeen()
+    args = _args(tmp_path, max_steps=1)
+    args.dataloader_pin_memory = pinned  # use_cpu turned it off; the copy is the same on CPU
+    trainer, *_ = _run(tmp_path, [FastKernels(), seen], model=tiny_model("llama"), args=args)
+    assert seen.non_blocking is pinned
+    assert trainer.accelerator.dataloader_config.non_blocking is False

@@ -1,18 +1,25 @@
-"""The HF Trainer's `logging_nan_inf_filter`, done on the device instead of with a sync per step.
+"""The HF Trainer's per-step waits for the device, removed for one `train()`: `SyncFreeSteps`.
 
-With the filter on (the default), the Trainer's loop (transformers 5.7-5.24) tests each step's loss on the host,
-`torch.isnan(loss) or torch.isinf(loss)`, and adds a non-finite one to its running loss as
-`_tr_loss / (1 + global_step - _globalstep_last_logged)` instead. That `bool()` waits for the device, and the GPU
-then idles while the host runs the rest of the step: clipping, the optimizer, `zero_grad`, the next batch,
-`model.train()` and the FLOP count, walks of every module (36 ms of a Gemma2 LoRA step). When fastplug replays the
-layers, the host is otherwise ahead of the device, so this one sync is most of the wall time beyond device time.
+When fastplug replays the layers, the host is otherwise ahead of the device, and each wait idles the GPU while
+the host runs the step's edges: clipping, the optimizer, `zero_grad`, the next batch, `model.train()` and the FLOP
+count, walks of every module (tens of ms of a Gemma2 LoRA step). Two such waits come with the Trainer's defaults
+(transformers 5.7-5.24, accelerate 1.x):
 
-`SyncFreeLossFilter` gives the Trainer's loop, for one `train()`, a `training_step` that returns the loss where it
-is finite and the Trainer's replacement where it is not (`torch.where`, no sync), and turns the flag off from
-there until the step's next callback (`on_pre_optimizer_step`, or `on_substep_end` between accumulated
-micro-batches) turns it back on, before anything else reads it (evaluation filters its losses with it too). The
-logged losses are the Trainer's own. Where the trainer lacks that state (another transformers) or the loss is not
-a 0-d tensor on the running loss's device, the flag stays as the user set it and the Trainer filters, syncing.
+- The NaN/inf loss filter (`logging_nan_inf_filter`, on by default) tests each step's loss on the host,
+  `torch.isnan(loss) or torch.isinf(loss)`, and adds a non-finite one to its running loss as
+  `_tr_loss / (1 + global_step - _globalstep_last_logged)` instead. Here `training_step` returns the loss where
+  it is finite and that replacement where it is not (`torch.where`, no sync), and the flag is off from there
+  until the step's next callback (`on_pre_optimizer_step`, or `on_substep_end` between accumulated
+  micro-batches) turns it back on, before anything else reads it (evaluation filters its losses with it too).
+  The logged losses are the Trainer's own. Where the trainer lacks that state (another transformers) or the loss
+  is not a 0-d tensor on the running loss's device, the flag stays as the user set it and the Trainer filters,
+  syncing.
+- accelerate copies each batch to the device with `non_blocking=False` unless asked (`AcceleratorConfig
+  (non_blocking=True)`), and torch waits for the stream after such a copy. With the DataLoader pinning its
+  batches (`dataloader_pin_memory`, on by default) the copy is made non-blocking for the run: torch's pinned
+  allocator keeps the source until the copy has run.
+
+What is left is fastplug's own read of the rows' lengths at the forward's start, which the batch's shape needs.
 """
 
 from __future__ import annotations
@@ -23,17 +30,22 @@ import torch
 from transformers import TrainerCallback
 
 
-class SyncFreeLossFilter(TrainerCallback):
-    """`with SyncFreeLossFilter(trainer): trainer.train()`: the loss filter without its sync (module docstring)."""
+class SyncFreeSteps(TrainerCallback):
+    """`with SyncFreeSteps(trainer): trainer.train()`: the loss filter and the batch copy without their syncs
+    (module docstring)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
         self.requested = False  # the user's logging_nan_inf_filter, read at __enter__
         self._wrapper = None  # the training_step set on the trainer, while it is set
         self._instance_step = None  # a training_step the trainer instance carried before, put back after
+        self._loader_config = None  # accelerate's DataLoaderConfiguration made non-blocking for the run
 
-    def __enter__(self) -> SyncFreeLossFilter:
+    def __enter__(self) -> SyncFreeSteps:
         trainer = self.trainer
+        config = getattr(getattr(trainer, "accelerator", None), "dataloader_config", None)
+        if getattr(trainer.args, "dataloader_pin_memory", False) and getattr(config, "non_blocking", True) is False:
+            config.non_blocking, self._loader_config = True, config
         self.requested = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
         if not self.requested:
             return self
@@ -50,6 +62,8 @@ class SyncFreeLossFilter(TrainerCallback):
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._loader_config is not None:
+            self._loader_config.non_blocking, self._loader_config = False, None
         if self._wrapper is None:
             return
         trainer = self.trainer

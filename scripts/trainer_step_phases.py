@@ -17,7 +17,9 @@ A phase that waits for the device holds that wait. Run it on a GPU host (the dev
 `--timeline N` also traces N measured steps with torch.profiler (host ops and device kernels, the phases as
 ranges) and prints where the GPU was idle: kernel-busy ms against the span, and the idle ms by the host phase
 that ran meanwhile, with the host calls that waited for the device (synchronisations, blocking copies). That
-tells a step the host sets the pace of from one the device does.
+tells a step the host sets the pace of from one the device does. Tracing the host ops slows the host severalfold,
+so `--device-only` traces the kernels alone: the N steps' wall (synchronised at both ends) against their kernel
+time, and the idle gaps by the kernels on either side.
 """
 
 from __future__ import annotations
@@ -146,30 +148,48 @@ def _innermost(ranges: list[tuple[float, float, str]], t: float) -> str:
     return min(holding)[1] if holding else "outside the phases"
 
 
-def idle_report(trace_path: str, steps: int) -> None:
-    """GPU idle time of a torch.profiler chrome trace by the host phase running meanwhile (module docstring)."""
+def _short(kernel: str) -> str:
+    return kernel.split("(")[0].split("<")[0][:60]
+
+
+def idle_report(trace_path: str, steps: int, wall_s: float) -> None:
+    """GPU idle time of a torch.profiler chrome trace, by the host phase running meanwhile where the trace holds
+    the phases, else by the kernels on either side of each gap (module docstring)."""
     with open(trace_path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     device = sorted(
-        (e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
     )
     phases = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events if e["name"] in PHASES]
-    if not device or not phases:
-        print("the trace holds no kernels or no phases")
+    if not device:
+        print("the trace holds no kernels")
         return
-    busy, gaps, (run_start, run_end) = 0.0, [], device[0]
-    for start, end in device[1:]:
+    busy, gaps, (run_start, run_end, last) = 0.0, [], device[0]
+    for start, end, name in device[1:]:
         if start > run_end:
             busy += run_end - run_start
-            gaps.append((run_end, start))
+            gaps.append((run_end, start, last, name))
             run_start = start
-        run_end = max(run_end, end)
+        if end > run_end:
+            run_end, last = end, name
     busy += run_end - run_start
-    span = device[-1][1] - device[0][0]
     per_step = steps * 1e3
-    print(f"\ntimeline of {steps} steps: GPU busy {busy / per_step:.1f} ms a step of a {span / per_step:.1f} ms span")
+    print(
+        f"\ntimeline of {steps} steps: wall {wall_s * 1e3 / steps:.1f} ms a step (synchronised at both ends), GPU busy"
+        f" {busy / per_step:.1f} ms a step (kernel union): wall / busy {wall_s * 1e6 / busy:.2f}"
+    )
+    if not phases:
+        by_kernels: dict[str, list[float]] = {}
+        for start, end, before, after in gaps:
+            by_kernels.setdefault(f"{_short(before)} -> {_short(after)}", []).append(end - start)
+        print("| idle gap (kernel before -> after) | gaps a step | idle ms a step |\n|---|---|---|")
+        for where, durations in sorted(by_kernels.items(), key=lambda item: -sum(item[1]))[:12]:
+            print(f"| {where} | {len(durations) / steps:.1f} | {sum(durations) / per_step:.2f} |")
+        return
     idle: dict[str, float] = {}
-    for start, end in gaps:  # each idle gap, split at 0.1 ms grains by the innermost phase the host was in
+    for start, end, _, _ in gaps:  # each idle gap, split at 0.1 ms grains by the innermost phase the host was in
         t = start
         while t < end:
             grain = min(100.0, end - t)
@@ -197,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="e2e's tiny model on CPU (a smoke run)")
     parser.add_argument("--timeline", type=int, default=0, help="trace this many measured steps (docstring)")
+    parser.add_argument("--device-only", action="store_true", help="--timeline traces the kernels alone")
     args = parser.parse_args(argv)
     if args.timeline >= args.steps:
         parser.error("--timeline must be below --steps (the bench profiles the steps after the measured ones)")
@@ -215,7 +236,7 @@ def main(argv=None) -> int:
     begin, end, result = varlen._Meter.begin_step, varlen._Meter.end_step, varlen._Meter.result
     starts = []
 
-    trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None}
+    trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None, "wall": 0.0}
 
     def begin_step(meter):
         if args.timeline and len(starts) == args.warmup + args.timeline:
@@ -223,6 +244,7 @@ def main(argv=None) -> int:
 
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            trace["wall"] = time.perf_counter() - trace["wall"]
             trace["profile"].__exit__(None, None, None)
             trace["profile"].export_chrome_trace(trace["path"])
             trace["profile"] = None
@@ -230,8 +252,10 @@ def main(argv=None) -> int:
         if args.timeline and len(starts) == args.warmup:
             from torch.profiler import ProfilerActivity, profile
 
-            trace["profile"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            activities = [ProfilerActivity.CUDA] if args.device_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            trace["profile"] = profile(activities=activities)
             trace["profile"].__enter__()
+            trace["wall"] = time.perf_counter()
         starts.append(time.perf_counter())
         if len(starts) > 1:  # a cycle runs from one step's begin to the next's (logging and the next batch in it)
             cycles.append(starts[-1] - starts[-2])
@@ -274,7 +298,7 @@ def main(argv=None) -> int:
     print(f"| the whole cycle (to the next step's begin) | {1e3 * statistics.median(cycles[i] for i in repeats):.1f} |")
     print(f"GPU ms per step (profiler, all measured steps' mean): {outcome.get('gpu_ms') or 0:.1f}")
     if args.timeline:
-        idle_report(trace["path"], args.timeline)
+        idle_report(trace["path"], args.timeline, trace["wall"])
     return 0
 
 

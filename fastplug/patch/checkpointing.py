@@ -191,17 +191,24 @@ class TrainerCheckpointing:
         self.auto = existing or (AutoCheckpointing(model, memory_budget) if mode == "auto" else None)
         self._words = apply_mode(model, mode) if self.auto is None else None
         self._last = last_decoder_layer(model) if self.auto is None else None
+        # the layers install_offload gave its OffloadCheckpoint (none where offload fell back to plain)
+        offload = getattr(self._last, _FUNC, None) if mode == "offload" else None
+        self._offload = offload if isinstance(offload, OffloadCheckpoint) else None
+        self._offloaded = [] if self._offload is None else [m for m in model.modules() if vars(m).get(_FUNC) is offload]
         if self.auto is not None:
             self.auto.reapply()
 
     def reapply(self) -> None:
-        """Called at every training step: the plain mode's flag is set on the layer found once, since walking a
-        peft model's thousands of modules costs milliseconds of a step the GPU waits for."""
+        """Called at every training step: the mode goes on the layers found once (the offloaded ones get back the
+        one `OffloadCheckpoint`, the last layer its flag), since walking a peft model's thousands of modules costs
+        milliseconds of a step."""
         if self.auto is not None:
             self.auto.reapply()
-        elif self.mode == "offload":
-            apply_mode(self.model, self.mode)
-        elif self._last is not None:
+            return
+        for layer in self._offloaded:
+            if getattr(layer, _FUNC, None) is not self._offload:
+                setattr(layer, _FUNC, self._offload)
+        if self._last is not None:
             setattr(self._last, _FLAG, False)
 
     def __str__(self) -> str:

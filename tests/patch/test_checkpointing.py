@@ -172,3 +172,29 @@ def test_a_run_in_auto_mode_takes_the_models_own_auto_plan_and_leaves_it():
     run.undo()
     assert checkpointing._AUTO not in vars(alone), "a plan the run made goes with it"
     own.remove()
+
+
+def test_a_run_in_offload_mode_puts_its_one_offload_back_without_walking_the_model(monkeypatch):
+    """At each step the offload mode goes back on the layers found once: the layers the trainer turned plain
+    checkpointing on for again (TRL's DPO does around each reference pass) get the run's one OffloadCheckpoint
+    back, and the last layer its flag, with no walk of the model's modules."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # install_offload's check; nothing runs here
+    model = tiny_model("llama")
+    checkpointing.enable_native(model)
+    run = checkpointing.TrainerCheckpointing(model, "offload")
+    layers = checkpointing.decoder_layers(model)
+    offload = layers[0]._gradient_checkpointing_func
+    assert isinstance(offload, checkpointing.OffloadCheckpoint) and not layers[-1].gradient_checkpointing
+
+    walks = []
+    modules = torch.nn.Module.modules
+    monkeypatch.setattr(torch.nn.Module, "modules", lambda self: walks.append(self) or modules(self))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # the trainer
+    assert all(layer.gradient_checkpointing for layer in layers)
+    assert all(layer._gradient_checkpointing_func is not offload for layer in layers)
+    walks.clear()
+    run.reapply()
+    assert walks == []
+    assert all(layer._gradient_checkpointing_func is offload for layer in layers)
+    assert [layer.gradient_checkpointing for layer in layers] == [True] * (len(layers) - 1) + [False]
+    run.undo()

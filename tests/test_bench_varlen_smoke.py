@@ -40,6 +40,7 @@ def test_varlen_tiny_lightning_rows_count_real_tokens_and_agree(monkeypatch):
     fast, base = rows["lightning_fastkernels"], rows["lightning"]
     assert fast["note"].startswith("patched "), fast["note"]
     assert fast["vs baseline"] > 0
+    assert f"of the baseline's over {steps} steps" in fast["note"], fast["note"]
     for a, b in zip(fast["losses"], base["losses"]):
         assert abs(a - b) <= 1e-3 * abs(b), (fast["losses"], base["losses"])
 

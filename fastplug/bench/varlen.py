@@ -451,6 +451,15 @@ def worker_main(spec_json: str, result_path: str) -> int:
 # --- the parent -----------------------------------------------------------------------------------------------
 
 
+def _loss_agreement(losses: list, baseline: list) -> str:
+    """How far a run's per-step losses are from its baseline's, step by step (same batches, same seed)."""
+    pairs = [(a, b) for a, b in zip(losses, baseline) if a is not None and b is not None]
+    if not pairs:
+        return ""
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+    return f"losses within {100 * worst:.2g}% of the baseline's over {len(pairs)} steps; "
+
+
 def varlen_rows(args, models, runs, device, save) -> list[dict]:
     rows = []
     for model in models:
@@ -480,9 +489,12 @@ def varlen_rows(args, models, runs, device, save) -> list[dict]:
                  "real tokens": res["real_tokens"], "losses": res["losses"]}  # for callers; not in the table
             )  # fmt: skip
             base = results.get(BASELINE.get(run))
+            agreement = ""
             if base:
                 row["vs baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
-            row["note"] = f"{res['note']}; {res['measured_steps']} steps, {time.time() - started:.0f} s".lstrip("; ")
+                agreement = _loss_agreement(res["losses"], base["losses"])
+            row["note"] = f"{res['note']}; {agreement}{res['measured_steps']} steps, {time.time() - started:.0f} s"
+            row["note"] = row["note"].lstrip("; ")
             save(rows)
     return rows
 

@@ -62,6 +62,7 @@ def _train(tmp_path, value, filtered: bool, callbacks=()):
     return trainer, logged
 
 
+@pytest.mark.compat  # the Trainer loop's filter and state, in the oldest transformers too
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_the_logged_losses_are_the_trainers_own_filters(tmp_path, value):
     """Through the device filter the run logs the losses the Trainer's own filter logs (the non-finite one
@@ -79,6 +80,7 @@ def test_the_logged_losses_are_the_trainers_own_filters(tmp_path, value):
     assert not any(isinstance(cb, SyncFreeSteps) for cb in trainer.callback_handler.callbacks)
 
 
+@pytest.mark.compat
 def test_the_trainer_loop_does_not_test_the_loss_on_the_host(tmp_path, monkeypatch):
     """With FastKernels the loop's `torch.isnan(loss) or torch.isinf(loss)` (a device sync per micro-batch) does
     not run; without it, it runs once per micro-batch."""

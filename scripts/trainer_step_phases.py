@@ -129,7 +129,7 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
 
     stack.enter_context(_patched(torch.nn.Module, "train", outer_train))
     stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed("model.zero_grad", fn)))
-    # the one host sync of a step outside the loss path: `torch.isnan(loss) or torch.isinf(loss)`
+    # the plain Trainer's loss filter, `torch.isnan(loss) or torch.isinf(loss)`: its one host sync a step
     stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(LOSS_FILTER, fn)))
 
 
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     begin, end, result = varlen._Meter.begin_step, varlen._Meter.end_step, varlen._Meter.result
     starts = []
 
-    trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None, "wall": 0.0}
+    trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None, "started": 0.0, "wall": 0.0}
 
     def begin_step(meter):
         if args.timeline and len(starts) == args.warmup + args.timeline:
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
 
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            trace["wall"] = time.perf_counter() - trace["wall"]
+            trace["wall"] = time.perf_counter() - trace["started"]
             trace["profile"].__exit__(None, None, None)
             trace["profile"].export_chrome_trace(trace["path"])
             trace["profile"] = None
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
             activities = [ProfilerActivity.CUDA] if args.device_only else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
             trace["profile"] = profile(activities=activities)
             trace["profile"].__enter__()
-            trace["wall"] = time.perf_counter()
+            trace["started"] = time.perf_counter()
         starts.append(time.perf_counter())
         if len(starts) > 1:  # a cycle runs from one step's begin to the next's (logging and the next batch in it)
             cycles.append(starts[-1] - starts[-2])

@@ -152,12 +152,13 @@ class _Meter:
 
     def attach(self, model) -> None:
         """Count the real tokens of `model`'s training forwards and keep the loss of the last one."""
+        import torch
+
         from ..integrations.hf_trainer import _TokenCounter
 
         self._counter = _TokenCounter()
         self._counter.attach(model)
         self._model = model
-        import torch
 
         def keep_loss(module, args, output):
             loss = getattr(output, "loss", None) if module.training else None

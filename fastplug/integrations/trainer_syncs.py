@@ -19,7 +19,10 @@ count, walks of every module (tens of ms of a Gemma2 LoRA step). Two such waits 
   batches (`dataloader_pin_memory`, on by default) the copy is made non-blocking for the run: torch's pinned
   allocator keeps the source until the copy has run.
 
-What is left is fastplug's own read of the rows' lengths at the forward's start, which the batch's shape needs.
+- fastplug's own forward reads the rows' lengths and checks their padding (`models.padding.unmaskable`) to pack
+  them: the batch's shape depends on it. The collator's batches are read where they are collated, on the host, and
+  the facts ride on the device mask (`_CollateReadingRows`), so the forward does not wait for the copy. A batch the
+  trainer changes before the forward (a new mask or labels, a write in place) is read on the device as before.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import TrainerCallback
+from transformers import BatchEncoding, TrainerCallback
+
+from ..models.padding import note_rows_read_on_host, padding_facts
 
 
 class SyncFreeSteps(TrainerCallback):
@@ -40,12 +45,17 @@ class SyncFreeSteps(TrainerCallback):
         self._wrapper = None  # the training_step set on the trainer, while it is set
         self._instance_step = None  # a training_step the trainer instance carried before, put back after
         self._loader_config = None  # accelerate's DataLoaderConfiguration made non-blocking for the run
+        self._collator = None  # the trainer's data_collator, while it is wrapped
 
     def __enter__(self) -> SyncFreeSteps:
         trainer = self.trainer
         config = getattr(getattr(trainer, "accelerator", None), "dataloader_config", None)
         if getattr(trainer.args, "dataloader_pin_memory", False) and getattr(config, "non_blocking", True) is False:
             config.non_blocking, self._loader_config = True, config
+        collator = getattr(trainer, "data_collator", None)
+        if collator is not None and not isinstance(collator, _CollateReadingRows):
+            self._collator = collator
+            trainer.data_collator = _CollateReadingRows(self._collator)
         self.requested = bool(getattr(trainer.args, "logging_nan_inf_filter", False))
         if not self.requested:
             return self
@@ -64,6 +74,10 @@ class SyncFreeSteps(TrainerCallback):
     def __exit__(self, *exc) -> None:
         if self._loader_config is not None:
             self._loader_config.non_blocking, self._loader_config = False, None
+        if self._collator is not None:
+            if isinstance(self.trainer.data_collator, _CollateReadingRows):
+                self.trainer.data_collator = self._collator
+            self._collator = None
         if self._wrapper is None:
             return
         trainer = self.trainer
@@ -106,3 +120,59 @@ class SyncFreeSteps(TrainerCallback):
 
     def on_substep_end(self, args, state, control, **kwargs):
         self._put_flag_back()
+
+
+class _CollateReadingRows:
+    """The trainer's collator, whose padded batches read their padding facts where they are collated (a
+    DataLoader worker or the main process) and leave them on their device mask when moved there (`_RowFactsBatch`).
+    Every other attribute is the collator's."""
+
+    def __init__(self, collate):
+        vars(self)["collate"] = collate
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        # a dict, or the tokenizer's padded BatchEncoding (no encodings to carry): rebuilt alike after the copy
+        if type(batch) is not dict and not (isinstance(batch, BatchEncoding) and batch.encodings is None):
+            return batch
+        mask, labels = batch.get("attention_mask"), batch.get("labels")
+        if not (isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor) and mask.device.type == "cpu"):
+            return batch
+        return _RowFactsBatch(batch, padding_facts(mask, labels, -100))
+
+    def __getattr__(self, name):
+        try:
+            collate = vars(self)["collate"]
+        except KeyError:  # while unpickled in a DataLoader worker, before its state is back
+            raise AttributeError(name) from None
+        return getattr(collate, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.collate, name, value)
+
+
+class _RowFactsBatch(dict):
+    """A collated batch and its padding facts (`padding_facts` with ignore index -100). Moved with `.to(device)`
+    (accelerate's `send_to_device`), it comes back as the collator made it, and its device mask carries the facts."""
+
+    def __init__(self, batch, facts: tuple | None = None):  # None: rebuilt by a mapping walk (accelerate's slicing)
+        super().__init__(batch)
+        self.kind = type(batch)
+        self.facts = facts
+
+    def to(self, device, non_blocking: bool = False):
+        moved = {key: _moved(value, device, non_blocking) for key, value in self.items()}
+        if self.facts is not None:
+            note_rows_read_on_host(moved["attention_mask"], moved["labels"], self.facts)
+        return self.kind(moved)
+
+
+def _moved(value, device, non_blocking: bool):
+    """`value` on `device`: tensors, and lists, tuples and dicts of them (as accelerate's `send_to_device`)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if type(value) in (list, tuple):
+        return type(value)(_moved(v, device, non_blocking) for v in value)
+    if type(value) is dict:
+        return {k: _moved(v, device, non_blocking) for k, v in value.items()}
+    return value

@@ -24,6 +24,7 @@ a few thousand tokens costs the device a fraction of one.
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import NamedTuple
 
@@ -88,10 +89,19 @@ class RowLengths:
 
 
 def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[str | None, list]:
-    """(why this padded batch needs its mask (None: it does not), each row's real tokens), with one host sync:
-    every row's real tokens come first, and no pad predicts a label (a pad's prediction depends on the mask; a
-    real token's does not)."""
-    if attention_mask.dim() != 2 or labels.shape != attention_mask.shape:
+    """(why this padded batch needs its mask (None: it does not), each row's real tokens): every row's real tokens
+    come first, and no pad predicts a label (a pad's prediction depends on the mask; a real token's does not).
+    Read on the host before the batch's copy where `note_rows_read_on_host` left them on this mask, else with one
+    host sync."""
+    known = getattr(attention_mask, _ROWS_READ_ON_HOST, None)
+    if known is not None and ignore_index == _HOST_IGNORE_INDEX and known.still_holds(attention_mask, labels):
+        return known.facts
+    return padding_facts(attention_mask, labels, ignore_index)
+
+
+def padding_facts(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[str | None, list]:
+    """`unmaskable`'s answer computed from the tensors where they are (one host sync on a device)."""
+    if attention_mask.dim() != 2 or labels is None or labels.shape != attention_mask.shape:
         return "a mask or labels of another shape", []
     mask = attention_mask.bool()
     right = (mask[:, 1:] <= mask[:, :-1]).all()
@@ -101,6 +111,29 @@ def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index:
     if not right:
         return "padding not on the right", lengths
     return (None if no_pad_predicts else "a pad predicts a label (labels not ignored at the padding)"), lengths
+
+
+# The padding facts of a batch read on the host, before its copy, ride on its device mask under this attribute, so
+# that the forward need not wait for the device to learn them. They hold for the labels' ignore index -100 (the
+# collators' and the loss's default).
+_ROWS_READ_ON_HOST = "_fastplug_rows_read_on_host"
+_HOST_IGNORE_INDEX = -100
+
+
+class _RowsReadOnHost(NamedTuple):
+    labels: weakref.ref  # the device labels the facts were read with
+    versions: tuple[int, int]  # the mask's and the labels' versions then: a write in place since voids the facts
+    facts: tuple  # padding_facts of their host copies
+
+    def still_holds(self, attention_mask: torch.Tensor, labels) -> bool:
+        return self.labels() is labels and self.versions == (attention_mask._version, labels._version)
+
+
+def note_rows_read_on_host(attention_mask: torch.Tensor, labels: torch.Tensor, facts: tuple) -> None:
+    """Leave `facts` (`padding_facts` of the host copies of `attention_mask` and `labels`, ignore index -100) on
+    the copied `attention_mask`, for `unmaskable` to read while the two are as copied."""
+    known = _RowsReadOnHost(weakref.ref(labels), (attention_mask._version, labels._version), facts)
+    setattr(attention_mask, _ROWS_READ_ON_HOST, known)
 
 
 class LossOnlyBatch(NamedTuple):

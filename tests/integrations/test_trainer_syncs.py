@@ -12,6 +12,7 @@ from transformers import Trainer, TrainerCallback
 
 from fastplug import FastKernels
 from fastplug.integrations.trainer_syncs import SyncFreeSteps
+from tests.helpers import assert_close
 from tests.integrations.test_hf_trainer import _args, _dataset, _run
 from tests.models.tiny import tiny_model
 
@@ -132,3 +133,140 @@ def test_pinned_batches_are_copied_non_blocking_for_the_run(tmp_path, pinned):
     trainer, *_ = _run(tmp_path, [FastKernels(), seen], model=tiny_model("llama"), args=args)
     assert seen.non_blocking is pinned
     assert trainer.accelerator.dataloader_config.non_blocking is False
+
+
+def _padding_read_on_device(monkeypatch):
+    """The calls of the forward's own read of a batch's padding (`models.padding.padding_facts` as `unmaskable`
+    calls it: on the device, a sync), counted."""
+    from fastplug.models import padding
+
+    calls = []
+    read = padding.padding_facts
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(padding, "padding_facts", counted)
+    return calls
+
+
+def _right_padded(lengths, seed, left=False, labels_at_pads=False):
+    g = torch.Generator().manual_seed(seed)
+    tokens = max(lengths)
+    ids = torch.randint(1, 64, (len(lengths), tokens), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, tokens - n :] = 1
+        else:
+            mask[row, :n] = 1
+    labels = ids.clone() if labels_at_pads else ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(lengths=[7, 3, 5]),
+        dict(lengths=[4, 4]),
+        dict(lengths=[7, 3], left=True),
+        dict(lengths=[6, 2], labels_at_pads=True),
+    ],
+)
+def test_a_collated_batch_carries_its_padding_read_on_the_host_to_the_device(monkeypatch, case):
+    """The collator's batch, pinned (a copy of the mapping), sent from a DataLoader worker (pickled) and moved
+    with `.to` as accelerate moves it, comes back as the collator made it, and the forward's padding check reads the
+    facts the host read, equal to reading the moved tensors; a write in place, other labels or another ignore index
+    make it read the tensors again."""
+    import copy
+    import pickle
+
+    from fastplug.integrations.trainer_syncs import _CollateReadingRows
+    from fastplug.models.padding import padding_facts, unmaskable
+
+    made = _right_padded(**case, seed=len(case["lengths"]))
+    collate = _CollateReadingRows(lambda features: {k: v.clone() for k, v in made.items()})
+    batch = pickle.loads(pickle.dumps(copy.copy(collate(None))))
+    moved = batch.to("cpu", non_blocking=True)
+    assert type(moved) is dict and moved.keys() == made.keys()
+    assert all(torch.equal(moved[k], made[k]) for k in made)
+    expected = padding_facts(made["attention_mask"], made["labels"], -100)
+    reads = _padding_read_on_device(monkeypatch)
+    mask, labels = moved["attention_mask"], moved["labels"]
+    assert unmaskable(mask, labels, -100) == expected and reads == []
+    assert unmaskable(mask, labels, -1) == padding_facts(mask, labels, -1) and len(reads) == 1
+    assert unmaskable(mask, labels.clone(), -100) == expected and len(reads) == 2
+    mask[0, 1:] = 0  # now the first row is one token long
+    assert unmaskable(mask, labels, -100) == padding_facts(mask, labels, -100) and len(reads) == 3
+    assert unmaskable(mask, labels, -100)[1][0] == 1
+
+
+def test_the_collators_attributes_and_its_other_batches_are_its_own():
+    """Attributes read and set through the wrapper are the collator's; a batch without a mask and labels, or of
+    another mapping type, passes as the collator made it."""
+    from collections import OrderedDict
+
+    from fastplug.integrations.trainer_syncs import _CollateReadingRows
+
+    class Collator:
+        pad_to_multiple_of = None
+
+        def __call__(self, features):
+            return features
+
+    inner = Collator()
+    collate = _CollateReadingRows(inner)
+    collate.pad_to_multiple_of = 8
+    assert inner.pad_to_multiple_of == 8 and collate.pad_to_multiple_of == 8
+    ids_only = {"input_ids": torch.ones(2, 3, dtype=torch.long)}
+    assert collate(ids_only) is ids_only
+    ordered = OrderedDict(_right_padded([3, 2], seed=1))
+    assert collate(ordered) is ordered
+
+
+def _varlen_dataset(n=8, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 17, (n,), generator=g).tolist()
+    return [{"input_ids": torch.randint(1, 64, (length,), generator=g)} for length in lengths]
+
+
+def _pad_right(features):
+    """What the HF collators make of token rows for causal LM training: right padding, labels ignored there."""
+    tokens = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), tokens, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, f in enumerate(features):
+        ids[row, : len(f["input_ids"])] = f["input_ids"]
+        mask[row, : len(f["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+@pytest.mark.compat
+def test_the_forward_does_not_read_the_padding_on_the_device(tmp_path, monkeypatch):
+    """A Trainer run of rows of varied lengths with FastKernels packs every batch with the padding read where it
+    was collated (the forward never reads it from the device), logs the plain Trainer's losses, and the trainer's
+    collator is the user's again after it."""
+    from fastplug.models import padding
+
+    reads = _padding_read_on_device(monkeypatch)
+    checked = []
+    check = padding.unmaskable
+    monkeypatch.setattr(padding, "unmaskable", lambda *args: checked.append(1) or check(*args))
+    runs = {}
+    for fast in (False, True):
+        trainer = Trainer(
+            model=tiny_model("llama"),
+            args=_args(tmp_path, max_steps=3, eval_steps=3),
+            train_dataset=_varlen_dataset(),
+            eval_dataset=_varlen_dataset(4, seed=5),
+            data_collator=_pad_right,
+            callbacks=[FastKernels()] if fast else [],
+        )
+        trainer.train()
+        runs[fast] = torch.tensor([h["loss"] for h in trainer.state.log_history if "loss" in h])
+        assert trainer.data_collator is _pad_right
+    assert len(checked) == 6, "each micro-batch's padding checked"
+    assert reads == [], "the forward read a batch's padding on the device"
+    assert len(runs[True]) == 3
+    assert_close(runs[True], runs[False], torch.float32, "logged losses")

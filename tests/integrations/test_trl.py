@@ -127,9 +127,12 @@ def test_sft_matches_trl_and_restores(tmp_path):
     assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head was never replaced"
 
 
-def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_path):
+def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_path, monkeypatch):
     """Rows of different lengths (the collator pads each batch on the right, the pads' labels ignored): TRL's fused
-    LM head runs them packed into one row, and the losses are TRL's own; the wrapper goes with the run."""
+    LM head runs them packed into one row, with their padding read where they were collated (never from the
+    device), and the losses are TRL's own; the wrapper goes with the run."""
+    from fastplug.models import padding
+
     texts = [f"{i} is " + "very " * i + ("even." if i % 2 == 0 else "odd.") for i in range(8)]
     dataset = datasets.Dataset.from_dict({"text": texts})
     reference = SFTTrainer(model=tiny_llama(), args=SFTConfig(**common_args(tmp_path)), train_dataset=dataset,
@@ -147,8 +150,12 @@ def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_p
             paths.append(str(trainer.fast_kernel_handles[0].batch_paths))
 
     trainer.add_callback(BatchPathsAtTheEnd())
+    reads = []
+    read = padding.padding_facts
+    monkeypatch.setattr(padding, "padding_facts", lambda *args: reads.append(1) or read(*args))
     trainer.train()
     assert "padding dropped, rows packed into one" in paths[0], paths
+    assert reads == [], "the forward read a batch's padding on the device"
     assert rel_err(torch.tensor(losses(trainer)), torch.tensor(losses(reference))) < 1e-5
     assert vars(model)["forward"].__func__ is trl_forward, "TRL's fused LM head is back after the run"
 

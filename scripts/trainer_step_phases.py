@@ -20,6 +20,12 @@ that ran meanwhile, with the host calls that waited for the device (synchronisat
 tells a step the host sets the pace of from one the device does. Tracing the host ops slows the host severalfold,
 so `--device-only` traces the kernels alone: the N steps' wall (synchronised at both ends) against their kernel
 time, and the idle gaps by the kernels on either side.
+
+Without any tracing, a CUDA event recorded where each step begins gives the device's own time per step (kernels
+and the gaps between them, idle included), and `--host-delay MS` adds MS ms of host work to every step (a sleep in
+the step-end callback), the device's work unchanged. Whether the host or the device sets the pace shows in the
+cycle: where the device does, the host is ahead and the cycle stays as it was up to the delay the host can
+spare; where the host does, the cycle grows by the delay.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ PHASES = (
     "training_step",
     "  model.train()",
     "  forward (loss)",
-    "    fastplug: batch padded/packed (one host sync)",
+    "    fastplug: batch padded/packed (a host sync unless collated by the trainer)",
     "  backward (issue)",
     LOSS_FILTER := "bool() of a tensor (the loss filter: waits for the device)",
     "FLOP count (model.num_parameters)",
@@ -102,7 +108,7 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
         (CallbackHandler, "on_step_begin", "callbacks: step begin"),
         (trainer, "training_step", "training_step"),
         (trainer, "compute_loss", "  forward (loss)"),
-        (lm_head, "loss_only_inputs", "    fastplug: batch padded/packed (one host sync)"),
+        (lm_head, "loss_only_inputs", "    fastplug: batch padded/packed (a host sync unless collated by the trainer)"),
         (Accelerator, "backward", "  backward (issue)"),
         (trainer, "floating_point_ops", "FLOP count (model.num_parameters)"),
         (trainer, "_clip_grad_norm", "gradient clipping"),
@@ -218,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="e2e's tiny model on CPU (a smoke run)")
     parser.add_argument("--timeline", type=int, default=0, help="trace this many measured steps (docstring)")
     parser.add_argument("--device-only", action="store_true", help="--timeline traces the kernels alone")
+    parser.add_argument("--host-delay", type=float, default=0.0, help="ms of host work added to each step (sleep)")
     args = parser.parse_args(argv)
     if args.timeline >= args.steps:
         parser.error("--timeline must be below --steps (the bench profiles the steps after the measured ones)")
@@ -234,7 +241,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     clock, walls, cycles, causes = PhaseClock(), [], [], []
     begin, end, result = varlen._Meter.begin_step, varlen._Meter.end_step, varlen._Meter.result
-    starts = []
+    starts, marks = [], []  # each step's begin: host time, and a CUDA event on the device's stream
 
     trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None, "started": 0.0, "wall": 0.0}
 
@@ -257,12 +264,19 @@ def main(argv=None) -> int:
             trace["profile"].__enter__()
             trace["started"] = time.perf_counter()
         starts.append(time.perf_counter())
+        if not tiny:
+            import torch
+
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
         if len(starts) > 1:  # a cycle runs from one step's begin to the next's (logging and the next batch in it)
             cycles.append(starts[-1] - starts[-2])
             clock.next_step()
         clock.current = {}
 
     def end_step(meter, loss=None):
+        if args.host_delay:
+            time.sleep(args.host_delay / 1e3)
         walls.append(time.perf_counter() - starts[-1])
         return end(meter, loss)
 
@@ -296,7 +310,16 @@ def main(argv=None) -> int:
         f"{1e3 * statistics.median(walls[i] for i in repeats):.1f} |"
     )
     print(f"| the whole cycle (to the next step's begin) | {1e3 * statistics.median(cycles[i] for i in repeats):.1f} |")
+    if marks:
+        spans = [marks[i].elapsed_time(marks[i + 1]) for i in repeats if i + 1 < len(marks)]
+        print(
+            f"| the device's time per step, between its begin events (idle included) | {statistics.median(spans):.1f} |"
+        )
+    if args.host_delay:
+        print(f"(each step's end callback slept {args.host_delay:g} ms)")
     print(f"GPU ms per step (profiler, all measured steps' mean): {outcome.get('gpu_ms') or 0:.1f}")
+    if outcome.get("kernels_per_step"):
+        print(f"device kernels per profiled step: {outcome['kernels_per_step']:.0f}")
     if args.timeline:
         idle_report(trace["path"], args.timeline, trace["wall"])
     return 0

@@ -145,6 +145,7 @@ class _Meter:
         self._counter = None  # the FastKernels callback's counter: attention-mask ones, summed lazily
         self._profile = None
         self.kernel_ms_per_token = None
+        self.kernels_per_step = None  # device kernels (and copies) per profiled step
         self._model = None
         self._before = (0, 0, 0)
         self.causes: list[str] = []  # per step: why it cost more host time than a repeated one, or "repeat"
@@ -214,7 +215,9 @@ class _Meter:
         if self._profile is not None:
             self._profile.__exit__(None, None, None)
             events = self._profile.key_averages()
-            kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+            kernels = [e for e in events if e.device_type.name == "CUDA"]
+            kernel_us = sum(e.self_device_time_total for e in kernels)
+            self.kernels_per_step = sum(e.count for e in kernels) / PROFILED_STEPS
             profiled_tokens = sum(int(n) for n in self.tokens[self.warmup + self.steps :])
             self.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
 
@@ -294,6 +297,7 @@ class _Meter:
             wall_ms=wall_ms,
             # the measured steps' kernel time, from the profiled steps' time per real token
             gpu_ms=per_token * sum(tokens) / len(tokens) if per_token else None,
+            kernels_per_step=self.kernels_per_step,
             measured_steps=len(times),
             losses=[None if loss is None else float(loss) for loss in self.losses],  # every step's
             real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too

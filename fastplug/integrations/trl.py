@@ -205,7 +205,12 @@ def _packed_fused_head(model, forward, family, row_lengths, paths):
             return forward(**kwargs)
         rest[DOCUMENT_BOUNDS] = batch.bounds
         output = forward(
-            input_ids=batch.input_ids, labels=batch.labels, position_ids=batch.position_ids, fused_lm_head=True, **rest
+            input_ids=batch.input_ids,
+            attention_mask=batch.decoder_mask,
+            labels=batch.labels,
+            position_ids=batch.position_ids,
+            fused_lm_head=True,
+            **rest,
         )
         rows, tokens = input_ids.shape
         length = batch.input_ids.shape[1]

@@ -94,6 +94,12 @@ UNPACKED = "fastplug_rows_unpacked"
 DOCUMENT_BOUNDS = "fastplug_document_bounds"
 
 
+# Attribute of the mask fastplug gives the decoder with the rows it packed: `fastplug_mask` returns None for it
+# unread, since the documents' bounds come as DOCUMENT_BOUNDS. Without a mask, transformers would look for packed
+# rows in position_ids before the layers (`find_packed_sequence_indices`, a host sync) only to have the mask dropped.
+PACKED_ROW_MASK = "_fastplug_packed_row_mask"
+
+
 def rows_unpacked(args: tuple, kwargs: dict) -> bool:
     """Whether a decoder stack called with `args`, `kwargs` takes rows that are not packed: its caller passed no
     position_ids (the stack's third positional argument: input_ids, attention_mask, position_ids, ...) and no
@@ -141,7 +147,7 @@ def fastplug_mask(*args, **kwargs):
     fallback = fallback_name(kwargs.get("config"))
     if _composed_beyond_causal(kwargs):
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
-    if attention_mask is None:
+    if attention_mask is None or getattr(attention_mask, PACKED_ROW_MASK, False):
         return None
     if torch.compiler.is_compiling():  # traced: no host sync to learn whether it pads; this mask is exact
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)

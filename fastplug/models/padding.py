@@ -141,7 +141,7 @@ class LossOnlyBatch(NamedTuple):
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    decoder_mask: torch.Tensor | None  # the mask the decoder gets (None: none)
+    decoder_mask: torch.Tensor | None  # the mask the decoder gets (None: none; packed rows: `PACKED_ROW_MASK`'s)
     attention_mask: torch.Tensor | None  # which of input_ids are real tokens (the router's balance loss reads it)
     position_ids: torch.Tensor | None  # each token's position in its row (packed rows), else None
     bounds: tuple | None  # packed rows: each token's document (start, end), for the attention
@@ -255,6 +255,7 @@ def _packed(
     """The real tokens of a right-padded batch in one row (`real` of them, known from the host sync that checked the
     padding), then pads up to the length `lengths` fits it to, as short documents of their own. Device ops only."""
     from ..kernels.attention import packed_bounds
+    from .fast_attention import PACKED_ROW_MASK
 
     tokens = input_ids.shape[1]
     length = lengths.fit(1, real) if lengths is not None else real
@@ -268,8 +269,11 @@ def _packed(
     target = nn.functional.pad(target, (0, length - real), value=ignore_index)
     pads = torch.arange(length - real, device=positions.device) % _PAD_DOCUMENT
     positions = torch.cat((positions, pads))[None]
-    mask = (torch.arange(length, device=ids.device) < real).to(attention_mask.dtype)
-    return LossOnlyBatch(ids[None], target[None], None, mask[None], positions, packed_bounds(positions), index)
+    real_tokens = (torch.arange(length, device=ids.device) < real)[None]
+    decoder_mask = real_tokens.clone()  # bool, as transformers takes it: the same tensor reaches fastplug_mask
+    setattr(decoder_mask, PACKED_ROW_MASK, True)
+    mask = real_tokens.to(attention_mask.dtype)
+    return LossOnlyBatch(ids[None], target[None], decoder_mask, mask, positions, packed_bounds(positions), index)
 
 
 def _reason_to_keep(config, input_ids, attention_mask, labels, position_ids, kwargs: dict) -> tuple[str | None, list]:

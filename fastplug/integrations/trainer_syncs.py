@@ -19,10 +19,11 @@ count, walks of every module (tens of ms of a Gemma2 LoRA step). Two such waits 
   batches (`dataloader_pin_memory`, on by default) the copy is made non-blocking for the run: torch's pinned
   allocator keeps the source until the copy has run.
 
-- fastplug's own forward reads the rows' lengths and checks their padding (`models.padding.unmaskable`) to pack
-  them: the batch's shape depends on it. The collator's batches are read where they are collated, on the host, and
-  the facts ride on the device mask (`_CollateReadingRows`), so the forward does not wait for the copy. A batch the
-  trainer changes before the forward (a new mask or labels, a write in place) is read on the device as before.
+A third is fastplug's own: its forward reads the rows' lengths and checks their padding
+(`models.padding.unmaskable`) to pack them, since the packed row's shape depends on them. Here the trainer's
+collator is wrapped for the run (`_CollateReadingRows`): a padded batch is checked where it is collated, on the
+host, and the result rides to the device on its mask, so the forward does not wait. A batch changed between the
+collator and the forward (a new mask or labels, a write in place) is checked on the device as before.
 """
 
 from __future__ import annotations

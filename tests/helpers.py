@@ -93,3 +93,23 @@ def train_losses(
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+def padding_reads_on_device(monkeypatch) -> list:
+    """A list that grows by one at each read of a training batch's padding by fastplug's forward itself
+    (`models.padding.padding_facts` called by `unmaskable`: on a GPU, a host sync), not at those made on the host
+    where the batch was collated."""
+    import sys
+
+    from fastplug.models import padding
+
+    calls = []
+    read = padding.padding_facts
+
+    def counted(*args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "unmaskable":
+            calls.append(1)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(padding, "padding_facts", counted)
+    return calls

@@ -99,6 +99,21 @@ class LightningFastKernelsMixin:
         finally:
             super().teardown()
 
+    def batch_to_device(self, batch, device=None, dataloader_idx: int = 0):
+        """Lightning's move of a batch, a padded batch's padding checked on the host first and carried on its device
+        mask (`models.padding.host_padding_facts`), so the patched forward need not read it from the device (a host
+        sync a step). Only where Lightning's own hooks move the batch: one of the user's could change what the
+        device gets."""
+        from ..models.padding import host_padding_facts, note_batch_read_on_host
+
+        facts = None
+        if self.fast_kernel_handles and _moves_batches_as_lightning(self.lightning_module):
+            facts = host_padding_facts(batch)
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        if facts is not None:
+            note_batch_read_on_host(moved, facts)
+        return moved
+
     def restore_fast_kernels(self) -> None:
         """Restore the patches this strategy made (a patch made before stays; harmless when already restored)."""
         for handle in self._own_handles:
@@ -125,6 +140,18 @@ class LightningFastKernelsMixin:
         self.fast_kernel_handles = [handle for handle, _ in patched]
         self._own_handles = [handle for handle, made in patched if made]
         self._patched_paths = [path for path, _ in models]
+
+
+def _moves_batches_as_lightning(module) -> bool:
+    """Whether `module` (and its trainer's DataModule) leave the move of a batch to the device to Lightning:
+    `transfer_batch_to_device` and `on_after_batch_transfer` not overridden."""
+    datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
+    for owner in (module, datamodule):
+        for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
+            method = getattr(type(owner), hook, None)
+            if owner is not None and getattr(method, "__qualname__", "") != f"DataHooks.{hook}":
+                return False
+    return True
 
 
 FastKernelsMixin = LightningFastKernelsMixin  # its former name (the TRL adapter had a class of the same name)

@@ -33,7 +33,7 @@ import functools
 import torch
 from transformers import BatchEncoding, TrainerCallback
 
-from ..models.padding import note_rows_read_on_host, padding_facts
+from ..models.padding import host_padding_facts, note_batch_read_on_host
 
 
 class SyncFreeSteps(TrainerCallback):
@@ -136,10 +136,8 @@ class _CollateReadingRows:
         # a dict, or the tokenizer's padded BatchEncoding (no encodings to carry): rebuilt alike after the copy
         if type(batch) is not dict and not (isinstance(batch, BatchEncoding) and batch.encodings is None):
             return batch
-        mask, labels = batch.get("attention_mask"), batch.get("labels")
-        if not (isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor) and mask.device.type == "cpu"):
-            return batch
-        return _RowFactsBatch(batch, padding_facts(mask, labels, -100))
+        facts = host_padding_facts(batch)
+        return batch if facts is None else _RowFactsBatch(batch, facts)
 
     def __getattr__(self, name):
         try:
@@ -153,7 +151,7 @@ class _CollateReadingRows:
 
 
 class _RowFactsBatch(dict):
-    """A collated batch and its padding facts (`padding_facts` with ignore index -100). Moved with `.to(device)`
+    """A collated batch and its padding facts (`host_padding_facts`). Moved with `.to(device)`
     (accelerate's `send_to_device`), it comes back as the collator made it, and its device mask carries the facts."""
 
     def __init__(self, batch, facts: tuple | None = None):  # None: rebuilt by a mapping walk (accelerate's slicing)
@@ -164,7 +162,7 @@ class _RowFactsBatch(dict):
     def to(self, device, non_blocking: bool = False):
         moved = {key: _moved(value, device, non_blocking) for key, value in self.items()}
         if self.facts is not None:
-            note_rows_read_on_host(moved["attention_mask"], moved["labels"], self.facts)
+            note_batch_read_on_host(moved, self.facts)
         return self.kind(moved)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -127,6 +128,22 @@ class _RowsReadOnHost(NamedTuple):
 
     def still_holds(self, attention_mask: torch.Tensor, labels) -> bool:
         return self.labels() is labels and self.versions == (attention_mask._version, labels._version)
+
+
+def host_padding_facts(batch) -> tuple | None:
+    """`padding_facts` of a collated batch (a mapping with a 2-D `attention_mask` and `labels` on the host, ignore
+    index -100), read there without a sync; None for anything else."""
+    mask, labels = (batch.get("attention_mask"), batch.get("labels")) if isinstance(batch, Mapping) else (None, None)
+    if not (isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor) and mask.device.type == "cpu"):
+        return None
+    return padding_facts(mask, labels, _HOST_IGNORE_INDEX)
+
+
+def note_batch_read_on_host(moved, facts: tuple) -> None:
+    """Leave `host_padding_facts` of a batch on its copy `moved` (`note_rows_read_on_host`)."""
+    mask, labels = (moved.get("attention_mask"), moved.get("labels")) if isinstance(moved, Mapping) else (None, None)
+    if isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor):
+        note_rows_read_on_host(mask, labels, facts)
 
 
 def note_rows_read_on_host(attention_mask: torch.Tensor, labels: torch.Tensor, facts: tuple) -> None:

@@ -21,7 +21,7 @@ from fastplug.integrations.lightning import (  # noqa: E402
     find_transformers_models,
 )
 from fastplug.patch.engine import active_handle  # noqa: E402
-from tests.helpers import checkpointing_on, rel_err  # noqa: E402
+from tests.helpers import checkpointing_on, padding_reads_on_device, rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
 # what the trainer does with the patch, not the kernels' numbers (tests/kernels): torch references on CPU
@@ -235,3 +235,56 @@ def test_fit_of_a_compiled_module_patches_the_model_it_compiles():
     assert rel_err(torch.stack(module.losses), torch.stack(reference.losses)) < 1e-5
     assert active_handle(module.lm) is None
     assert module_state(module.lm) == before
+
+
+class PaddedLM(TinyLM):
+    def training_step(self, batch, batch_idx):
+        loss = self.lm(**batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+
+class PaddedLMChangingItsBatches(PaddedLM):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch  # a hook of the user's: fastplug cannot tell what it did to the mask
+
+
+def padded_batches():
+    """Rows of 5-20 tokens, padded on the right per batch with their pads' labels ignored (the HF collators' way)."""
+    generator = torch.Generator().manual_seed(1)
+    rows = [
+        torch.randint(1, 128, (int(n),), generator=generator) for n in torch.randint(5, 21, (8,), generator=generator)
+    ]
+
+    def collate(features):
+        ids = torch.nn.utils.rnn.pad_sequence(features, batch_first=True)
+        mask = (torch.arange(ids.shape[1])[None] < torch.tensor([[len(f)] for f in features])).long()
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    return torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=collate)
+
+
+@pytest.mark.parametrize("module_class, reads", [(PaddedLM, 0), (PaddedLMChangingItsBatches, STEPS)])
+def test_padded_batches_are_checked_on_the_host_where_lightning_moves_them(monkeypatch, module_class, reads):
+    """With Lightning's own batch transfer, the strategy checks a padded batch's padding on the host and the forward
+    reads none from the device; a module with a transfer hook of its own has it read on the device. The losses are
+    Lightning's either way."""
+    from fastplug.models import padding
+
+    losses = {}
+    for strategy in ("auto", "fastkernels"):
+        read_on_device = padding_reads_on_device(monkeypatch)
+        checked = []
+        check = padding.unmaskable
+        monkeypatch.setattr(padding, "unmaskable", lambda *args: checked.append(1) or check(*args))
+        module = module_class()
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(module, padded_batches())
+        losses[strategy] = torch.tensor(module.losses)
+        monkeypatch.undo()
+    assert len(checked) == STEPS, "each batch's padding checked by the patched forward"
+    assert len(read_on_device) == reads
+    assert rel_err(losses["fastkernels"], losses["auto"]) < 1e-5

@@ -12,7 +12,7 @@ from transformers import Trainer, TrainerCallback
 
 from fastplug import FastKernels
 from fastplug.integrations.trainer_syncs import SyncFreeSteps
-from tests.helpers import assert_close
+from tests.helpers import assert_close, padding_reads_on_device
 from tests.integrations.test_hf_trainer import _args, _dataset, _run
 from tests.models.tiny import tiny_model
 
@@ -135,22 +135,6 @@ def test_pinned_batches_are_copied_non_blocking_for_the_run(tmp_path, pinned):
     assert trainer.accelerator.dataloader_config.non_blocking is False
 
 
-def _padding_read_on_device(monkeypatch):
-    """The calls of the forward's own read of a batch's padding (`models.padding.padding_facts` as `unmaskable`
-    calls it: on the device, a sync), counted."""
-    from fastplug.models import padding
-
-    calls = []
-    read = padding.padding_facts
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return read(*args, **kwargs)
-
-    monkeypatch.setattr(padding, "padding_facts", counted)
-    return calls
-
-
 def _right_padded(lengths, seed, left=False, labels_at_pads=False):
     g = torch.Generator().manual_seed(seed)
     tokens = max(lengths)
@@ -192,7 +176,7 @@ def test_a_collated_batch_carries_its_padding_read_on_the_host_to_the_device(mon
     assert type(moved) is dict and moved.keys() == made.keys()
     assert all(torch.equal(moved[k], made[k]) for k in made)
     expected = padding_facts(made["attention_mask"], made["labels"], -100)
-    reads = _padding_read_on_device(monkeypatch)
+    reads = padding_reads_on_device(monkeypatch)
     mask, labels = moved["attention_mask"], moved["labels"]
     assert unmaskable(mask, labels, -100) == expected and reads == []
     assert unmaskable(mask, labels, -1) == padding_facts(mask, labels, -1) and len(reads) == 1
@@ -249,7 +233,7 @@ def test_the_forward_does_not_read_the_padding_on_the_device(tmp_path, monkeypat
     collator is the user's again after it."""
     from fastplug.models import padding
 
-    reads = _padding_read_on_device(monkeypatch)
+    reads = padding_reads_on_device(monkeypatch)
     checked = []
     check = padding.unmaskable
     monkeypatch.setattr(padding, "unmaskable", lambda *args: checked.append(1) or check(*args))

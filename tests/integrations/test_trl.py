@@ -18,7 +18,7 @@ from fastplug import KernelOptions  # noqa: E402
 from fastplug.integrations.trl import FastDPOTrainer, FastSFTTrainer  # noqa: E402
 from fastplug.patch import checkpointing  # noqa: E402
 from fastplug.patch.engine import active_handle, patch_model  # noqa: E402
-from tests.helpers import rel_err  # noqa: E402
+from tests.helpers import padding_reads_on_device, rel_err  # noqa: E402
 from tests.models.tiny import tiny_model  # noqa: E402
 
 # what the trainer does with the patch, not the kernels' numbers (tests/kernels): torch references on CPU
@@ -131,7 +131,6 @@ def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_p
     """Rows of different lengths (the collator pads each batch on the right, the pads' labels ignored): TRL's fused
     LM head runs them packed into one row, with their padding read where they were collated (never from the
     device), and the losses are TRL's own; the wrapper goes with the run."""
-    from fastplug.models import padding
 
     texts = [f"{i} is " + "very " * i + ("even." if i % 2 == 0 else "odd.") for i in range(8)]
     dataset = datasets.Dataset.from_dict({"text": texts})
@@ -150,9 +149,7 @@ def test_sft_packs_padded_batches_through_trls_fused_head_with_trls_losses(tmp_p
             paths.append(str(trainer.fast_kernel_handles[0].batch_paths))
 
     trainer.add_callback(BatchPathsAtTheEnd())
-    reads = []
-    read = padding.padding_facts
-    monkeypatch.setattr(padding, "padding_facts", lambda *args: reads.append(1) or read(*args))
+    reads = padding_reads_on_device(monkeypatch)
     trainer.train()
     assert "padding dropped, rows packed into one" in paths[0], paths
     assert reads == [], "the forward read a batch's padding on the device"

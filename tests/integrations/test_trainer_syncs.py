@@ -227,10 +227,11 @@ def _pad_right(features):
 
 
 @pytest.mark.compat
-def test_the_forward_does_not_read_the_padding_on_the_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_forward_does_not_read_the_padding_on_the_device(tmp_path, monkeypatch, workers):
     """A Trainer run of rows of varied lengths with FastKernels packs every batch with the padding read where it
-    was collated (the forward never reads it from the device), logs the plain Trainer's losses, and the trainer's
-    collator is the user's again after it."""
+    was collated, in the main process or a DataLoader worker (the forward never reads it from the device), logs
+    the plain Trainer's losses, and the trainer's collator is the user's again after it."""
     from fastplug.models import padding
 
     reads = padding_reads_on_device(monkeypatch)
@@ -241,7 +242,7 @@ def test_the_forward_does_not_read_the_padding_on_the_device(tmp_path, monkeypat
     for fast in (False, True):
         trainer = Trainer(
             model=tiny_model("llama"),
-            args=_args(tmp_path, max_steps=3, eval_steps=3),
+            args=_args(tmp_path, max_steps=3, eval_steps=3, dataloader_num_workers=workers),
             train_dataset=_varlen_dataset(),
             eval_dataset=_varlen_dataset(4, seed=5),
             data_collator=_pad_right,

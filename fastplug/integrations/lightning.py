@@ -148,8 +148,10 @@ def _moves_batches_as_lightning(module) -> bool:
     datamodule = getattr(getattr(module, "_trainer", None), "datamodule", None)
     for owner in (module, datamodule):
         for hook in ("transfer_batch_to_device", "on_after_batch_transfer"):
-            method = getattr(type(owner), hook, None)
-            if owner is not None and getattr(method, "__qualname__", "") != f"DataHooks.{hook}":
+            if (
+                owner is not None
+                and getattr(getattr(type(owner), hook, None), "__qualname__", "") != f"DataHooks.{hook}"
+            ):
                 return False
     return True
 

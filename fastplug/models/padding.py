@@ -269,8 +269,8 @@ def _pad_id(config) -> int:
 def _packed(
     model, input_ids, labels, attention_mask, real: int, lengths: RowLengths | None, ignore_index: int, paths
 ) -> LossOnlyBatch:
-    """The real tokens of a right-padded batch in one row (`real` of them, known from the host sync that checked the
-    padding), then pads up to the length `lengths` fits it to, as short documents of their own. Device ops only."""
+    """The real tokens of a right-padded batch in one row (`real` of them, known from the check of its padding),
+    then pads up to the length `lengths` fits it to, as short documents of their own. Device ops only."""
     from ..kernels.attention import packed_bounds
     from .fast_attention import PACKED_ROW_MASK
 
@@ -286,10 +286,9 @@ def _packed(
     target = nn.functional.pad(target, (0, length - real), value=ignore_index)
     pads = torch.arange(length - real, device=positions.device) % _PAD_DOCUMENT
     positions = torch.cat((positions, pads))[None]
-    real_tokens = (torch.arange(length, device=ids.device) < real)[None]
-    decoder_mask = real_tokens.clone()  # bool, as transformers takes it: the same tensor reaches fastplug_mask
+    decoder_mask = (torch.arange(length, device=ids.device) < real)[None]  # bool: transformers passes it on as is
     setattr(decoder_mask, PACKED_ROW_MASK, True)
-    mask = real_tokens.to(attention_mask.dtype)
+    mask = decoder_mask.to(attention_mask.dtype)
     return LossOnlyBatch(ids[None], target[None], decoder_mask, mask, positions, packed_bounds(positions), index)
 
 

@@ -45,7 +45,7 @@ PHASES = (
     "  forward (loss)",
     "    fastplug: batch padded/packed (a host sync unless collated by the trainer)",
     "  backward (issue)",
-    LOSS_FILTER := "bool() of a tensor (the loss filter: waits for the device)",
+    TENSOR_BOOL := "bool() of a tensor, anywhere (waits for the device)",
     "FLOP count (model.num_parameters)",
     "gradient clipping",
     "optimizer.step",
@@ -135,8 +135,9 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
 
     stack.enter_context(_patched(torch.nn.Module, "train", outer_train))
     stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed("model.zero_grad", fn)))
-    # the plain Trainer's loss filter, `torch.isnan(loss) or torch.isinf(loss)`: its one host sync a step
-    stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(LOSS_FILTER, fn)))
+    # every bool() of a tensor: the plain Trainer's loss filter (`torch.isnan(loss) or torch.isinf(loss)`), and any
+    # other host sync of that kind (transformers' check of a packed row's positions was one); nested in its phase
+    stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(TENSOR_BOOL, fn)))
 
 
 WAITING_CALLS = (

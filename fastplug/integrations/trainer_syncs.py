@@ -160,18 +160,9 @@ class _RowFactsBatch(dict):
         self.facts = facts
 
     def to(self, device, non_blocking: bool = False):
-        moved = {key: _moved(value, device, non_blocking) for key, value in self.items()}
+        from accelerate.utils import send_to_device  # what would have moved the batch: every value moves alike
+
+        moved = send_to_device(dict(self), device, non_blocking=non_blocking)
         if self.facts is not None:
             note_batch_read_on_host(moved, self.facts)
         return self.kind(moved)
-
-
-def _moved(value, device, non_blocking: bool):
-    """`value` on `device`: tensors, and lists, tuples and dicts of them (as accelerate's `send_to_device`)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=non_blocking)
-    if type(value) in (list, tuple):
-        return type(value)(_moved(v, device, non_blocking) for v in value)
-    if type(value) is dict:
-        return {k: _moved(v, device, non_blocking) for k, v in value.items()}
-    return value

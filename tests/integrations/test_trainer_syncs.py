@@ -186,6 +186,27 @@ def test_a_collated_batch_carries_its_padding_read_on_the_host_to_the_device(mon
     assert unmaskable(mask, labels, -100)[1][0] == 1
 
 
+def test_a_carried_batch_moves_every_value_as_accelerate_would():
+    """Values beside the tensors (a nested mapping, a tuple, an object with its own `.to`) reach the device as
+    accelerate's `send_to_device` would have sent them without fastplug's wrapper."""
+    from fastplug.integrations.trainer_syncs import _CollateReadingRows
+
+    class Moves:
+        def __init__(self):
+            self.moved_to = None
+
+        def to(self, device, non_blocking=False):
+            self.moved_to = (device, non_blocking)
+            return self
+
+    extra = Moves()
+    made = {**_right_padded([5, 3], seed=2), "extra": extra, "nested": {"ids": (torch.ones(2),)}}
+    batch = _CollateReadingRows(lambda features: made)(None)
+    moved = batch.to("cpu", non_blocking=True)
+    assert extra.moved_to == ("cpu", True)
+    assert type(moved["nested"]) is dict and torch.equal(moved["nested"]["ids"][0], torch.ones(2))
+
+
 def test_the_collators_attributes_and_its_other_batches_are_its_own():
     """Attributes read and set through the wrapper are the collator's; a batch without a mask and labels, or of
     another mapping type, passes as the collator made it."""

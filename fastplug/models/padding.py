@@ -130,20 +130,28 @@ class _RowsReadOnHost(NamedTuple):
         return self.labels() is labels and self.versions == (attention_mask._version, labels._version)
 
 
+def _mask_and_labels(batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A batch mapping's `attention_mask` and `labels` where both are tensors, else None."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask, labels = batch.get("attention_mask"), batch.get("labels")
+    return (mask, labels) if isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor) else None
+
+
 def host_padding_facts(batch) -> tuple | None:
     """`padding_facts` of a collated batch (a mapping with a 2-D `attention_mask` and `labels` on the host, ignore
     index -100), read there without a sync; None for anything else."""
-    mask, labels = (batch.get("attention_mask"), batch.get("labels")) if isinstance(batch, Mapping) else (None, None)
-    if not (isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor) and mask.device.type == "cpu"):
+    found = _mask_and_labels(batch)
+    if found is None or found[0].device.type != "cpu":
         return None
-    return padding_facts(mask, labels, _HOST_IGNORE_INDEX)
+    return padding_facts(*found, _HOST_IGNORE_INDEX)
 
 
 def note_batch_read_on_host(moved, facts: tuple) -> None:
     """Leave `host_padding_facts` of a batch on its copy `moved` (`note_rows_read_on_host`)."""
-    mask, labels = (moved.get("attention_mask"), moved.get("labels")) if isinstance(moved, Mapping) else (None, None)
-    if isinstance(mask, torch.Tensor) and isinstance(labels, torch.Tensor):
-        note_rows_read_on_host(mask, labels, facts)
+    found = _mask_and_labels(moved)
+    if found is not None:
+        note_rows_read_on_host(*found, facts)
 
 
 def note_rows_read_on_host(attention_mask: torch.Tensor, labels: torch.Tensor, facts: tuple) -> None:

@@ -16,9 +16,12 @@ the preset's targets, non-reentrant checkpointing, the Trainer's default optimiz
                           collator, as Lightning users train: configure_optimizers' AdamW (unfused), linear decay,
                           gradient_clip_val=1, precision="bf16-mixed"
   lightning_fastkernels   the same with L.Trainer(strategy="fastkernels")
-tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time; "GPU ms" is
-the kernel time of those steps (torch.profiler's time per real token over three more steps: its tracing
-slows the host, so it is not on while the wall is taken), so wall / GPU says how far the host sets the pace.
+tokens/s counts real tokens only (the attention mask's ones) over the measured steps' wall time. "GPU ms" is the
+kernel time of those same batches: the runs take the documents in order (sequential sampling, the documents
+themselves in random order), and after the measured steps train once more on the measured steps' documents under
+torch.profiler, one step at a time, synchronised (the tracing slows the host, so no wall is taken there). wall / GPU
+says how far the host sets the pace. Where a profiled step's batch is not its measured twin's (packed rows, whose
+packs depend on the whole dataset), the kernel time is scaled from the profiled steps' time per real token.
 The note counts the measured steps by what they did beyond a repeated step (MoE autotuning, a CUDA graph capture,
 a shape the graphs saw for the first time), with each kind's median wall time: where the host time goes.
 """
@@ -121,13 +124,16 @@ def documents(tokenizer, paths, count: int, min_len: int, max_len: int, seed: in
 # --- the worker -----------------------------------------------------------------------------------------------
 
 
-PROFILED_STEPS = 3  # after the measured ones: the profiler's tracing slows the host, so no wall is taken there
+def total_steps(spec: dict) -> int:
+    """Warm-up, measured, then as many profiled steps: the measured steps' documents again, under the profiler."""
+    return spec["warmup"] + 2 * spec["steps"]
 
 
 class _Meter:
     """Real tokens (attention-mask ones) and the loss of each step, kept on the device; wall time of the measured
-    steps; kernel time per real token from torch.profiler over PROFILED_STEPS more steps; what each step did that
-    a repeated step does not (`_events`). The trainers' callbacks (`callback()` for transformers',
+    steps; the kernel time of each profiled step (the `steps` after the measured ones, which train on the measured
+    steps' documents again), each one traced alone by torch.profiler between two synchronisations; what each step
+    did that a repeated step does not (`_events`). The trainers' callbacks (`callback()` for transformers',
     `lightning_callback()` for Lightning's) call begin_step, end_step and finish.
 
     The wall is taken as a user's run has it: the device is synchronised only where the measured steps begin and
@@ -144,8 +150,8 @@ class _Meter:
         self.losses: list = []  # the model's loss per step (device tensors until result())
         self._counter = None  # the FastKernels callback's counter: attention-mask ones, summed lazily
         self._profile = None
-        self.kernel_ms_per_token = None
-        self.kernels_per_step = None  # device kernels (and copies) per profiled step
+        self.device_ms: list[float] = []  # kernel time of each profiled step, in order
+        self.kernel_counts: list[int] = []  # device kernels (and copies) of each profiled step
         self._model = None
         self._before = (0, 0, 0)
         self.causes: list[str] = []  # per step: why it cost more host time than a repeated one, or "repeat"
@@ -185,9 +191,10 @@ class _Meter:
         step = len(self.starts)
         if step == self.warmup:
             sync_device(self.device)  # the measured steps start on an idle device
-        if step == self.warmup + self.steps and self.device.type == "cuda":
+        if step >= self.warmup + self.steps and self.device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
+            sync_device(self.device)  # the trace holds this step's kernels and no other's
             self._profile = profile(activities=[ProfilerActivity.CUDA])
             self._profile.__enter__()
         self._before = self._events()
@@ -205,6 +212,13 @@ class _Meter:
             self.window_end = time.perf_counter()
         self.tokens.append(self._counter.take_lazy())
         self.losses.append(loss.detach() if loss is not None else self._step_loss)
+        if self._profile is not None:
+            sync_device(self.device)
+            self._profile.__exit__(None, None, None)
+            kernels = [e for e in self._profile.key_averages() if e.device_type.name == "CUDA"]
+            self.device_ms.append(sum(e.self_device_time_total for e in kernels) / 1e3)
+            self.kernel_counts.append(sum(e.count for e in kernels))
+            self._profile = None
         tuned, captured, first = (after - before for after, before in zip(self._events(), self._before))
         self.causes.append(
             "MoE tuning" if tuned else "capture" if captured else "first sighting" if first else "repeat"
@@ -212,14 +226,21 @@ class _Meter:
         return late
 
     def finish(self) -> None:
-        if self._profile is not None:
+        if self._profile is not None:  # a step the trainer began and never ended
             self._profile.__exit__(None, None, None)
-            events = self._profile.key_averages()
-            kernels = [e for e in events if e.device_type.name == "CUDA"]
-            kernel_us = sum(e.self_device_time_total for e in kernels)
-            self.kernels_per_step = sum(e.count for e in kernels) / PROFILED_STEPS
-            profiled_tokens = sum(int(n) for n in self.tokens[self.warmup + self.steps :])
-            self.kernel_ms_per_token = kernel_us / 1e3 / max(profiled_tokens, 1)
+            self._profile = None
+
+    def _device_ms_of_measured(self, tokens: list[int]) -> tuple[list[float] | None, str]:
+        """Each measured step's kernel time, and how it was found: its profiled twin's (same real tokens), or, where
+        the twins' batches differ (packed rows) or some are missing, the profiled steps' time per real token
+        times the step's real tokens. None: no step was profiled (on CPU, or the deadline came first)."""
+        profiled = self.tokens[self.warmup + self.steps :][: len(self.device_ms)]
+        if not profiled:
+            return None, ""
+        if profiled[: len(tokens)] == tokens and len(profiled) >= len(tokens):
+            return self.device_ms[: len(tokens)], "the same batches"
+        per_token = sum(self.device_ms[: len(profiled)]) / max(sum(profiled), 1)
+        return [per_token * n for n in tokens], f"scaled by real tokens from {len(profiled)} other batches"
 
     def callback(self):
         from transformers import TrainerCallback
@@ -275,7 +296,7 @@ class _Meter:
         self.tokens = [int(n) for n in self.tokens]
         tokens = self.tokens[self.warmup : end]
         wall_ms = 1e3 * sum(times) / len(times)
-        per_token = self.kernel_ms_per_token
+        device_ms, device_source = self._device_ms_of_measured(tokens)
         causes_measured = self.causes[self.warmup : end]
         by_cause: dict[str, list[float]] = {}
         for cause, seconds in zip(causes_measured, times):
@@ -288,19 +309,31 @@ class _Meter:
         # step's fixed host time on few tokens)
         per_step = [n / t for n, t in zip(tokens, times)]
         half = statistics.median(per_step) / 2
-        slow = [(n, cause) for n, rate, cause in zip(tokens, per_step, causes_measured) if rate < half]
+        slow = [i for i, rate in enumerate(per_step) if rate < half]
         slow_note = f"{len(slow)} steps below half the median step's tok/s" + (
-            " (real tokens, cause: " + ", ".join(f"{n} {cause}" for n, cause in slow) + ")" if slow else ""
+            " (real tokens, cause: " + ", ".join(f"{tokens[i]} {causes_measured[i]}" for i in slow) + ")"
+            if slow
+            else ""
         )
+        if slow and device_ms is not None:
+            # below half even at the device's own pace: the step's kernels alone take that long for its tokens
+            kernel_bound = [i for i in slow if tokens[i] / (device_ms[i] / 1e3) < half]
+            slow_note += f", {len(kernel_bound)} of them below half in kernel time alone"
         return dict(
             tokens_per_s=sum(tokens) / sum(times),
             wall_ms=wall_ms,
-            # the measured steps' kernel time, from the profiled steps' time per real token
-            gpu_ms=per_token * sum(tokens) / len(tokens) if per_token else None,
-            kernels_per_step=self.kernels_per_step,
+            gpu_ms=sum(device_ms) / len(device_ms) if device_ms else None,
+            gpu_ms_source=device_source,
+            # each measured step: real tokens, wall ms (host clock, begin to next begin), kernel ms
+            per_step=[
+                (n, round(1e3 * t, 1), None if device_ms is None else round(d, 1))
+                for n, t, d in zip(tokens, times, device_ms or [None] * len(tokens))
+            ],
+            kernels_per_step=statistics.mean(self.kernel_counts) if self.kernel_counts else None,
             measured_steps=len(times),
             losses=[None if loss is None else float(loss) for loss in self.losses],  # every step's
             real_tokens=sum(self.tokens),  # every step's, warm-up and profiled ones too
+            step_tokens=self.tokens,  # each step's, in order
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
             note=f"{note}; measured steps by cause (median wall): {causes}; {slow_note}".lstrip("; "),
         )
@@ -311,14 +344,18 @@ def _run_args(spec: dict, device, run: str) -> dict:
     the trainer's default interval (transformers' 500 steps, TRL's 10): a log reads the running loss on the host,
     a sync, and the meter keeps every step's loss without one."""
     args = _training_args(spec, device, run)
-    args["max_steps"] += PROFILED_STEPS
+    args["max_steps"] = total_steps(spec)
+    args["train_sampling_strategy"] = "sequential"  # the profiled steps see the measured steps' batches again
     del args["logging_steps"]
     return args
 
 
 def _dataset(spec, tokenizer, paths):
-    count = spec["batch"] * (spec["warmup"] + spec["steps"] + PROFILED_STEPS)
-    return documents(tokenizer, paths, count, spec["min_len"], spec["max_len"], spec["seed"])
+    """The documents in the order the runs take them: the warm-up's, the measured steps', then the measured steps'
+    again (`total_steps`)."""
+    batch, warmup = spec["batch"], spec["warmup"]
+    docs = documents(tokenizer, paths, batch * (warmup + spec["steps"]), spec["min_len"], spec["max_len"], spec["seed"])
+    return docs + docs[batch * warmup :]
 
 
 def _peft_model_and_rows(spec, device, tokenizer, paths):
@@ -362,13 +399,13 @@ def run_lightning(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
     """Lightning's fit of the trainer rows' model, documents and collator, set up as Lightning users do:
     configure_optimizers returns AdamW (lr 1e-4, no weight decay, torch's default foreach implementation) under a
     linear decay to zero; L.Trainer clips gradients to norm 1 under precision="bf16-mixed", on CPU too (the smoke
-    test runs what the GPU runs). The documents come in an order of Lightning's own (seeded)."""
+    test runs what the GPU runs). The documents come in the dataset's order, as in the Trainer runs (`_dataset`)."""
     import lightning.pytorch as L
     import torch
     from transformers import DataCollatorForLanguageModeling, get_linear_schedule_with_warmup
 
     model, rows, meter = _peft_model_and_rows(spec, device, tokenizer, paths)
-    max_steps = spec["warmup"] + spec["steps"] + PROFILED_STEPS
+    max_steps = total_steps(spec)
 
     class CausalLM(L.LightningModule):
         def __init__(self, lm):
@@ -393,7 +430,7 @@ def run_lightning(spec: dict, device, tokenizer, paths, fast: bool) -> dict:
         enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(
-        rows, batch_size=spec["batch"], shuffle=True, generator=torch.Generator().manual_seed(spec["seed"]),
+        rows, batch_size=spec["batch"], shuffle=False,
         collate_fn=DataCollatorForLanguageModeling(tokenizer, mlm=False), pin_memory=device.type == "cuda",
     )  # fmt: skip
     trainer.fit(CausalLM(model), loader)
@@ -491,14 +528,18 @@ def varlen_rows(args, models, runs, device, save) -> list[dict]:
             row.update(
                 {"tok/s": res["tokens_per_s"], "peak GiB": res["peak_gib"], "wall ms": res["wall_ms"],
                  "GPU ms": gpu, "wall/GPU": res["wall_ms"] / gpu if gpu else None,
-                 "real tokens": res["real_tokens"], "losses": res["losses"]}  # for callers; not in the table
+                 "real tokens": res["real_tokens"], "step tokens": res["step_tokens"],
+                 "losses": res["losses"]}  # for callers; not in the table
             )  # fmt: skip
             base = results.get(BASELINE.get(run))
             agreement = ""
             if base:
                 row["vs baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
                 agreement = _loss_agreement(res["losses"], base["losses"])
-            row["note"] = f"{res['note']}; {agreement}{res['measured_steps']} steps, {time.time() - started:.0f} s"
+            source = f"GPU ms of {res['gpu_ms_source']}; " if res.get("gpu_ms_source") else ""
+            took = f"{res['measured_steps']} steps, {time.time() - started:.0f} s"
+            row["note"] = f"{res['note']}; {agreement}{source}{took}"
+            print(f"{model} / {run}, per measured step (real tokens, wall ms, GPU ms): {res['per_step']}", flush=True)
             row["note"] = row["note"].lstrip("; ")
             save(rows)
     return rows

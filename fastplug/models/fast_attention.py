@@ -94,10 +94,11 @@ UNPACKED = "fastplug_rows_unpacked"
 DOCUMENT_BOUNDS = "fastplug_document_bounds"
 
 
-# Attribute of the mask fastplug gives the decoder with the rows it packed: `fastplug_mask` returns None for it
-# unread, since the documents' bounds come as DOCUMENT_BOUNDS. Without a mask, transformers would look for packed
+# Attribute of a mask fastplug gives the decoder where its attention needs none (`padding.loss_only_inputs`: the rows
+# it packed, whose documents' bounds come as DOCUMENT_BOUNDS, and rows whose pads, if any, are on the right and
+# predict nothing): `fastplug_mask` returns None for it unread. Without a mask, transformers would look for packed
 # rows in position_ids before the layers (`find_packed_sequence_indices`, a host sync) only to have the mask dropped.
-PACKED_ROW_MASK = "_fastplug_packed_row_mask"
+UNREAD_MASK = "_fastplug_unread_mask"
 
 
 def rows_unpacked(args: tuple, kwargs: dict) -> bool:
@@ -147,7 +148,7 @@ def fastplug_mask(*args, **kwargs):
     fallback = fallback_name(kwargs.get("config"))
     if _composed_beyond_causal(kwargs):
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
-    if attention_mask is None or getattr(attention_mask, PACKED_ROW_MASK, False):
+    if attention_mask is None or getattr(attention_mask, UNREAD_MASK, False):
         return None
     if torch.compiler.is_compiling():  # traced: no host sync to learn whether it pads; this mask is exact
         return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)

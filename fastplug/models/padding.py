@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .fast_attention import UNREAD_MASK
+
 _SMALLEST_BUCKET = 64
 # A packed row's pads form documents of this many tokens: attention then costs them a few tiles each, where
 # one long pad document would cost what a real document of its length does
@@ -166,7 +168,7 @@ class LossOnlyBatch(NamedTuple):
 
     input_ids: torch.Tensor
     labels: torch.Tensor
-    decoder_mask: torch.Tensor | None  # the mask the decoder gets (None: none; packed rows: `PACKED_ROW_MASK`'s)
+    decoder_mask: torch.Tensor | None  # the mask the decoder gets (None: none; `UNREAD_MASK`: one nothing reads)
     attention_mask: torch.Tensor | None  # which of input_ids are real tokens (the router's balance loss reads it)
     position_ids: torch.Tensor | None  # each token's position in its row (packed rows), else None
     bounds: tuple | None  # packed rows: each token's document (start, end), for the attention
@@ -242,7 +244,14 @@ def loss_only_inputs(
         input_ids = nn.functional.pad(input_ids, (0, extra), value=_pad_id(model.config))
         labels = nn.functional.pad(labels, (0, extra), value=ignore_index)
         attention_mask = nn.functional.pad(attention_mask, (0, extra), value=0)
-    return LossOnlyBatch(input_ids, labels, None, attention_mask, None, None)
+    decoder_mask = None
+    if packs:
+        # Every layer attends through fastplug's attention, which needs no mask for these rows; a mask it does not
+        # read keeps transformers from looking for packed rows in the positions it numbers (a host sync).
+        # (a new tensor: the caller's mask is not marked)
+        decoder_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+        setattr(decoder_mask, UNREAD_MASK, True)
+    return LossOnlyBatch(input_ids, labels, decoder_mask, attention_mask, None, None)
 
 
 def packed_batch(
@@ -280,7 +289,6 @@ def _packed(
     """The real tokens of a right-padded batch in one row (`real` of them, known from the check of its padding),
     then pads up to the length `lengths` fits it to, as short documents of their own. Device ops only."""
     from ..kernels.attention import packed_bounds
-    from .fast_attention import PACKED_ROW_MASK
 
     tokens = input_ids.shape[1]
     length = lengths.fit(1, real) if lengths is not None else real
@@ -295,7 +303,7 @@ def _packed(
     pads = torch.arange(length - real, device=positions.device) % _PAD_DOCUMENT
     positions = torch.cat((positions, pads))[None]
     decoder_mask = (torch.arange(length, device=ids.device) < real)[None]  # bool: transformers passes it on as is
-    setattr(decoder_mask, PACKED_ROW_MASK, True)
+    setattr(decoder_mask, UNREAD_MASK, True)
     mask = decoder_mask.to(attention_mask.dtype)
     return LossOnlyBatch(ids[None], target[None], decoder_mask, mask, positions, packed_bounds(positions), index)
 

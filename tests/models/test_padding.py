@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from fastplug.models.fast_attention import PACKED_ROW_MASK
+from fastplug.models.fast_attention import UNREAD_MASK
 from fastplug.models.padding import RowLengths, bucket_length
 from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
@@ -46,14 +46,14 @@ def _step(model, inputs):
 
 
 def _decoder_inputs(model):
-    """What the decoder stack is called with: (its rows, their length, whether it got a mask: "packed" for the
-    packed row's, which no mask function reads), per forward."""
+    """What the decoder stack is called with: (its rows, their length, whether it got a mask: "unread" for one no
+    mask function reads), per forward."""
     seen = []
 
     def hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
-        seen.append((*ids.shape, "packed" if getattr(mask, PACKED_ROW_MASK, False) else mask is not None))
+        seen.append((*ids.shape, "unread" if getattr(mask, UNREAD_MASK, False) else mask is not None))
 
     return seen, model.model.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -62,11 +62,11 @@ def _decoder_inputs(model):
     "family, buckets, right, lengths, expected",
     [
         # right padding: the 28 real tokens packed into one row (its mask unread), in its bucket (the smallest)
-        ("llama", True, True, [13, 6, 9], (1, 64, "packed")),
-        ("llama", True, True, [13, 13], (2, 64, False)),  # no padding: nothing to pack, rows padded on to a bucket
+        ("llama", True, True, [13, 6, 9], (1, 64, "unread")),
+        ("llama", True, True, [13, 13], (2, 64, "unread")),  # no padding: nothing to pack, rows padded on to a bucket
         ("llama", False, False, [13, 6, 9], (3, 13, True)),  # left padding: the mask, as given
-        ("gemma2", False, True, [13, 6, 9], (1, 28, "packed")),  # softcap and a window: packed rows all the same
-        ("qwen3_moe", True, True, [13, 6, 9], (1, 64, "packed")),  # the router's balance loss sees only real tokens
+        ("gemma2", False, True, [13, 6, 9], (1, 28, "unread")),  # softcap and a window: packed rows all the same
+        ("qwen3_moe", True, True, [13, 6, 9], (1, 64, "unread")),  # the router's balance loss sees only real tokens
     ],
 )
 def test_padded_batches_train_like_transformers(family, buckets, right, lengths, expected):
@@ -249,7 +249,7 @@ def test_a_batch_padded_on_to_a_replayed_length_trains_like_transformers(monkeyp
     out, grads = _step(model, inputs)
     hook.remove()
     bounds_hook.remove()
-    assert seen == [(1, 256, "packed")]
+    assert seen == [(1, 256, "unread")]
     assert head_rows == [28], "the head's rows: the real tokens only"
     start, end = (b[0].long() for b in bounds[0])
     assert ((end - start)[28:] <= 64).all() and (start[28:] >= 28).all(), "pads: short documents after the real ones"
@@ -263,17 +263,47 @@ def test_a_batch_padded_on_to_a_replayed_length_trains_like_transformers(monkeyp
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_a_packed_step_reads_nothing_from_the_device_but_the_padding(family, monkeypatch):
-    """A packed training step's one host read is the padding check (`padding_facts`, which a trainer's collator
-    makes on the host instead): transformers would look for packed rows in the positions of a packed row given
-    without a mask (a `bool()` per mask built: Gemma2 builds two), and the packed row's mask is never read."""
-    model = tiny_model(family).train()
+@pytest.mark.parametrize(
+    "batch, expected",
+    [
+        ("padded", (1, 64, "unread")),  # packed
+        ("unpadded", (2, 64, "unread")),  # nothing to pack: padded on to a bucket
+        ("no mask", (2, 64, "unread")),  # input_ids and labels only, as a loop of the user's may pass them
+    ],
+)
+def test_a_step_reads_nothing_from_the_device_but_the_padding(family, batch, expected, monkeypatch):
+    """A training step's one host read is the padding check (`padding_facts`, which a trainer's collator makes on
+    the host instead): given no mask, transformers would look for packed rows in the positions it numbers (a `bool()`
+    per mask built: Gemma2 builds two), so the decoder gets a mask that no mask function reads. The loss is
+    transformers'."""
+    reference = tiny_model(family).train()
+    model = copy.deepcopy(reference)
     patch_model(model, gradient_checkpointing=False, bucket_lengths=True, self_check=False)
+    inputs = _padded_batch([13, 6, 9] if batch == "padded" else [13, 13])
+    if batch == "no mask":
+        del inputs["attention_mask"]
     asked = []
     to_bool = torch.Tensor.__bool__
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: asked.append(t.shape) or to_bool(t))
     seen, hook = _decoder_inputs(model)
-    _step(model, _padded_batch([13, 6, 9]))
+    out, _ = _step(model, inputs)
     hook.remove()
+    monkeypatch.setattr(torch.Tensor, "__bool__", to_bool)
     assert asked == [], asked
-    assert seen == [(1, 64, "packed")]
+    assert seen == [expected]
+    assert_close(out.loss, _step(reference, inputs)[0].loss, torch.float32, "loss")
+
+
+def test_a_model_with_layers_beside_the_attention_gets_no_mask_it_would_not_read():
+    """Where some layers mix tokens outside fastplug's attention (Qwen3.5's Gated DeltaNet reads the mask, and
+    transformers tests it for all ones, a host read), unpadded rows reach the decoder as given, without a mask."""
+    from tests.models.test_qwen3_5 import tiny as tiny_qwen3_5
+
+    model = tiny_qwen3_5("qwen3_5").train()
+    patch_model(model, gradient_checkpointing=False, bucket_lengths=False, self_check=False)
+    inputs = _padded_batch([13, 13])
+    del inputs["attention_mask"]
+    seen, hook = _decoder_inputs(model)
+    model(**inputs)
+    hook.remove()
+    assert seen == [(2, 13, False)]

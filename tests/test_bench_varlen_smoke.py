@@ -84,10 +84,43 @@ def test_meter_takes_each_measured_steps_kernel_time_from_its_profiled_twin():
     meter = varlen._Meter(torch.device("cpu"), warmup=1, steps=3, deadline=float("inf"))
     meter.tokens = [50, 120, 30, 400, 120, 30, 400]
     meter.device_ms = [11.0, 4.0, 35.0]
-    assert meter._device_ms_of_measured([120, 30, 400]) == ([11.0, 4.0, 35.0], "the same batches")
+    assert meter._device_ms_of_measured([120, 30, 400]) == ([11.0, 4.0, 35.0], "the same batches, profiled again")
     meter.tokens = [50, 120, 30, 400, 100, 50, 400]  # other batches of 550 real tokens in all
     device_ms, source = meter._device_ms_of_measured([120, 30, 400])
-    assert source == "scaled by real tokens from 3 other batches"
+    assert source == "other batches', scaled by real tokens (3 profiled)"
     assert device_ms == pytest.approx([n * 50.0 / 550 for n in (120, 30, 400)])
     meter.tokens, meter.device_ms = [50, 120, 30, 400], []  # nothing profiled (CPU, or the deadline came first)
     assert meter._device_ms_of_measured([120, 30, 400]) == (None, "")
+
+
+def test_meter_times_the_slow_steps_on_the_devices_timeline():
+    """A step's host interval carries whatever wait the host met during it (the device still busy with the step
+    before); the steps below half the median step's tok/s are told by their time between CUDA events recorded
+    where each step begins, when there are such events."""
+    import torch
+
+    class Event:  # a CUDA event's elapsed_time, from a time of our own
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.seconds - self.seconds)
+
+    meter = varlen._Meter(torch.device("cpu"), warmup=0, steps=4, deadline=float("inf"))
+    tokens = iter([1000, 1000, 1000, 1000])
+
+    class Counter:
+        def take_lazy(self):
+            return torch.tensor(next(tokens))
+
+    meter._counter = Counter()
+    for _ in range(4):
+        meter.begin_step()
+        meter.end_step()
+    # on the device: 0.1 s, 0.1 s, 0.5 s (slow), 0.1 s
+    meter._marks = [Event(t) for t in (0.0, 0.1, 0.2, 0.7, 0.8)]
+    result = meter.result("")
+    assert "1 steps below half the median step's tok/s (device timeline) (real tokens, cause: 1000" in result["note"]
+    assert [step[2] for step in result["per_step"]] == pytest.approx([100.0, 100.0, 500.0, 100.0])
+    meter._marks = meter._marks[:3]  # not one per step: the host intervals
+    assert "(device timeline)" not in meter.result("")["note"]

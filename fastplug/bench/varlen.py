@@ -155,6 +155,9 @@ class _Meter:
         self._model = None
         self._before = (0, 0, 0)
         self.causes: list[str] = []  # per step: why it cost more host time than a repeated one, or "repeat"
+        # CUDA events where each measured step begins and where the window ends: a step's time on the device's
+        # timeline (idle included), where the host interval carries whatever wait the host met during it
+        self._marks: list = []
         self._step_loss = None
 
     def attach(self, model) -> None:
@@ -200,6 +203,15 @@ class _Meter:
         self._before = self._events()
         self._step_loss = None
         self.starts.append(time.perf_counter())
+        if self.warmup <= step < self.warmup + self.steps:
+            self._mark()
+
+    def _mark(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            self._marks.append(torch.cuda.Event(enable_timing=True))
+            self._marks[-1].record()
 
     def end_step(self, loss=None) -> bool:
         """Records the step (`loss`: the step's, where the trainer hands it over); True when the deadline passed
@@ -208,6 +220,7 @@ class _Meter:
 
         late = time.perf_counter() > self.deadline  # keep what was measured rather than lose it to the hard limit
         if self.window_end is None and (len(self.starts) == self.warmup + self.steps or late):
+            self._mark()
             sync_device(self.device)
             self.window_end = time.perf_counter()
         self.tokens.append(self._counter.take_lazy())
@@ -238,9 +251,9 @@ class _Meter:
         if not profiled:
             return None, ""
         if profiled[: len(tokens)] == tokens and len(profiled) >= len(tokens):
-            return self.device_ms[: len(tokens)], "the same batches"
+            return self.device_ms[: len(tokens)], "the same batches, profiled again"
         per_token = sum(self.device_ms[: len(profiled)]) / max(sum(profiled), 1)
-        return [per_token * n for n in tokens], f"scaled by real tokens from {len(profiled)} other batches"
+        return [per_token * n for n in tokens], f"other batches', scaled by real tokens ({len(profiled)} profiled)"
 
     def callback(self):
         from transformers import TrainerCallback
@@ -306,11 +319,15 @@ class _Meter:
             for cause, t in sorted(by_cause.items(), key=lambda item: -len(item[1]))
         )
         # the steps far slower than a typical one, by their real tokens and what they did (small batches pay the
-        # step's fixed host time on few tokens)
-        per_step = [n / t for n, t in zip(tokens, times)]
+        # step's fixed host time on few tokens), each timed on the device's timeline where there is one
+        on_device = [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
+        if len(on_device) != len(times):
+            on_device = None
+        per_step = [n / t for n, t in zip(tokens, on_device or times)]
         half = statistics.median(per_step) / 2
         slow = [i for i, rate in enumerate(per_step) if rate < half]
-        slow_note = f"{len(slow)} steps below half the median step's tok/s" + (
+        timed = " (device timeline)" if on_device else ""
+        slow_note = f"{len(slow)} steps below half the median step's tok/s{timed}" + (
             " (real tokens, cause: " + ", ".join(f"{tokens[i]} {causes_measured[i]}" for i in slow) + ")"
             if slow
             else ""
@@ -324,10 +341,13 @@ class _Meter:
             wall_ms=wall_ms,
             gpu_ms=sum(device_ms) / len(device_ms) if device_ms else None,
             gpu_ms_source=device_source,
-            # each measured step: real tokens, wall ms (host clock, begin to next begin), kernel ms
+            # each measured step: real tokens, wall ms (host clock, begin to next begin), ms on the device's timeline
+            # (begin to next begin), kernel ms
             per_step=[
-                (n, round(1e3 * t, 1), None if device_ms is None else round(d, 1))
-                for n, t, d in zip(tokens, times, device_ms or [None] * len(tokens))
+                (n, round(1e3 * t, 1), None if d is None else round(1e3 * d, 1), None if k is None else round(k, 1))
+                for n, t, d, k in zip(
+                    tokens, times, on_device or [None] * len(tokens), device_ms or [None] * len(tokens)
+                )
             ],
             kernels_per_step=statistics.mean(self.kernel_counts) if self.kernel_counts else None,
             measured_steps=len(times),
@@ -536,10 +556,11 @@ def varlen_rows(args, models, runs, device, save) -> list[dict]:
             if base:
                 row["vs baseline"] = res["tokens_per_s"] / base["tokens_per_s"]
                 agreement = _loss_agreement(res["losses"], base["losses"])
-            source = f"GPU ms of {res['gpu_ms_source']}; " if res.get("gpu_ms_source") else ""
+            source = f"GPU ms: {res['gpu_ms_source']}; " if res.get("gpu_ms_source") else ""
             took = f"{res['measured_steps']} steps, {time.time() - started:.0f} s"
             row["note"] = f"{res['note']}; {agreement}{source}{took}"
-            print(f"{model} / {run}, per measured step (real tokens, wall ms, GPU ms): {res['per_step']}", flush=True)
+            columns = "real tokens, host ms, device-timeline ms, GPU kernel ms"
+            print(f"{model} / {run}, per measured step ({columns}): {res['per_step']}", flush=True)
             row["note"] = row["note"].lstrip("; ")
             save(rows)
     return rows

@@ -37,22 +37,28 @@ import statistics
 import sys
 import time
 
-PHASES = (
-    "next batch (dataloader, collator)",
-    "callbacks: step begin",
-    "training_step",
-    "  model.train()",
-    "  forward (loss)",
-    "    fastplug: batch padded/packed (a host sync unless collated by the trainer)",
-    "  backward (issue)",
-    TENSOR_BOOL := "bool() of a tensor, anywhere (waits for the device)",
-    "FLOP count (model.num_parameters)",
-    "gradient clipping",
-    "optimizer.step",
-    "model.zero_grad",
-    "callbacks: step end",
-    "logging (loss .item())",
+# Each phase: its label (indented as phases nest) and what it times: (owner, attribute) for a method wrapped on its
+# class, or None for the three `_instrument` wraps by hand (the outermost `model.train()`, `model.zero_grad()`,
+# every `Tensor.__bool__`). Owners are named here and imported in `_instrument`.
+TRAIN, ZERO_GRAD = "  model.train()", "model.zero_grad"
+TENSOR_BOOL = "bool() of a tensor, anywhere (waits for the device)"
+TIMED = (
+    ("next batch (dataloader, collator)", ("Trainer", "get_batch_samples")),
+    ("callbacks: step begin", ("CallbackHandler", "on_step_begin")),
+    ("training_step", ("Trainer", "training_step")),
+    (TRAIN, None),
+    ("  forward (loss)", ("Trainer", "compute_loss")),
+    ("    fastplug: batch padded/packed (a host sync unless collated by the trainer)", ("lm_head", "loss_only_inputs")),
+    ("  backward (issue)", ("Accelerator", "backward")),
+    (TENSOR_BOOL, None),
+    ("FLOP count (model.num_parameters)", ("Trainer", "floating_point_ops")),
+    ("gradient clipping", ("Trainer", "_clip_grad_norm")),
+    ("optimizer.step", ("AcceleratedOptimizer", "step")),
+    (ZERO_GRAD, None),
+    ("callbacks: step end", ("CallbackHandler", "on_step_end")),
+    ("logging (loss .item())", ("Trainer", "_maybe_log_save_evaluate")),
 )
+PHASES = tuple(label for label, _ in TIMED)
 
 
 class PhaseClock:
@@ -102,22 +108,17 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
 
     from fastplug.models import lm_head
 
-    trainer = transformers.Trainer
-    wraps = [
-        (trainer, "get_batch_samples", "next batch (dataloader, collator)"),
-        (CallbackHandler, "on_step_begin", "callbacks: step begin"),
-        (trainer, "training_step", "training_step"),
-        (trainer, "compute_loss", "  forward (loss)"),
-        (lm_head, "loss_only_inputs", "    fastplug: batch padded/packed (a host sync unless collated by the trainer)"),
-        (Accelerator, "backward", "  backward (issue)"),
-        (trainer, "floating_point_ops", "FLOP count (model.num_parameters)"),
-        (trainer, "_clip_grad_norm", "gradient clipping"),
-        (AcceleratedOptimizer, "step", "optimizer.step"),
-        (CallbackHandler, "on_step_end", "callbacks: step end"),
-        (trainer, "_maybe_log_save_evaluate", "logging (loss .item())"),
-    ]
-    for owner, name, phase in wraps:
-        stack.enter_context(_patched(owner, name, lambda fn, phase=phase: clock.timed(phase, fn)))
+    owners = {
+        "Trainer": transformers.Trainer,
+        "CallbackHandler": CallbackHandler,
+        "lm_head": lm_head,
+        "Accelerator": Accelerator,
+        "AcceleratedOptimizer": AcceleratedOptimizer,
+    }
+    for phase, target in TIMED:
+        if target is not None:
+            owner, name = target
+            stack.enter_context(_patched(owners[owner], name, lambda fn, phase=phase: clock.timed(phase, fn)))
     # model.train() and model.zero_grad(): the outermost call only (they recurse through every module)
     depth = {"train": 0}
 
@@ -126,7 +127,7 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
             depth["train"] += 1
             try:
                 if depth["train"] == 1:
-                    return clock.timed("  model.train()", fn)(self, mode)
+                    return clock.timed(TRAIN, fn)(self, mode)
                 return fn(self, mode)
             finally:
                 depth["train"] -= 1
@@ -134,7 +135,7 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
         return train
 
     stack.enter_context(_patched(torch.nn.Module, "train", outer_train))
-    stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed("model.zero_grad", fn)))
+    stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed(ZERO_GRAD, fn)))
     # every bool() of a tensor: the plain Trainer's loss filter (`torch.isnan(loss) or torch.isinf(loss)`), and any
     # other host sync of that kind (transformers' check of a packed row's positions was one); nested in its phase
     stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(TENSOR_BOOL, fn)))

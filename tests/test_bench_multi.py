@@ -9,6 +9,7 @@ def _result(impl, tokens_per_s, peak):
         "model": "llama",
         "impl": impl,
         "step_s": 8192 / tokens_per_s,
+        "host_s": 0.5 * 8192 / tokens_per_s,
         "tokens_per_s": tokens_per_s,
         "peak_gib": peak,
         "losses": [1.0],
@@ -26,6 +27,7 @@ def test_ratios_and_targets():
     by = {(r["parallel"], r["impl"]): r for r in rows}
     assert by[("ddp", "fastplug")]["vs transformers"] == 2.0
     assert by[("ddp", "fastplug")]["vs 1 GPU"] == 0.95
+    assert by[("ddp", "fastplug")]["host ms"] == 0.5 * by[("ddp", "fastplug")]["step ms"]
     assert by[("fsdp2", "fastplug")]["note"] == "OOM" and "tok/s per GPU" not in by[("fsdp2", "fastplug")]
     lines = targets(rows)
     assert any(line.startswith("met") and "DDP per GPU" in line for line in lines)

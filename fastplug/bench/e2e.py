@@ -186,12 +186,14 @@ class _GcClock:
         return f"{self.seconds * 1e3 / max(steps, 1):.1f} ms per step ({per_gen})"
 
 
-def train_steps(model, params, batches, steps: int, device, deadline: float):
-    """The manual loop: forward with labels, backward, fused AdamW step, zero_grad. Returns (step seconds, losses)."""
+def train_steps(model, params, batches, steps: int, device, deadline: float, host_times: list | None = None):
+    """The manual loop: forward with labels, backward, fused AdamW step, zero_grad. Returns (step seconds, losses).
+    host_times, if given, receives each step's host seconds before its final synchronisation."""
     import torch
 
     optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True)  # the HF Trainer's and TRL's default optimizer
-    times, losses, host_times = [], [], []
+    times, losses = [], []
+    host_times = [] if host_times is None else host_times
     gc_clock = None  # from the second step on: the first one compiles kernels, whose garbage says nothing
     for step in range(steps):
         ids = batches[step % len(batches)]

@@ -1,12 +1,14 @@
 """`python -m fastplug.bench multi --nproc 2`: LoRA training on several GPUs of one host, plain transformers
 against fastplug, under DDP and FSDP2, beside the same training on one GPU.
 
-Per GPU: tokens/s (median step after warm-up, the slowest rank's) and peak memory (max_memory_allocated, the
-largest rank's). Models, per-GPU batch and the step are e2e's (`fastplug.bench.e2e`: random-init bf16 weights,
-peft's fp32 LoRA r=16 on every linear layer, non-reentrant checkpointing, fused AdamW): Llama-1B shape (`llama`)
-and Llama-8B widths with 4 layers (`llama8b_4l`), 4x2048 tokens per GPU, each rank on its own data. DDP is
-torch's DistributedDataParallel; FSDP2 is `fully_shard` per decoder layer, untied LM head and input embedding,
-then the model (`fastplug.integrations.fsdp.shard_model`), applied after patching.
+Per GPU: tokens/s (median step after warm-up, the slowest rank's), the host's share of that step (the median
+step's host time before the loop synchronises at its end, the slowest rank's: where it nears the step's wall, the
+host sets the pace) and peak memory (max_memory_allocated, the largest rank's). Models, per-GPU batch and the
+step are e2e's (`fastplug.bench.e2e`: random-init bf16 weights, peft's fp32 LoRA r=16 on every linear layer,
+non-reentrant checkpointing, fused AdamW): Llama-1B shape (`llama`) and Llama-8B widths with 4 layers
+(`llama8b_4l`), 4x2048 tokens per GPU, each rank on its own data. DDP is torch's DistributedDataParallel; FSDP2
+is `fully_shard` per decoder layer, untied LM head and input embedding, then the model
+(`fastplug.integrations.fsdp.shard_model`), applied after patching.
 
 Each parallel mode is one torchrun launch whose ranks build a fresh model for every (model, impl) in turn;
 fastplug's patches are per instance, so nothing of one run reaches the next. `--tiny` runs tiny configs on CPU
@@ -43,6 +45,7 @@ COLUMNS = (
     "vs 1 GPU",
     "peak GiB per GPU",
     "step ms",
+    "host ms",
     "losses (rank 0, steps 1-3)",
     "note",
 )
@@ -73,13 +76,15 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
     # each rank its own data, as a sampler deals it out
     batches = token_batches(model.config.vocab_size, spec["batch"], spec["seq"], 4, spec["seed"] + rank, device)
     deadline = time.perf_counter() + (spec["deadline"] - time.time())
-    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, deadline)
+    host_times = []  # each step's host time before its final synchronisation: the host's share of the step
+    times, losses = train_steps(runner, params, batches, spec["warmup"] + spec["steps"], device, deadline, host_times)
     step = statistics.median(times[spec["warmup"] :] or times[-1:])
+    host = statistics.median(host_times[spec["warmup"] :] or host_times[-1:])
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     if world > 1:  # the slowest rank sets the pace; memory: the fullest GPU
-        stats = torch.tensor([step, peak], dtype=torch.float64, device=device)
+        stats = torch.tensor([step, host, peak], dtype=torch.float64, device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-        step, peak = stats.tolist()
+        step, host, peak = stats.tolist()
     handle = active_handle(model)
     if handle is not None:  # before the next row: a patch that holds the collector frozen keeps the model alive
         handle.restore()
@@ -88,6 +93,7 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
         "model": name,
         "impl": impl,
         "step_s": step,
+        "host_s": host,
         "tokens_per_s": spec["batch"] * spec["seq"] / step,
         "peak_gib": peak if device.type == "cuda" else None,
         "losses": losses[:3],
@@ -228,6 +234,7 @@ def rows_for(results: dict, models, impls, nproc: int, batch: int, seq: int, tin
                         "tok/s per GPU": res["tokens_per_s"],
                         "peak GiB per GPU": res["peak_gib"],
                         "step ms": res["step_s"] * 1e3,
+                        "host ms": res["host_s"] * 1e3 if "host_s" in res else None,
                         "losses (rank 0, steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"]),
                         "note": res.get("note", ""),
                     }

@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     clock, walls, cycles, causes = PhaseClock(), [], [], []
     begin, end, result = varlen._Meter.begin_step, varlen._Meter.end_step, varlen._Meter.result
-    starts, marks = [], []  # each step's begin: host time, and a CUDA event on the device's stream
+    starts = []  # each step's begin, host time
 
     trace = {"path": "/tmp/trainer_step_timeline.json", "profile": None, "started": 0.0, "wall": 0.0}
 
@@ -266,11 +266,6 @@ def main(argv=None) -> int:
             trace["profile"].__enter__()
             trace["started"] = time.perf_counter()
         starts.append(time.perf_counter())
-        if not tiny:
-            import torch
-
-            marks.append(torch.cuda.Event(enable_timing=True))
-            marks[-1].record()
         if len(starts) > 1:  # a cycle runs from one step's begin to the next's (logging and the next batch in it)
             cycles.append(starts[-1] - starts[-2])
             clock.next_step()
@@ -312,8 +307,10 @@ def main(argv=None) -> int:
         f"{1e3 * statistics.median(walls[i] for i in repeats):.1f} |"
     )
     print(f"| the whole cycle (to the next step's begin) | {1e3 * statistics.median(cycles[i] for i in repeats):.1f} |")
-    if marks:
-        spans = [marks[i].elapsed_time(marks[i + 1]) for i in repeats if i + 1 < len(marks)]
+    # each measured step's ms on the device's timeline, from the meter's CUDA events (None off the GPU)
+    on_device = [step[2] for step in outcome["per_step"]]
+    spans = [on_device[i - args.warmup] for i in repeats if on_device[i - args.warmup] is not None]
+    if spans:
         print(
             f"| the device's time per step, between its begin events (idle included) | {statistics.median(spans):.1f} |"
         )

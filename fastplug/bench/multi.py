@@ -234,7 +234,7 @@ def rows_for(results: dict, models, impls, nproc: int, batch: int, seq: int, tin
                         "tok/s per GPU": res["tokens_per_s"],
                         "peak GiB per GPU": res["peak_gib"],
                         "step ms": res["step_s"] * 1e3,
-                        "host ms": res["host_s"] * 1e3 if "host_s" in res else None,
+                        "host ms": res["host_s"] * 1e3,
                         "losses (rank 0, steps 1-3)": " ".join(f"{x:.4f}" for x in res["losses"]),
                         "note": res.get("note", ""),
                     }

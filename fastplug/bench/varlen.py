@@ -250,7 +250,7 @@ class _Meter:
         profiled = self.tokens[self.warmup + self.steps :][: len(self.device_ms)]
         if not profiled:
             return None, ""
-        if profiled[: len(tokens)] == tokens and len(profiled) >= len(tokens):
+        if profiled[: len(tokens)] == tokens:
             return self.device_ms[: len(tokens)], "the same batches, profiled again"
         per_token = sum(self.device_ms[: len(profiled)]) / max(sum(profiled), 1)
         return [per_token * n for n in tokens], f"other batches', scaled by real tokens ({len(profiled)} profiled)"

@@ -249,8 +249,9 @@ def loss_only_inputs(
         # Every layer attends through fastplug's attention, which needs no mask for these rows; a mask it does not
         # read keeps transformers from looking for packed rows in the positions it numbers (a host sync).
         # (a new tensor: the caller's mask is not marked)
-        decoder_mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
-        setattr(decoder_mask, UNREAD_MASK, True)
+        decoder_mask = _unread(
+            torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+        )
     return LossOnlyBatch(input_ids, labels, decoder_mask, attention_mask, None, None)
 
 
@@ -278,6 +279,12 @@ def _described(length: int, tokens: int) -> str:
     return f"its own length ({length})" if length == tokens else f"a longer length the graphs replay ({length})"
 
 
+def _unread(mask: torch.Tensor) -> torch.Tensor:
+    """`mask` (a bool tensor of fastplug's own) marked `UNREAD_MASK`: fastplug's mask function returns None for it."""
+    setattr(mask, UNREAD_MASK, True)
+    return mask
+
+
 def _pad_id(config) -> int:
     pad_id = getattr(config, "pad_token_id", None)
     return pad_id if isinstance(pad_id, int) and 0 <= pad_id < getattr(config, "vocab_size", 0) else 0
@@ -302,8 +309,7 @@ def _packed(
     target = nn.functional.pad(target, (0, length - real), value=ignore_index)
     pads = torch.arange(length - real, device=positions.device) % _PAD_DOCUMENT
     positions = torch.cat((positions, pads))[None]
-    decoder_mask = (torch.arange(length, device=ids.device) < real)[None]  # bool: transformers passes it on as is
-    setattr(decoder_mask, UNREAD_MASK, True)
+    decoder_mask = _unread((torch.arange(length, device=ids.device) < real)[None])  # bool: transformers passes it on
     mask = decoder_mask.to(attention_mask.dtype)
     return LossOnlyBatch(ids[None], target[None], decoder_mask, mask, positions, packed_bounds(positions), index)
 

@@ -60,6 +60,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from ..models.fast_attention import DOCUMENT_BOUNDS, rows_unpacked
+from ..models.rules import is_fsdp
 
 # Two of the reasons `LayerGraphs.eager` counts forwards by (bench varlen tells a step's host cost by them)
 CAPTURING = "inside this stack's capture"
@@ -141,6 +142,7 @@ class LayerGraphs:
         self._pool = None
         self._last = None  # the graphs that ran last
         self._fixed = _Fixed([])  # what the graphs in `sets` took as fixed when they were captured
+        self._statics: dict[tuple, torch.Tensor] = {}  # FSDP2 units' static parameters (`_param_statics`)
         for index, layer in enumerate(layers):
             vars(layer)[_GRAPHS] = (self, index)
             layer.__class__ = _graphed_subclass(type(layer), traced_when_compiled=memory_cap is not None)
@@ -153,6 +155,7 @@ class LayerGraphs:
         self._inferred.clear()
         self._misfits.clear()
         self._recording = self._forward = self._last = self._arena = None
+        self._statics.clear()
         for layer in self.layers:
             vars(layer).pop(_GRAPHS, None)
             if type(layer) in _SUBCLASSES.values():
@@ -190,6 +193,26 @@ class LayerGraphs:
     def _note_rows(self, decoder, args, kwargs) -> None:
         self._rows_known = kwargs.get(DOCUMENT_BOUNDS) is not None or rows_unpacked(args, kwargs)
 
+    def call_within_hooks(self, layer: nn.Module, index: int, args: tuple, kwargs: dict, eager_call):
+        """A call of a layer that FSDP2's `fully_shard` made a unit: its hooks run as for any call (the pre-forward
+        gathers the parameters, the post-forward frees them and hooks the backward's gather), and inside them the
+        layer replays its graphs, or runs eagerly through `eager_call` (its class's `__call__`, checkpointing
+        included) with the hooks that already ran set aside."""
+
+        def forward(*args, **kwargs):
+            vars(layer).pop("forward", None)
+            out = self.call(layer, index, args, kwargs)
+            if out is not _EAGER:
+                return out
+            with _hooks_set_aside([layer]):
+                return eager_call(*args, **kwargs)
+
+        vars(layer)["forward"] = forward  # what nn.Module's call runs between the hooks
+        try:
+            return nn.Module.__call__(layer, *args, **kwargs)
+        finally:
+            vars(layer).pop("forward", None)
+
     def call(self, layer: nn.Module, index: int, args: tuple, kwargs: dict):
         """The layer's output from its graphs, or _EAGER (the first layer's reason tallied in `eager`)."""
         graphs = self._route(layer, index, args, kwargs)
@@ -211,7 +234,7 @@ class LayerGraphs:
             return CAPTURING
         if index == 0 and not rows_known:
             return "rows the caller may have packed (position_ids or cu_seq_lens passed)"
-        if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer):
+        if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer, fsdp_allowed=True):
             return "hooks on a layer, or hidden states not passed first"
         leaves, spec = pytree.tree_flatten((args, kwargs))
         tensors, key = [], [spec]
@@ -234,7 +257,7 @@ class LayerGraphs:
         key = tuple(key)
         if index != 0:
             if self._recording is not None:  # the stack's first sighting: each layer's own inputs, for the capture
-                self._recording[index] = _Record(key, leaves, spec, tensors)
+                self._recording[index] = _Record(key, leaves, spec, tensors, _gathered_params(layer))
                 return FIRST_SIGHTING
             graphs = self._forward
             if graphs is None:
@@ -263,7 +286,9 @@ class LayerGraphs:
                     if records is None:
                         # first sighting (or one whose forward stopped before the last layer): eager, its layers'
                         # inputs recorded, captured next time
-                        self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
+                        self.seen[key] = self._recording = {
+                            0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
+                        }
                         return FIRST_SIGHTING
                     self.seen[key], inferred = records, True
                 if len(self.sets) >= self.max_signatures:
@@ -289,7 +314,9 @@ class LayerGraphs:
                     if graphs is _FAILED or _untimed_moe_launches() != untimed:
                         self._infer = self._infer and graphs is not _FAILED
                         del self.sets[key]
-                        self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors)}
+                        self.seen[key] = self._recording = {
+                            0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
+                        }
                         return FIRST_SIGHTING
                     self._inferred.add(key)
             if graphs is _FAILED:
@@ -334,15 +361,14 @@ class LayerGraphs:
                 continue
             records = self.seen.get(other, {})
             if len(records) == len(self.layers) and all(r.key == other for r in records.values()):
-                record = _Record(key, leaves, spec, tensors)
-                return dict.fromkeys(range(len(self.layers)), record)
+                return {i: _Record(key, leaves, spec, tensors, r.params) for i, r in records.items()}
         return None
 
     def _capturable(self) -> bool:
         for layer in self.layers:
             if getattr(layer, "gradient_checkpointing", False) and not _is_plain_checkpoint(layer):
                 return False
-            if any(_foreign_hooks(m) for m in layer.modules()):
+            if any(_foreign_hooks(m, fsdp_allowed=m is layer) for m in layer.modules()):
                 return False
         return True
 
@@ -423,7 +449,8 @@ class LayerGraphs:
         before = _pool_bytes(self._pool)
         graphs = self._capture_graphs(records, tensors, self._arena, inferred)
         after = _pool_bytes(self._pool)
-        self.kept = self._arena.nbytes + after
+        statics = sum(t.numel() * t.element_size() for t in self._statics.values())
+        self.kept = self._arena.nbytes + after + statics
         if graphs is not _FAILED:
             self._growths.append((hidden.numel(), max(after - before, 0)))
             if not self._warmed:
@@ -431,6 +458,23 @@ class LayerGraphs:
                 self._first_kept = self.kept
             self._warmed = True
         return graphs
+
+    def _param_statics(self, record: "_Record", device: torch.device) -> list[torch.Tensor] | None:
+        """The static parameters an FSDP2 unit's graphs read (`record.params`), one per name, shape and dtype,
+        shared by the layers and the captured shapes: FSDP2 gathers a unit's parameters into new memory at each
+        forward and backward, and a replay copies them in first (`_Replay`). None for other layers."""
+        if record.params is None:
+            return None
+        statics = []
+        for name, shape, dtype, trains, plain in record.params:
+            if not plain:
+                raise RuntimeError(f"the gathered parameter {name} is a DTensor (tensor parallelism)")
+            static = self._statics.get((name, shape, dtype, trains))
+            if static is None:
+                static = torch.zeros(shape, dtype=dtype, device=device).requires_grad_(trains)
+                self._statics[(name, shape, dtype, trains)] = static
+            statics.append(static)
+        return statics
 
     def _capture_graphs(
         self, records: list["_Record"], tensors: list[torch.Tensor], arena: "_Arena", inferred: bool = False
@@ -458,10 +502,11 @@ class LayerGraphs:
                         buffer.zero_()
                     buffer = statics[(position, layout)] = buffer.requires_grad_(layout[3])
                 shared.append(buffer)
-            graphs.append(_LayerGraph(layer, record, shared, sources))
+            graphs.append(_LayerGraph(layer, record, shared, sources, self._param_statics(record, tensors[0].device)))
         try:
             self.capturing = True
-            with _no_autocast_cache():
+            # FSDP2's hooks stay out of the capture: its graphs read the static parameters, not gathered ones
+            with _no_autocast_cache(), _hooks_set_aside([layer for layer in self.layers if is_fsdp(layer)]):
                 hidden = arena.slot(0, tensors[0])
                 with torch.no_grad():
                     hidden.copy_(tensors[0])
@@ -503,17 +548,40 @@ class LayerGraphs:
 class _LayerGraph:
     """One layer's forward and backward graphs and the buffers they read and write."""
 
-    def __init__(self, layer: nn.Module, record: "_Record", shared: list[torch.Tensor], sources: dict):
+    def __init__(
+        self,
+        layer: nn.Module,
+        record: "_Record",
+        shared: list[torch.Tensor],
+        sources: dict,
+        statics: list[torch.Tensor] | None = None,
+    ):
         self.layer = layer
         self.key, self.leaves, self.spec = record.key, record.leaves, record.spec
         self.inputs: list[torch.Tensor] = [None, *shared]  # static inputs; [0] (the hidden states) set at capture
         self.sources = sources
-        trained = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in trained]
-        # The graphs see the trained parameters through fresh leaves on the same storage (the optimizer's updates
-        # show in every replay): a parameter's own gradient accumulator, kept alive by an earlier step's graph,
-        # belongs to the default stream, and autograd would sync with it in mid-capture (which voids it).
-        self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
+        # statics: an FSDP2 unit's (`_param_statics`): its graphs read those, and a replay copies in the parameters
+        # the unit's hooks gathered, found where FSDP2 puts them (`slots`: the submodule and name of each)
+        self.statics = statics
+        self.slots: list[tuple[nn.Module, str]] = []
+        self.trains: list[bool] = []  # per slot, whether it trains
+        self.frozen: dict[str, torch.Tensor] = {}
+        if statics is not None:
+            self.params = None  # the gathered parameters: read at each call (`run`)
+            self.aliases = {}
+            for (name, *_, trains, _plain), static in zip(record.params, statics):
+                prefix, _, leaf = name.rpartition(".")
+                self.slots.append((layer.get_submodule(prefix), leaf))
+                self.trains.append(trains)
+                (self.aliases if trains else self.frozen)[name] = static
+        else:
+            trained = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
+            self.params = [p for _, p in trained]
+            # The graphs see the trained parameters through fresh leaves on the same storage (the optimizer's
+            # updates show in every replay): a parameter's own gradient accumulator, kept alive by an earlier
+            # step's graph, belongs to the default stream, and autograd would sync with it in mid-capture (which
+            # voids it).
+            self.aliases = {name: p.detach().requires_grad_() for name, p in trained}
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # outputs: what the backward differentiates (the hidden states as copied into the arena's slot; dropped
         # after its capture); returned: what a replay returns, the same as leaves
@@ -536,7 +604,8 @@ class _LayerGraph:
             [next(it) if leaf is _TENSOR else mapping if isinstance(leaf, Mapping) else leaf for leaf in self.leaves],
             self.spec,
         )
-        return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
+        params = {**self.frozen, **self.aliases} if self.frozen else self.aliases
+        return torch.func.functional_call(self.layer, params, tuple(args), kwargs, strict=False)
 
     def _mapping(self, store: dict) -> "Mapping | None":
         kind = next((type(leaf) for leaf in self.leaves if isinstance(leaf, Mapping)), None)
@@ -634,7 +703,8 @@ class _LayerGraph:
 
     def run(self, tensors: list[torch.Tensor]) -> tuple:
         """The layer's output and what it stored in the mapping argument ({key: value}), from a replay."""
-        outputs = _Replay.apply(self, *tensors, *self.params)
+        params = self.params if self.statics is None else [m._parameters[name] for m, name in self.slots]
+        outputs = _Replay.apply(self, *tensors, *params)
         stored, at = {}, self.layer_outputs
         for key, spec, count in self.stores:
             stored[key] = pytree.tree_unflatten(list(outputs[at : at + count]), spec)
@@ -658,6 +728,10 @@ class _Replay(torch.autograd.Function):
             graph.inputs[0].copy_(tensors[0])
         shared = tensors[1 : len(graph.inputs)]
         _load_shared(graph, shared)
+        ctx.params = None
+        if graph.statics is not None:  # an FSDP2 unit's parameters as its hooks gathered them for this forward
+            ctx.params = tensors[len(graph.inputs) :]
+            torch._foreach_copy_(graph.statics, ctx.params)
         graph.fwd.replay()
         ctx.graph, ctx.token, ctx.shared = graph, _Token(), shared
         graph._pending = weakref.ref(ctx.token)
@@ -669,6 +743,8 @@ class _Replay(torch.autograd.Function):
         graph = ctx.graph
         ctx.token.done = True
         _load_shared(graph, ctx.shared)  # later layers' forwards may have put theirs in the shared buffers
+        if ctx.params is not None:  # gathered again by FSDP2's pre-backward hook (the forward's copy is overwritten)
+            torch._foreach_copy_(graph.statics, ctx.params)
         for static, g in zip(graph.grad_outputs, grads):
             if static is not None and static.data_ptr() != g.data_ptr():
                 static.copy_(g)
@@ -676,6 +752,9 @@ class _Replay(torch.autograd.Function):
         present = [g for g in graph.grad_params if g is not None]
         fresh = iter(torch._foreach_mul(present, 1.0) if present else [])  # one launch, not one per parameter
         param_grads = [None if g is None else next(fresh) for g in graph.grad_params]
+        if graph.statics is not None:  # every gathered parameter came in; the trained ones get gradients
+            trained = iter(param_grads)
+            param_grads = [next(trained) if trains else None for trains in graph.trains]
         return None, *(None if g is None else g.detach() for g in graph.grad_inputs), *param_grads
 
 
@@ -765,10 +844,11 @@ class _Record:
     """What one layer took at a signature's first sighting: its signature, its arguments with each tensor's
     place marked (the tensors themselves are not kept) and the layouts of its tensors besides the hidden states."""
 
-    __slots__ = ("key", "leaves", "spec", "layouts")
+    __slots__ = ("key", "leaves", "spec", "layouts", "params")
 
-    def __init__(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]):
+    def __init__(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor], params: list | None = None):
         self.key, self.spec = key, spec
+        self.params = params  # an FSDP2 unit's gathered parameters (`_gathered_params`), else None
         # a mapping argument by its type only: what the eager layers stored in it must not be kept alive
         self.leaves = [
             _TENSOR if isinstance(leaf, torch.Tensor) else type(leaf)() if isinstance(leaf, Mapping) else leaf
@@ -786,8 +866,22 @@ class _Fixed:
 
     def __init__(self, layers: list[nn.Module]):
         modules = [m for layer in layers for m in layer.modules()]
+        sharded = {id(m) for layer in layers if is_fsdp(layer) for m in layer.modules()}
         self.params = [
-            (p, p.data_ptr(), p.requires_grad) for m in modules for p in m._parameters.values() if p is not None
+            (p, p.data_ptr(), p.requires_grad)
+            for m in modules
+            if id(m) not in sharded
+            for p in m._parameters.values()
+            if p is not None
+        ]
+        # FSDP2 units' parameters: FSDP2 swaps them (sharded, gathered) at every forward and backward, and their
+        # graphs read copies of what it gathered; whether each trains is what a replay takes as fixed
+        self.sharded = [
+            (m, name, p.requires_grad)
+            for m in modules
+            if id(m) in sharded
+            for name, p in m._parameters.items()
+            if p is not None
         ]
         self.hook_dicts = [
             d
@@ -825,6 +919,10 @@ class _Fixed:
             return False
         for p, ptr, trains in self.params:
             if p.data_ptr() != ptr or p.requires_grad != trains:
+                return False
+        for m, name, trains in self.sharded:
+            p = m._parameters.get(name)
+            if p is None or p.requires_grad != trains:
                 return False
         return self._adapters() == self.adapters
 
@@ -899,6 +997,8 @@ def _graphed_subclass(cls: type, traced_when_compiled: bool) -> type:
         @torch.compiler.disable
         def replayed_or_eager(self, args, kwargs):
             entry = vars(self).get(_GRAPHS)
+            if entry is not None and not entry[0].capturing and is_fsdp(self):
+                return entry[0].call_within_hooks(self, entry[1], args, kwargs, super(sub, self).__call__)
             out = _EAGER if entry is None else entry[0].call(self, entry[1], args, kwargs)
             return super(sub, self).__call__(*args, **kwargs) if out is _EAGER else out
 
@@ -942,15 +1042,44 @@ def _is_plain_checkpoint(layer) -> bool:
     return isinstance(func, partial) and func.func is checkpoint
 
 
-def _foreign_hooks(module: nn.Module) -> bool:
-    """Hooks a replay would skip: any but fastplug's own (auto checkpointing measures layer 0 at step one)."""
+def _foreign_hooks(module: nn.Module, fsdp_allowed: bool = False) -> bool:
+    """Hooks a replay would skip: any but fastplug's own (auto checkpointing measures layer 0 at step one), and
+    FSDP2's where `fsdp_allowed` (a replay runs inside them: `LayerGraphs.call_within_hooks`)."""
     hooks = [
         *module._forward_hooks.values(),
         *module._forward_pre_hooks.values(),
         *module._backward_hooks.values(),
         *module._backward_pre_hooks.values(),
     ]
-    return any(not type(getattr(h, "__self__", None)).__module__.startswith("fastplug.") for h in hooks)
+    owners = ("fastplug.", "torch.distributed.fsdp.") if fsdp_allowed else ("fastplug.",)
+    return any(not type(getattr(h, "__self__", None)).__module__.startswith(owners) for h in hooks)
+
+
+@contextlib.contextmanager
+def _hooks_set_aside(modules: list[nn.Module]):
+    """The modules' forward hooks out of the way while their call runs without them: FSDP2's, whose gathers must
+    not run inside a capture, nor twice in one call. Put back in their order afterwards."""
+    saved = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in modules]
+    for m, _, _ in saved:
+        m._forward_pre_hooks.clear()
+        m._forward_hooks.clear()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks.update(pre)
+            m._forward_hooks.update(post)
+
+
+def _gathered_params(layer: nn.Module) -> list[tuple] | None:
+    """An FSDP2 unit's parameters as its forward sees them, gathered: (name, shape, dtype, trains) each; None for
+    any other layer (its graphs read its parameters in place)."""
+    if not is_fsdp(layer):
+        return None
+    return [
+        (name, tuple(p.shape), p.dtype, p.requires_grad, type(p.data) is torch.Tensor)
+        for name, p in layer.named_parameters()
+    ]
 
 
 @contextlib.contextmanager

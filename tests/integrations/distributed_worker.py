@@ -290,6 +290,16 @@ def _offload_on_cpu(model) -> None:
         layer._gradient_checkpointing_func = offload
 
 
+def _layer_graphs_on_cpu(model):
+    """The CUDA graphs' routing of the decoder layers, which patch_model installs on GPUs only: on CPU every
+    layer call goes the graphs' eager way (a tensor off the GPU), inside FSDP2's hooks, as a first sighting
+    does on a GPU."""
+    from fastplug.models.structure import decoder_layers, decoder_stack
+    from fastplug.patch.layer_graphs import LayerGraphs
+
+    return LayerGraphs(decoder_stack(model), decoder_layers(model))
+
+
 def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
     from fastplug.integrations.fsdp import shard_model
 
@@ -312,7 +322,11 @@ def run_torch(kind, device, rank, world, how, checkpointing) -> dict:
         out = train_loop(model, wrapped, micro_batches(kind, dtype), rank, world, device, no_sync=wrapped.no_sync)
     else:
         shard_model(model)  # a no-op for fsdp2_after
+        graphs = _layer_graphs_on_cpu(model) if device.type == "cpu" else None
         out = train_loop(model, model, micro_batches(kind, dtype), rank, world, device)
+        if graphs is not None:
+            out["layer_paths"] = dict(graphs.eager)
+            graphs.remove()
     out["summary"] = handle.summary()
     out["stacked_groups"] = sum(g.stacked is not None for g in stacking._GROUPS.values())
     handle.restore()

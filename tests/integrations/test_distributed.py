@@ -52,6 +52,13 @@ def _patched_and_restored(ranks, fused_head=True):
             assert all(got["fused_head"]), f"rank {rank}: the fused LM-head loss did not run ({got['fused_head']})"
 
 
+def _eager_inside_fsdp_hooks(ranks):
+    """Each forward's layers went the CUDA graphs' routing (installed by the worker on CPU, where all of them run
+    eagerly), inside FSDP2's hooks: the losses and gradients above show the hooks gathered and reduced once."""
+    for rank, got in enumerate(ranks):
+        assert got["layer_paths"] == {"a tensor off the GPU": worker.STEPS * worker.MICRO}, f"rank {rank}"
+
+
 def _stacked_groups(ranks):
     return [got["stacked_groups"] for got in ranks]
 
@@ -67,6 +74,7 @@ def test_fsdp2_matches_one_process_with_the_head_sharded_on_its_own(runs, one_pr
     where FSDP2 has gathered it."""
     worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2"), one_process, TOL)
     _patched_and_restored(worker.ranks_of(runs, "fsdp2"))
+    _eager_inside_fsdp_hooks(worker.ranks_of(runs, "fsdp2"))
     # FSDP2 refills each unit's storage at every gather: a stacked copy would keep the bases unsharded
     assert _stacked_groups(worker.ranks_of(runs, "fsdp2")) == [0, 0]
 
@@ -75,6 +83,7 @@ def test_patching_after_fsdp2_sharded_the_model(runs, one_process):
     """What a model_init model in the HF Trainer and a model sharded in Lightning's configure_model go through."""
     worker.assert_loop_matches(worker.ranks_of(runs, "fsdp2_after"), one_process, TOL)
     _patched_and_restored(worker.ranks_of(runs, "fsdp2_after"))
+    _eager_inside_fsdp_hooks(worker.ranks_of(runs, "fsdp2_after"))
 
 
 def test_fsdp2_bf16_base_with_fp32_adapters_matches_one_process(runs):

@@ -86,6 +86,11 @@ def _run_one(spec: dict, name: str, impl: str, rank: int, world: int, device) ->
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         step, host, peak = stats.tolist()
     handle = active_handle(model)
+    graphs = handle.graphs if handle is not None else None
+    if graphs is not None:  # rank 0's layer forwards by path: whether the step replayed under DDP's or FSDP2's hooks
+        note = "; ".join(
+            filter(None, [note, "layer forwards: " + ", ".join(f"{why} {n}" for why, n in graphs.eager.items())])
+        )
     if handle is not None:  # before the next row: a patch that holds the collector frozen keeps the model alive
         handle.restore()
     del runner, model, params, batches, handle

@@ -505,8 +505,13 @@ class LayerGraphs:
             graphs.append(_LayerGraph(layer, record, shared, sources, self._param_statics(record, tensors[0].device)))
         try:
             self.capturing = True
-            # FSDP2's hooks stay out of the capture: its graphs read the static parameters, not gathered ones
-            with _no_autocast_cache(), _hooks_set_aside([layer for layer in self.layers if is_fsdp(layer)]):
+            # FSDP2's hooks stay out of the capture, and its units hold their static parameters throughout: the
+            # checkpointed layers' recompute, in the backward's warm-up and capture, reads the module's own
+            with (
+                _no_autocast_cache(),
+                _hooks_set_aside([layer for layer in self.layers if is_fsdp(layer)]),
+                _static_parameters(graphs),
+            ):
                 hidden = arena.slot(0, tensors[0])
                 with torch.no_grad():
                     hidden.copy_(tensors[0])
@@ -1069,6 +1074,22 @@ def _hooks_set_aside(modules: list[nn.Module]):
         for m, pre, post in saved:
             m._forward_pre_hooks.update(pre)
             m._forward_hooks.update(post)
+
+
+@contextlib.contextmanager
+def _static_parameters(graphs: list["_LayerGraph"]):
+    """FSDP2 units' parameters swapped for their graphs' statics (FSDP2's own put back afterwards), in place as
+    torch.func.functional_call swaps them."""
+    swapped = []
+    try:
+        for graph in graphs:
+            for (module, name), static in zip(graph.slots, graph.statics or ()):
+                swapped.append((module, name, module._parameters[name]))
+                module._parameters[name] = static
+        yield
+    finally:
+        for module, name, own in reversed(swapped):
+            module._parameters[name] = own
 
 
 def _gathered_params(layer: nn.Module) -> list[tuple] | None:

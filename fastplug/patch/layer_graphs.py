@@ -25,15 +25,18 @@ matches its record is a replay:
   `lora.casts.adapters_cacheable`), so a replay reads the parameters as the optimizer left them; parameter
   gradients come out as fresh tensors (one foreach copy), so gradient accumulation adds to them rather than to
   a buffer the next replay overwrites.
+Under FSDP2 (`fully_shard` per layer) the layers replay inside its hooks (`call_within_hooks`): the graphs read
+static parameters that each replay fills from what the hooks gathered, forward and backward, and the replay hands
+the gathered parameters their gradients, for FSDP2's reduce-scatter.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
 Memory: the captured shapes' hidden states share one arena (`_Arena`); by default (`cuda_graphs=None`) a shape is
 captured only while the graphs' predicted keep stays within `graphs_memory` times the peak allocated before the
 first capture; `cuda_graphs=True` has no cap.
 Eager instead (the same numbers, the usual speed): inference or no grad, packed rows (the caller passed
-position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than fastplug's, dropout, "offload"
-checkpointing, a signature beyond the first `max_signatures` (four without a memory cap, sixteen with one) or
-beyond the memory cap, a layer whose previous replay still awaits its backward (two forwards before one
+position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than fastplug's and FSDP2's, dropout,
+"offload" checkpointing, a signature beyond the first `max_signatures` (four without a memory cap, sixteen with
+one) or beyond the memory cap, a layer whose previous replay still awaits its backward (two forwards before one
 backward), a capture that failed (a warning says why; that signature stays eager). Parameters re-pointed, frozen
 or unfrozen, peft adapters disabled, switched or merged, hooks or modules added since the capture (`_Fixed`): the
 graphs are dropped and the stack is captured afresh.

@@ -1063,20 +1063,22 @@ def _foreign_hooks(module: nn.Module, fsdp_allowed: bool = False) -> bool:
     return any(not type(getattr(h, "__self__", None)).__module__.startswith(owners) for h in hooks)
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 @contextlib.contextmanager
 def _hooks_set_aside(modules: list[nn.Module]):
-    """The modules' forward hooks out of the way while their call runs without them: FSDP2's, whose gathers must
-    not run inside a capture, nor twice in one call. Put back in their order afterwards."""
-    saved = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in modules]
-    for m, _, _ in saved:
-        m._forward_pre_hooks.clear()
-        m._forward_hooks.clear()
+    """The modules' hooks out of the way while their call runs without them: FSDP2's, whose gathers must not run
+    inside a capture, nor twice in one call (a layer's eager call inside the hooks that already ran), and any
+    other that already ran for the call. Put back in their order afterwards."""
+    saved = [(getattr(m, name), dict(getattr(m, name))) for m in modules for name in _HOOK_DICTS]
+    for hooks, _ in saved:
+        hooks.clear()
     try:
         yield
     finally:
-        for m, pre, post in saved:
-            m._forward_pre_hooks.update(pre)
-            m._forward_hooks.update(post)
+        for hooks, own in saved:
+            hooks.update(own)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@ decoder layers (their class swapped on these instances only) changes no number w
 is undone exactly; fused LoRA without its adapter caches (what a capture records) computes the same.
 Replays themselves are tested on CUDA (tests/gpu/test_layer_graphs_gpu.py)."""
 
+import pytest
 import torch
+from torch import nn
 
 import fastplug
 from fastplug.kernels import lora
@@ -404,3 +406,25 @@ def test_a_new_shape_of_a_uniform_stack_is_captured_at_its_first_sighting_from_i
         assert graphs._inferred_records(*new) is None, "off once an inference was wrong or its capture failed"
     finally:
         graphs.remove()
+
+
+def test_hooks_set_aside_for_a_call_come_back_in_their_order():
+    """A layer's eager call inside FSDP2's hooks, and a capture, run with the layers' hooks set aside: none fires
+    during it, and all are back afterwards, in their order, even when the call raises."""
+    layer, fired = nn.Linear(4, 4), []
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a: fired.append("pre 1")),
+        layer.register_forward_pre_hook(lambda m, a: fired.append("pre 2")),
+        layer.register_forward_hook(lambda m, a, o: fired.append("post")),
+        layer.register_full_backward_hook(lambda m, gi, go: fired.append("backward")),
+    ]
+    x = torch.randn(2, 4, requires_grad=True)
+    with layer_graphs._hooks_set_aside([layer]):
+        layer(x).sum().backward()
+    assert fired == []
+    with pytest.raises(RuntimeError, match="inside"), layer_graphs._hooks_set_aside([layer]):
+        raise RuntimeError("inside")
+    layer(x).sum().backward()
+    assert fired == ["pre 1", "pre 2", "post", "backward"]
+    for handle in handles:
+        handle.remove()

@@ -1098,8 +1098,8 @@ def _static_parameters(graphs: list["_LayerGraph"]):
 
 
 def _gathered_params(layer: nn.Module) -> list[tuple] | None:
-    """An FSDP2 unit's parameters as its forward sees them, gathered: (name, shape, dtype, trains) each; None for
-    any other layer (its graphs read its parameters in place)."""
+    """An FSDP2 unit's parameters as its forward sees them, gathered: (name, shape, dtype, whether it trains,
+    whether it is a plain tensor) each; None for any other layer (its graphs read its parameters in place)."""
     if not is_fsdp(layer):
         return None
     return [

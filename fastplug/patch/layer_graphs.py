@@ -573,15 +573,17 @@ class _LayerGraph:
         self.statics = statics
         self.slots: list[tuple[nn.Module, str]] = []
         self.trains: list[bool] = []  # per slot, whether it trains
-        self.frozen: dict[str, torch.Tensor] = {}
         if statics is not None:
             self.params = None  # the gathered parameters: read at each call (`run`)
+            # the unit holds its statics throughout the capture (`_static_parameters`); the trained ones are what
+            # the backward differentiates
             self.aliases = {}
             for (name, *_, trains, _plain), static in zip(record.params, statics):
                 prefix, _, leaf = name.rpartition(".")
                 self.slots.append((layer.get_submodule(prefix), leaf))
                 self.trains.append(trains)
-                (self.aliases if trains else self.frozen)[name] = static
+                if trains:
+                    self.aliases[name] = static
         else:
             trained = [(name, p) for name, p in layer.named_parameters() if p.requires_grad]
             self.params = [p for _, p in trained]
@@ -612,8 +614,7 @@ class _LayerGraph:
             [next(it) if leaf is _TENSOR else mapping if isinstance(leaf, Mapping) else leaf for leaf in self.leaves],
             self.spec,
         )
-        params = {**self.frozen, **self.aliases} if self.frozen else self.aliases
-        return torch.func.functional_call(self.layer, params, tuple(args), kwargs, strict=False)
+        return torch.func.functional_call(self.layer, self.aliases, tuple(args), kwargs, strict=False)
 
     def _mapping(self, store: dict) -> "Mapping | None":
         kind = next((type(leaf) for leaf in self.leaves if isinstance(leaf, Mapping)), None)

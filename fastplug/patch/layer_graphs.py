@@ -104,14 +104,18 @@ class LayerGraphs:
         memory_cap: float | None = None,
     ):
         self.layers = layers
-        # memory_cap: what the graphs may keep beyond the first capture's, as a fraction of the peak allocated before
-        # the first capture (None: no cap). The first capture (the arena and the pool's temporaries, about what an
-        # eager step allocates) is bounded by the free memory only; each later shape adds its graphs' buffers, and
-        # their sum is what the cap bounds. Before each capture its cost is predicted (`_fits`). Without a cap,
-        # four shapes at most; with one, sixteen.
+        # memory_cap: what the graphs may keep beyond the first capture's, as a fraction of the peak an eager step of
+        # the shape to capture would reach (None: no cap; `_eager_peak`). The first capture (the arena and the
+        # pool's temporaries, about what an eager step allocates) is bounded by the free memory only; each later
+        # shape adds its graphs' buffers, and their sum is what the cap bounds. Before each capture its cost is
+        # predicted (`_fits`). Without a cap, four shapes at most; with one, sixteen.
         self.memory_cap = memory_cap
         self.max_signatures = max_signatures or (4 if memory_cap is None else 16)
-        self._cap_bytes: int | None = None
+        self._cap_bytes: int | None = None  # the cap at the last capture's decision
+        self._static_bytes: int | None = None  # allocated when the stack's first training forward began
+        self._largest_eager = 0  # the most hidden-state elements a forward that ran eagerly had
+        # (peak allocated, _largest_eager) at the first capture: the eager steps' peak and the shape it came from
+        self._eager_base: tuple[int, int] | None = None
         self.kept = 0  # bytes the graphs keep: the arena and the memory pool
         self._first_kept = 0  # what they kept after the first capture
         self._growths: list[tuple[int, int]] = []  # (hidden-state elements, pool bytes added) per capture
@@ -235,6 +239,8 @@ class LayerGraphs:
             return "inference or no grad"
         if self.capturing:  # the warm-up and the capture call the layers: they run as they are
             return CAPTURING
+        if index == 0 and self._static_bytes is None and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            self._static_bytes = torch.cuda.memory_allocated(args[0].device)  # weights, their states: `_eager_peak`
         if index == 0 and not rows_known:
             return "rows the caller may have packed (position_ids or cu_seq_lens passed)"
         if not args or not isinstance(args[0], torch.Tensor) or _foreign_hooks(layer, fsdp_allowed=True):
@@ -289,6 +295,7 @@ class LayerGraphs:
                     if records is None:
                         # first sighting (or one whose forward stopped before the last layer): eager, its layers'
                         # inputs recorded, captured next time
+                        self._largest_eager = max(self._largest_eager, tensors[0].numel())
                         self.seen[key] = self._recording = {
                             0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
                         }
@@ -316,6 +323,7 @@ class LayerGraphs:
                     # (which times them) and is captured when it repeats.
                     if graphs is _FAILED or _untimed_moe_launches() != untimed:
                         self._infer = self._infer and graphs is not _FAILED
+                        self._largest_eager = max(self._largest_eager, tensors[0].numel())
                         del self.sets[key]
                         self.seen[key] = self._recording = {
                             0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
@@ -351,18 +359,19 @@ class LayerGraphs:
 
     def _inferred_records(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]) -> dict | None:
         """Every layer's record for a shape first seen now, inferred from layer 0's: where every layer of a shape
-        captured before took inputs like layer 0's (same structure and layouts: Llama's, Qwen's, Gemma2's stacks;
-        not Gemma 4's, whose global layers take wider rotary tables) and `key` differs from that shape's only in
-        its tensors' shapes and strides. Capturing it now saves the eager step a first sighting costs. It needs
-        no warm-up: the kernels do not specialise on the batch length, and what they cache is made outside the
-        capture (`kernels.state`). A later layer whose inputs prove the inference wrong runs eagerly, and the shape
-        is recorded at its next sighting (`_misfits`). None: record it eagerly."""
-        if not (self._infer and self._warmed):
+        seen before (captured or not) took inputs like layer 0's (same structure and layouts: Llama's, Qwen's,
+        Gemma2's stacks; not Gemma 4's, whose global layers take wider rotary tables) and `key` differs from that
+        shape's only in its tensors' shapes and strides. Capturing it now saves the eager step a first sighting
+        costs: the stack's second shape is captured, not its first repeat, which data of varied lengths may bring
+        many steps later. After the first capture it needs no warm-up: the kernels do not specialise on the batch
+        length, and what they cache is made outside the capture (`kernels.state`). A later layer whose inputs prove
+        the inference wrong runs eagerly, and the shape is recorded at its next sighting (`_misfits`). None: record
+        it eagerly."""
+        if not self._infer:
             return None
-        for other, graphs in self.sets.items():
-            if graphs is _FAILED or other in self._misfits or not _alike(other, key):
+        for other, records in self.seen.items():
+            if self.sets.get(other) is _FAILED or other in self._misfits or not _alike(other, key):
                 continue
-            records = self.seen.get(other, {})
             if len(records) == len(self.layers) and all(r.key == other for r in records.values()):
                 return {i: _Record(key, leaves, spec, tensors, r.params) for i, r in records.items()}
         return None
@@ -395,13 +404,25 @@ class LayerGraphs:
         if self.memory_cap is None:
             return True
         device = hidden.device
-        if self._cap_bytes is None:
-            self._cap_bytes = int(self.memory_cap * torch.cuda.max_memory_allocated(device))
+        self._cap_bytes = int(self.memory_cap * self._eager_peak(hidden))
         cost = self._arena_growth(hidden, slot) + self._pool_growth(hidden)
         if self._warmed and self.kept - self._first_kept + cost > self._cap_bytes:
             return False
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return cost <= (torch.cuda.mem_get_info(device)[0] + cached) / 2
+
+    def _eager_peak(self, hidden: torch.Tensor) -> float:
+        """The peak an eager step of hidden states like `hidden` would reach, what the memory cap is a fraction of:
+        the peak allocated before the first capture, or where `hidden` is larger than the largest eager forward
+        then, that peak's part above the weights (`_static_bytes`: activations, temporaries) scaled with the
+        hidden states' size. Captured at the stack's second shape, the first capture may follow one short batch:
+        the graphs of a longer one are still bounded by what an eager step of theirs would take."""
+        if self._eager_base is None:
+            peak = torch.cuda.max_memory_allocated(hidden.device)
+            self._eager_base = (peak, self._largest_eager or hidden.numel())
+        peak, numel = self._eager_base
+        static = min(self._static_bytes or 0, peak)
+        return max(peak, static + (peak - static) * hidden.numel() / numel)
 
     def _pool_growth(self, hidden: torch.Tensor) -> float:
         """The pool's predicted growth for a capture of hidden states like `hidden`. The first capture fills the

@@ -183,6 +183,7 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
     layers = decoder_layers(model)
     slots = len(layers) + 3
     capped = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
+    capped._largest_eager = 10**4  # an eager step's peak (10**6 bytes) came from hidden states this large
 
     def fits(hidden):  # a new arena, if any, sized for the largest shape seen exactly
         return capped._fits(hidden, capped._arena_numel(hidden))
@@ -223,6 +224,28 @@ def test_the_memory_cap_predicts_each_capture_from_the_earlier_ones(monkeypatch)
         assert uncapped._fits(torch.empty(10**6), 10**6)
     finally:
         uncapped.remove()
+
+
+def test_the_memory_cap_scales_with_a_shape_larger_than_the_eager_steps_before_the_first_capture(monkeypatch):
+    """The cap is a fraction of the peak an eager step of the shape would reach: the peak allocated before the
+    first capture, or for hidden states larger than the largest eager forward's then, that peak's part above the
+    weights (allocated when the first forward began) scaled with their size. A first capture after one short
+    batch then does not starve the longer ones."""
+    _fake_cuda_memory(monkeypatch, reserved=600, allocated=500)  # peak 10**6 bytes
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
+    graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
+    try:
+        graphs._static_bytes, graphs._largest_eager = 400_000, 1000
+        assert graphs._eager_peak(torch.empty(500)) == 10**6, "a smaller shape: the peak itself"
+        assert graphs._eager_peak(torch.empty(1000)) == 10**6
+        assert graphs._eager_peak(torch.empty(3000)) == 400_000 + 600_000 * 3
+        graphs._largest_eager = 10**5  # the base was taken at the first decision: later eager forwards leave it
+        assert graphs._eager_peak(torch.empty(3000)) == 400_000 + 600_000 * 3
+        graphs._fits(torch.empty(3000), 3000)
+        assert graphs._cap_bytes == (400_000 + 600_000 * 3) // 2, "the cap of the last decision, for the summary"
+    finally:
+        graphs.remove()
 
 
 def test_a_larger_shape_brings_a_new_arena_and_pool_and_the_captures_keep_their_accounts(monkeypatch):
@@ -365,10 +388,11 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
 
 
 def test_a_new_shape_of_a_uniform_stack_is_captured_at_its_first_sighting_from_inferred_records():
-    """Once a shape was captured whose layers all took inputs like layer 0's, a new shape that differs from it only
-    in its tensors' shapes and strides gets every layer's record from layer 0's (captured at once, no eager step);
-    a stack whose layers took unlike inputs, a signature unlike in anything else, no capture yet, or a wrong
-    inference or failed capture before (`_infer` off) leave the shape to be recorded eagerly."""
+    """Once a shape was seen (run eagerly or captured) whose layers all took inputs like layer 0's, a new shape that
+    differs from it only in its tensors' shapes and strides gets every layer's record from layer 0's (captured at
+    once, no eager step); a stack whose layers took unlike inputs, a signature unlike in anything else, a shape
+    whose capture failed, or a wrong inference or failed capture before (`_infer` off) leave the shape to be
+    recorded eagerly."""
     model = tiny_model("llama")
     layers = decoder_layers(model)
     graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers)
@@ -389,12 +413,15 @@ def test_a_new_shape_of_a_uniform_stack_is_captured_at_its_first_sighting_from_i
     try:
         old, *rest = signature(128)
         records = {i: layer_graphs._Record(old, *rest) for i in range(len(layers))}
-        graphs.seen[old], graphs.sets[old] = records, [object()] * len(layers)
+        graphs.seen[old] = records
         new = signature(192)
-        assert graphs._inferred_records(*new) is None, "no capture ran yet: nothing compiled the capture's path"
-        graphs._warmed = True
         inferred = graphs._inferred_records(*new)
+        assert inferred is not None, "the eager records of one shape suffice: the second shape is captured"
         assert list(inferred) == list(range(len(layers))) and all(r.key == new[0] for r in inferred.values())
+        graphs.sets[old] = layer_graphs._FAILED
+        assert graphs._inferred_records(*new) is None, "not from a shape whose capture failed"
+        graphs.sets[old] = [object()] * len(layers)
+        assert graphs._inferred_records(*new) is not None
         assert inferred[0].layouts == [((2, 192, 16), (192 * 16, 16, 1), torch.bfloat16, False)] * 2
         assert graphs._inferred_records(*signature(192, scalar=0.5)) is None, "another scalar: not a new length"
         assert graphs._inferred_records(*signature(192, dtype=torch.float32)) is None, "another dtype"

@@ -43,14 +43,15 @@ class KernelOptions:
     # False: leave the model's setting alone.
     gradient_checkpointing: CheckpointingMode = True
     memory_budget: float = 0.9  # "auto": the fraction of the device's memory a step's peak may reach
-    # Replay each decoder layer's forward and backward as CUDA graphs once a batch shape repeats (training,
+    # Replay each decoder layer's forward and backward as CUDA graphs from the second batch shape (training,
     # unpacked rows, no dropout): the host then issues a few calls per layer instead of dozens of kernels.
     # Memory: one arena of hidden-state buffers for the largest shape, and each shape's graphs' own buffers
     # (fastplug/patch/layer_graphs.py). None (the default): on for a model on a CUDA device, and a later shape is
     # captured only while what the graphs keep stays within graphs_memory; True: up to four shapes; False: off.
     cuda_graphs: bool | None = None
     # cuda_graphs=None: the most memory the captured graphs may keep beyond the first shape's, as a fraction of the
-    # peak memory allocated before the first capture (the eager steps' peak: weights, optimizer state, activations).
+    # peak an eager step of the shape to capture would reach (weights, optimizer state, activations): the peak
+    # allocated before the first capture, its activations scaled up for a larger shape.
     graphs_memory: float = 0.5
     # Training batches padded on the right (the collator's dynamic padding) run without a mask, and their rows
     # are padded on to one of a few lengths (four per doubling), or on to a longer length the graphs replay, so

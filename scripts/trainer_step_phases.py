@@ -107,6 +107,7 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
     from transformers.trainer_callback import CallbackHandler
 
     from fastplug.models import lm_head
+    from fastplug.patch.module_walks import ModuleWalks
 
     owners = {
         "Trainer": transformers.Trainer,
@@ -134,8 +135,10 @@ def _instrument(clock: PhaseClock, stack: contextlib.ExitStack) -> None:
 
         return train
 
-    stack.enter_context(_patched(torch.nn.Module, "train", outer_train))
-    stack.enter_context(_patched(torch.nn.Module, "zero_grad", lambda fn: clock.timed(ZERO_GRAD, fn)))
+    # the patched model's own (fastplug's walks of its module list: fastplug/patch/module_walks.py) as well
+    for owner in (torch.nn.Module, ModuleWalks):
+        stack.enter_context(_patched(owner, "train", outer_train))
+        stack.enter_context(_patched(owner, "zero_grad", lambda fn: clock.timed(ZERO_GRAD, fn)))
     # every bool() of a tensor: the plain Trainer's loss filter (`torch.isnan(loss) or torch.isinf(loss)`), and any
     # other host sync of that kind (transformers' check of a packed row's positions was one); nested in its phase
     stack.enter_context(_patched(torch.Tensor, "__bool__", lambda fn: clock.timed(TENSOR_BOOL, fn)))

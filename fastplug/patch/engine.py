@@ -29,6 +29,7 @@ from ..models.structure import decoder_layers, decoder_stack, other_towers, unwr
 from ..options import KernelOptions
 from ..versions import warn_untested_versions
 from . import checkpointing, host_gc, layer_graphs, self_check
+from .module_walks import ModuleWalks
 from .self_check import verify
 
 _HANDLE_ATTRIBUTE = "_fastplug_handle"
@@ -313,6 +314,7 @@ def patch_model(model: nn.Module, options: KernelOptions | dict | None = None, *
     handle._enable_checkpointing()
     handle._install_graphs()
     handle._install_buckets()
+    handle._undo.append(ModuleWalks(model, base).install())  # the trainers' per-step walks of the module tree
     if wanted.freeze_gc:  # last: the patch's own objects are frozen too
         handle._undo.append(host_gc.hold())
     state.acquire()  # only now: a patch that failed above holds nothing

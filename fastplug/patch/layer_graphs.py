@@ -10,7 +10,9 @@ the graphs when it can (restore() swaps it back). The first time the stack's fir
 runs eagerly and each layer's own signature is recorded (`_Record`: its arguments, its tensors' layouts); the
 second time, every layer is captured with its own recorded inputs, sharing one memory pool, in the order they
 run (forwards first to last, then backwards last to first), and from then on each layer call whose signature
-matches its record is a replay:
+matches its record is a replay. A stack whose layers all take inputs alike (Llama's, Qwen's, Gemma2's) captures
+a new shape at its first sighting, every layer's record inferred from layer 0's and an earlier shape's records
+(`_inferred_records`): its second shape already, where varied lengths may repeat one only many steps later:
 - the layer's checkpointing, when on, is inside its graphs: the forward graph keeps only the inputs, the
   backward graph recomputes; memory as without graphs, plus each layer's output and input-gradient buffers.
 - layer k's input is layer k-1's output buffer, so the hidden states are not copied. The other tensor inputs
@@ -31,8 +33,8 @@ the gathered parameters their gradients, for FSDP2's reduce-scatter.
 Under torch.compile the layers stay out of the compiled graphs (a graph break at each; the embedding, final norm
 and loss are compiled) and replay their CUDA graphs as in eager mode.
 Memory: the captured shapes' hidden states share one arena (`_Arena`); by default (`cuda_graphs=None`) a shape is
-captured only while the graphs' predicted keep stays within `graphs_memory` times the peak allocated before the
-first capture; `cuda_graphs=True` has no cap.
+captured only while the graphs' predicted keep stays within `graphs_memory` times the peak an eager step of it
+would reach (`_eager_peak`); `cuda_graphs=True` has no cap.
 Eager instead (the same numbers, the usual speed): inference or no grad, packed rows (the caller passed
 position_ids or cu_seq_lens), a tensor off the GPU, hooks on a layer other than fastplug's and FSDP2's, dropout,
 "offload" checkpointing, a signature beyond the first `max_signatures` (four without a memory cap, sixteen with

@@ -124,7 +124,14 @@ def _assert_nothing_left(model, before, global_hooks, process, allowed=frozenset
         assert hooks == hooks_before, f"{path or 'model'}: hooks left"
         assert ours - allowed <= ours_before, f"{path or 'model'}: fastplug attributes left: {ours - ours_before}"
         assert names - allowed <= names_before, f"{path or 'model'}: attributes left: {names - names_before}"
-    assert _global_hooks() == global_hooks
+    hooks = _global_hooks()
+    if process["holders"] == 0:
+        # fastplug's optimizer-step hook, left by the kernels used outside a patch (an earlier test's in this
+        # worker), goes with the last release (kernels/state.py): gone or as before, never added
+        for name in _OPTIMIZER_HOOKS:
+            assert set(hooks[name]) <= set(global_hooks[name]), name
+            hooks[name] = global_hooks[name]
+    assert hooks == global_hooks
     assert host_gc._holders == 0
     assert state.holders() == process["holders"]  # the patch released what it acquired
     # no other patched model alive in this process (another test's, in this worker): the shared state, caches of

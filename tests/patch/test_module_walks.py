@@ -1,0 +1,133 @@
+"""The flat walks of the module tree (fastplug/patch/module_walks.py): each gives what nn.Module's (and
+transformers') own method gives, also after the tree changes, and restore() takes them away."""
+
+from copy import deepcopy
+
+import pytest
+import torch
+from torch import nn
+
+import fastplug
+from fastplug.patch.module_walks import ModuleWalks
+from tests.models.tiny import batch, tiny_model
+
+peft = pytest.importorskip("peft")
+
+
+def _peft_model():
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.05)
+    return model
+
+
+def _flags(model):
+    return [m.training for m in model.modules()]
+
+
+def test_walks_give_what_the_modules_own_methods_give_as_the_tree_changes():
+    model = _peft_model()
+    base = model.get_base_model()
+    want_params = list(model.parameters())
+    want_count = base.num_parameters(exclude_embeddings=True)
+    undo = ModuleWalks(model, base).install()
+    try:
+        assert "train" in vars(model) and "num_parameters" in vars(base)
+        assert [id(p) for p in model.parameters()] == [id(p) for p in want_params]
+        assert base.num_parameters(exclude_embeddings=True) == want_count
+        assert model.num_parameters(exclude_embeddings=True) == want_count, "through peft's attribute forwarding"
+
+        # modes: eval() and a change of mode take the model's own train(); a repeated train() changes nothing
+        model.eval()
+        assert not any(_flags(model))
+        assert model.train() is model and all(_flags(model))
+        model.train()
+        assert all(_flags(model))
+        layer = base.model.layers[0]
+        layer.eval()  # one module out of step: the model's own train() puts it back
+        model.train()
+        assert all(_flags(model))
+        with pytest.raises(ValueError, match="boolean"):
+            model.train("no")
+
+        # a gradient on every trained parameter; zero_grad clears them all, or zeroes them when asked
+        model(**batch()).loss.backward()
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert trained and all(p.grad is not None for p in trained)
+        model.zero_grad(set_to_none=False)
+        assert all(p.grad is not None and not p.grad.any() for p in trained)
+        model.zero_grad()
+        assert all(p.grad is None for p in trained)
+
+        # a submodule added (registered): the walks read the tree again
+        extra = nn.Linear(3, 5)
+        layer.extra = extra
+        assert [id(p) for p in model.parameters()] == [id(p) for p in nn.Module.parameters(model)]
+        assert any(p is extra.weight for p in model.parameters())
+        assert base.num_parameters(exclude_embeddings=True) == want_count + 3 * 5 + 5
+        layer.extra.eval()
+        model.train()
+        assert extra.training, "the new module is walked"
+        extra.weight.grad = torch.ones_like(extra.weight)
+        model.zero_grad()
+        assert extra.weight.grad is None
+
+        # a parameter swapped in place, as FSDP2 does: read live
+        swapped = nn.Parameter(torch.zeros(5, 3))
+        extra._parameters["weight"] = swapped
+        assert any(p is swapped for p in model.parameters())
+        # freezing is no registration: only_trainable is counted afresh
+        trainable = base.num_parameters(only_trainable=True)
+        trained[0].requires_grad_(False)
+        assert base.num_parameters(only_trainable=True) == trainable - trained[0].numel()
+    finally:
+        undo()
+    assert not {"train", "zero_grad", "parameters"} & set(vars(model)) and "num_parameters" not in vars(base)
+
+
+def test_a_deep_copy_of_the_model_walks_its_own_tree():
+    """TRL copies the model for a reference model: the copy's walks read the copy, and see its changes."""
+    model = _peft_model()
+    undo = ModuleWalks(model, model.get_base_model()).install()
+    try:
+        copy = deepcopy(model)
+        walks = vars(copy)["train"].__self__
+        assert walks.model is copy and walks is not vars(model)["train"].__self__
+        copy.get_base_model().model.layers[0].extra = nn.Linear(2, 2)
+        assert [id(p) for p in copy.parameters()] == [id(p) for p in nn.Module.parameters(copy)]
+        assert not {id(p) for p in copy.parameters()} & {id(p) for p in model.parameters()}
+    finally:
+        undo()
+
+
+def test_a_class_whose_train_does_more_keeps_its_own_and_an_instances_own_methods_stay():
+    calls = []
+
+    class Counted(nn.Linear):
+        def train(self, mode=True):
+            calls.append(mode)
+            return super().train(mode)
+
+    model = nn.Sequential(nn.Linear(2, 2), Counted(2, 2))
+    own = vars(model)["zero_grad"] = lambda set_to_none=True: None
+    undo = ModuleWalks(model, model).install()
+    try:
+        model.train()
+        assert calls == [True], "a class that overrides train() beyond flags is called each time"
+        assert vars(model)["zero_grad"] is own and "num_parameters" not in vars(model)
+    finally:
+        undo()
+    assert vars(model)["zero_grad"] is own and "train" not in vars(model)
+
+
+def test_patch_model_installs_the_walks_and_restore_removes_them():
+    model = _peft_model()
+    handle = fastplug.patch_model(model, self_check=False)
+    try:
+        assert "train" in vars(model) and "num_parameters" in vars(model.get_base_model())
+        model.train()
+        assert all(_flags(model))
+    finally:
+        handle.restore()
+    assert "train" not in vars(model) and "num_parameters" not in vars(model.get_base_model())

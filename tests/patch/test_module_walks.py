@@ -60,7 +60,7 @@ def test_walks_give_what_the_modules_own_methods_give_as_the_tree_changes():
         model.zero_grad()
         assert all(p.grad is None for p in trained)
 
-        # a submodule added (registered): the walks read the tree again
+        # a submodule added: the walks read the tree as it is
         extra = nn.Linear(3, 5)
         layer.extra = extra
         assert [id(p) for p in model.parameters()] == [id(p) for p in nn.Module.parameters(model)]
@@ -73,10 +73,16 @@ def test_walks_give_what_the_modules_own_methods_give_as_the_tree_changes():
         model.zero_grad()
         assert extra.weight.grad is None
 
-        # a parameter swapped in place, as FSDP2 does: read live
+        # a parameter swapped in place, as FSDP2 and accelerate do, and a submodule deleted: read live
         swapped = nn.Parameter(torch.zeros(5, 3))
         extra._parameters["weight"] = swapped
         assert any(p is swapped for p in model.parameters())
+        assert base.num_parameters(exclude_embeddings=True) == want_count + 3 * 5 + 5
+        extra._parameters["bias"] = nn.Parameter(torch.zeros(7))
+        assert base.num_parameters(exclude_embeddings=True) == want_count + 3 * 5 + 7, "a size change is counted"
+        del layer.extra
+        assert [id(p) for p in model.parameters()] == [id(p) for p in want_params]
+        assert base.num_parameters(exclude_embeddings=True) == want_count
         # freezing is no registration: only_trainable is counted afresh
         trainable = base.num_parameters(only_trainable=True)
         trained[0].requires_grad_(False)
@@ -87,7 +93,7 @@ def test_walks_give_what_the_modules_own_methods_give_as_the_tree_changes():
 
 
 def test_a_deep_copy_of_the_model_walks_its_own_tree():
-    """TRL copies the model for a reference model: the copy's walks read the copy, and see its changes."""
+    """TRL copies the model for a reference model: the copy's walks read the copy."""
     model = _peft_model()
     undo = ModuleWalks(model, model.get_base_model()).install()
     try:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fastplug
-from fastplug.patch.module_walks import ModuleWalks
+from fastplug.patch.module_walks import ModuleWalks, modules_in_order
 from tests.models.tiny import batch, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -90,6 +90,16 @@ def test_walks_give_what_the_modules_own_methods_give_as_the_tree_changes():
     finally:
         undo()
     assert not {"train", "zero_grad", "parameters"} & set(vars(model)) and "num_parameters" not in vars(base)
+
+
+def test_modules_in_order_is_modules_with_shared_and_missing_children():
+    shared = nn.Linear(2, 2)
+    inner = nn.Sequential(shared, nn.ReLU())
+    root = nn.Sequential(nn.Linear(2, 2), inner, shared, nn.Sequential(inner, nn.Tanh()))
+    root.register_module("absent", None)
+    assert modules_in_order(root) == list(root.modules())
+    model = _peft_model()
+    assert modules_in_order(model) == list(model.modules())
 
 
 def test_a_deep_copy_of_the_model_walks_its_own_tree():

@@ -391,9 +391,13 @@ class LayerGraphs:
         """The arena's slot size (elements) for a capture of hidden states like `hidden`, or None when the capture
         would not fit (`_fits`). A new arena takes room for longer rows where that fits (each shape seen with its
         sequence length rounded up to a power of two): a longer batch later then finds its slot, where a new arena
-        would drop every graph captured in the old one (captured again, one step each, at their next sighting)."""
-        for roomy in (True, False):
-            numel = self._arena_numel(hidden, roomy)
+        would drop every graph captured in the old one (captured again, one step each, at their next sighting).
+        The first arena of data whose shapes vary (two seen) takes room for rows twice as long where that fits: it
+        is sized from a step or two, and on `bench varlen`'s documents a new arena at Gemma2's ninth step sent
+        two re-captures into the measured steps."""
+        rooms = (2, 1, 0) if self._arena is None and len(self.seen) > 1 else (1, 0)
+        for room in rooms:
+            numel = self._arena_numel(hidden, room)
             if self._fits(hidden, numel):
                 return numel
         return None
@@ -440,12 +444,12 @@ class LayerGraphs:
         later = [added for n, added in self._growths[1:] if n <= numel]
         return max(later) if later else self._held
 
-    def _arena_numel(self, hidden: torch.Tensor, roomy: bool = False) -> int:
+    def _arena_numel(self, hidden: torch.Tensor, room: int = 0) -> int:
         """A slot's size for an arena that must hold `hidden`: the largest hidden states of this dtype seen so far
-        (their shapes are in the signatures' keys), so that a later, larger shape does not need a new arena;
-        roomy: each with its sequence length (the second-last dimension) rounded up to a power of two."""
+        (their shapes are in the signatures' keys), so that a later, larger shape does not need a new arena; room
+        for longer rows (`_slot_numel`): 1, each sequence length rounded up to a power of two; 2, twice that."""
         shapes = [hidden.shape, *(key[1][0] for key in self.seen if key[1][2] == hidden.dtype)]
-        return max(_slot_numel(shape, roomy) for shape in shapes)
+        return max(_slot_numel(shape, room) for shape in shapes)
 
     def _arena_growth(self, hidden: torch.Tensor, slot: int) -> int:
         """The bytes a capture of `hidden`'s shape adds to the arena: none if it holds the shape, else a new arena
@@ -832,13 +836,14 @@ class _Arena:
             return slot.set_(self.buffer.untyped_storage(), index * self.numel, like.shape, strides)
 
 
-def _slot_numel(shape, roomy: bool) -> int:
-    """Elements of hidden states shaped `shape`; roomy: with the sequence length (the second-last dimension) rounded
-    up to a power of two, the longest of the bucketed lengths (models/padding.py) up to it."""
+def _slot_numel(shape, room: int) -> int:
+    """Elements of hidden states shaped `shape`, with room for longer rows: 0, none; 1, the sequence length (the
+    second-last dimension) rounded up to a power of two, the longest of the bucketed lengths (models/padding.py)
+    up to it; 2, the power of two at or above twice the length."""
     numel = math.prod(shape)
-    if not roomy or len(shape) < 2 or shape[-2] < 1:
+    if not room or len(shape) < 2 or shape[-2] < 1:
         return numel
-    return numel // shape[-2] * (1 << (shape[-2] - 1).bit_length())
+    return numel // shape[-2] * (1 << (room * shape[-2] - 1).bit_length())
 
 
 def _pool_bytes(pool: tuple) -> int:

@@ -109,8 +109,8 @@ def test_new_lengths_are_captured_at_their_first_sighting_and_train_like_eager(f
     each new length of a stack whose layers take like inputs (Llama, Gemma2, Gemma3) is captured at its first
     sighting from layer 0's inputs, with no eager step (the second, with the capture's warm-up), and the first
     shape when it repeats; Gemma 4's global layers take wider rotary tables than its sliding ones, so each of its
-    new lengths runs eagerly once and is captured when it repeats. A longer shape also brings a new arena (the
-    shapes captured in the old one are captured again). Losses and adapters equal the eager layers'."""
+    new lengths runs eagerly once and is captured when it repeats (the first arena, sized at the second shape,
+    has room for all of them). Losses and adapters equal the eager layers'."""
     from fastplug.patch.layer_graphs import FIRST_SIGHTING
 
     gen = torch.Generator().manual_seed(11)

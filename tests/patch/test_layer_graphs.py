@@ -362,7 +362,7 @@ def test_default_graphs_leave_a_compiled_model_whole():
 def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
     """A new arena's slots are sized for the shapes seen with their sequence length rounded up to a power of two
     (a longer bucket later finds its slot instead of dropping every graph), where that fits; else exactly for
-    the largest shape seen; None where neither fits."""
+    the largest shape seen; None where neither fits. The first arena of varied shapes takes twice that room."""
     free = _fake_cuda_memory(monkeypatch, reserved=0, allocated=0)
     model = tiny_model("llama")
     layers = decoder_layers(model)
@@ -370,9 +370,11 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
     graphs = layer_graphs.LayerGraphs(decoder_stack(model), layers, memory_cap=0.5)
     try:
         hidden = torch.empty(2, 640, 3)  # a bucketed length (models/padding.py): room up to 1024
-        assert layer_graphs._slot_numel(hidden.shape, roomy=True) == 2 * 1024 * 3
-        assert layer_graphs._slot_numel((2, 1024, 3), roomy=True) == 2 * 1024 * 3, "a power of two stays"
-        assert layer_graphs._slot_numel((7,), roomy=True) == 7
+        assert layer_graphs._slot_numel(hidden.shape, 1) == 2 * 1024 * 3
+        assert layer_graphs._slot_numel((2, 1024, 3), 1) == 2 * 1024 * 3, "a power of two stays"
+        assert layer_graphs._slot_numel((7,), 1) == 7
+        assert layer_graphs._slot_numel(hidden.shape, 2) == 2 * 2048 * 3
+        assert layer_graphs._slot_numel((2, 1024, 3), 2) == 2 * 2048 * 3
         assert graphs._arena_plan(hidden) == 2 * 1024 * 3
         # a longer shape seen (not captured yet) is the one the arena makes room for
         key = (None, ((2, 1280, 3), (3840, 3, 1), torch.float32, False))
@@ -383,6 +385,15 @@ def test_a_new_arena_takes_room_for_longer_rows_where_it_fits(monkeypatch):
         assert graphs._arena_plan(hidden) == 2 * 1280 * 3
         free[0] -= 8
         assert graphs._arena_plan(hidden) is None
+        # the first arena of varied shapes (two seen) takes room for rows twice as long, where that fits
+        free[0] = 10**9
+        graphs.seen[(None, ((2, 640, 3), (1920, 3, 1), torch.float32, False))] = {}
+        assert graphs._arena_plan(hidden) == 2 * 4096 * 3
+        free[0] = 2 * (slots * 2 * 2048 * 3 + hidden.numel()) * 4
+        assert graphs._arena_plan(hidden) == 2 * 2048 * 3, "else the power of two"
+        free[0] = 10**9
+        graphs._arena = layer_graphs._Arena(len(layers), 2 * 640 * 3, hidden)
+        assert graphs._arena_plan(hidden) == 2 * 2048 * 3, "a later arena: the power of two"
     finally:
         graphs.remove()
 

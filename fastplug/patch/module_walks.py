@@ -34,7 +34,8 @@ class ModuleWalks:
 
     def __init__(self, model: nn.Module, base: nn.Module):
         self.model, self.base = model, base
-        self._counts: dict[tuple, int] = {}  # num_parameters' results by arguments and the tree they counted
+        # num_parameters' last result: {(arguments, the tree's hash): (the tree it counted, the count)}
+        self._counts: dict[tuple, tuple] = {}
 
     def __reduce__(self):
         # a deep copy of the model (TRL's reference models) or a pickle walks its own tree
@@ -105,8 +106,8 @@ class ModuleWalks:
 
 def modules_in_order(root: nn.Module) -> list[nn.Module]:
     """`root.modules()` as a list (depth first, each module once, at its first place), read from the `_modules`
-    dicts without named_modules' names and generators (a recursive visit: 2.5x faster than `list(modules())` on
-    Gemma2-2B's 2,219 modules, a stack of them 1.7x)."""
+    dicts without named_modules' names and generators (a recursive visit: on Gemma2-2B's 2,219 modules, 2.3x
+    faster than `list(modules())` on a 2-core CPU, and 1.5x faster than a loop over a stack)."""
     seen, order = set(), []
 
     def visit(module: nn.Module) -> None:

@@ -297,11 +297,7 @@ class LayerGraphs:
                     if records is None:
                         # first sighting (or one whose forward stopped before the last layer): eager, its layers'
                         # inputs recorded, captured next time
-                        self._largest_eager = max(self._largest_eager, tensors[0].numel())
-                        self.seen[key] = self._recording = {
-                            0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
-                        }
-                        return FIRST_SIGHTING
+                        return self._first_sighting(layer, key, leaves, spec, tensors)
                     self.seen[key], inferred = records, True
                 if len(self.sets) >= self.max_signatures:
                     return f"a batch shape beyond the first {self.max_signatures} captured"
@@ -325,12 +321,8 @@ class LayerGraphs:
                     # (which times them) and is captured when it repeats.
                     if graphs is _FAILED or _untimed_moe_launches() != untimed:
                         self._infer = self._infer and graphs is not _FAILED
-                        self._largest_eager = max(self._largest_eager, tensors[0].numel())
                         del self.sets[key]
-                        self.seen[key] = self._recording = {
-                            0: _Record(key, leaves, spec, tensors, _gathered_params(layer))
-                        }
-                        return FIRST_SIGHTING
+                        return self._first_sighting(layer, key, leaves, spec, tensors)
                     self._inferred.add(key)
             if graphs is _FAILED:
                 return "its capture failed (warned)"
@@ -358,6 +350,13 @@ class LayerGraphs:
         for key, value in stored.items():  # for the layers that read them, replayed or eager
             mapping[key] = value
         return output
+
+    def _first_sighting(self, layer: nn.Module, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]) -> str:
+        """Layer 0's call of a shape that runs eagerly now and is recorded (each layer's inputs, for its capture
+        when it repeats); FIRST_SIGHTING."""
+        self._largest_eager = max(self._largest_eager, tensors[0].numel())
+        self.seen[key] = self._recording = {0: _Record(key, leaves, spec, tensors, _gathered_params(layer))}
+        return FIRST_SIGHTING
 
     def _inferred_records(self, key: tuple, leaves: list, spec, tensors: list[torch.Tensor]) -> dict | None:
         """Every layer's record for a shape first seen now, inferred from layer 0's: where every layer of a shape

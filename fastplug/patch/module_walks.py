@@ -34,8 +34,8 @@ class ModuleWalks:
 
     def __init__(self, model: nn.Module, base: nn.Module):
         self.model, self.base = model, base
-        # num_parameters' last result: {(arguments, the tree's hash): (the tree it counted, the count)}
-        self._counts: dict[tuple, tuple] = {}
+        # num_parameters' last result: (exclude_embeddings, the tree it counted, the count)
+        self._last_count: tuple | None = None
 
     def __reduce__(self):
         # a deep copy of the model (TRL's reference models) or a pickle walks its own tree
@@ -73,10 +73,9 @@ class ModuleWalks:
         # the same modules holding the same parameters of the same sizes: the same count
         modules = modules_in_order(self.base)
         tree = (tuple(map(id, modules)), tuple((id(p), p.numel()) for p in _parameters(modules)))
-        key = (exclude_embeddings, hash(tree))
-        if self._counts.get(key, (None,))[0] != tree:
-            self._counts = {key: (tree, count(self.base, exclude_embeddings=exclude_embeddings))}
-        return self._counts[key][1]
+        if self._last_count is None or self._last_count[:2] != (exclude_embeddings, tree):
+            self._last_count = (exclude_embeddings, tree, count(self.base, exclude_embeddings=exclude_embeddings))
+        return self._last_count[2]
 
     # -- installing
     def install(self):
@@ -92,7 +91,7 @@ class ModuleWalks:
             for target, name, method in placed:
                 if vars(target).get(name) is method:
                     del vars(target)[name]
-            self._counts.clear()
+            self._last_count = None
 
         return undo
 

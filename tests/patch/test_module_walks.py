@@ -1,6 +1,7 @@
 """The flat walks of the module tree (fastplug/patch/module_walks.py): each gives what nn.Module's (and
 transformers') own method gives, also after the tree changes, and restore() takes them away."""
 
+import pickle
 from copy import deepcopy
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 import fastplug
-from fastplug.patch.module_walks import ModuleWalks, modules_in_order
+from fastplug.patch.module_walks import ModuleWalks, WatchedDict, WriteCount, modules_in_order
 from tests.models.tiny import batch, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -147,3 +148,80 @@ def test_patch_model_installs_the_walks_and_restore_removes_them():
     finally:
         handle.restore()
     assert "train" not in vars(model) and "num_parameters" not in vars(model.get_base_model())
+
+
+def _dicts(model):
+    return [type(d) for m in model.modules() for d in (m._modules, m._parameters)]
+
+
+def test_the_walk_is_kept_while_the_tree_holds_and_read_again_after_any_change():
+    """Between steps nothing is walked again; each way of changing the tree makes the next call read it anew."""
+    model = _peft_model()
+    base = model.get_base_model()
+    undo = ModuleWalks(model, base).install()
+    walks = vars(model)["train"].__self__
+    try:
+        model.train()
+        assert set(_dicts(model)) == {WatchedDict}, "every module's dicts are watched"
+        kept = walks.snapshot(model)
+        for _ in range(3):
+            model.train(), list(model.parameters()), model.zero_grad(), base.num_parameters(exclude_embeddings=True)
+        assert walks.snapshot(model) is kept, "an unchanged tree is not walked again"
+
+        layer = base.model.layers[0]
+        shape_changes = [
+            lambda: layer.mlp.register_module("extra", nn.Linear(2, 2)),  # setattr's way
+            lambda: layer.mlp._modules.pop("extra"),
+            lambda: layer.mlp._modules.update(extra=nn.Linear(2, 3)),
+            lambda: layer.mlp._modules.setdefault("other", nn.Linear(3, 3)),
+            lambda: layer.mlp._modules.__ior__({"other": nn.Linear(3, 4)}),
+            lambda: layer.mlp._modules.__delitem__("other"),
+            lambda: layer.mlp._modules.popitem(),
+            lambda: vars(layer.post_attention_layernorm).__setitem__("_parameters", {}),  # a dict replaced whole
+            lambda: vars(layer.self_attn).__setitem__("_modules", dict(layer.self_attn._modules)),
+        ]
+        norm = layer.input_layernorm
+        parameter_writes = [  # as FSDP2 swaps its units' parameters: the modules' list stays, its parameters are read
+            lambda: norm._parameters.__setitem__("weight", nn.Parameter(torch.randn(64))),
+            lambda: norm._parameters.update(weight=nn.Parameter(torch.randn(64))),
+            lambda: norm._parameters.clear(),
+        ]
+        for change in shape_changes + parameter_writes:
+            before = walks.snapshot(model)
+            change()
+            assert (walks.snapshot(model) is before) is (change in parameter_writes), change
+            assert [id(p) for p in model.parameters()] == [id(p) for p in nn.Module.parameters(model)]
+            want = type(base).num_parameters(base, exclude_embeddings=True)
+            assert base.num_parameters(exclude_embeddings=True) == want
+        assert set(_dicts(model)) == {WatchedDict}, "modules added or dicts replaced are watched from their walk on"
+
+        class Relabelled(type(layer.mlp)):
+            def train(self, mode=True):
+                self.relabelled = mode
+                return super().train(mode)
+
+        layer.mlp.__class__ = Relabelled  # a class changed in place: its own train() is now called
+        model.train()
+        assert layer.mlp.relabelled is True
+    finally:
+        undo()
+    assert set(_dicts(model)) == {dict}, "restore() gives every module plain dicts again"
+
+
+def test_watched_dicts_copy_and_pickle_as_plain_dicts_and_count_for_every_tree_watching():
+    counts = WriteCount(), WriteCount()  # two trees watching one module's dict
+    watched = WatchedDict(a=1)
+    watched.counts = list(counts)
+    watched["b"] = 2
+    assert [c.writes for c in counts] == [1, 1] and dict(watched) == {"a": 1, "b": 2}
+    for copied in (deepcopy(watched), pickle.loads(pickle.dumps(watched))):
+        assert type(copied) is dict and copied == {"a": 1, "b": 2}
+
+    model = _peft_model()
+    undo = ModuleWalks(model, model.get_base_model()).install()
+    try:
+        model.train()
+        assert set(_dicts(deepcopy(model))) == {dict}, "a copy's walks watch the copy's dicts anew"
+        assert set(_dicts(pickle.loads(pickle.dumps(model)))) == {dict}
+    finally:
+        undo()

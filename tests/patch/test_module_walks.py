@@ -225,3 +225,36 @@ def test_watched_dicts_copy_and_pickle_as_plain_dicts_and_count_for_every_tree_w
         assert set(_dicts(pickle.loads(pickle.dumps(model)))) == {dict}
     finally:
         undo()
+
+
+@pytest.mark.torch_reference
+def test_the_trainers_steps_read_the_kept_lists(tmp_path):
+    """A real HF Trainer run: its per-step train(), FLOP count, clipping and zero_grad() write no dict of the
+    tree, so from the second step on every walk reads the lists kept (a write per step would make them walk
+    the tree again each time, correct but as slow as nn.Module's)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    seen = []
+
+    class Lists(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            walks = vars(model)["train"].__self__
+            snapshot = walks._snapshots[id(model)]
+            seen.append((snapshot, snapshot._parameters_at, walks._counts.modules.writes))
+
+    data = batch(batch_size=12, tokens=10, seed=3)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6, learning_rate=5e-3, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    model = _peft_model()
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{k: v[i] for k, v in data.items()} for i in range(12)],
+        callbacks=[fastplug.FastKernels(), Lists()],
+    )
+    trainer.train()
+    assert len(seen) == 6 and len({id(s) for s, *_ in seen[1:]}) == 1, "the tree was read again between steps"
+    assert len({tuple(counts) for _, *counts in seen[1:]}) == 1, "a dict of the tree was written during a step"
+    assert "train" not in vars(model) and set(_dicts(model)) == {dict}, "the end of training restored plain dicts"

@@ -19,7 +19,7 @@ most a fifth of the row wasted), a handful of lengths serve a whole dataset; the
 with ignored labels (in a packed row, documents of their own), so the loss and its gradients are those of the
 batch as given. Where the layer graphs already replay a longer length, a batch is padded on to that one instead
 of having its bucket captured (`RowLengths`): a capture costs the host about three to four repeated steps, padding
-a few thousand tokens costs the device a fraction of one.
+a few thousand tokens on a 1B model costs the device a fraction of one (fewer tokens on wider layers, `pad_slack`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,18 @@ _SMALLEST_BUCKET = 64
 # A packed row's pads form documents of this many tokens: attention then costs them a few tiles each, where
 # one long pad document would cost what a real document of its length does
 _PAD_DOCUMENT = 64
-# RowLengths: a batch goes to a longer captured length that at most doubles its bucket or adds this many tokens
-# (on a 1-2B model a few ms of device time, against a capture's hundreds of ms of host time) ...
-_PAD_SLACK = 2048
-# ... and its own bucket is captured once it has been served that way this many times (rent or buy: by then the
-# padding has cost the device about what a capture costs the host)
+# RowLengths: a batch goes to a longer captured length that at most doubles its bucket or adds `slack` tokens,
+# and its own bucket is captured once it has been served that way this many times (rent or buy)
 _SERVED_BEFORE_CAPTURE = 8
+# The slack where the stack's size is not known
+_PAD_SLACK = 2048
+# The slack times a decoder layer's parameters (those a token goes through: a MoE layer's experts count at
+# top_k / experts). Rent or buy: a capture costs the host about 19 ms a layer, a padded token the device about
+# 13 ns a layer per million of its parameters (Llama-1B's shape on an H200, `bench varlen` and `bench multi`,
+# 2026-11-30), so _SERVED_BEFORE_CAPTURE padded batches of this many tokens more cost about one capture. 2,950
+# tokens on Llama-1B's 61M-parameter layers, 2,300 on Gemma2-2B's, 825 on Llama-8B's.
+_PAD_SLACK_PARAMETERS = 1.8e11
+_PAD_SLACK_RANGE = (256, 16384)
 
 
 class BatchPaths(Counter):
@@ -66,12 +72,13 @@ def bucket_length(tokens: int) -> int:
 class RowLengths:
     """The length a training batch's rows are padded on to: their bucket (`bucket_length`), or a longer length the
     layer graphs replay already (`graphs`, the patch's LayerGraphs once installed) when that is at most twice the
-    bucket or _PAD_SLACK tokens more. A bucket served that way _SERVED_BEFORE_CAPTURE times gets its own length
-    (captured then) while the graphs may capture more shapes; after that the graphs' cap holds it, and it goes on
-    being padded on rather than running eagerly."""
+    bucket or `slack` tokens more (`pad_slack`: fewer on wider layers). A bucket served that way
+    _SERVED_BEFORE_CAPTURE times gets its own length (captured then) while the graphs may capture more shapes;
+    after that the graphs' cap holds it, and it goes on being padded on rather than running eagerly."""
 
-    def __init__(self):
+    def __init__(self, slack: int = _PAD_SLACK):
         self.graphs = None  # set by the patch once its layer graphs are installed; None: buckets only
+        self.slack = slack
         self._served: Counter = Counter()  # (rows, bucket) -> batches padded on to a longer captured length
 
     def fit(self, rows: int, tokens: int) -> int:
@@ -82,13 +89,37 @@ class RowLengths:
         captured = self.graphs.replayed_lengths(rows)
         if length in captured:
             return length
-        longer = [n for n in captured if length < n <= length + max(length, _PAD_SLACK)]
+        longer = [n for n in captured if length < n <= length + max(length, self.slack)]
         if not longer:
             return length
         if self._served[rows, length] >= _SERVED_BEFORE_CAPTURE and self.graphs.may_capture():
             return length
         self._served[rows, length] += 1
         return min(longer)
+
+
+def pad_slack(layers: list[nn.Module], config) -> int:
+    """RowLengths' slack for a stack of `layers` (_PAD_SLACK where there are none): _PAD_SLACK_PARAMETERS over the
+    parameters a token goes through in the first (a MoE layer's experts, any parameter under a module named
+    `experts`, at `config`'s top_k / experts; a 4-bit weight's packed bytes at two weights each), within
+    _PAD_SLACK_RANGE."""
+    if not layers:
+        return _PAD_SLACK
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    experts = next(
+        (n for n in (getattr(text, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts")) if n),
+        None,
+    )
+    routed = top_k / experts if isinstance(top_k, int) and isinstance(experts, int) and experts >= top_k > 0 else 1.0
+    active = sum(
+        p.numel()
+        * (2 if getattr(p, "quant_state", None) is not None else 1)
+        * (routed if "experts" in name.split(".") else 1.0)
+        for name, p in layers[0].named_parameters()
+    )
+    low, high = _PAD_SLACK_RANGE
+    return int(min(max(_PAD_SLACK_PARAMETERS / max(active, 1.0), low), high))
 
 
 def unmaskable(attention_mask: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[str | None, list]:

@@ -22,7 +22,7 @@ from torch import nn
 from ..kernels import state
 from ..models import RULES, SUPPORTED_FAMILIES, MatchContext, Patch, Skip, family_of
 from ..models.fp8 import convert_to_fp8
-from ..models.padding import BatchPaths, RowLengths, bucketed_decoder
+from ..models.padding import BatchPaths, RowLengths, bucketed_decoder, pad_slack
 from ..models.peft_lora import watch_adapter_writes
 from ..models.projections import forget_step_views
 from ..models.structure import decoder_layers, decoder_stack, other_towers, unwrap
@@ -102,7 +102,9 @@ class PatchHandle:
         self.graphs: layer_graphs.LayerGraphs | None = None
         self.batch_paths = BatchPaths()  # training forwards by the path their batch took (models/padding.py)
         # what training rows are padded on to (models/padding.py): buckets, and lengths the layer graphs replay
-        self.row_lengths = RowLengths() if options.buckets_on() else None
+        self.row_lengths = None
+        if options.buckets_on():
+            self.row_lengths = RowLengths(pad_slack(self.layers, getattr(model, "config", None)))
         self._fp8_layers = 0
         self.check: self_check.Report | None = None
         self.is_active = False

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fastplug.models.fast_attention import UNREAD_MASK
-from fastplug.models.padding import RowLengths, bucket_length
+from fastplug.models.padding import RowLengths, bucket_length, pad_slack
 from fastplug.patch.engine import patch_model
 from tests.helpers import assert_close
 from tests.models.tiny import VOCAB, tiny_model
@@ -223,6 +223,40 @@ def test_row_lengths_pad_on_to_a_longer_length_the_graphs_replay_until_its_own_b
     full = RowLengths()
     full.graphs = _Replayed({1: {1024}}, may_capture=False)
     assert {full.fit(1, 700) for _ in range(20)} == {1024}, "beyond the graphs' cap: padded on, never eager"
+
+
+def test_the_slack_to_a_replayed_length_shrinks_as_the_layers_widen():
+    """Rent or buy, per token a layer: wider layers pad fewer tokens on before their bucket is captured. A MoE
+    layer's experts count at top_k / experts; no stack known: 2,048 tokens."""
+    import transformers
+
+    from fastplug.bench.presets import MODELS
+
+    def slack(config):
+        config.num_hidden_layers = 1
+        with torch.device("meta"):  # real widths, no memory
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return pad_slack(list(model.model.layers), model.config)
+
+    def preset(name, **overrides):
+        return getattr(transformers, MODELS[name]["config"])(**{**MODELS[name]["full"], **overrides})
+
+    llama_1b, llama_8b = slack(preset("llama")), slack(preset("llama", hidden_size=4096, intermediate_size=14336))
+    assert 2800 < llama_1b < 3100 and 700 < llama_8b < 1000, (llama_1b, llama_8b)
+    moe, all_experts = slack(preset("qwen3_moe")), slack(preset("qwen3_moe", num_experts_per_tok=64))
+    assert 2900 < moe < 3400 and all_experts < moe / 5, (moe, all_experts)
+    assert pad_slack([], None) == 2048 and RowLengths().slack == 2048
+    assert pad_slack([torch.nn.Linear(4, 4)], None) == 16384, "a tiny layer: the range's top"
+
+    wide, narrow = RowLengths(llama_8b), RowLengths(llama_1b)
+    wide.graphs = narrow.graphs = _Replayed({1: {3072}})
+    assert narrow.fit(1, 730) == 3072, "Llama-1B: 768 padded on to 3,072 (2,304 tokens more)"
+    assert wide.fit(1, 730) == 768, "at 8B widths those tokens cost more than their share of a capture"
+    handle = patch_model(tiny_model("llama"), bucket_lengths=True, self_check=False, gradient_checkpointing=False)
+    try:
+        assert handle.row_lengths.slack == 16384, "the patch sizes it for its model's layers"
+    finally:
+        handle.restore()
 
 
 def test_a_batch_padded_on_to_a_replayed_length_trains_like_transformers(monkeypatch):

@@ -102,9 +102,9 @@ class PatchHandle:
         self.graphs: layer_graphs.LayerGraphs | None = None
         self.batch_paths = BatchPaths()  # training forwards by the path their batch took (models/padding.py)
         # what training rows are padded on to (models/padding.py): buckets, and lengths the layer graphs replay
-        self.row_lengths = None
-        if options.buckets_on():
-            self.row_lengths = RowLengths(pad_slack(self.layers, getattr(model, "config", None)))
+        self.row_lengths = (
+            RowLengths(pad_slack(self.layers, getattr(model, "config", None))) if options.buckets_on() else None
+        )
         self._fp8_layers = 0
         self.check: self_check.Report | None = None
         self.is_active = False

@@ -107,6 +107,10 @@ class TreeCounts:
     def __init__(self):
         self.modules, self.parameters = WriteCount(), WriteCount()
 
+    def by_dict(self) -> tuple:
+        """(the module attribute holding a watched dict, the count its writes go to)"""
+        return ("_modules", self.modules), ("_parameters", self.parameters)
+
 
 class TreeSnapshot:
     """The modules under one root in `modules()` order, their classes and dicts as they were at the tree's
@@ -233,7 +237,7 @@ class ModuleWalks:
 
 def _watch(module: nn.Module, counts: TreeCounts) -> None:
     state = vars(module)
-    for name, count in (("_modules", counts.modules), ("_parameters", counts.parameters)):
+    for name, count in counts.by_dict():
         held = state[name]
         if type(held) is not WatchedDict:
             held = state[name] = WatchedDict(held)
@@ -244,7 +248,7 @@ def _watch(module: nn.Module, counts: TreeCounts) -> None:
 
 def _unwatch(module: nn.Module, counts: TreeCounts) -> None:
     state = vars(module)
-    for name, count in (("_modules", counts.modules), ("_parameters", counts.parameters)):
+    for name, count in counts.by_dict():
         held = state[name]
         if type(held) is WatchedDict and count in held.counts:
             held.counts.remove(count)
